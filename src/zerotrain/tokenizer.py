@@ -1,0 +1,31 @@
+"""Load a Hugging Face tokenizer from a local folder or a hub name, with a clear error offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerotrain.errors import UserError
+
+
+def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
+    """Return a fast tokenizer from a local folder (``tokenizer.json`` or ``vocab.json`` + ``merges.txt``)
+    or a hub name such as ``roberta-base``.
+
+    ``flag`` names the option that holds ``name_or_path``, so the error message can say what to pass.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(name_or_path).expanduser()
+    looks_local = path.exists() or name_or_path.startswith((".", "/", "~"))
+    if looks_local and not path.is_dir():
+        raise UserError(f"{flag}: tokenizer folder {name_or_path!r} does not exist. Pass a folder with tokenizer.json "
+                        "(or vocab.json + merges.txt), e.g. ../shared/data/roberta-tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(str(path) if looks_local else name_or_path)
+    except (OSError, ValueError) as exc:
+        where = f"folder {name_or_path!r}" if looks_local else f"hub name {name_or_path!r}"
+        raise UserError(
+            f"{flag}: could not load a tokenizer from the {where} ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+            "Offline, pass a local folder with tokenizer.json (or vocab.json + merges.txt), "
+            "e.g. --data.tokenizer ../shared/data/roberta-tokenizer"
+        ) from None

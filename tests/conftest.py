@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny tokenizer and tiny text data built in the test, never downloaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+WORDS = (
+    "the a movie film was great good bad awful terrible wonderful plot acting story actor boring "
+    "fun loved hated and but not very really i it this of to in is".split()
+)
+
+
+def make_tokenizer(folder: Path):
+    """A word-level tokenizer with RoBERTa's special tokens, saved as a Hugging Face folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + ["<mask>"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        mask_token="<mask>", cls_token="<s>", sep_token="</s>",
+    )
+    fast.save_pretrained(folder)
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real data not found at {SHARED_DATA} (integration tests need ../shared/data beside the clone)")
+    return SHARED_DATA
