@@ -1,0 +1,211 @@
+"""Supervised fine-tuning data: prompt/target records -> token ids with the prompt masked out of the loss.
+
+A record is a JSON object with an input field and a target field. The template joins them
+(default ``"{input}\\n{target}"``); the part of the template before ``{target}``, filled with the
+input, is the *prompt*. The model is trained to produce the target given the prompt, so the prompt
+positions get the label -100 (ignored by the loss) unless ``train_on_inputs`` is set.
+
+Prompt and target are tokenised separately and concatenated, rather than tokenising the joined
+text once: a BPE tokenizer may merge the last prompt character with the first target character,
+and then "the first len(prompt_ids) tokens" would no longer be exactly the prompt, so the mask
+would cover part of the answer (or leave part of the prompt unmasked).
+
+Shuffling is the training loop's sampler's job (it is seeded and checkpointed); nothing here
+reorders records.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from zerotrain.errors import DataError
+
+IGNORE_INDEX = -100
+"""Label value that torch's cross-entropy (and Hugging Face's causal-LM loss) skips."""
+
+
+def load_records(path: str | Path, input_field: str = "input", target_field: str = "target") -> list[dict]:
+    """Read prompt/target records from a JSON file (a list of objects) or JSON lines (``.jsonl``, ``.jsonl.gz``).
+
+    Every record must be an object holding ``input_field`` and ``target_field``. Errors are
+    :class:`~zerotrain.errors.DataError` naming the file and the record (and, for JSON lines, the line).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found. Check --data.train_path / --data.val_path")
+    name = path.name.lower()
+    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+        records = list(_read_jsonl(path))
+    else:
+        records = _read_json(path)
+    if not records:
+        raise DataError(f"{path}: no records (the file is empty)")
+    for index, (where, record) in enumerate(records):
+        if not isinstance(record, dict):
+            raise DataError(f"{path}: {where}: expected a JSON object, got {type(record).__name__}")
+        for field_name, flag in ((input_field, "--data.input_field"), (target_field, "--data.target_field")):
+            if field_name not in record:
+                raise DataError(
+                    f"{path}: {where}: missing field {field_name!r} (keys: {sorted(record)}). "
+                    f"Rename the field or set {flag}"
+                )
+            if not isinstance(record[field_name], str):
+                raise DataError(
+                    f"{path}: {where}: field {field_name!r} must be a string, got {type(record[field_name]).__name__}"
+                )
+    return [record for _, record in records]
+
+
+def _read_jsonl(path: Path) -> Iterable[tuple[str, Any]]:
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            index = 0
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue  # a trailing newline or blank separator line is not a record
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}: line {line_no} (record {index}): malformed JSON ({exc.msg})") from None
+                yield f"line {line_no} (record {index})", record
+                index += 1
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise DataError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
+
+
+def _read_json(path: Path) -> list[tuple[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
+    if not text.strip():
+        return []
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(
+            f"{path}: malformed JSON at line {exc.lineno} column {exc.colno} ({exc.msg}). "
+            "A .json file must hold one list of objects; use .jsonl for one object per line"
+        ) from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+    return [(f"record {i}", record) for i, record in enumerate(data)]
+
+
+def split_template(template: str) -> tuple[str, str]:
+    """Split a template at ``{target}`` into (prompt part, suffix part)."""
+    if "{input}" not in template or "{target}" not in template:
+        raise DataError(f"template {template!r} must contain {{input}} and {{target}} (--data.template)")
+    head, _, tail = template.partition("{target}")
+    if "{input}" not in head:
+        raise DataError(f"template {template!r}: {{input}} must come before {{target}} (--data.template)")
+    return head, tail
+
+
+def _adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts BOS first when asked for special tokens (Llama, RoBERTa do; GPT-2 does not)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return False
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def build_example(
+    record: dict,
+    tokenizer,
+    template: str = "{input}\n{target}",
+    max_length: int = 512,
+    train_on_inputs: bool = False,
+    index: int = 0,
+    input_field: str = "input",
+    target_field: str = "target",
+) -> dict[str, list[int]]:
+    """Tokenise one record into ``input_ids`` and ``labels`` (-100 on the prompt unless ``train_on_inputs``).
+
+    The sequence is [BOS] + prompt + target (+ EOS when it fits in ``max_length``), cut to
+    ``max_length``. ``index`` is the record's position, used in error messages.
+    """
+    head, tail = split_template(template)
+    # str.replace, not str.format: inputs may contain braces (code, JSON) that format would choke on
+    prompt_text = head.replace("{input}", record[input_field])
+    target_text = record[target_field] + tail.replace("{input}", record[input_field])
+
+    prompt_ids = list(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+    target_ids = list(tokenizer(target_text, add_special_tokens=False)["input_ids"])
+    if _adds_bos(tokenizer):
+        prompt_ids = [tokenizer.bos_token_id] + prompt_ids
+
+    input_ids = prompt_ids + target_ids
+    prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
+    labels = prompt_labels + target_ids
+
+    eos = tokenizer.eos_token_id
+    if len(input_ids) < max_length and eos is not None:
+        # EOS is labelled so that the model learns where the answer stops
+        input_ids.append(eos)
+        labels.append(eos)
+    input_ids, labels = input_ids[:max_length], labels[:max_length]
+
+    if all(label == IGNORE_INDEX for label in labels):
+        raise DataError(
+            f"record {index}: no target token is left after truncating to max_length={max_length} "
+            f"(the prompt alone has {len(prompt_ids)} tokens). Raise --data.max_length or shorten the input"
+        )
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def build_examples(
+    records: list[dict],
+    tokenizer,
+    template: str = "{input}\n{target}",
+    max_length: int = 512,
+    train_on_inputs: bool = False,
+    input_field: str = "input",
+    target_field: str = "target",
+    source: str = "",
+) -> list[dict[str, list[int]]]:
+    """:func:`build_example` over a list; ``source`` (the file) is prefixed to error messages."""
+    examples = []
+    for i, record in enumerate(records):
+        try:
+            examples.append(build_example(record, tokenizer, template, max_length, train_on_inputs, i,
+                                          input_field, target_field))
+        except DataError as exc:
+            raise DataError(f"{source}: {exc}" if source else str(exc)) from None
+    return examples
+
+
+class SFTCollator:
+    """Right-pad a list of examples into a batch: pad id for inputs, -100 for labels, mask 0 on padding.
+
+    The padded length is rounded up to ``pad_to_multiple_of`` so that tensor-core matmuls see
+    aligned shapes and fewer distinct shapes reach the allocator.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8):
+        if pad_token_id is None:
+            raise ValueError("pad_token_id is None: set a pad token (e.g. the EOS token) on the tokenizer")
+        self.pad_token_id = int(pad_token_id)
+        self.pad_to_multiple_of = max(1, int(pad_to_multiple_of))
+
+    def __call__(self, examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        longest = max(len(e["input_ids"]) for e in examples)
+        length = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = len(examples)
+        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)  # (B, T)
+        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)  # (B, T)
+        attention_mask = torch.zeros((batch, length), dtype=torch.long)  # (B, T)
+        for row, example in enumerate(examples):
+            n = len(example["input_ids"])
+            input_ids[row, :n] = torch.tensor(example["input_ids"], dtype=torch.long)
+            labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
+            attention_mask[row, :n] = 1
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,0 +1,284 @@
+"""Plain text for language-model training: read lines from local files or the hub, tokenize, pack.
+
+Packing follows RoBERTa's FULL-SENTENCES scheme: documents (lines) are concatenated with ``</s>``
+between them and cut into blocks of ``max_seq_length - 2`` tokens, each wrapped as ``<s> ... </s>``.
+Every block is full, so batches need no padding and no token is wasted on it; the tail shorter than a
+block is dropped. Packed blocks are cached on disk because tokenizing a large corpus takes minutes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import lzma
+import os
+from pathlib import Path
+from typing import IO, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from zerotrain.errors import DataError, UserError
+
+TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz", ".raw")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
+TOKENIZE_CHUNK_LINES = 1000
+_CACHE_FORMAT = 1  # bump when the packing changes, so old caches are not reused
+
+
+def is_local_source(path_or_name: str) -> bool:
+    """True when ``path_or_name`` names a local file or folder (existing or path-like), False for a hub name."""
+    if path_or_name.startswith((".", "/", "~")) or path_or_name.endswith(SUFFIXES):
+        return True
+    return Path(path_or_name).expanduser().exists()
+
+
+def _open_text(path: Path) -> IO[str]:
+    # newline="" leaves line endings alone: lines are split on "\n" only (some texts hold U+0085, \r).
+    name = path.name
+    if name.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8", newline="")
+    if name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", newline="")
+    return open(path, encoding="utf-8", newline="")
+
+
+def _split_lines(f: IO[str], chunk_chars: int = 1 << 20) -> Iterator[str]:
+    """Yield lines split on "\\n" only (file iteration would also split on "\\r")."""
+    rest = ""
+    while chunk := f.read(chunk_chars):
+        parts = (rest + chunk).split("\n")
+        rest = parts.pop()
+        yield from parts
+    if rest:
+        yield rest
+
+
+def _read_file(path: Path, text_field: str, max_lines: Optional[int]) -> list[str]:
+    is_jsonl = path.name.endswith(JSONL_SUFFIXES)
+    lines: list[str] = []
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(_split_lines(f), start=1):
+                if max_lines is not None and len(lines) >= max_lines:
+                    break
+                if not line.strip():
+                    continue
+                if is_jsonl:
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise DataError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from None
+                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                        raise DataError(f"{path}: line {lineno} has no string field {text_field!r}")
+                    line = record[text_field]
+                    if not line.strip():
+                        continue
+                lines.append(line)
+    except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: could not be read ({type(exc).__name__}: {exc})") from None
+    return lines
+
+
+def _local_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise DataError(f"{path}: no such file or folder")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
+        if not files:
+            raise DataError(f"{path}: folder holds no {', '.join(SUFFIXES)} files")
+        return files
+    if not path.name.endswith(SUFFIXES):
+        raise DataError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
+    return [path]
+
+
+def _parse_hub_name(name: str) -> tuple[str, Optional[str]]:
+    dataset, _, config = name.partition(":")
+    return dataset, (config or None)
+
+
+def read_text_lines(
+    path_or_name: str,
+    split: str = "train",
+    text_field: str = "text",
+    max_lines: Optional[int] = None,
+    flag: str = "--data.train_path",
+) -> list[str]:
+    """Return the non-blank lines (documents) of a text source.
+
+    ``path_or_name`` is a local ``.txt``, ``.txt.xz``, ``.txt.gz``, ``.raw``, ``.jsonl`` or
+    ``.jsonl.gz`` file (JSON Lines: the ``text_field`` of each record), a folder of such files (read in
+    name order), or a Hugging Face hub dataset such as ``wikitext:wikitext-2-raw-v1`` (``name:config``),
+    of which ``split`` is read. ``max_lines`` keeps only the first lines. ``flag`` names the option
+    that holds ``path_or_name``, for the error message.
+    """
+    if max_lines is not None and max_lines < 1:
+        raise ValueError(f"max_lines must be >= 1, got {max_lines}")
+    if is_local_source(path_or_name):
+        lines: list[str] = []
+        for file in _local_files(Path(path_or_name).expanduser()):
+            left = None if max_lines is None else max_lines - len(lines)
+            if left == 0:
+                break
+            got = _read_file(file, text_field, left)
+            if not got:
+                raise DataError(f"{file}: file is empty (no non-blank lines)")
+            lines.extend(got)
+        return lines
+    return _read_hub(path_or_name, split, text_field, max_lines, flag)
+
+
+def _read_hub(name: str, split: str, text_field: str, max_lines: Optional[int], flag: str) -> list[str]:
+    dataset, config = _parse_hub_name(name)
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(dataset, config, split=split)
+    except Exception as exc:  # offline, unknown name, missing split: all mean "pass a local file"
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise UserError(
+            f"{flag}: could not load the Hugging Face dataset {name!r}, split {split!r} "
+            f"({type(exc).__name__}: {first}). Offline, pass a local file instead, e.g. "
+            f"{flag} ../shared/data/gutenberg/train.txt.xz"
+        ) from None
+    if text_field not in ds.column_names:
+        raise DataError(f"hub dataset {name!r} has no column {text_field!r} (columns: {ds.column_names})")
+    lines = []
+    for text in ds[text_field]:
+        if max_lines is not None and len(lines) >= max_lines:
+            break
+        # Hub text datasets keep each line's trailing "\n"; the packer puts </s> between documents instead.
+        text = text.rstrip("\n")
+        if text.strip():
+            lines.append(text)
+    if not lines:
+        raise DataError(f"hub dataset {name!r}, split {split!r}: no non-blank {text_field!r} values")
+    return lines
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    specials = (tokenizer.bos_token_id, tokenizer.eos_token_id, type(tokenizer).__name__, len(tokenizer))
+    return hashlib.sha256(f"{vocab}|{specials}".encode()).hexdigest()
+
+
+def _cache_path(cache_dir: str, source_key: str, tokenizer, max_seq_length: int) -> Path:
+    key = hashlib.sha256(
+        f"{_CACHE_FORMAT}|{source_key}|{_tokenizer_fingerprint(tokenizer)}|{max_seq_length}".encode()
+    ).hexdigest()[:24]
+    return Path(cache_dir).expanduser() / f"packed-{key}-T{max_seq_length}.npy"
+
+
+def _source_key(path_or_name: str, split: str, text_field: str, max_lines: Optional[int]) -> str:
+    """Identity of a text source without reading it: path, size and mtime of each local file."""
+    parts = [f"split={split}", f"field={text_field}", f"max_lines={max_lines}"]
+    if is_local_source(path_or_name):
+        for file in _local_files(Path(path_or_name).expanduser()):
+            st = file.stat()
+            parts.append(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    else:
+        parts.append(f"hub:{path_or_name}")
+    return "|".join(parts)
+
+
+def tokenize_and_pack(
+    lines: list[str],
+    tokenizer,
+    max_seq_length: int,
+    cache_dir: Optional[str] = None,
+    cache_key: Optional[str] = None,
+) -> torch.Tensor:
+    """Tokenize ``lines`` and pack them into full blocks: returns an int32 tensor (N, max_seq_length).
+
+    Each block is ``<s>`` + ``max_seq_length - 2`` tokens of the ``</s>``-joined documents + ``</s>``.
+    With ``cache_dir``, the result is saved there under a key made of ``cache_key`` (default: a hash of
+    the lines), the tokenizer's vocabulary and ``max_seq_length``, and loaded instead of re-tokenizing.
+    """
+    if max_seq_length < 3:
+        raise ValueError(f"max_seq_length must be >= 3 (<s>, a token, </s>), got {max_seq_length}")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if bos is None or eos is None:
+        raise UserError("--data.tokenizer: the tokenizer needs bos (<s>) and eos (</s>) tokens for MLM packing")
+    cache_file = None
+    if cache_dir is not None:
+        if cache_key is None:
+            h = hashlib.sha256()
+            for line in lines:
+                h.update(line.encode("utf-8", "surrogatepass") + b"\n")
+            cache_key = f"content:{h.hexdigest()}"
+        cache_file = _cache_path(cache_dir, cache_key, tokenizer, max_seq_length)
+        if cache_file.is_file():
+            return torch.from_numpy(np.load(cache_file))
+
+    pieces: list[np.ndarray] = []
+    for start in range(0, len(lines), TOKENIZE_CHUNK_LINES):
+        ids = tokenizer(lines[start:start + TOKENIZE_CHUNK_LINES], add_special_tokens=False,
+                        return_attention_mask=False)["input_ids"]
+        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.full(int(lengths.sum()), eos, dtype=np.int32)  # the </s> after each document stays
+        ends = np.cumsum(lengths) - 1
+        flat_ids = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(lengths.sum()) - len(ids))
+        keep = np.ones(flat.shape[0], dtype=bool)
+        keep[ends] = False
+        flat[keep] = flat_ids
+        pieces.append(flat)
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+    body = max_seq_length - 2
+    n = stream.shape[0] // body
+    blocks = np.empty((n, max_seq_length), dtype=np.int32)
+    blocks[:, 0] = bos
+    blocks[:, -1] = eos
+    blocks[:, 1:-1] = stream[: n * body].reshape(n, body)
+
+    if cache_file is not None:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so that ranks or runs sharing the cache never read a half-written file.
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, blocks)
+        os.replace(tmp, cache_file)
+    return torch.from_numpy(blocks)
+
+
+def load_packed(
+    path_or_name: str,
+    tokenizer,
+    max_seq_length: int,
+    split: str = "train",
+    text_field: str = "text",
+    max_lines: Optional[int] = None,
+    cache_dir: Optional[str] = None,
+    flag: str = "--data.train_path",
+) -> torch.Tensor:
+    """:func:`read_text_lines` then :func:`tokenize_and_pack`, with a cache keyed on the files' path,
+    size and mtime, so that a cached corpus is not even read again. Raises DataError when the text is
+    too short to fill one block."""
+    key = _source_key(path_or_name, split, text_field, max_lines)
+    if cache_dir is not None:
+        cached = _cache_path(cache_dir, key, tokenizer, max_seq_length)
+        if cached.is_file():
+            return torch.from_numpy(np.load(cached))
+    lines = read_text_lines(path_or_name, split=split, text_field=text_field, max_lines=max_lines, flag=flag)
+    blocks = tokenize_and_pack(lines, tokenizer, max_seq_length, cache_dir=cache_dir, cache_key=key)
+    if blocks.shape[0] == 0:
+        raise DataError(f"{path_or_name} ({flag}): the text is shorter than one block of {max_seq_length} tokens; "
+                        "use more text or a smaller --model.max_seq_length")
+    return blocks
+
+
+class PackedBlocks(Dataset):
+    """Rows of a packed (N, T) tensor as a dataset; each item is one (T,) block."""
+
+    def __init__(self, blocks: torch.Tensor):
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.blocks[index]

@@ -1,0 +1,267 @@
+"""The DeepSpeed JSON, built from the typed config by one pure function.
+
+Two ways in, one way out:
+
+* :func:`build_ds_config` turns a :class:`~zerotrain.config.RunConfig` into DeepSpeed's JSON.
+* A user's own JSON/HJSON file (``--strategy.deepspeed_config``) is read by :func:`load_user_config`;
+  its ``"auto"`` values (Hugging Face style) are filled by :func:`resolve_auto` from the generated
+  config, and its explicit values win.
+
+Either result goes through :func:`validate_ds_config` (batch-size rule, fp16 with bf16, parameter
+offload below stage 3), and the run directory gets the resolved JSON. Keys are DeepSpeed's own, so
+what zerotrain writes can be read next to the DeepSpeed documentation.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+from zerotrain.config import RunConfig
+from zerotrain.errors import ConfigError, UserError
+
+ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
+
+# DeepSpeed prints its own throughput line every `steps_per_print` steps; zerotrain measures instead.
+_QUIET_STEPS = 2**31 - 1
+
+
+def resolve_precision(requested: str, device: str, bf16_supported: bool) -> ResolvedPrecision:
+    """``auto`` is bf16 on a GPU that supports it, else fp16 on GPU, else fp32 (CPU)."""
+    if requested != "auto":
+        if requested == "bf16" and device == "cuda" and not bf16_supported:
+            raise ConfigError("--strategy.precision", "bf16 is not supported by this GPU; use fp16 or fp32")
+        if requested == "fp16" and device == "cpu":
+            raise ConfigError("--strategy.precision", "fp16 needs a GPU; on CPU use fp32 or bf16")
+        return requested  # type: ignore[return-value]
+    if device == "cuda":
+        return "bf16" if bf16_supported else "fp16"
+    return "fp32"
+
+
+def _offload_block(kind: str, nvme_path: str | None, pin_memory: bool) -> dict[str, Any]:
+    if kind == "cpu":
+        return {"device": "cpu", "pin_memory": pin_memory}
+    return {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory}
+
+
+def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg`` on ``world_size`` data-parallel ranks of ``device`` (cuda/cpu).
+
+    Pure: reads nothing but its arguments. The optimizer is DeepSpeed's own (FusedAdam on GPU,
+    DeepSpeedCPUAdam under optimizer offload); on CPU without offload ``torch_adam`` selects
+    torch's Adam, since FusedAdam is a CUDA kernel.
+    """
+    s, opt = cfg.strategy, cfg.optimizer
+    micro = cfg.trainer.micro_batch_size
+    gas = s.gradient_accumulation_steps
+    offloading = s.offload_optimizer != "none"
+    ds: dict[str, Any] = {
+        "train_batch_size": micro * gas * world_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": s.gradient_clipping,
+        "steps_per_print": _QUIET_STEPS,
+        "wall_clock_breakdown": False,
+        "optimizer": {
+            "type": "AdamW" if opt.name == "adamw" else "Adam",
+            "params": {
+                "lr": opt.lr,
+                "betas": list(opt.betas),
+                "eps": opt.eps,
+                "weight_decay": opt.weight_decay,
+                "torch_adam": device == "cpu" and not offloading,
+                "adam_w_mode": opt.name == "adamw",
+            },
+        },
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": precision == "bf16"},
+    }
+    if precision == "fp16":
+        ds["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": s.initial_scale_power,
+            "loss_scale_window": s.loss_scale_window,
+            "hysteresis": s.hysteresis,
+            "min_loss_scale": s.min_loss_scale,
+        }
+    zero: dict[str, Any] = {
+        "stage": s.zero_stage,
+        "overlap_comm": s.overlap_comm,
+        "contiguous_gradients": s.contiguous_gradients,
+        "reduce_bucket_size": s.reduce_bucket_size,
+    }
+    if s.zero_stage in (1, 2):
+        zero["allgather_bucket_size"] = s.allgather_bucket_size
+    pin = device == "cuda"
+    if offloading:
+        zero["offload_optimizer"] = _offload_block(s.offload_optimizer, s.nvme_path, pin)
+    if s.offload_param != "none":
+        zero["offload_param"] = _offload_block(s.offload_param, s.nvme_path, pin)
+    if s.zero_stage == 3:
+        # Lets save_16bit_model / the export gather full weights instead of writing empty shards.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    ds["zero_optimization"] = zero
+    return ds
+
+
+def load_user_config(path: str | Path) -> dict[str, Any]:
+    """Read a DeepSpeed config file: JSON, or HJSON with ``#`` / ``//`` comments as DeepSpeed allows."""
+    import hjson
+
+    p = Path(path).expanduser()
+    flag = "--strategy.deepspeed_config"
+    if not p.is_file():
+        raise UserError(f"{flag}: file {str(p)!r} not found. Pass the path of a DeepSpeed JSON file, "
+                        "e.g. one of the presets in zerotrain/presets/")
+    try:
+        loaded = hjson.loads(p.read_text(), object_pairs_hook=dict)
+    except Exception as exc:  # hjson raises its own HjsonDecodeError with line/column
+        raise UserError(f"{flag}: {p} is not valid JSON/HJSON: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"{flag}: {p} must hold a JSON object at the top level")
+    return loaded
+
+
+# Keys whose "auto" is not the same key in the generated config (Hugging Face's conventions).
+def _auto_aliases(generated: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    opt = generated["optimizer"]["params"]
+    zero = generated["zero_optimization"]
+    aliases: dict[str, Any] = {
+        "scheduler.params.warmup_max_lr": opt["lr"],
+        "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.cos_min_ratio": extra.get("min_lr_ratio", 0.0),
+        "zero_optimization.stage3_prefetch_bucket_size": zero["reduce_bucket_size"],
+        "zero_optimization.stage3_param_persistence_threshold": 100_000,
+        "zero_optimization.allgather_bucket_size": 500_000_000,
+        "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
+        "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
+    }
+    if "hidden_size" in extra:
+        h = extra["hidden_size"]
+        # Hugging Face's rule of thumb: buckets sized from the hidden size.
+        aliases["zero_optimization.reduce_bucket_size"] = h * h
+        aliases["zero_optimization.stage3_prefetch_bucket_size"] = int(0.9 * h * h)
+        aliases["zero_optimization.stage3_param_persistence_threshold"] = 10 * h
+    for key in ("warmup_num_steps", "total_num_steps"):
+        if key in extra:
+            aliases[f"scheduler.params.{key}"] = extra[key]
+    return aliases
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fill every ``"auto"`` in ``user`` from ``generated`` (same key) or a known alias; keep explicit values.
+
+    ``extra`` carries facts DeepSpeed JSON does not hold: ``total_num_steps``, ``warmup_num_steps``,
+    ``min_lr_ratio``, ``hidden_size``. Top-level keys the loop needs (batch sizes, accumulation) are
+    taken from ``generated`` when the user's file lacks them. An ``"auto"`` nobody can fill is an
+    error naming its key.
+    """
+    aliases = _auto_aliases(generated, extra or {})
+
+    def fill(node: Any, path: str) -> Any:
+        if isinstance(node, dict):
+            return {k: fill(v, f"{path}.{k}" if path else k) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        if node != "auto":
+            return node
+        try:
+            value = _lookup(generated, path)
+        except KeyError:
+            if path in aliases:
+                return copy.deepcopy(aliases[path])
+            raise ConfigError(
+                path, '= "auto" cannot be resolved from the zerotrain config: write an explicit value in '
+                "the file given to --strategy.deepspeed_config"
+            ) from None
+        return copy.deepcopy(value)
+
+    resolved = fill(user, "")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "steps_per_print"):
+        resolved.setdefault(key, generated[key])
+    if "optimizer" not in resolved:
+        resolved["optimizer"] = copy.deepcopy(generated["optimizer"])
+    return resolved
+
+
+def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
+    """Check what DeepSpeed would reject late or silently: batch rule, fp16+bf16, offload vs stage."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    gas = ds.get("gradient_accumulation_steps")
+    total = ds.get("train_batch_size")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas),
+                       ("train_batch_size", total)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(key, f"must be a positive integer, got {value!r}")
+    if micro * gas * world_size != total:
+        raise ConfigError(
+            "train_batch_size",
+            f"= {total}, but train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size = "
+            f"{micro} x {gas} x {world_size} = {micro * gas * world_size}. Make them agree "
+            "(or write \"auto\" for train_batch_size)",
+        )
+    if _enabled(ds.get("fp16")) and _enabled(ds.get("bf16")):
+        raise ConfigError("fp16.enabled", "and bf16.enabled are both true: pick one precision")
+    zero = ds.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage!r}")
+    if _offload_device(zero.get("offload_param")) not in (None, "none") and stage != 3:
+        raise ConfigError("zero_optimization.offload_param", f"needs stage 3, but zero_optimization.stage is {stage}")
+    if _offload_device(zero.get("offload_optimizer")) not in (None, "none") and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer", "needs stage 1, 2 or 3, but zero_optimization.stage is 0")
+
+
+def _enabled(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("enabled") is True
+
+
+def _offload_device(block: Any) -> str | None:
+    return block.get("device") if isinstance(block, dict) else None
+
+
+def precision_of(ds: dict[str, Any]) -> ResolvedPrecision:
+    """The precision a (resolved) DeepSpeed config trains in."""
+    if _enabled(ds.get("bf16")):
+        return "bf16"
+    if _enabled(ds.get("fp16")):
+        return "fp16"
+    return "fp32"
+
+
+def batch_shape(cfg: RunConfig) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) the run will use: the user's file wins where it is explicit."""
+    micro, gas = cfg.trainer.micro_batch_size, cfg.strategy.gradient_accumulation_steps
+    if cfg.strategy.backend == "deepspeed" and cfg.strategy.deepspeed_config:
+        user = load_user_config(cfg.strategy.deepspeed_config)
+        micro = user.get("train_micro_batch_size_per_gpu", micro)
+        gas = user.get("gradient_accumulation_steps", gas)
+        micro = cfg.trainer.micro_batch_size if micro == "auto" else micro
+        gas = cfg.strategy.gradient_accumulation_steps if gas == "auto" else gas
+    return micro, gas
+
+
+def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config DeepSpeed gets: generated, or the user's file with "auto" resolved; always validated."""
+    generated = build_ds_config(cfg, world_size, device, precision)
+    if cfg.strategy.deepspeed_config:
+        user = load_user_config(cfg.strategy.deepspeed_config)
+        # An "auto" precision flag follows the resolved precision of the typed config.
+        ds = resolve_auto(user, generated, extra)
+    else:
+        ds = generated
+    validate_ds_config(ds, world_size)
+    return ds

@@ -1,0 +1,330 @@
+"""The one module that knows how a model is trained on this hardware.
+
+:class:`DeepSpeedEngine` wraps ``deepspeed.initialize`` (ZeRO 0-3, offload, fp16/bf16);
+:class:`TorchEngine` is plain PyTorch (DDP across ranks, autocast, GradScaler for fp16), the
+baseline users compare DeepSpeed with. Both expose the same methods, so the training loop never
+branches on the backend: ``train_step`` runs the forward/backward of every micro-batch of one
+optimizer step and the step itself; ``save``/``load`` move everything that is sharded
+(parameters, optimizer states, scheduler) plus a ``client_state`` dict owned by the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerotrain.config import RunConfig, SchedulerConfig
+from zerotrain.ds_config import ResolvedPrecision, precision_of
+from zerotrain.tasks.base import Batch, StepOutput
+
+StepFn = Callable[[nn.Module, Batch], StepOutput]
+
+
+@dataclass
+class StepStats:
+    loss: float
+    """Mean loss over the step's micro-batches (this rank)."""
+    samples: int
+    tokens: int
+    micro_batches: int
+
+
+def lr_lambda(sched: SchedulerConfig, total_steps: int, steps_per_epoch: int) -> Callable[[int], float]:
+    """Learning-rate multiplier at optimizer step ``step`` (0-based), for torch's LambdaLR."""
+    warm = sched.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if sched.name == "constant":
+            return 1.0
+        if sched.name == "warmup_linear":
+            return max(0.0, (total_steps - step) / max(1, total_steps - warm))
+        if sched.name == "cosine":
+            progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+            return sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        unit = steps_per_epoch if sched.step_unit == "epochs" else 1
+        return sched.gamma ** ((step // max(1, unit)) // sched.step_size)
+
+    return factor
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int, steps_per_epoch: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.scheduler, total_steps, steps_per_epoch))
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class Engine(ABC):
+    """Common interface of the DeepSpeed and plain-PyTorch engines."""
+
+    device: torch.device
+    precision: ResolvedPrecision
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int
+    rank: int
+    ds_config: Optional[dict[str, Any]] = None
+
+    @property
+    @abstractmethod
+    def module(self) -> nn.Module:
+        """The unwrapped model (under ZeRO-3 its parameters are partitioned)."""
+
+    @property
+    @abstractmethod
+    def forward_model(self) -> nn.Module:
+        """What a task calls for forward passes (the wrapped model)."""
+
+    @abstractmethod
+    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats: ...
+
+    @abstractmethod
+    def lr(self) -> float: ...
+
+    @abstractmethod
+    def grad_norm(self) -> Optional[float]: ...
+
+    def loss_scale(self) -> Optional[float]:
+        return None
+
+    def skipped_steps(self) -> int:
+        return 0
+
+    @abstractmethod
+    def save(self, folder: Path, client_state: dict[str, Any]) -> None:
+        """Write the sharded training state into ``folder`` (called on every rank)."""
+
+    @abstractmethod
+    def load(self, folder: Path) -> dict[str, Any]:
+        """Restore from ``folder``; return the client state."""
+
+    @abstractmethod
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Full model weights on rank 0 (gathered under ZeRO-3), None elsewhere. Collective."""
+
+    def eval_context(self):
+        """Context for forward passes outside train_step (evaluation): the same precision as training."""
+        return contextlib.nullcontext()
+
+    def train(self) -> None:
+        self.forward_model.train()
+
+    def eval(self) -> None:
+        self.forward_model.eval()
+
+    def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self._comm_device())
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        return dict(zip(keys, t.tolist()))
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def _grad_norm(module: nn.Module) -> float:
+    grads = [p.grad.detach() for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, ds: dict[str, Any],
+                 total_steps: int, steps_per_epoch: int):
+        import deepspeed
+
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device = device
+        self.ds_config = ds
+        self.precision = precision_of(ds)
+        self.micro_batch_size = ds["train_micro_batch_size_per_gpu"]
+        self.grad_accum = ds["gradient_accumulation_steps"]
+        # A "scheduler" block in the user's file makes DeepSpeed build the schedule; else ours runs.
+        scheduler = None if "scheduler" in ds else (lambda opt: make_scheduler(opt, cfg, total_steps, steps_per_epoch))
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
+                                                lr_scheduler=scheduler)
+        # DeepSpeed records the global norm under ZeRO and mixed precision, not for plain fp32 stage 0,
+        # where the full gradients sit in .grad and one pass over them gives it.
+        self._track_norm = self.precision == "fp32" and ds.get("zero_optimization", {}).get("stage", 0) == 0
+        self._norm: Optional[float] = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ds.module
+
+    @property
+    def forward_model(self) -> nn.Module:
+        return self.ds
+
+    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats:
+        loss_sum, samples, tokens, n = 0.0, 0, 0, 0
+        for batch in micro_batches:
+            out = step_fn(self.ds, to_device(batch, self.device))
+            # DeepSpeed divides by gradient_accumulation_steps and only steps on the boundary.
+            self.ds.backward(out.loss)
+            if self._track_norm and self.ds.is_gradient_accumulation_boundary():
+                self._norm = _grad_norm(self.ds.module)
+            self.ds.step()
+            loss_sum += out.loss.detach().float().item()
+            samples, tokens, n = samples + out.samples, tokens + out.tokens, n + 1
+        return StepStats(loss_sum / max(1, n), samples, tokens, n)
+
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def grad_norm(self) -> Optional[float]:
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            norm = self._norm
+        return None if norm is None else float(norm)
+
+    def loss_scale(self) -> Optional[float]:
+        if self.precision != "fp16":
+            return None
+        return float(getattr(self.ds.optimizer, "cur_scale", getattr(self.ds.optimizer, "loss_scale", float("nan"))))
+
+    def skipped_steps(self) -> int:
+        return int(getattr(self.ds, "skipped_steps", 0))
+
+    def save(self, folder: Path, client_state: dict[str, Any]) -> None:
+        # save_latest=False: zerotrain marks complete checkpoints itself (see checkpoint.py).
+        self.ds.save_checkpoint(str(folder.parent), tag=folder.name, client_state=client_state, save_latest=False)
+
+    def load(self, folder: Path) -> dict[str, Any]:
+        path, client = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+        if path is None:
+            from zerotrain.errors import UserError
+
+            raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
+        return client or {}
+
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        if self.ds.zero_optimization_partition_weights():
+            sd = self.ds._zero3_consolidated_16bit_state_dict()
+            return sd if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
+
+
+class TorchEngine(Engine):
+    """Plain PyTorch: DDP when several ranks, autocast for bf16/fp16, GradScaler for fp16."""
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, precision: ResolvedPrecision,
+                 total_steps: int, steps_per_epoch: int):
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device, self.precision = device, precision
+        self.micro_batch_size = cfg.trainer.micro_batch_size
+        self.grad_accum = cfg.strategy.gradient_accumulation_steps
+        self.clip = cfg.strategy.gradient_clipping
+        self._module = model.to(device)
+        self._wrapped: nn.Module = self._module
+        if self.world_size > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            self._wrapped = nn.parallel.DistributedDataParallel(self._module, device_ids=ids)
+        o = cfg.optimizer
+        params = [p for p in self._module.parameters() if p.requires_grad]
+        cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+        kwargs = {"fused": True} if device.type == "cuda" else {}
+        self.optimizer = cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kwargs)
+        self.scheduler = make_scheduler(self.optimizer, cfg, total_steps, steps_per_epoch)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self._grad_norm: Optional[float] = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    @property
+    def forward_model(self) -> nn.Module:
+        return self._wrapped
+
+    def eval_context(self):
+        return self._autocast()
+
+    def _autocast(self):
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats:
+        batches = list(micro_batches)
+        loss_sum, samples, tokens = 0.0, 0, 0
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            # Reduce gradients across ranks only once, on the last micro-batch.
+            sync = contextlib.nullcontext() if last or self.world_size == 1 else self._wrapped.no_sync()
+            with sync:
+                with self._autocast():
+                    out = step_fn(self._wrapped, to_device(batch, self.device))
+                self.scaler.scale(out.loss / len(batches)).backward()
+            loss_sum += out.loss.detach().float().item()
+            samples, tokens = samples + out.samples, tokens + out.tokens
+        self.scaler.unscale_(self.optimizer)
+        params = [p for p in self._module.parameters() if p.requires_grad]
+        max_norm = self.clip if self.clip > 0 else float("inf")
+        self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return StepStats(loss_sum / max(1, len(batches)), samples, tokens, len(batches))
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def grad_norm(self) -> Optional[float]:
+        return self._grad_norm
+
+    def loss_scale(self) -> Optional[float]:
+        return float(self.scaler.get_scale()) if self.precision == "fp16" else None
+
+    def save(self, folder: Path, client_state: dict[str, Any]) -> None:
+        if self.rank == 0:
+            folder.mkdir(parents=True, exist_ok=True)
+            state = {
+                "module": self._module.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "client_state": client_state,
+            }
+            torch.save(state, folder / "torch_state.pt")
+
+    def load(self, folder: Path) -> dict[str, Any]:
+        state = torch.load(folder / "torch_state.pt", map_location=self.device, weights_only=False)
+        self._module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        return state["client_state"]
+
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self._module.state_dict().items()}
+
+
+def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precision: ResolvedPrecision,
+                 total_steps: int, steps_per_epoch: int, ds_config: Optional[dict[str, Any]]) -> Engine:
+    """The DeepSpeed engine when ``ds_config`` is given, else the plain-PyTorch one."""
+    if ds_config is not None:
+        return DeepSpeedEngine(model, cfg, device, ds_config, total_steps, steps_per_epoch)
+    return TorchEngine(model, cfg, device, precision, total_steps, steps_per_epoch)

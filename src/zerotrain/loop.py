@@ -1,0 +1,278 @@
+"""The one training loop. Every recipe, and every model a user plugs in, runs through :func:`fit`.
+
+Read top to bottom: set up the process group and the run directory, build data and model from
+the task, hand the model to the engine, maybe resume, then step until done, logging, evaluating
+and checkpointing on the way, and export the trained weights at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from zerotrain import checkpoint, rundir
+from zerotrain.data.sampling import EpochBatches, eval_shard
+from zerotrain.distributed import adopt_slurm_env, comm_backend, init_process_group, sanitize_cuda_arch_list
+from zerotrain.ds_config import batch_shape, make_ds_config, resolve_precision
+from zerotrain.engine import Engine, build_engine, to_device
+from zerotrain.metrics import ThroughputMeter, memory_snapshot
+from zerotrain.tasks.base import Task
+from zerotrain.tracking import Tracker, log, setup_logging
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    final_step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Last training window, final validation and test metrics, throughput summary."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            from zerotrain.errors import UserError
+
+            raise UserError("--trainer.device cuda: no CUDA GPU is visible. Use --trainer.device cpu (or auto)")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _loader(dataset: Dataset, batch_sampler, task: Task, workers: int, seed: int) -> DataLoader:
+    return DataLoader(
+        dataset, batch_sampler=batch_sampler, collate_fn=task.collate, num_workers=workers,
+        pin_memory=torch.cuda.is_available(), persistent_workers=False,
+        # A private generator: worker seeds must not draw from the global RNG that resume restores.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def _stream(loader: DataLoader, sampler: EpochBatches, epoch: int, skip: int) -> Iterator[tuple[int, int, Any]]:
+    """Micro-batches forever, as (epoch, batches consumed in that epoch after this one, batch)."""
+    while True:
+        sampler.set_epoch(epoch, skip)
+        for i, batch in enumerate(loader, start=skip + 1):
+            yield epoch, i, batch
+        epoch, skip = epoch + 1, 0
+
+
+def evaluate(task: Task, engine: Engine, dataset: Dataset, prefix: str, max_batches: Optional[int],
+             workers: int, seed: int) -> dict[str, float]:
+    batches = eval_shard(len(dataset), engine.micro_batch_size, engine.rank, engine.world_size)
+    loader = _loader(dataset, batches, task, workers, seed)
+    engine.eval()
+    sums: dict[str, float] = {}
+    with torch.no_grad(), engine.eval_context():
+        for batch in islice(loader, max_batches):
+            for k, v in task.eval_step(engine.forward_model, to_device(batch, engine.device)).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    engine.train()
+    # Ranks with no batch still join the reduction with zeros.
+    sums = engine.all_reduce_sum(_keys_everywhere(sums))
+    return {f"{prefix}_{k}": v for k, v in task.eval_metrics(sums).items()}
+
+
+def _keys_everywhere(sums: dict[str, float]) -> dict[str, float]:
+    keys = sorted(set(k for ks in _all_gather(sorted(sums)) for k in ks))
+    return {k: sums.get(k, 0.0) for k in keys}
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def fit(task: Task) -> FitResult:
+    """Train ``task`` as its config says; return where the run lives and its final metrics."""
+    cfg = task.cfg
+    cfg.validate()
+    tr = cfg.trainer
+    sanitize_cuda_arch_list()
+    adopt_slurm_env(cfg.launch)
+    device_type = "cuda" if tr.device == "cuda" or (tr.device == "auto" and torch.cuda.is_available()) else "cpu"
+    backend = comm_backend(cfg.launch.comm_backend, device_type)
+    info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed")
+    setup_logging(info.is_main)
+    device = _device(tr.device, info.local_rank)
+    precision = resolve_precision(cfg.strategy.precision, device.type,
+                                  device.type == "cuda" and torch.cuda.is_bf16_supported())
+
+    # --- run directory (rank 0 names it, everyone agrees) ---
+    name = _broadcast(tr.run_name or rundir.new_run_name(task.name) if info.is_main else None)
+    run_dir = rundir.create(tr.output_dir, name) if info.is_main else Path(tr.output_dir).expanduser() / name
+    dist.barrier()
+    resume_from = None
+    if cfg.checkpoint.resume:
+        resume_from = checkpoint.find_resume_folder(cfg.checkpoint.resume, run_dir)
+
+    # --- data and model: identical initial weights on every rank, then per-rank randomness ---
+    seed_everything(tr.seed)
+    if info.is_main:  # rank 0 fills the tokenisation cache; the others then read it
+        splits = task.build_datasets()
+    dist.barrier()
+    if not info.is_main:
+        splits = task.build_datasets()
+    micro, grad_accum = batch_shape(cfg)
+    lengths = None
+    if getattr(getattr(cfg, "data", None), "bucket_by_length", False):
+        lengths = [task.example_length(splits.train[i]) for i in range(len(splits.train))]
+    sampler = EpochBatches(len(splits.train), micro, info.rank, info.world_size, tr.seed, grad_accum, lengths)
+    steps_per_epoch = sampler.batches_per_epoch // grad_accum
+    if steps_per_epoch < 1:
+        from zerotrain.errors import DataError
+
+        raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
+                        f"({micro} x {grad_accum} x {info.world_size}). Add data or lower --trainer.micro_batch_size")
+    total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
+    model = task.build_model()
+    flops_per_token = task.flops_per_token(model)
+    extra = {"total_num_steps": total_steps, "warmup_num_steps": cfg.scheduler.warmup_steps,
+             "min_lr_ratio": cfg.scheduler.min_lr_ratio}
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden:
+        extra["hidden_size"] = hidden
+    ds_config = (make_ds_config(cfg, info.world_size, device.type, precision, extra)
+                 if cfg.strategy.backend == "deepspeed" else None)
+    engine = build_engine(model, cfg, device, precision, total_steps, steps_per_epoch, ds_config)
+    seed_everything(tr.seed + 1000 * info.rank)
+
+    if info.is_main:
+        rundir.write_json(run_dir / "hparams.json", {"recipe": task.name, **cfg.to_dict()})
+        if ds_config is not None:
+            rundir.write_json(run_dir / "ds_config.json", ds_config)
+        rundir.write_json(run_dir / "env.json", rundir.environment())
+        rundir.write_code_state(run_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("run directory: %s", run_dir)
+    log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s ZeRO-%s",
+             task.name, n_params / 1e6, n_train / 1e6, device.type, info.world_size, engine.precision,
+             cfg.strategy.backend, cfg.strategy.zero_stage if ds_config is None else
+             ds_config.get("zero_optimization", {}).get("stage", 0))
+    log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
+             total_steps, steps_per_epoch, micro * grad_accum * info.world_size, micro, grad_accum, info.world_size)
+
+    # --- resume ---
+    step, epoch, in_epoch = 0, 0, 0
+    if resume_from is not None:
+        client = checkpoint.load(engine, resume_from)
+        step, epoch, in_epoch = client["step"], client["epoch"], client["batches_in_epoch"]
+        log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", resume_from, step, epoch, in_epoch)
+
+    tracker = Tracker(run_dir, cfg.logging, cfg.to_dict(), info.is_main)
+    meter = ThroughputMeter(device, info.world_size, flops_per_token, engine.precision, tr.warmup_steps_excluded)
+    loader = _loader(splits.train, sampler, task, tr.num_workers, tr.seed)
+    stream = _stream(loader, sampler, epoch, in_epoch)
+    bar = _progress(cfg.logging.progress_bar and info.is_main, total_steps, step)
+    eval_args = dict(max_batches=tr.eval_max_batches, workers=tr.num_workers, seed=tr.seed)
+    last_saved, results = -1, {}
+    window_loss, window_steps = 0.0, 0
+    engine.train()
+    meter.start()
+    try:
+        while step < total_steps:
+            t0 = time.perf_counter()
+            drawn = [next(stream) for _ in range(grad_accum)]
+            meter.add_data_wait(time.perf_counter() - t0)
+            epoch, in_epoch, _ = drawn[-1]
+            if in_epoch == sampler.batches_per_epoch:
+                epoch, in_epoch = epoch + 1, 0
+            stats = engine.train_step([b for _, _, b in drawn], task.training_step)
+            step += 1
+            meter.add_step(stats.micro_batches, stats.samples, stats.tokens)
+            window_loss, window_steps = window_loss + stats.loss, window_steps + 1
+
+            if step % tr.log_every_steps == 0 or step == total_steps:
+                loss = engine.all_reduce_sum({"loss": window_loss / window_steps})["loss"] / info.world_size
+                results = {"train_loss": loss, "lr": engine.lr(), "grad_norm": engine.grad_norm(),
+                           "loss_scale": engine.loss_scale(), "skipped_steps": engine.skipped_steps(),
+                           "epoch": epoch, **meter.read(), **memory_snapshot(device)}
+                tracker.log(step, results)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                window_loss, window_steps = 0.0, 0
+            bar.update(1)
+
+            at_epoch_end = in_epoch == 0
+            if (tr.eval_every_steps and step % tr.eval_every_steps == 0) or (
+                    not tr.eval_every_steps and (at_epoch_end or step == total_steps)):
+                if splits.val is not None:
+                    val = evaluate(task, engine, splits.val, "val", **eval_args)
+                    tracker.log(step, val)
+                    results.update(val)
+                    log.info("step %d: %s", step, _fmt(val))
+                meter.start()  # evaluation time is not training time
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
+                _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last)
+                last_saved = step
+                meter.start()
+    finally:
+        bar.close()
+
+    if cfg.checkpoint.save_final and last_saved != step:
+        _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last)
+    if splits.test is not None:
+        test = evaluate(task, engine, splits.test, "test", **eval_args)
+        tracker.log(step, test)
+        results.update(test)
+        log.info("test: %s", _fmt(test))
+    state = engine.consolidated_state_dict()
+    if info.is_main:
+        task.export(engine.module, state, run_dir / "model")
+    summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},
+               **memory_snapshot(device), "device": meter.device_name, "world_size": info.world_size,
+               "precision": engine.precision, "final_step": step}
+    if info.is_main:
+        rundir.write_json(run_dir / "summary.json", summary)
+    tracker.close()
+    dist.barrier()
+    log.info("done: %s", run_dir)
+    return FitResult(run_dir=run_dir, final_step=step, metrics=summary)
+
+
+def _save(engine: Engine, run_dir: Path, step: int, epoch: int, in_epoch: int, keep_last: int) -> None:
+    client = {"step": step, "epoch": epoch, "batches_in_epoch": in_epoch}
+    folder = checkpoint.save(engine, run_dir / "checkpoints", step, client, keep_last)
+    log.info("checkpoint: %s", folder)
+
+
+def _fmt(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+class _NoBar(contextlib.AbstractContextManager):
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, **kwargs: Any) -> None: ...
+    def close(self) -> None: ...
+    def __exit__(self, *exc: Any) -> None: ...

@@ -1,0 +1,168 @@
+"""A RoBERTa-style encoder with a masked-language-model head, built from dims.
+
+Post-LN encoder layers as in BERT/RoBERTa, attention through
+:func:`torch.nn.functional.scaled_dot_product_attention` (which picks the flash or memory-efficient
+kernel when it can), and a decoder tied to the token embedding. The embeddings and layers live in
+the ``encoder`` submodule so that another recipe (e.g. a classifier) can load ``encoder.*`` weights
+from an MLM checkpoint. Nothing here knows about DeepSpeed or torch.distributed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, h_dim: int, num_heads: int, dropout: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(h_dim, 3 * h_dim)
+        self.out = nn.Linear(h_dim, h_dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        # attn_mask is boolean (B, 1, 1, T), True where the key is a real token: padded keys get no weight.
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.out(y)
+
+
+class EncoderLayer(nn.Module):
+    """Post-LN (as RoBERTa): ``x = LN(x + attn(x)); x = LN(x + ffn(x))``."""
+
+    def __init__(self, h_dim: int, num_heads: int, ff_dim: int, dropout: float):
+        super().__init__()
+        self.attn = SelfAttention(h_dim, num_heads, dropout)
+        self.ln_attn = nn.LayerNorm(h_dim)
+        self.ff_in = nn.Linear(h_dim, ff_dim)
+        self.ff_out = nn.Linear(ff_dim, h_dim)
+        self.ln_ff = nn.LayerNorm(h_dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        x = self.ln_attn(x + self.drop(self.attn(x, attn_mask)))  # (B, T, C)
+        h = self.ff_out(F.gelu(self.ff_in(x)))  # (B, T, C)
+        return self.ln_ff(x + self.drop(h))  # (B, T, C)
+
+
+class Encoder(nn.Module):
+    """Token + learned position embeddings, LayerNorm, and the stack of encoder layers."""
+
+    def __init__(self, vocab_size: int, num_layers: int, num_heads: int, h_dim: int, ff_dim: int,
+                 dropout: float, max_seq_length: int, pad_token_id: int, activation_checkpointing: bool):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab_size, h_dim, padding_idx=pad_token_id)
+        self.position_embedding = nn.Embedding(max_seq_length, h_dim)
+        self.ln_emb = nn.LayerNorm(h_dim)
+        self.drop = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(EncoderLayer(h_dim, num_heads, ff_dim, dropout) for _ in range(num_layers))
+        self.activation_checkpointing = activation_checkpointing
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        if T > self.position_embedding.num_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_seq_length {self.position_embedding.num_embeddings}")
+        pos = torch.arange(T, device=input_ids.device)  # (T,)
+        x = self.token_embedding(input_ids) + self.position_embedding(pos)  # (B, T, C)
+        x = self.drop(self.ln_emb(x))
+        attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+        for layer in self.layers:
+            if self.activation_checkpointing and self.training:
+                # Non-reentrant checkpointing works with kwargs, inputs that need no grad, and
+                # restores the dropout RNG so the recomputed forward matches the first one.
+                x = checkpoint(layer, x, attn_mask, use_reentrant=False)
+            else:
+                x = layer(x, attn_mask)
+        return x  # (B, T, C)
+
+
+class MLMHead(nn.Module):
+    """dense -> gelu -> LayerNorm -> decoder (+ bias). The model ties the decoder weight to the token embedding."""
+
+    def __init__(self, h_dim: int, vocab_size: int):
+        super().__init__()
+        self.dense = nn.Linear(h_dim, h_dim)
+        self.ln = nn.LayerNorm(h_dim)
+        self.decoder = nn.Linear(h_dim, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(F.gelu(self.dense(x)))  # (B, T, C)
+        return self.decoder(h)  # (B, T, V)
+
+
+class RobertaMLM(nn.Module):
+    """RoBERTa-style masked language model. ``forward`` returns ``dict(logits=(B, T, V), loss=scalar|None)``."""
+
+    def __init__(self, vocab_size: int, num_layers: int, num_heads: int, h_dim: int, ff_dim: int,
+                 dropout: float, max_seq_length: int, pad_token_id: int, activation_checkpointing: bool = False):
+        super().__init__()
+        if h_dim % num_heads:
+            raise ValueError(f"h_dim {h_dim} must be divisible by num_heads {num_heads}")
+        self.vocab_size, self.num_layers, self.h_dim = vocab_size, num_layers, h_dim
+        self.encoder = Encoder(vocab_size, num_layers, num_heads, h_dim, ff_dim, dropout, max_seq_length,
+                               pad_token_id, activation_checkpointing)
+        self.lm_head = MLMHead(h_dim, vocab_size)
+        # Tie by sharing the Parameter between two modules (as Hugging Face does) rather than reading
+        # the embedding's weight from the head: ZeRO-3 gathers a parameter in the pre-forward hook of
+        # each module that owns it, so the head must own it too.
+        self.lm_head.decoder.weight = self.encoder.token_embedding.weight
+        self.apply(self._init_weights)
+        with torch.no_grad():
+            # The decoder's init (it runs after the embedding's) also rewrote the shared table's <pad> row.
+            self.encoder.token_embedding.weight[pad_token_id].zero_()
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # BERT's initialisation: N(0, 0.02) weights, zero biases.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> dict[str, Optional[torch.Tensor]]:
+        x = self.encoder(input_ids, attention_mask)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if labels is not None:
+            # Sum over masked positions divided by their count, clamped at 1: a micro-batch in which
+            # nothing was masked gives a zero loss (and zero gradient) instead of NaN.
+            loss_sum = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = loss_sum / (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return {"logits": logits, "loss": loss}
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; ``non_embedding`` leaves out the token and position embedding tables."""
+        # Under ZeRO-3 a parameter's local numel() is its shard; ds_numel is the full size.
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
+        if non_embedding:
+            for emb in (self.encoder.token_embedding, self.encoder.position_embedding):
+                n -= getattr(emb.weight, "ds_numel", emb.weight.numel())
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), nanoGPT/PaLM style::
+
+            6 * N + 12 * num_layers * h_dim * seq_len + 6 * h_dim * vocab_size
+
+        where N is the non-embedding parameter count (every parameter except the token and position
+        embedding tables: layers, LayerNorms, MLM dense/LayerNorm, decoder bias), the second term is
+        the attention score and value matmuls, and the last is the tied decoder matmul, which the
+        parameter term misses because its weight is the (excluded) token embedding.
+        """
+        return (6.0 * self.num_params(non_embedding=True)
+                + 12.0 * self.num_layers * self.h_dim * seq_len
+                + 6.0 * self.h_dim * self.vocab_size)

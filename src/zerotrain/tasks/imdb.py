@@ -1,0 +1,280 @@
+"""The IMDB sentiment recipe: the DeepSpeed tutorial's classifier, fixed and made reproducible.
+
+Differences from the tutorial, each for a reason:
+
+* the review vector averages real tokens only, and attention ignores padding (the tutorial's
+  scores depended on how much padding a review's batch had);
+* reviews are truncated to ``max_len`` (the tutorial crashed on long reviews) and tokenised once,
+  with an on-disk cache;
+* batches are padded to their longest review, not to ``max_len``;
+* the test split is still cut into two seeded halves (validation, test), as in the tutorial, so
+  results stay comparable with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from zerotrain.config import RunConfig, from_dict
+from zerotrain.data.imdb import (
+    LABEL_NAMES,
+    ReviewDataset,
+    balanced_subset,
+    clean_text,
+    collate_reviews,
+    load_split,
+    split_test_in_halves,
+    tokenize_reviews,
+)
+from zerotrain.errors import ConfigError, UserError
+from zerotrain.models.sentiment import SentimentClassifier
+from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
+from zerotrain.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SentimentModelConfig:
+    embed_dim: int = 256
+    """Model width (token embedding and every encoder layer). Must be divisible by num_heads."""
+    hidden_dim: int = 1024
+    """Width of each encoder layer's feed-forward block and of the classification head."""
+    num_heads: int = 8
+    """Attention heads per encoder layer."""
+    num_layers: int = 6
+    """Transformer encoder layers."""
+    max_len: int = 1024
+    """Longest review in tokens, <s> and </s> included; longer reviews are truncated."""
+    dropout: float = 0.2
+    """Dropout after the embeddings, inside each layer and in the head."""
+    init_from_mlm: Optional[str] = None
+    """Start from an MLM run: its model/model.safetensors or the run folder. Every tensor whose name and
+    shape both match one of the classifier (in practice the token embedding and any encoder layers built
+    the same way) is copied; the rest keeps its random initialisation. None: train from scratch."""
+
+    def validate(self) -> None:
+        for name in ("embed_dim", "hidden_dim", "num_heads", "num_layers", "max_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--model.{name}", f"must be >= 1, got {getattr(self, name)}")
+        if self.embed_dim % self.num_heads:
+            raise ConfigError(
+                "--model.embed_dim",
+                f"({self.embed_dim}) must be divisible by --model.num_heads ({self.num_heads})",
+            )
+        if self.embed_dim % 2:
+            raise ConfigError("--model.embed_dim", f"must be even (sine/cosine positions), got {self.embed_dim}")
+        if self.max_len < 3:
+            raise ConfigError("--model.max_len", f"must be >= 3 (<s>, one token, </s>), got {self.max_len}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("--model.dropout", f"must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class SentimentDataConfig:
+    path: str = "stanfordnlp/imdb"
+    """Hub dataset name, or a local folder (train/test as .jsonl.gz, .jsonl, .csv, .parquet, or an aclImdb tree) or file."""
+    tokenizer: str = "roberta-base"
+    """Hub tokenizer name or local folder with tokenizer.json (offline: ../shared/data/roberta-tokenizer)."""
+    max_train_samples: Optional[int] = None
+    """Train on a class-balanced subset of this many reviews, drawn with --trainer.seed (None: all 25,000)."""
+    max_eval_samples: Optional[int] = None
+    """Cap the validation and the test half each at this many class-balanced reviews (None: 12,500 each)."""
+    cache_dir: Optional[str] = "~/.cache/zerotrain"
+    """Folder for cached token ids (keyed by texts, tokenizer and max_len); None disables the cache."""
+    bucket_by_length: bool = False
+    """Group reviews of similar length into the same batches to cut padding (batches stay shuffled)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("--data.path", "must name a hub dataset or a local folder/file")
+        if not self.tokenizer:
+            raise ConfigError("--data.tokenizer", "must name a hub tokenizer or a local folder")
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 2:
+                raise ConfigError(f"--data.{name}", f"must be >= 2 (one review per class) or None, got {value}")
+
+
+@dataclass
+class IMDBConfig(RunConfig):
+    """The IMDB sentiment recipe's config: the shared sections plus model and data."""
+
+    model: SentimentModelConfig = field(default_factory=SentimentModelConfig)
+    """The transformer classifier."""
+    data: SentimentDataConfig = field(default_factory=SentimentDataConfig)
+    """Reviews and tokenizer."""
+
+
+def _safetensors_path(path: str, flag: str) -> Path:
+    p = Path(path).expanduser()
+    if p.is_dir():
+        for candidate in (p / "model" / "model.safetensors", p / "model.safetensors"):
+            if candidate.is_file():
+                return candidate
+        raise UserError(f"{flag}: no model/model.safetensors in {p}. Pass a finished run folder or the .safetensors file")
+    if not p.is_file():
+        raise UserError(f"{flag}: {p} does not exist. Pass a finished run folder or its model/model.safetensors")
+    return p
+
+
+def init_from_mlm(model: nn.Module, path: str) -> int:
+    """Copy from the MLM weights at ``path`` every tensor whose name and shape match ``model``'s.
+
+    Returns how many tensors were copied; raises :class:`UserError` naming --model.init_from_mlm
+    when none match (a copy of nothing is almost certainly a mistake, not a choice).
+    """
+    from safetensors.torch import load_file
+
+    source = load_file(str(_safetensors_path(path, "--model.init_from_mlm")))
+    target = model.state_dict()
+    copied = {k: v for k, v in source.items() if k in target and target[k].shape == v.shape}
+    if not copied:
+        raise UserError(
+            f"--model.init_from_mlm: none of the {len(source)} tensors in {path} matches a classifier tensor "
+            f"by name and shape (classifier names: {', '.join(list(target)[:4])}, ...). "
+            "Check that the MLM run used the same tokenizer and embed_dim"
+        )
+    with torch.no_grad():
+        for k, v in copied.items():
+            target[k].copy_(v)
+    return len(copied)
+
+
+class IMDBTask(Task[IMDBConfig]):
+    """Binary sentiment classification of IMDB reviews with :class:`SentimentClassifier`."""
+
+    name = "imdb"
+
+    @cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.cfg.data.tokenizer)
+
+    def build_model(self) -> nn.Module:
+        m = self.cfg.model
+        model = SentimentClassifier(
+            vocab_size=len(self.tokenizer),
+            embed_dim=m.embed_dim,
+            hidden_dim=m.hidden_dim,
+            num_heads=m.num_heads,
+            num_layers=m.num_layers,
+            max_len=m.max_len,
+            dropout=m.dropout,
+            pad_token_id=self.tokenizer.pad_token_id,
+            activation_checkpointing=self.cfg.strategy.activation_checkpointing,
+        )
+        if m.init_from_mlm:
+            n = init_from_mlm(model, m.init_from_mlm)
+            log.info("copied %d tensors from the MLM model %s", n, m.init_from_mlm)
+        return model
+
+    def _tokenize(self, texts: list[str]) -> list:
+        return tokenize_reviews(texts, self.tokenizer, self.cfg.model.max_len, cache_dir=self.cfg.data.cache_dir)
+
+    def build_datasets(self) -> Splits:
+        d, seed = self.cfg.data, self.cfg.trainer.seed
+        train_texts, train_labels = load_split(d.path, "train")
+        keep = balanced_subset(train_labels, d.max_train_samples, seed)
+        train_texts = [train_texts[i] for i in keep]
+        train_labels = [train_labels[i] for i in keep]
+
+        test_texts, test_labels = load_split(d.path, "test")
+        halves = []
+        for offset, idx in enumerate(split_test_in_halves(len(test_texts), seed)):
+            labels = [test_labels[i] for i in idx]
+            sub = [idx[j] for j in balanced_subset(labels, d.max_eval_samples, seed + 1 + offset)]
+            halves.append(ReviewDataset(self._tokenize([test_texts[i] for i in sub]), [test_labels[i] for i in sub]))
+        return Splits(train=ReviewDataset(self._tokenize(train_texts), train_labels), val=halves[0], test=halves[1])
+
+    def collate(self, examples: list[Any]) -> Batch:
+        return collate_reviews(examples, self.tokenizer.pad_token_id, max_len=self.cfg.model.max_len)
+
+    def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
+        out = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
+        B, T = batch["input_ids"].shape
+        return StepOutput(loss=out["loss"], tokens=B * T, samples=B)
+
+    def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
+        with torch.no_grad():
+            logits = model(batch["input_ids"], batch["attention_mask"])["logits"].float()  # (B, 2)
+            labels = batch["labels"]
+            loss_sum = nn.functional.cross_entropy(logits, labels, reduction="sum")
+            correct = (logits.argmax(dim=-1) == labels).sum()
+        return {"loss_sum": float(loss_sum), "correct": float(correct), "count": float(labels.numel())}
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        count = max(sums.get("count", 0.0), 1.0)
+        return {"loss": sums.get("loss_sum", 0.0) / count, "acc": sums.get("correct", 0.0) / count}
+
+    def example_length(self, example: Any) -> int:
+        return len(example[0])
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        # Attention cost grows with length; the configured max_len is an upper bound on the batches' T.
+        return getattr(model, "module", model).flops_per_token(self.cfg.model.max_len)
+
+
+def predict(
+    run_dir: str | Path,
+    texts: list[str],
+    device: str = "cpu",
+    tokenizer: Optional[str] = None,
+) -> list[tuple[str, float]]:
+    """Classify ``texts`` with the model a finished run exported.
+
+    Reads ``<run_dir>/hparams.json`` and ``<run_dir>/model/model.safetensors``; tokenises with the
+    run's tokenizer (or ``tokenizer``, a folder or hub name, when the run's path no longer resolves)
+    and ``max_len``. Returns ``(label, probability of that label)`` per text, label
+    "negative" or "positive".
+    """
+    from safetensors.torch import load_file
+
+    run_dir = Path(run_dir).expanduser()
+    hparams = run_dir / "hparams.json"
+    weights = run_dir / "model" / "model.safetensors"
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote (runs/imdb.<date>...)")
+    if not hparams.is_file():
+        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder. Pass the folder a training run wrote")
+    if not weights.is_file():
+        raise UserError(
+            f"{weights} is missing: the run did not finish exporting its model. Let it finish (or resume it) and try again"
+        )
+    raw = json.loads(hparams.read_text())
+    # hparams.json may carry extra run metadata next to the config sections; keep only the config.
+    known = {f.name for f in dataclasses.fields(IMDBConfig)}
+    cfg: IMDBConfig = from_dict(IMDBConfig, {k: v for k, v in raw.items() if k in known})
+    if tokenizer is not None:
+        cfg.data.tokenizer = tokenizer
+    cfg.model.init_from_mlm = None  # the exported weights already include whatever it contributed
+    cfg.strategy.activation_checkpointing = False
+
+    task = IMDBTask(cfg)
+    model = task.build_model()
+    state = load_file(str(weights))
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    model.load_state_dict(state)
+    model.to(device).eval()
+
+    ids = tokenize_reviews([clean_text(t) for t in texts], task.tokenizer, cfg.model.max_len)
+    results: list[tuple[str, float]] = []
+    batch_size = 32
+    with torch.no_grad():
+        for start in range(0, len(ids), batch_size):
+            chunk = [(x, 0) for x in ids[start : start + batch_size]]
+            batch = task.collate(chunk)
+            logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))["logits"]  # (B, 2)
+            probs = logits.float().softmax(dim=-1).cpu()  # (B, 2)
+            for p in probs:
+                k = int(p.argmax())
+                results.append((LABEL_NAMES[k], float(p[k])))
+    return results

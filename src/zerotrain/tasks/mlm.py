@@ -1,0 +1,229 @@
+"""The RoBERTa masked-language-model recipe (HelloDeepSpeed's train_bert, on the one zerotrain loop).
+
+Text is packed into full ``<s> ... </s>`` blocks (see :mod:`zerotrain.data.text`) and masked on the
+device at each step (:func:`~zerotrain.data.masking.mask_tokens`), so every epoch sees fresh masks,
+as RoBERTa's dynamic masking does. Training masks draw from torch's global RNG, which checkpoints save;
+evaluation masks draw from a generator seeded by the batch's content, so validation numbers are
+the same on every evaluation, every run and any number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotrain.config import RunConfig
+from zerotrain.data.masking import IGNORE_INDEX, mask_tokens
+from zerotrain.data.text import PackedBlocks, is_local_source, load_packed
+from zerotrain.errors import ConfigError, DataError, UserError
+from zerotrain.models.roberta_mlm import RobertaMLM
+from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
+from zerotrain.tokenizer import load_tokenizer
+
+VAL_HOLDOUT_FRACTION = 0.01
+MAX_PPL_LOSS = 20.0
+"""val_ppl is exp(min(val_loss, 20)): far above any vocabulary's uniform perplexity, never inf in logs."""
+
+
+@dataclass
+class MLMModelConfig:
+    num_layers: int = 6
+    """Encoder layers."""
+    num_heads: int = 8
+    """Attention heads per layer; h_dim must be divisible by it."""
+    h_dim: int = 256
+    """Hidden size (width of the residual stream)."""
+    ff_dim: int = 512
+    """Inner size of the feed-forward block."""
+    dropout: float = 0.1
+    """Dropout on embeddings, attention weights and residual branches."""
+    max_seq_length: int = 512
+    """Tokens per packed block, including <s> and </s>."""
+
+    def validate(self) -> None:
+        for flag, value in (("--model.num_layers", self.num_layers), ("--model.num_heads", self.num_heads),
+                            ("--model.h_dim", self.h_dim), ("--model.ff_dim", self.ff_dim)):
+            if value < 1:
+                raise ConfigError(flag, f"must be >= 1, got {value}")
+        if self.h_dim % self.num_heads:
+            raise ConfigError("--model.h_dim", f"({self.h_dim}) must be divisible by --model.num_heads ({self.num_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("--model.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.max_seq_length < 3:
+            raise ConfigError("--model.max_seq_length", f"must be >= 3 (<s>, a token, </s>), got {self.max_seq_length}")
+
+
+@dataclass
+class MLMDataConfig:
+    train_path: str = "wikitext:wikitext-2-raw-v1"
+    """Training text: a .txt/.txt.xz/.txt.gz/.raw/.jsonl/.jsonl.gz file, a folder of them, or a hub dataset name[:config]."""
+    val_path: Optional[str] = None
+    """Validation text, same forms. Default: the hub dataset's validation split, or the last 1% of the training blocks for local files."""
+    text_field: str = "text"
+    """Field (column) that holds the text in .jsonl files and hub datasets."""
+    tokenizer: str = "roberta-base"
+    """Tokenizer: a hub name or a local folder (e.g. ../shared/data/roberta-tokenizer)."""
+    mask_prob: float = 0.15
+    """Fraction of (non-special) tokens chosen for prediction."""
+    random_replace_prob: float = 0.1
+    """Of the chosen tokens, the fraction replaced by a random token."""
+    unmask_replace_prob: float = 0.1
+    """Of the chosen tokens, the fraction left unchanged (the rest become <mask>)."""
+    max_train_lines: Optional[int] = None
+    """Read only the first N non-blank training lines (None: all)."""
+    max_val_lines: Optional[int] = None
+    """Read only the first N non-blank validation lines (None: all)."""
+    cache_dir: Optional[str] = "~/.cache/zerotrain"
+    """Folder for packed token blocks, reused while the files, tokenizer and max_seq_length are unchanged (None: no cache)."""
+
+    def validate(self) -> None:
+        if not self.train_path:
+            raise ConfigError("--data.train_path", "is required")
+        for flag, value in (("--data.mask_prob", self.mask_prob),
+                            ("--data.random_replace_prob", self.random_replace_prob),
+                            ("--data.unmask_replace_prob", self.unmask_replace_prob)):
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(flag, f"must be in [0, 1], got {value}")
+        if self.random_replace_prob + self.unmask_replace_prob > 1.0:
+            raise ConfigError("--data.random_replace_prob",
+                              f"+ --data.unmask_replace_prob must be <= 1, got "
+                              f"{self.random_replace_prob} + {self.unmask_replace_prob}")
+        for flag, value in (("--data.max_train_lines", self.max_train_lines),
+                            ("--data.max_val_lines", self.max_val_lines)):
+            if value is not None and value < 1:
+                raise ConfigError(flag, f"must be >= 1 (or unset), got {value}")
+
+
+@dataclass
+class MLMConfig(RunConfig):
+    model: MLMModelConfig = field(default_factory=MLMModelConfig)
+    """Encoder dimensions."""
+    data: MLMDataConfig = field(default_factory=MLMDataConfig)
+    """Text, tokenizer and masking."""
+
+
+class MLMTask(Task[MLMConfig]):
+    """Masked-language modelling with a RoBERTa-style encoder. Batches are full packed blocks."""
+
+    name = "mlm"
+
+    def __init__(self, cfg: MLMConfig):
+        super().__init__(cfg)
+        self._tokenizer = None
+        self._special_ids: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            tok = load_tokenizer(self.cfg.data.tokenizer)
+            if tok.mask_token_id is None or tok.bos_token_id is None or tok.eos_token_id is None:
+                raise UserError(f"--data.tokenizer: {self.cfg.data.tokenizer!r} lacks a <mask>, <s> or </s> token, "
+                                "which masked-language modelling needs")
+            self._tokenizer = tok
+        return self._tokenizer
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DataLoader workers pickle the task for collate; device tensors must not travel with it.
+        state = self.__dict__.copy()
+        state["_special_ids"] = {}
+        return state
+
+    def build_model(self) -> nn.Module:
+        m = self.cfg.model
+        pad = self.tokenizer.pad_token_id
+        return RobertaMLM(
+            vocab_size=len(self.tokenizer), num_layers=m.num_layers, num_heads=m.num_heads, h_dim=m.h_dim,
+            ff_dim=m.ff_dim, dropout=m.dropout, max_seq_length=m.max_seq_length,
+            pad_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
+            activation_checkpointing=self.cfg.strategy.activation_checkpointing,
+        )
+
+    def build_datasets(self) -> Splits:
+        d, T = self.cfg.data, self.cfg.model.max_seq_length
+        common = dict(tokenizer=self.tokenizer, max_seq_length=T, text_field=d.text_field, cache_dir=d.cache_dir)
+        train = load_packed(d.train_path, split="train", max_lines=d.max_train_lines, flag="--data.train_path", **common)
+        if d.val_path is not None:
+            val = load_packed(d.val_path, split="validation", max_lines=d.max_val_lines, flag="--data.val_path", **common)
+        elif not is_local_source(d.train_path):
+            val = load_packed(d.train_path, split="validation", max_lines=d.max_val_lines,
+                              flag="--data.train_path", **common)
+        else:
+            if train.shape[0] < 2:
+                raise DataError(f"{d.train_path}: {train.shape[0]} block(s) of {T} tokens is too few to hold out "
+                                "validation blocks; pass --data.val_path or more text")
+            n_val = max(1, int(train.shape[0] * VAL_HOLDOUT_FRACTION))
+            train, val = train[:-n_val], train[-n_val:]
+        return Splits(train=PackedBlocks(train), val=PackedBlocks(val))
+
+    def collate(self, examples: list[torch.Tensor]) -> Batch:
+        input_ids = torch.stack(examples).long()  # (B, T)
+        # Packed blocks are full: no padding, every position is attended to.
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+    def example_length(self, example: torch.Tensor) -> int:
+        return int(example.shape[0])
+
+    def _special_mask(self, batch: Batch) -> torch.Tensor:
+        input_ids = batch["input_ids"]
+        ids = self._special_ids.get(input_ids.device)
+        if ids is None:
+            tok = self.tokenizer
+            specials = {t for t in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) if t is not None}
+            ids = torch.tensor(sorted(specials), device=input_ids.device, dtype=input_ids.dtype)
+            self._special_ids[input_ids.device] = ids
+        return torch.isin(input_ids, ids) | (batch["attention_mask"] == 0)  # (B, T)
+
+    def _mask(self, batch: Batch, generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.cfg.data
+        return mask_tokens(
+            batch["input_ids"], self._special_mask(batch), mask_token_id=self.tokenizer.mask_token_id,
+            vocab_size=len(self.tokenizer), mask_prob=d.mask_prob, random_replace_prob=d.random_replace_prob,
+            unmask_replace_prob=d.unmask_replace_prob, generator=generator,
+        )
+
+    def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
+        masked, labels = self._mask(batch, generator=None)  # (B, T) each
+        out = model(input_ids=masked, attention_mask=batch["attention_mask"], labels=labels)
+        B, T = batch["input_ids"].shape
+        return StepOutput(loss=out["loss"], tokens=B * T, samples=B)
+
+    @staticmethod
+    def _eval_seed(input_ids: torch.Tensor) -> int:
+        """A seed from the batch's content: the same batch gets the same masks wherever it is evaluated."""
+        flat = input_ids.reshape(-1).long()
+        weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
+        return int((flat * weights).sum().item()) % (2**63 - 1)
+
+    @torch.no_grad()
+    def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
+        input_ids = batch["input_ids"]
+        generator = torch.Generator(device=input_ids.device).manual_seed(self._eval_seed(input_ids))
+        masked, labels = self._mask(batch, generator=generator)  # (B, T) each
+        logits = model(input_ids=masked, attention_mask=batch["attention_mask"])["logits"]  # (B, T, V)
+        chosen = labels != IGNORE_INDEX  # (B, T)
+        picked = logits[chosen].float()  # (M, V)
+        target = labels[chosen]  # (M,)
+        loss_sum = F.cross_entropy(picked, target, reduction="sum") if target.numel() else picked.sum()
+        return {
+            "loss_sum": float(loss_sum.item()),
+            "masked": float(target.numel()),
+            "correct": float((picked.argmax(dim=-1) == target).sum().item()),
+        }
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        masked = max(sums.get("masked", 0.0), 1.0)
+        val_loss = sums.get("loss_sum", 0.0) / masked
+        return {
+            "val_loss": val_loss,
+            "val_ppl": math.exp(min(val_loss, MAX_PPL_LOSS)),
+            "val_mlm_acc": sums.get("correct", 0.0) / masked,
+        }
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        # The loop may pass a DeepSpeed engine or DDP wrapper; both keep the model in .module.
+        return getattr(model, "module", model).flops_per_token(self.cfg.model.max_seq_length)

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import torch
+
+from zerotrain.models.roberta_mlm import RobertaMLM
+
+V, L, H, C, F, T, PAD = 50, 2, 4, 16, 32, 12, 1
+
+
+def _model(dropout: float = 0.0, ckpt: bool = False, seed: int = 0) -> RobertaMLM:
+    torch.manual_seed(seed)
+    return RobertaMLM(vocab_size=V, num_layers=L, num_heads=H, h_dim=C, ff_dim=F, dropout=dropout,
+                      max_seq_length=T, pad_token_id=PAD, activation_checkpointing=ckpt)
+
+
+def test_forward_shapes_and_tied_decoder():
+    m = _model()
+    ids = torch.randint(4, V, (3, T))
+    out = m(ids, torch.ones_like(ids))
+    assert out["logits"].shape == (3, T, V)
+    assert out["loss"] is None
+    assert m.lm_head.decoder.weight is m.encoder.token_embedding.weight
+    assert set(m.encoder.state_dict()) >= {"token_embedding.weight", "position_embedding.weight"}
+
+
+def test_loss_ignores_minus_100():
+    m = _model().eval()
+    ids = torch.randint(4, V, (2, T))
+    labels = torch.full_like(ids, -100)
+    labels[0, 3], labels[1, 5] = 7, 9
+    out = m(ids, torch.ones_like(ids), labels=labels)
+    logits = out["logits"]
+    expected = torch.nn.functional.cross_entropy(torch.stack([logits[0, 3], logits[1, 5]]), torch.tensor([7, 9]))
+    torch.testing.assert_close(out["loss"], expected)
+    # Nothing to predict: a zero loss, not NaN.
+    assert m(ids, torch.ones_like(ids), labels=torch.full_like(ids, -100))["loss"].item() == 0.0
+
+
+def test_padding_mask_hides_padded_keys():
+    m = _model().eval()
+    ids = torch.randint(4, V, (1, 7))
+    short = m(ids, torch.ones_like(ids))["logits"]  # (1, 7, V)
+    padded_ids = torch.cat([ids, torch.full((1, 5), PAD)], dim=1)
+    mask = torch.cat([torch.ones(1, 7, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long)], dim=1)
+    padded = m(padded_ids, mask)["logits"]  # (1, 12, V)
+    torch.testing.assert_close(padded[:, :7], short, rtol=1e-5, atol=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(4, V, (2, T))
+    labels = torch.where(torch.rand(2, T) < 0.3, ids, torch.full_like(ids, -100))
+    labels[0, 0] = ids[0, 0]
+    grads = []
+    for ckpt in (False, True):
+        m = _model(ckpt=ckpt).train()
+        m(ids, torch.ones_like(ids), labels=labels)["loss"].backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)
+
+
+def test_activation_checkpointing_with_dropout_matches_too():
+    # Non-reentrant checkpointing restores the RNG, so the recomputed dropout masks match.
+    ids = torch.randint(4, V, (2, T))
+    labels = ids.clone()
+    grads = []
+    for ckpt in (False, True):
+        m = _model(dropout=0.2, ckpt=ckpt).train()
+        torch.manual_seed(123)
+        m(ids, torch.ones_like(ids), labels=labels)["loss"].backward()
+        grads.append(m.encoder.layers[0].ff_in.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_flops_formula_matches_a_hand_count():
+    m = _model()
+    layer = 4 * (C * C + C) + (C * F + F) + (F * C + C) + 2 * (2 * C)  # qkv+out, ffn, two LayerNorms
+    head = (C * C + C) + 2 * C + V  # dense, LayerNorm, decoder bias
+    non_embedding = L * layer + 2 * C + head  # + the embedding LayerNorm
+    assert m.num_params(non_embedding=True) == non_embedding
+    assert m.num_params(non_embedding=False) == non_embedding + V * C + T * C
+    assert m.flops_per_token(T) == 6 * non_embedding + 12 * L * C * T + 6 * C * V
