@@ -29,8 +29,10 @@ def test_loss_ignores_minus_100():
     labels = torch.full_like(ids, -100)
     labels[0, 3], labels[1, 5] = 7, 9
     out = m(ids, torch.ones_like(ids), labels=labels)
-    logits = out["logits"]
-    expected = torch.nn.functional.cross_entropy(torch.stack([logits[0, 3], logits[1, 5]]), torch.tensor([7, 9]))
+    full = m(ids, torch.ones_like(ids))["logits"]  # (B, T, V): every position
+    # With labels the head runs on the labelled positions only, in row-major order.
+    torch.testing.assert_close(out["logits"], torch.stack([full[0, 3], full[1, 5]]))
+    expected = torch.nn.functional.cross_entropy(torch.stack([full[0, 3], full[1, 5]]), torch.tensor([7, 9]))
     torch.testing.assert_close(out["loss"], expected)
     # Nothing to predict: a zero loss, not NaN.
     assert m(ids, torch.ones_like(ids), labels=torch.full_like(ids, -100))["loss"].item() == 0.0
@@ -81,3 +83,4 @@ def test_flops_formula_matches_a_hand_count():
     assert m.num_params(non_embedding=True) == non_embedding
     assert m.num_params(non_embedding=False) == non_embedding + V * C + T * C
     assert m.flops_per_token(T) == 6 * non_embedding + 12 * L * C * T + 6 * C * V
+    assert m.flops_per_token(T, predicted_fraction=0.15) == 6 * non_embedding + 12 * L * C * T + 6 * C * V * 0.15

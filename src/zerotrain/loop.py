@@ -36,6 +36,8 @@ class FitResult:
     final_step: int
     metrics: dict[str, float] = field(default_factory=dict)
     """Last training window, final validation and test metrics, throughput summary."""
+    is_main: bool = True
+    """Whether this process is rank 0 (the one that wrote the run directory)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -250,7 +252,7 @@ def fit(task: Task) -> FitResult:
     tracker.close()
     dist.barrier()
     log.info("done: %s", run_dir)
-    return FitResult(run_dir=run_dir, final_step=step, metrics=summary)
+    return FitResult(run_dir=run_dir, final_step=step, metrics=summary, is_main=info.is_main)
 
 
 def _save(engine: Engine, run_dir: Path, step: int, epoch: int, in_epoch: int, keep_last: int) -> None:

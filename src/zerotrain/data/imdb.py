@@ -248,7 +248,11 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     h = hashlib.sha256(type(tokenizer).__name__.encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        h.update(backend.to_str().encode())
+        spec = json.loads(backend.to_str())
+        # Truncation and padding are call-time state that the last call leaves behind, not identity.
+        spec.pop("truncation", None)
+        spec.pop("padding", None)
+        h.update(json.dumps(spec, sort_keys=True).encode())
     else:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     return h.hexdigest()

@@ -133,15 +133,21 @@ class RobertaMLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 labels: Optional[torch.Tensor] = None) -> dict[str, Optional[torch.Tensor]]:
+        """Without ``labels``: logits for every position, (B, T, V).
+
+        With ``labels``: the head runs on the masked positions only (labels != -100) and ``logits``
+        is (M, V) for those M positions, in row-major order. The vocabulary projection is the
+        largest matmul of a small MLM; skipping the ~85% of positions that carry no loss makes a
+        training step several times cheaper without changing the loss or its gradient.
+        """
         x = self.encoder(input_ids, attention_mask)  # (B, T, C)
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = None
-        if labels is not None:
-            # Sum over masked positions divided by their count, clamped at 1: a micro-batch in which
-            # nothing was masked gives a zero loss (and zero gradient) instead of NaN.
-            loss_sum = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum")
-            loss = loss_sum / (labels != IGNORE_INDEX).sum().clamp(min=1)
+        if labels is None:
+            return {"logits": self.lm_head(x), "loss": None}  # (B, T, V)
+        chosen = labels != IGNORE_INDEX  # (B, T)
+        logits = self.lm_head(x[chosen])  # (M, V)
+        # Mean over masked positions, clamped at 1: a micro-batch in which nothing was masked gives
+        # a zero loss (and zero gradient) instead of NaN.
+        loss = F.cross_entropy(logits.float(), labels[chosen], reduction="sum") / chosen.sum().clamp(min=1)
         return {"logits": logits, "loss": loss}
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -153,16 +159,18 @@ class RobertaMLM(nn.Module):
                 n -= getattr(emb.weight, "ds_numel", emb.weight.numel())
         return n
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:
         """Training FLOPs per token (forward + backward), nanoGPT/PaLM style::
 
-            6 * N + 12 * num_layers * h_dim * seq_len + 6 * h_dim * vocab_size
+            6 * N + 12 * num_layers * h_dim * seq_len + 6 * h_dim * vocab_size * predicted_fraction
 
         where N is the non-embedding parameter count (every parameter except the token and position
         embedding tables: layers, LayerNorms, MLM dense/LayerNorm, decoder bias), the second term is
         the attention score and value matmuls, and the last is the tied decoder matmul, which the
-        parameter term misses because its weight is the (excluded) token embedding.
+        parameter term misses because its weight is the (excluded) token embedding. The head runs
+        only on masked positions in training, so that term is scaled by the fraction of positions
+        predicted (the mask probability).
         """
         return (6.0 * self.num_params(non_embedding=True)
                 + 12.0 * self.num_layers * self.h_dim * seq_len
-                + 6.0 * self.h_dim * self.vocab_size)
+                + 6.0 * self.h_dim * self.vocab_size * predicted_fraction)

@@ -99,4 +99,5 @@ class Task(ABC, Generic[C]):
         from safetensors.torch import save_file
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(out_dir / "model.safetensors"))
+        # clone(): tied weights share storage, which safetensors refuses to write twice.
+        save_file({k: v.detach().cpu().clone().contiguous() for k, v in state_dict.items()}, str(out_dir / "model.safetensors"))

@@ -27,7 +27,7 @@ from zerotrain.tokenizer import load_tokenizer
 
 VAL_HOLDOUT_FRACTION = 0.01
 MAX_PPL_LOSS = 20.0
-"""val_ppl is exp(min(val_loss, 20)): far above any vocabulary's uniform perplexity, never inf in logs."""
+"""ppl is exp(min(loss, 20)): far above any vocabulary's uniform perplexity, never inf in logs."""
 
 
 @dataclass
@@ -204,10 +204,9 @@ class MLMTask(Task[MLMConfig]):
         input_ids = batch["input_ids"]
         generator = torch.Generator(device=input_ids.device).manual_seed(self._eval_seed(input_ids))
         masked, labels = self._mask(batch, generator=generator)  # (B, T) each
-        logits = model(input_ids=masked, attention_mask=batch["attention_mask"])["logits"]  # (B, T, V)
-        chosen = labels != IGNORE_INDEX  # (B, T)
-        picked = logits[chosen].float()  # (M, V)
-        target = labels[chosen]  # (M,)
+        out = model(input_ids=masked, attention_mask=batch["attention_mask"], labels=labels)
+        target = labels[labels != IGNORE_INDEX]  # (M,)
+        picked = out["logits"].float()  # (M, V)
         loss_sum = F.cross_entropy(picked, target, reduction="sum") if target.numel() else picked.sum()
         return {
             "loss_sum": float(loss_sum.item()),
@@ -217,13 +216,15 @@ class MLMTask(Task[MLMConfig]):
 
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         masked = max(sums.get("masked", 0.0), 1.0)
-        val_loss = sums.get("loss_sum", 0.0) / masked
+        loss = sums.get("loss_sum", 0.0) / masked
+        # The loop prefixes these with the split: val_loss, val_ppl, val_mlm_acc.
         return {
-            "val_loss": val_loss,
-            "val_ppl": math.exp(min(val_loss, MAX_PPL_LOSS)),
-            "val_mlm_acc": sums.get("correct", 0.0) / masked,
+            "loss": loss,
+            "ppl": math.exp(min(loss, MAX_PPL_LOSS)),
+            "mlm_acc": sums.get("correct", 0.0) / masked,
         }
 
     def flops_per_token(self, model: nn.Module) -> float:
         # The loop may pass a DeepSpeed engine or DDP wrapper; both keep the model in .module.
-        return getattr(model, "module", model).flops_per_token(self.cfg.model.max_seq_length)
+        return getattr(model, "module", model).flops_per_token(self.cfg.model.max_seq_length,
+                                                              predicted_fraction=self.cfg.data.mask_prob)

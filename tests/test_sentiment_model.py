@@ -1,0 +1,124 @@
+"""SentimentClassifier: padding invariance, shapes, checkpointing, learning a toy task, MLM init."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from zerotrain.data.imdb import collate_reviews
+from zerotrain.errors import ConfigError, UserError
+from zerotrain.models.sentiment import SentimentClassifier
+from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig, init_from_mlm
+
+PAD = 1
+
+
+def tiny_model(**kw) -> SentimentClassifier:
+    args = dict(vocab_size=40, embed_dim=32, hidden_dim=64, num_heads=4, num_layers=2, max_len=64,
+                dropout=0.1, pad_token_id=PAD)
+    args.update(kw)
+    return SentimentClassifier(**args)
+
+
+def test_padding_does_not_change_logits():
+    torch.manual_seed(0)
+    model = tiny_model().eval()
+    review = torch.tensor([[0, 9, 10, 6, 2]])
+    alone = model(review, torch.ones_like(review))["logits"]
+    batch = collate_reviews([(review[0].numpy(), 1), (np.arange(4, 24), 0)], pad_token_id=PAD)
+    assert batch["input_ids"].shape == (2, 24)
+    with torch.no_grad():  # the fused fast path of nn.TransformerEncoder runs under no_grad in eval
+        padded = model(batch["input_ids"], batch["attention_mask"])["logits"]
+    torch.testing.assert_close(padded[:1], alone, atol=1e-5, rtol=1e-4)
+
+
+def test_shapes_loss_and_flops():
+    model = tiny_model()
+    ids = torch.randint(3, 40, (3, 16))
+    out = model(ids, torch.ones_like(ids), labels=torch.tensor([0, 1, 1]))
+    assert out["logits"].shape == (3, 2) and out["loss"].ndim == 0
+    assert "positions" not in model.state_dict()  # a fixed buffer, kept out of exported weights
+    n = sum(p.numel() for p in model.parameters()) - 40 * 32
+    assert model.flops_per_token(16) == 6 * n + 12 * 2 * 32 * 16
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.zeros(1, 65, dtype=torch.long), torch.ones(1, 65))
+
+
+def test_activation_checkpointing_gives_same_grads():
+    torch.manual_seed(0)
+    plain = tiny_model(dropout=0.0)
+    ckpt = tiny_model(dropout=0.0, activation_checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    batch = collate_reviews([(np.arange(3, 12), 1), (np.arange(5, 9), 0)], pad_token_id=PAD)
+    for m in (plain, ckpt):
+        m.train()
+        m(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])["loss"].backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_learns_a_separable_toy_task():
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    pos, neg, filler = [9, 10, 14], [11, 12, 13], [4, 5, 6, 7, 15, 16]  # great good wonderful / bad awful terrible
+    def review(label):
+        words = [rng.choice(pos if label else neg) for _ in range(rng.randint(1, 3))]
+        words += [rng.choice(filler) for _ in range(rng.randint(2, 12))]
+        rng.shuffle(words)
+        return np.array([0] + words + [2]), label
+    data = [review(i % 2) for i in range(256)]
+    model = tiny_model(dropout=0.0)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    model.train()
+    for step in range(40):
+        batch = collate_reviews(rng.sample(data, 32), pad_token_id=PAD)
+        loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    test = collate_reviews([review(i % 2) for i in range(200)], pad_token_id=PAD)
+    with torch.no_grad():
+        acc = (model(test["input_ids"], test["attention_mask"])["logits"].argmax(-1) == test["labels"]).float().mean()
+    assert acc > 0.9
+
+
+def test_init_from_mlm_copies_matching_tensors(tmp_path, tiny_tokenizer_dir):
+    from safetensors.torch import save_file
+
+    cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=32, hidden_dim=64, num_heads=4, num_layers=1, max_len=32))
+    cfg.data.tokenizer = str(tiny_tokenizer_dir)
+    donor = IMDBTask(cfg).build_model()
+    mlm = {
+        "token_embedding.weight": donor.token_embedding.weight.detach().clone(),
+        "lm_head.bias": torch.zeros(36),  # MLM-only tensor: ignored
+        "head.0.weight": torch.zeros(3, 3),  # name matches, shape does not: ignored
+    }
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    save_file(mlm, str(tmp_path / "run" / "model" / "model.safetensors"))
+
+    cfg.model.init_from_mlm = str(tmp_path / "run")
+    model = IMDBTask(cfg).build_model()
+    torch.testing.assert_close(model.token_embedding.weight, donor.token_embedding.weight)
+    assert init_from_mlm(model, str(tmp_path / "run" / "model" / "model.safetensors")) == 1
+
+    save_file({"unrelated.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(UserError, match="--model.init_from_mlm"):
+        init_from_mlm(model, str(tmp_path / "other.safetensors"))
+    with pytest.raises(UserError, match="--model.init_from_mlm"):
+        init_from_mlm(model, str(tmp_path / "missing"))
+
+
+def test_config_validation_names_flags():
+    with pytest.raises(ConfigError, match="--model.embed_dim"):
+        SentimentModelConfig(embed_dim=30, num_heads=4).validate()
+    with pytest.raises(ConfigError, match="--model.dropout"):
+        SentimentModelConfig(dropout=1.0).validate()
+    cfg = IMDBConfig()
+    cfg.trainer.epochs = 1
+    cfg.data.max_train_samples = 1
+    with pytest.raises(ConfigError, match="--data.max_train_samples"):
+        cfg.validate()
