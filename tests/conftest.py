@@ -50,3 +50,15 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data not found at {SHARED_DATA} (integration tests need ../shared/data beside the clone)")
     return SHARED_DATA
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests run on the GPU machine; elsewhere they are skipped with the reason."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

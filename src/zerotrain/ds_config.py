@@ -191,6 +191,13 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
     resolved = fill(user, "")
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "steps_per_print"):
         resolved.setdefault(key, generated[key])
+    # An "auto" (or absent) train_batch_size follows the file's own micro-batch and accumulation, which
+    # may be explicit and differ from the typed config's.
+    micro, gas = resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"]
+    if user.get("train_batch_size", "auto") == "auto" and isinstance(micro, int) and isinstance(gas, int):
+        world = generated["train_batch_size"] // (
+            generated["train_micro_batch_size_per_gpu"] * generated["gradient_accumulation_steps"])
+        resolved["train_batch_size"] = micro * gas * world
     if "optimizer" not in resolved:
         resolved["optimizer"] = copy.deepcopy(generated["optimizer"])
     return resolved

@@ -1,0 +1,30 @@
+"""``zerotrain benchmark RECIPE --strategies zero0,zero1,... [--nproc 1,2] --out DIR [fit flags]``.
+
+Runs one ``zerotrain fit`` per strategy and process count and writes ``DIR/benchmark.json`` and
+``DIR/benchmark.md``. Flags it does not know are passed to every fit (e.g. ``--config FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from zerotrain.benchmark import STRATEGIES, run_sweep
+from zerotrain.errors import UserError
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="zerotrain benchmark", description=__doc__.split("\n\n")[1])
+    parser.add_argument("recipe")
+    parser.add_argument("--strategies", default="zero0,zero1,zero2,zero3",
+                        help=f"comma-separated, from: {', '.join(STRATEGIES)}")
+    parser.add_argument("--nproc", default="1", help="comma-separated process (GPU) counts, e.g. 1,2")
+    parser.add_argument("--out", default="benchmarks/results/latest", help="folder for benchmark.json/.md and runs/")
+    args, fit_args = parser.parse_known_args(argv)
+    try:
+        nprocs = [int(n) for n in args.nproc.split(",")]
+    except ValueError:
+        raise UserError(f"--nproc must be comma-separated integers, got {args.nproc!r}") from None
+    result = run_sweep(args.recipe, args.strategies.split(","), nprocs, Path(args.out), fit_args)
+    print((Path(args.out) / "benchmark.md").read_text())
+    return 1 if all("error" in r for r in result["rows"]) else 0

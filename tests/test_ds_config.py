@@ -1,0 +1,412 @@
+"""The DeepSpeed JSON: generated per ZeRO stage, offload and precision; user files read, resolved, validated."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import zerotrain
+from zerotrain.config import OptimizerConfig, StrategyConfig, TrainerConfig
+from zerotrain.ds_config import (
+    batch_shape,
+    build_ds_config,
+    load_user_config,
+    make_ds_config,
+    precision_of,
+    resolve_auto,
+    resolve_precision,
+    validate_ds_config,
+)
+from zerotrain.errors import ConfigError, UserError
+from zerotrain.tasks.toy import ToyConfig
+
+PRESETS = sorted((Path(zerotrain.__file__).parent / "presets").glob("*.json"))
+
+
+def make_cfg(micro: int = 4, gas: int = 2, **strategy: Any) -> ToyConfig:
+    return ToyConfig(
+        optimizer=OptimizerConfig(lr=3e-4, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05),
+        strategy=StrategyConfig(gradient_accumulation_steps=gas, gradient_clipping=0.5, **strategy),
+        trainer=TrainerConfig(micro_batch_size=micro, max_steps=10),
+    )
+
+
+def write(tmp_path: Path, text: str, name: str = "ds.json") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def find_auto(node: Any, path: str = "") -> list[str]:
+    """Dotted paths of every "auto" string left in a nested dict/list."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in find_auto(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in find_auto(v, f"{path}[{i}]")]
+    return [path] if node == "auto" else []
+
+
+# --- build_ds_config -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage(stage):
+    ds = build_ds_config(make_cfg(zero_stage=stage), world_size=2, device="cuda", precision="bf16")
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == stage
+    assert ("allgather_bucket_size" in zero) == (stage in (1, 2))
+    assert ("stage3_gather_16bit_weights_on_model_save" in zero) == (stage == 3)
+    if stage == 3:
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert "offload_optimizer" not in zero and "offload_param" not in zero
+    assert zero["reduce_bucket_size"] == StrategyConfig().reduce_bucket_size
+    validate_ds_config(ds, world_size=2)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("device, pinned", [("cuda", True), ("cpu", False)])
+def test_cpu_optimizer_offload(stage, device, pinned):
+    ds = build_ds_config(make_cfg(zero_stage=stage, offload_optimizer="cpu"), 1, device, "fp32")
+    zero = ds["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": pinned}
+    assert "offload_param" not in zero
+    # DeepSpeedCPUAdam runs the step under offload, never torch's Adam.
+    assert ds["optimizer"]["params"]["torch_adam"] is False
+    validate_ds_config(ds, 1)
+
+
+def test_cpu_param_and_optimizer_offload_stage3():
+    ds = build_ds_config(make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="cpu"), 2, "cuda", "bf16")
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    validate_ds_config(ds, 2)
+
+
+def test_nvme_offload_carries_the_path():
+    cfg = make_cfg(zero_stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path="/local_nvme")
+    cfg.validate()
+    zero = build_ds_config(cfg, 1, "cuda", "fp16")["zero_optimization"]
+    for key in ("offload_optimizer", "offload_param"):
+        assert zero[key] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_precision_blocks(precision):
+    ds = build_ds_config(make_cfg(), 1, "cuda", precision)
+    assert ds["fp16"]["enabled"] is (precision == "fp16")
+    assert ds["bf16"]["enabled"] is (precision == "bf16")
+    assert precision_of(ds) == precision
+    if precision != "fp16":
+        assert ds["fp16"] == {"enabled": False}
+
+
+def test_fp16_block_follows_the_config():
+    cfg = make_cfg(initial_scale_power=12, loss_scale_window=250, hysteresis=3, min_loss_scale=0.5)
+    fp16 = build_ds_config(cfg, 1, "cuda", "fp16")["fp16"]
+    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 250,
+                    "hysteresis": 3, "min_loss_scale": 0.5}
+
+
+@pytest.mark.parametrize("micro, gas, world", [(1, 1, 1), (4, 2, 1), (3, 5, 4), (8, 1, 16)])
+def test_batch_rule(micro, gas, world):
+    ds = build_ds_config(make_cfg(micro=micro, gas=gas), world, "cuda", "bf16")
+    assert ds["train_micro_batch_size_per_gpu"] == micro
+    assert ds["gradient_accumulation_steps"] == gas
+    assert ds["train_batch_size"] == micro * gas * world
+    validate_ds_config(ds, world)
+
+
+def test_optimizer_and_clipping_from_config():
+    ds = build_ds_config(make_cfg(), 1, "cuda", "bf16")
+    assert ds["optimizer"]["type"] == "AdamW"
+    assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.05,
+                                         "torch_adam": False, "adam_w_mode": True}
+    assert ds["gradient_clipping"] == 0.5
+    cfg = make_cfg()
+    cfg.optimizer.name = "adam"
+    ds = build_ds_config(cfg, 1, "cuda", "bf16")
+    assert ds["optimizer"]["type"] == "Adam" and ds["optimizer"]["params"]["adam_w_mode"] is False
+    json.dumps(ds)  # it is written to the run directory as JSON
+
+
+@pytest.mark.parametrize("device, offload, expected", [
+    ("cpu", "none", True), ("cpu", "cpu", False), ("cuda", "none", False), ("cuda", "cpu", False),
+])
+def test_torch_adam_only_on_cpu_without_offload(device, offload, expected):
+    ds = build_ds_config(make_cfg(zero_stage=2, offload_optimizer=offload), 1, device, "fp32")
+    assert ds["optimizer"]["params"]["torch_adam"] is expected
+
+
+def test_build_is_pure():
+    cfg = make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")
+    before = copy.deepcopy(cfg)
+    a = build_ds_config(cfg, 4, "cuda", "fp16")
+    b = build_ds_config(cfg, 4, "cuda", "fp16")
+    assert a == b and a is not b
+    assert cfg == before
+    a["optimizer"]["params"]["betas"].append(0.0)  # no list shared with the config
+    assert cfg.optimizer.betas == (0.8, 0.95)
+    assert build_ds_config(cfg, 4, "cuda", "fp16") == b
+
+
+# --- resolve_precision -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("requested, device, bf16_ok, expected", [
+    ("auto", "cuda", True, "bf16"),
+    ("auto", "cuda", False, "fp16"),
+    ("auto", "cpu", False, "fp32"),
+    ("auto", "cpu", True, "fp32"),
+    ("fp32", "cuda", True, "fp32"),
+    ("fp16", "cuda", True, "fp16"),
+    ("bf16", "cuda", True, "bf16"),
+    ("bf16", "cpu", False, "bf16"),
+])
+def test_resolve_precision(requested, device, bf16_ok, expected):
+    assert resolve_precision(requested, device, bf16_ok) == expected
+
+
+@pytest.mark.parametrize("requested, device, bf16_ok", [("fp16", "cpu", False), ("bf16", "cuda", False)])
+def test_resolve_precision_rejects(requested, device, bf16_ok):
+    with pytest.raises(ConfigError, match=r"^--strategy\.precision "):
+        resolve_precision(requested, device, bf16_ok)
+
+
+# --- load_user_config ------------------------------------------------------------------------------------------
+
+def test_load_hjson_with_comments(tmp_path):
+    path = write(tmp_path, """# a leading comment line, as in the shipped presets
+{
+    // DeepSpeed allows these comments too
+    "train_micro_batch_size_per_gpu": 2,  // trailing comment
+    "zero_optimization": {"stage": 2},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}
+}
+""")
+    assert load_user_config(path) == {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+                                      "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    assert load_user_config(str(path)) == load_user_config(path)
+
+
+def test_load_missing_file(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(UserError) as err:
+        load_user_config(missing)
+    assert "--strategy.deepspeed_config" in str(err.value) and "nope.json" in str(err.value)
+
+
+@pytest.mark.parametrize("text", ['{"zero_optimization": {"stage": 2}', '{"a": }', "[1, 2]"])
+def test_load_malformed(tmp_path, text):
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as err:
+        load_user_config(path)
+    assert "--strategy.deepspeed_config" in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
+def test_presets_load(preset):
+    loaded = load_user_config(preset)
+    assert find_auto(loaded), "a preset is expected to hold \"auto\" values"
+    assert loaded["zero_optimization"]["stage"] in (2, 3)
+
+
+# --- resolve_auto ----------------------------------------------------------------------------------------------
+
+def test_presets_shipped():
+    assert {p.name for p in PRESETS} >= {"ds_zero2_offload.json", "ds_zero3.json", "ds_zero3_offload.json"}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
+def test_resolve_auto_presets(preset, precision):
+    user = load_user_config(preset)
+    stage = user["zero_optimization"]["stage"]
+    cfg = make_cfg(micro=3, gas=2, zero_stage=stage)
+    generated = build_ds_config(cfg, 2, "cuda", precision)
+    user_before = copy.deepcopy(user)
+    ds = resolve_auto(user, generated, {"total_num_steps": 100, "warmup_num_steps": 10})
+    assert user == user_before
+    assert find_auto(ds) == []
+    params = ds["optimizer"]["params"]
+    assert params["lr"] == 3e-4
+    assert params["betas"] == [0.8, 0.95]
+    assert params["eps"] == 1e-7
+    assert params["weight_decay"] == 0.05
+    assert ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 3 * 2 * 2
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["fp16"]["enabled"] is (precision == "fp16")
+    assert ds["bf16"]["enabled"] is (precision == "bf16")
+    # Explicit values in the file win over the generated ones.
+    assert ds["zero_optimization"] == user["zero_optimization"]
+    assert ds["fp16"]["loss_scale_window"] == user["fp16"]["loss_scale_window"]
+    assert ds["optimizer"]["type"] == "AdamW"
+    validate_ds_config(ds, 2)
+    assert precision_of(ds) == precision
+
+
+def test_resolve_auto_keeps_explicit_values():
+    generated = build_ds_config(make_cfg(micro=4, gas=2), 1, "cuda", "bf16")
+    user = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.5, 0.6], "eps": "auto"}},
+            "gradient_clipping": 2.0, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+            "train_batch_size": 8, "zero_optimization": {"stage": 1, "reduce_bucket_size": 1234}}
+    ds = resolve_auto(user, generated)
+    assert ds["optimizer"] == {"type": "Adam", "params": {"lr": 1e-2, "betas": [0.5, 0.6], "eps": 1e-7}}
+    assert ds["gradient_clipping"] == 2.0
+    assert ds["zero_optimization"] == {"stage": 1, "reduce_bucket_size": 1234}
+
+
+def test_resolve_auto_fills_missing_loop_keys_and_optimizer():
+    generated = build_ds_config(make_cfg(micro=4, gas=2), 2, "cuda", "bf16")
+    ds = resolve_auto({"zero_optimization": {"stage": 2}}, generated)
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 16
+    assert ds["optimizer"] == generated["optimizer"]
+    assert ds["optimizer"] is not generated["optimizer"]
+    validate_ds_config(ds, 2)
+
+
+@pytest.mark.parametrize("user", [
+    {"train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto"},
+    {"train_micro_batch_size_per_gpu": 2},
+    {"gradient_accumulation_steps": 5, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"},
+])
+def test_auto_train_batch_size_follows_explicit_micro_and_accumulation(user):
+    world = 2
+    generated = build_ds_config(make_cfg(micro=4, gas=1), world, "cuda", "bf16")
+    ds = resolve_auto(user, generated)
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
+    validate_ds_config(ds, world)
+
+
+@pytest.mark.parametrize("user, key", [
+    ({"foo": {"bar": "auto"}}, "foo.bar"),
+    ({"zero_optimization": {"stage": 2, "no_such_knob": "auto"}}, "zero_optimization.no_such_knob"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+     "scheduler.params.total_num_steps"),  # no `extra` given: nothing to fill it from
+])
+def test_resolve_auto_unknown_key(user, key):
+    generated = build_ds_config(make_cfg(), 1, "cuda", "bf16")
+    with pytest.raises(ConfigError) as err:
+        resolve_auto(user, generated)
+    assert err.value.flag == key
+    assert str(err.value).startswith(key + " ") and "--strategy.deepspeed_config" in str(err.value)
+
+
+def test_resolve_auto_scheduler_from_extra():
+    generated = build_ds_config(make_cfg(), 1, "cuda", "bf16")
+    user = {"scheduler": {"type": "WarmupDecayLR", "params": {
+        "warmup_num_steps": "auto", "total_num_steps": "auto", "warmup_max_lr": "auto", "warmup_min_lr": "auto"}}}
+    ds = resolve_auto(user, generated, {"total_num_steps": 500, "warmup_num_steps": 25, "min_lr_ratio": 0.1})
+    assert ds["scheduler"] == {"type": "WarmupDecayLR", "params": {
+        "warmup_num_steps": 25, "total_num_steps": 500, "warmup_max_lr": 3e-4, "warmup_min_lr": 0.0}}
+
+
+def test_resolve_auto_hidden_size_buckets():
+    generated = build_ds_config(make_cfg(zero_stage=3), 1, "cuda", "bf16")
+    user = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}
+    zero = resolve_auto(user, generated, {"hidden_size": 100})["zero_optimization"]
+    assert zero == {"stage": 3, "reduce_bucket_size": 10_000, "stage3_prefetch_bucket_size": 9_000,
+                    "stage3_param_persistence_threshold": 1_000}
+
+
+# --- validate_ds_config ----------------------------------------------------------------------------------------
+
+def _valid() -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 8,
+            "zero_optimization": {"stage": 2}}
+
+
+def test_validate_batch_rule_shows_the_numbers():
+    ds = _valid()
+    ds["train_batch_size"] = 100
+    with pytest.raises(ConfigError) as err:
+        validate_ds_config(ds, world_size=3)
+    message = str(err.value)
+    assert err.value.flag == "train_batch_size"
+    assert "= 100" in message and "4 x 2 x 3 = 24" in message
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train_micro_batch_size_per_gpu", 0), ("gradient_accumulation_steps", "auto"), ("train_batch_size", None),
+])
+def test_validate_batch_values_are_positive_ints(key, value):
+    ds = _valid()
+    ds[key] = value
+    with pytest.raises(ConfigError) as err:
+        validate_ds_config(ds, 1)
+    assert err.value.flag == key
+
+
+def test_validate_fp16_and_bf16():
+    ds = {**_valid(), "fp16": {"enabled": True}, "bf16": {"enabled": True}}
+    with pytest.raises(ConfigError) as err:
+        validate_ds_config(ds, 1)
+    assert str(err.value).startswith("fp16.enabled ") and "bf16.enabled" in str(err.value)
+    ds["bf16"]["enabled"] = False
+    validate_ds_config(ds, 1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_validate_param_offload_needs_stage3(stage):
+    ds = {**_valid(), "zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"}}}
+    with pytest.raises(ConfigError) as err:
+        validate_ds_config(ds, 1)
+    assert err.value.flag == "zero_optimization.offload_param" and f"stage is {stage}" in str(err.value)
+
+
+def test_validate_optimizer_offload_needs_a_stage():
+    ds = {**_valid(), "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}
+    with pytest.raises(ConfigError) as err:
+        validate_ds_config(ds, 1)
+    assert err.value.flag == "zero_optimization.offload_optimizer"
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+    validate_ds_config(ds, 1)
+
+
+def test_validate_bad_stage():
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.stage "):
+        validate_ds_config({**_valid(), "zero_optimization": {"stage": 4}}, 1)
+
+
+# --- make_ds_config and batch_shape ----------------------------------------------------------------------------
+
+def test_make_ds_config_from_shipped_preset():
+    preset = next(p for p in PRESETS if p.name == "ds_zero2_offload.json")
+    cfg = make_cfg(micro=2, gas=3, deepspeed_config=str(preset))  # typed stage 0: the file's stage wins
+    ds = make_ds_config(cfg, 2, "cuda", "bf16", {"total_num_steps": 10, "warmup_num_steps": 0})
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 2
+    assert zero["offload_optimizer"]["device"] == "cpu"
+    assert "offload_param" not in zero
+    assert ds["train_batch_size"] == 2 * 3 * 2
+    assert ds["bf16"]["enabled"] is True and ds["fp16"]["enabled"] is False
+    assert find_auto(ds) == []
+
+
+def test_make_ds_config_without_file_is_the_generated_one():
+    cfg = make_cfg(zero_stage=1)
+    assert make_ds_config(cfg, 2, "cpu", "fp32") == build_ds_config(cfg, 2, "cpu", "fp32")
+
+
+def test_make_ds_config_validates_a_user_file(tmp_path):
+    path = write(tmp_path, '{"fp16": {"enabled": true}, "bf16": {"enabled": true}}')
+    with pytest.raises(ConfigError, match=r"^fp16\.enabled "):
+        make_ds_config(make_cfg(deepspeed_config=str(path)), 1, "cuda", "bf16")
+
+
+def test_batch_shape_reads_a_user_file(tmp_path):
+    path = write(tmp_path, '# mine\n{"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 5}')
+    assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (6, 5)
+    path = write(tmp_path, '{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 3}', "b.json")
+    assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (4, 3)
+    path = write(tmp_path, '{"zero_optimization": {"stage": 1}}', "c.json")
+    assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (4, 2)
+    assert batch_shape(make_cfg(micro=4, gas=2)) == (4, 2)
