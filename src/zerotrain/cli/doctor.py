@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -12,11 +13,14 @@ def run(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: zerotrain doctor [--json]\n\nReport versions, GPUs, compilers and DeepSpeed op build readiness.")
         return 0
-    info = report()
     if "--json" in argv:
+        # DeepSpeed logs to stdout (its accelerator warning on import); keep stdout pure JSON for `| jq`.
+        with contextlib.redirect_stdout(sys.stderr):
+            info = report()
         json.dump(info, sys.stdout, indent=2, default=str)
         print()
         return 0
+    info = report()
     for section, values in info.items():
         print(f"{section}:")
         if isinstance(values, dict):
