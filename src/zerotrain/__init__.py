@@ -1,0 +1,15 @@
+"""zerotrain: train transformer models on DeepSpeed ZeRO with one command and no hand-written JSON."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+
+def fit(task):
+    """Train ``task`` (a :class:`zerotrain.tasks.base.Task`); see :func:`zerotrain.loop.fit`."""
+    from zerotrain.loop import fit as _fit
+
+    return _fit(task)
+
+
+__all__ = ["fit", "__version__"]

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
+# data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
+#   bash benchmarks/gpu_suite.sh tests|mlm|imdb_b|imdb_sweep|lora
+set -uo pipefail
+OUT=${OUT:-benchmarks/results}
+D=${DATA:-.data}
+TOK=$D/roberta-tokenizer
+z() { python3 -m zerotrain "$@"; }
+
+for part in "$@"; do
+  mkdir -p "$OUT/$part"
+  case $part in
+    tests)
+      z doctor > "$OUT/tests/doctor.txt" 2>&1
+      python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;
+    mlm)  # HelloDeepSpeed's model (6 layers, 8 heads, h 256, ff 512, seq 512), micro-batch 8, bf16
+      z benchmark mlm --strategies zero1_offload,zero0,zero1,zero2,zero3 --out "$OUT/mlm" \
+        --data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz" \
+        --data.tokenizer "$TOK" --data.max_train_lines 40000 --data.max_val_lines 2000 \
+        --trainer.micro_batch_size 8 --trainer.max_steps 300 --trainer.log_every_steps 50 \
+        --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 50 --strategy.precision bf16 \
+        --scheduler.name warmup_linear --scheduler.warmup_steps 30 --optimizer.lr 1e-4 | tail -n 12 ;;
+    imdb_b)  # the tutorial's preset (b), full data, 5 epochs, one GPU
+      z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
+        --trainer.output_dir "$OUT/imdb_b/runs" --trainer.run_name imdb_b --strategy.zero_stage 0 \
+        --logging.progress_bar false > "$OUT/imdb_b/log.txt" 2>&1; echo "imdb_b rc=$?"
+      cp "$OUT/imdb_b/runs/imdb_b/summary.json" "$OUT/imdb_b/summary.json"; tail -n 3 "$OUT/imdb_b/log.txt" ;;
+    imdb_sweep)  # the tutorial's comparison: preset (b), 300 steps per strategy
+      z benchmark imdb --strategies ddp,zero0,zero1,zero2,zero3,zero2_offload --nproc 1 --out "$OUT/imdb_sweep1" \
+        --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 300 \
+        --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 20 | tail -n 10
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        z benchmark imdb --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/imdb_sweep2" \
+          --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 300 \
+          --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 20 | tail -n 6
+      fi ;;
+    lora)  # ~1.2B Llama from a config, LoRA r=8 on q/v, bf16, 512-token IMDB prompts
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
+      FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
+             --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
+             --trainer.max_steps 40 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 5
+             --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
+             --checkpoint.save_final false)
+      z benchmark lora --strategies zero2,zero3 --out "$OUT/lora" "${FLAGS[@]}" | tail -n 6
+      z benchmark lora --strategies zero2 --out "$OUT/lora_offload" "${FLAGS[@]}" \
+        --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json | tail -n 4
+      python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora/hf_trainer.json" -- "${FLAGS[@]}" \
+        --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json > "$OUT/lora/hf_trainer.log" 2>&1
+      echo "hf_trainer rc=$?"; tail -n 12 "$OUT/lora/hf_trainer.log" ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+done

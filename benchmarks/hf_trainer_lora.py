@@ -1,0 +1,99 @@
+"""The comparison row for the LoRA benchmark: the same model, data and DeepSpeed JSON through the
+Hugging Face Trainer, measured the way zerotrain measures (synchronised clock, warm-up steps excluded).
+
+    python benchmarks/hf_trainer_lora.py --out ROW.json -- <the zerotrain fit lora flags>
+
+The model and the tokenised data come from zerotrain's LoRA task, so the two rows differ only
+in the training loop and engine set-up around them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--warmup", type=int, default=3)
+    args, rest = p.parse_known_args()
+    fit_flags = rest[1:] if rest[:1] == ["--"] else rest
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from zerotrain.cli.fit import parse_config
+    from zerotrain.distributed import sanitize_cuda_arch_list
+    from zerotrain.loop import seed_everything
+    from zerotrain.metrics import peak_tflops
+    from zerotrain.tasks.lora import LoRATask
+
+    sanitize_cuda_arch_list()
+    cfg = parse_config("lora", fit_flags).validate()
+    task = LoRATask(cfg)
+    seed_everything(cfg.trainer.seed)
+    splits = task.build_datasets()
+    model = task.build_model()
+    flops_per_token = task.flops_per_token(model)
+    tr, st = cfg.trainer, cfg.strategy
+    precision = "bf16" if st.precision in ("auto", "bf16") else st.precision
+
+    class Meter(TrainerCallback):
+        def __init__(self):
+            self.t0, self.steps, self.tokens, self.seen = None, 0, 0, 0
+
+        def on_step_begin(self, a, state, control, **kw):
+            if self.seen == args.warmup:
+                torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.seen += 1
+            if self.seen > args.warmup:
+                self.steps += 1
+
+    meter = Meter()
+    tokens_per_step = []
+
+    def collate(examples):
+        batch = task.collate(examples)
+        tokens_per_step.append(batch["input_ids"].numel())
+        return batch
+
+    targs = TrainingArguments(
+        output_dir="/tmp/hf_trainer_lora", per_device_train_batch_size=tr.micro_batch_size,
+        gradient_accumulation_steps=st.gradient_accumulation_steps, learning_rate=cfg.optimizer.lr,
+        weight_decay=cfg.optimizer.weight_decay, max_grad_norm=st.gradient_clipping, max_steps=tr.max_steps,
+        warmup_steps=cfg.scheduler.warmup_steps, lr_scheduler_type="constant_with_warmup", bf16=precision == "bf16",
+        fp16=precision == "fp16", logging_steps=10, save_strategy="no", report_to=[], seed=tr.seed,
+        deepspeed=st.deepspeed_config, dataloader_num_workers=tr.num_workers, remove_unused_columns=False,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=splits.train, data_collator=collate, callbacks=[meter])
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - meter.t0
+    gas = st.gradient_accumulation_steps
+    measured_tokens = sum(tokens_per_step[args.warmup * gas:(args.warmup + meter.steps) * gas])
+    name = torch.cuda.get_device_name()
+    tflops = flops_per_token * measured_tokens / seconds / 1e12
+    peak = peak_tflops(name, precision)
+    row = {
+        "strategy": "hf_trainer", "nproc": 1, "world_size": 1, "device": name,
+        "deepspeed_config": st.deepspeed_config, "command": " ".join(["python", *sys.argv]),
+        "throughput_sec_per_step": seconds / meter.steps, "throughput_tokens_per_s": measured_tokens / seconds,
+        "throughput_tflops_per_gpu": tflops, "throughput_mfu": tflops / peak if peak else None,
+        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "measured_steps": meter.steps,
+    }
+    with open(args.out, "w") as f:
+        json.dump(row, f, indent=2)
+    print(json.dumps(row, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Turn IMDB reviews into prompt/target records for the LoRA benchmark (input: the review, target: its label).
+
+    python benchmarks/make_sft_data.py ../shared/data/imdb/train.jsonl.gz OUT.jsonl --n 4000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("imdb_jsonl_gz")
+    p.add_argument("out")
+    p.add_argument("--n", type=int, default=4000)
+    args = p.parse_args()
+    with gzip.open(args.imdb_jsonl_gz, "rt", encoding="utf-8", newline="\n") as f:
+        rows = [json.loads(line) for line in f.read().split("\n") if line.strip()]
+    # The file is sorted by label: interleave so any prefix is balanced.
+    neg, pos = [r for r in rows if r["label"] == 0], [r for r in rows if r["label"] == 1]
+    mixed = [r for pair in zip(neg, pos) for r in pair][: args.n]
+    with open(args.out, "w") as out:
+        for r in mixed:
+            text = r["text"].replace("<br />", " ")
+            record = {"input": f"Review: {text}\nSentiment:", "target": " positive" if r["label"] else " negative"}
+            out.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Checks that need a CUDA GPU. Run on the GPU machine: ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.gpu
+
+
+def _fit(tmp_path: Path, *flags: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "zerotrain", "fit", "toy", "--trainer.max_steps", "6",
+                           "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path),
+                           "--trainer.run_name", "gpu", "--logging.progress_bar", "false", *flags],
+                          env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_hopper_arch_list_does_not_break_the_op_build(tmp_path):
+    """TORCH_CUDA_ARCH_LIST=9.0a (set by Hopper images) must not reach DeepSpeed's parser: FusedAdam builds."""
+    out = _fit(tmp_path, "--strategy.zero_stage", "1", "--strategy.precision", "bf16",
+               env_extra={"TORCH_CUDA_ARCH_LIST": "9.0a"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "invalid literal for int()" not in out.stderr
+    ds = json.loads((tmp_path / "gpu" / "ds_config.json").read_text())
+    assert ds["optimizer"]["params"]["torch_adam"] is False  # the fused CUDA kernel, not torch's Adam
+
+
+@pytest.mark.parametrize("flags", [
+    ("--strategy.zero_stage", "0"), ("--strategy.zero_stage", "2"), ("--strategy.zero_stage", "3"),
+    ("--strategy.zero_stage", "2", "--strategy.offload_optimizer", "cpu"),
+    ("--strategy.backend", "ddp"),
+])
+def test_each_strategy_trains_in_bf16(tmp_path, flags):
+    out = _fit(tmp_path, "--strategy.precision", "bf16", *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
+    assert summary["precision"] == "bf16" and summary["gpu_mem_peak_gib"] > 0
+
+
+def test_fp16_reports_the_loss_scale(tmp_path):
+    out = _fit(tmp_path, "--strategy.precision", "fp16", "--strategy.zero_stage", "2",
+               "--trainer.log_every_steps", "1", "--strategy.initial_scale_power", "12")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(l) for l in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
+    scales = [r["loss_scale"] for r in rows if "loss_scale" in r]
+    assert scales and all(s <= 2**12 for s in scales)
