@@ -1,7 +1,7 @@
 """The ``zerotrain`` command line: user mistakes end in one clear line and a non-zero exit, never a traceback.
 
 The CLI runs as a subprocess, as a user runs it. Every subprocess this module needs is started at
-once by one fixture (a few at a time), since each pays for importing torch and DeepSpeed.
+once by one fixture (two at a time), since each pays for importing torch and DeepSpeed.
 """
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ ERRORS = {
 }
 OK = {
     "help": ["--help"],
-    "fit_toy_help": ["fit", "toy", "--help"],
     "doctor_json": ["doctor", "--json"],
 }
 
@@ -93,7 +92,7 @@ def cli(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, tuple[subprocess.Comp
         return subprocess.run([sys.executable, "-m", "zerotrain", *argv], cwd=tmp, env=env, capture_output=True,
                               text=True, timeout=300)
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(run, argv) for name, (argv, _) in commands.items()}
         return {name: (futures[name].result(), commands[name][1]) for name in commands}
 
@@ -125,10 +124,14 @@ def test_top_level_help(cli):
         assert any(line.split()[:1] == [sub] for line in proc.stdout.splitlines()), proc.stdout
 
 
-def test_fit_recipe_help_shows_field_docstrings(cli):
-    proc, _ = cli["fit_toy_help"]
-    assert proc.returncode == 0, proc.stderr
-    text = " ".join(proc.stdout.split())  # argparse wraps help text
+def test_fit_recipe_help_shows_field_docstrings(capsys):
+    # In this process: the parser is the one a subprocess would build, without paying for a second torch import.
+    from zerotrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "toy", "--help"])
+    assert exit_.value.code in (0, None)
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps help text
     assert "--strategy.zero_stage" in text
     assert "ZeRO stage: 0 (off)" in text
     assert "--trainer.max_steps" in text and "Train for this many optimizer steps" in text
