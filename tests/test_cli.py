@@ -75,8 +75,10 @@ def cli(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, tuple[subprocess.Comp
     (tmp / "train.txt").write_text("the movie was great and the plot was fun\n" * 20)
     (tmp / "empty.txt").write_text("\n\n")
     (tmp / "hf_home").mkdir()
+    # In-process fits elsewhere in the session set torchrun's variables for their group of one; drop them.
+    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in launcher_vars},
         "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "HF_HUB_OFFLINE": "1",
         "HF_HOME": str(tmp / "hf_home"),  # nothing cached: roberta-base cannot come from a local cache

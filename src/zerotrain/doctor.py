@@ -12,8 +12,9 @@ from zerotrain.distributed import sanitize_cuda_arch_list
 
 # The ops zerotrain's strategies use: FusedAdam (GPU Adam), CPUAdam (optimizer offload),
 # AsyncIO (NVMe offload).
-OPS = {"fused_adam": "FusedAdam (GPU optimizer)", "cpu_adam": "DeepSpeedCPUAdam (--strategy.offload_optimizer cpu)",
-       "async_io": "AsyncIO (nvme offload)"}
+OPS = {"FusedAdamBuilder": "FusedAdam (GPU optimizer)",
+       "CPUAdamBuilder": "DeepSpeedCPUAdam (--strategy.offload_optimizer cpu)",
+       "AsyncIOBuilder": "AsyncIO (nvme offload)"}
 
 
 def _version(pkg: str) -> str:
@@ -69,8 +70,7 @@ def _ops() -> dict[str, str]:
     out = {"accelerator": acc.device_name()}
     for op, what in OPS.items():
         try:
-            builder = acc.create_op_builder(op.replace("_", " ").title().replace(" ", "") + "Builder") \
-                if hasattr(acc, "create_op_builder") else None
+            builder = acc.create_op_builder(op)
             if builder is None:
                 out[what] = "no builder for this accelerator"
                 continue
