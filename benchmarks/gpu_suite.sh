@@ -26,20 +26,20 @@ for part in "$@"; do
         --trainer.output_dir "$OUT/imdb_b/runs" --trainer.run_name imdb_b --strategy.zero_stage 0 \
         --logging.progress_bar false > "$OUT/imdb_b/log.txt" 2>&1; echo "imdb_b rc=$?"
       cp "$OUT/imdb_b/runs/imdb_b/summary.json" "$OUT/imdb_b/summary.json"; tail -n 3 "$OUT/imdb_b/log.txt" ;;
-    imdb_sweep)  # the tutorial's comparison: preset (b), 300 steps per strategy
+    imdb_sweep)  # the tutorial's comparison: preset (b), 150 steps per strategy
       z benchmark imdb --strategies ddp,zero0,zero1,zero2,zero3,zero2_offload --nproc 1 --out "$OUT/imdb_sweep1" \
-        --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 300 \
+        --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 150 \
         --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 20 | tail -n 10
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         z benchmark imdb --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/imdb_sweep2" \
-          --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 300 \
+          --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 150 \
           --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 20 | tail -n 6
       fi ;;
     lora)  # ~1.2B Llama from a config, LoRA r=8 on q/v, bf16, 512-token IMDB prompts
       python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
       FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
              --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
-             --trainer.max_steps 40 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 5
+             --trainer.max_steps 25 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5
              --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
              --checkpoint.save_final false)
       z benchmark lora --strategies zero2,zero3 --out "$OUT/lora" "${FLAGS[@]}" | tail -n 6
