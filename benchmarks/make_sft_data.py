@@ -15,6 +15,7 @@ def main() -> None:
     p.add_argument("imdb_jsonl_gz")
     p.add_argument("out")
     p.add_argument("--n", type=int, default=4000)
+    p.add_argument("--max_chars", type=int, default=1500, help="cut reviews to this many characters")
     args = p.parse_args()
     with gzip.open(args.imdb_jsonl_gz, "rt", encoding="utf-8", newline="\n") as f:
         rows = [json.loads(line) for line in f.read().split("\n") if line.strip()]
@@ -23,7 +24,8 @@ def main() -> None:
     mixed = [r for pair in zip(neg, pos) for r in pair][: args.n]
     with open(args.out, "w") as out:
         for r in mixed:
-            text = r["text"].replace("<br />", " ")
+            # ~1,500 characters is ~350 RoBERTa tokens: the prompt fits in 512 with room for the target.
+            text = r["text"].replace("<br />", " ")[: args.max_chars]
             record = {"input": f"Review: {text}\nSentiment:", "target": " positive" if r["label"] else " negative"}
             out.write(json.dumps(record) + "\n")
 

@@ -66,6 +66,12 @@ def write_code_state(run: Path) -> None:
     (run / "gitdiff.log").write_text(_git(["diff", "HEAD"], cwd))
 
 
+def _program() -> str:
+    """How the command was started: ``zerotrain``, or ``python -m zerotrain`` (also torchrun's workers)."""
+    name = Path(sys.argv[0]).name
+    return "python -m zerotrain" if name == "__main__.py" else name
+
+
 def environment() -> dict[str, Any]:
     import importlib.metadata as md
 
@@ -77,7 +83,7 @@ def environment() -> dict[str, Any]:
             versions[pkg] = None
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": " ".join([_program(), *sys.argv[1:]]),
         "cwd": str(Path.cwd()),
         "python": sys.version.split()[0],
         "platform": platform.platform(),

@@ -22,7 +22,7 @@ SUBCOMMANDS = {
 
 def _usage() -> str:
     lines = ["usage: zerotrain SUBCOMMAND ...", "", "subcommands:"]
-    lines += [f"  {name:<9}{desc}" for name, desc in SUBCOMMANDS.items()]
+    lines += [f"  {name:<11}{desc}" for name, desc in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 
