@@ -125,7 +125,7 @@ def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_two_processes_on_gloo(tmp_path, stage):
     """``--launch.nproc_per_node 2`` starts two ranks itself; both see the same data split in halves."""
     out = _cli(["fit", "toy", "--trainer.max_steps", "4", "--trainer.log_every_steps", "1", "--trainer.num_workers",
@@ -144,3 +144,10 @@ def test_two_processes_on_gloo(tmp_path, stage):
 
     weights = load_file(run / "model" / "model.safetensors")
     assert weights["0.weight"].shape == (32, 8)
+
+
+def test_deepspeed_launcher_local_rank_flag_is_accepted():
+    from zerotrain.cli.fit import _drop_local_rank
+
+    assert _drop_local_rank(["--local_rank=1", "--trainer.max_steps", "2"]) == ["--trainer.max_steps", "2"]
+    assert _drop_local_rank(["--local_rank", "0", "--x", "1"]) == ["--x", "1"]

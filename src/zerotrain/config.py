@@ -215,6 +215,8 @@ class LoggingConfig:
     """Write TensorBoard events to <run>/tb_dir."""
     progress_bar: bool = True
     """Show a progress bar on rank 0."""
+    print_ds_config: bool = False
+    """Print the resolved DeepSpeed JSON (as saved in <run>/ds_config.json) when training starts."""
     wandb: bool = False
     """Also log to Weights & Biases (pip install 'zerotrain[wandb]')."""
     wandb_project: str = "zerotrain"

@@ -8,6 +8,7 @@ and checkpointing on the way, and export the trained weights at the end.
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -123,10 +124,12 @@ def fit(task: Task) -> FitResult:
     precision = resolve_precision(cfg.strategy.precision, device.type,
                                   device.type == "cuda" and torch.cuda.is_bf16_supported())
 
-    # --- run directory (rank 0 names it, everyone agrees) ---
+    # --- run directory: rank 0 names it, everyone agrees; it is created once setup has succeeded,
+    # so a bad flag or data file found below leaves no empty run folder behind ---
     name = _broadcast(tr.run_name or rundir.new_run_name(task.name) if info.is_main else None)
-    run_dir = rundir.create(tr.output_dir, name) if info.is_main else Path(tr.output_dir).expanduser() / name
-    dist.barrier()
+    if info.is_main:
+        rundir.check_writable(tr.output_dir)
+    run_dir = Path(tr.output_dir).expanduser() / name
     resume_from = None
     if cfg.checkpoint.resume:
         resume_from = checkpoint.find_resume_folder(cfg.checkpoint.resume, run_dir)
@@ -163,9 +166,12 @@ def fit(task: Task) -> FitResult:
     seed_everything(tr.seed + 1000 * info.rank)
 
     if info.is_main:
+        rundir.create(tr.output_dir, name)
         rundir.write_json(run_dir / "hparams.json", {"recipe": task.name, **cfg.to_dict()})
         if ds_config is not None:
             rundir.write_json(run_dir / "ds_config.json", ds_config)
+            if cfg.logging.print_ds_config:
+                print(json.dumps(ds_config, indent=2), flush=True)
         rundir.write_json(run_dir / "env.json", rundir.environment())
         rundir.write_code_state(run_dir)
     n_params = sum(p.numel() for p in model.parameters())
@@ -185,6 +191,7 @@ def fit(task: Task) -> FitResult:
         step, epoch, in_epoch = client["step"], client["epoch"], client["batches_in_epoch"]
         log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", resume_from, step, epoch, in_epoch)
 
+    dist.barrier()  # the run folder exists before any rank writes into it
     tracker = Tracker(run_dir, cfg.logging, cfg.to_dict(), info.is_main)
     meter = ThroughputMeter(device, info.world_size, flops_per_token, engine.precision, tr.warmup_steps_excluded)
     loader = _loader(splits.train, sampler, task, tr.num_workers, tr.seed)

@@ -16,6 +16,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +30,24 @@ def new_run_name(recipe: str) -> str:
     return f"{recipe}.{now:%Y.%m.%d.%H.%M.%S}.{secrets.token_hex(3)}"
 
 
-def create(output_dir: str, name: str) -> Path:
+def check_writable(output_dir: str) -> Path:
+    """Fail early, before minutes of data loading, if runs cannot be written under ``output_dir``."""
     root = Path(output_dir).expanduser()
-    run = root / name
     try:
-        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
-        probe = run / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".zerotrain-write-test-"):
+            pass
     except OSError as exc:
         raise UserError(
             f"--trainer.output_dir: cannot write to {root} ({exc.strerror or exc}). "
             "Pass a folder you can write to, e.g. --trainer.output_dir ./runs"
         ) from None
+    return root
+
+
+def create(output_dir: str, name: str) -> Path:
+    run = check_writable(output_dir) / name
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
     return run
 
 

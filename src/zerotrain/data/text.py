@@ -83,16 +83,17 @@ def _read_file(path: Path, text_field: str, max_lines: Optional[int]) -> list[st
     return lines
 
 
-def _local_files(path: Path) -> list[Path]:
+def _local_files(path: Path, flag: str) -> list[Path]:
     if not path.exists():
-        raise DataError(f"{path}: no such file or folder")
+        raise DataError(f"{flag}: {path}: no such file or folder. Pass a text file, e.g. "
+                        "../shared/data/gutenberg/train.txt.xz, or a hub dataset name")
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
         if not files:
-            raise DataError(f"{path}: folder holds no {', '.join(SUFFIXES)} files")
+            raise DataError(f"{flag}: {path}: folder holds no {', '.join(SUFFIXES)} files")
         return files
     if not path.name.endswith(SUFFIXES):
-        raise DataError(f"{path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
+        raise DataError(f"{flag}: {path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
     return [path]
 
 
@@ -120,7 +121,7 @@ def read_text_lines(
         raise ValueError(f"max_lines must be >= 1, got {max_lines}")
     if is_local_source(path_or_name):
         lines: list[str] = []
-        for file in _local_files(Path(path_or_name).expanduser()):
+        for file in _local_files(Path(path_or_name).expanduser(), flag):
             left = None if max_lines is None else max_lines - len(lines)
             if left == 0:
                 break
@@ -173,11 +174,11 @@ def _cache_path(cache_dir: str, source_key: str, tokenizer, max_seq_length: int)
     return Path(cache_dir).expanduser() / f"packed-{key}-T{max_seq_length}.npy"
 
 
-def _source_key(path_or_name: str, split: str, text_field: str, max_lines: Optional[int]) -> str:
+def _source_key(path_or_name: str, split: str, text_field: str, max_lines: Optional[int], flag: str) -> str:
     """Identity of a text source without reading it: path, size and mtime of each local file."""
     parts = [f"split={split}", f"field={text_field}", f"max_lines={max_lines}"]
     if is_local_source(path_or_name):
-        for file in _local_files(Path(path_or_name).expanduser()):
+        for file in _local_files(Path(path_or_name).expanduser(), flag):
             st = file.stat()
             parts.append(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}")
     else:
@@ -258,7 +259,7 @@ def load_packed(
     """:func:`read_text_lines` then :func:`tokenize_and_pack`, with a cache keyed on the files' path,
     size and mtime, so that a cached corpus is not even read again. Raises DataError when the text is
     too short to fill one block."""
-    key = _source_key(path_or_name, split, text_field, max_lines)
+    key = _source_key(path_or_name, split, text_field, max_lines, flag)
     if cache_dir is not None:
         cached = _cache_path(cache_dir, key, tokenizer, max_seq_length)
         if cached.is_file():
