@@ -10,7 +10,24 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def zerotrain_cmd(args: list[str], cwd: Path, timeout: int = 600, **env_extra: str):
+    """Run ``python -m zerotrain ARGS`` as a user would, in a fresh process.
+
+    In-process fits earlier in the session set torchrun's variables for their group of one;
+    they are dropped, so a command with --launch.nproc_per_node N starts its N workers itself.
+    """
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", **env_extra)
+    return subprocess.run([sys.executable, "-m", "zerotrain", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
 
 WORDS = (
     "the a movie film was great good bad awful terrible wonderful plot acting story actor boring "

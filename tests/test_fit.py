@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import zerotrain_cmd
 
 from zerotrain.checkpoint import MARKER, complete_checkpoints
 from zerotrain.loop import fit
 from zerotrain.tasks.toy import ToyConfig, ToyTask
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def toy_config(tmp_path: Path, run_name: str, **strategy) -> ToyConfig:
@@ -115,20 +112,11 @@ def test_incomplete_checkpoint_is_ignored(tmp_path):
     assert (run / "checkpoints" / "step00000006" / MARKER).is_file()
 
 
-def _cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    # In-process fits above set torchrun's variables for their group of one; a fresh command must not see them.
-    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env.update(PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "zerotrain", *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_two_processes_on_gloo(tmp_path, stage):
     """``--launch.nproc_per_node 2`` starts two ranks itself; both see the same data split in halves."""
-    out = _cli(["fit", "toy", "--trainer.max_steps", "4", "--trainer.log_every_steps", "1", "--trainer.num_workers",
+    out = zerotrain_cmd(["fit", "toy", "--trainer.max_steps", "4", "--trainer.log_every_steps", "1", "--trainer.num_workers",
                 "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "two", "--strategy.zero_stage",
                 str(stage), "--launch.nproc_per_node", "2", "--logging.progress_bar", "false"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import zerotrain_cmd
 
-REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
 
 
-def _fit(tmp_path: Path, *flags: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "zerotrain", "fit", "toy", "--trainer.max_steps", "6",
-                           "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path),
-                           "--trainer.run_name", "gpu", "--logging.progress_bar", "false", *flags],
-                          env=env, capture_output=True, text=True, timeout=900)
+def _fit(tmp_path: Path, *flags: str, env_extra: dict[str, str] | None = None) :
+    return zerotrain_cmd(["fit", "toy", "--trainer.max_steps", "6", "--trainer.num_workers", "0",
+                          "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "gpu",
+                          "--logging.progress_bar", "false", *flags], cwd=tmp_path, timeout=900, **(env_extra or {}))
 
 
 def test_hopper_arch_list_does_not_break_the_op_build(tmp_path):

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import zerotrain_cmd
 
 from zerotrain.checkpoint import complete_checkpoints
 from zerotrain.loop import seed_everything
 
-REPO = Path(__file__).resolve().parents[1]
 
 LLAMA = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -48,11 +45,7 @@ def _args(tmp_path: Path, tok: Path, stage: int, nproc: int) -> list[str]:
 @pytest.mark.parametrize("stage,nproc", [(2, 1), (3, 1), (2, 2), (3, 2)])
 def test_lora_adapter_matches_trained_weights(lora_files, stage, nproc):
     tmp_path, tok = lora_files
-    launcher_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
-    env.update(PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, "-m", "zerotrain", *_args(tmp_path, tok, stage, nproc)], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = zerotrain_cmd(_args(tmp_path, tok, stage, nproc), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "run"
     adapter_dir = run / "model" / "adapter"

@@ -8,7 +8,6 @@ one run into the next; the figures come from each run's ``summary.json``, writte
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys

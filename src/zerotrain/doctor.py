@@ -63,7 +63,6 @@ def report() -> dict[str, Any]:
 def _ops() -> dict[str, str]:
     try:
         from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops.op_builder.builder import OpBuilder  # noqa: F401
     except Exception as exc:  # deepspeed missing or broken
         return {"deepspeed": f"cannot import: {exc}"}
     acc = get_accelerator()

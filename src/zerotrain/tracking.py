@@ -7,7 +7,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from zerotrain.config import LoggingConfig
 from zerotrain.errors import UserError
