@@ -1,0 +1,53 @@
+"""The IMDB recipe through the real loop and engine on CPU, then `zerotrain predict` on the run it left."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from zerotrain.cli import main as cli_main
+from zerotrain.loop import fit
+from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
+
+POS = "great good wonderful loved fun".split()
+NEG = "bad awful terrible hated boring".split()
+FILLER = "the a movie film was plot acting story actor and it this".split()
+
+
+def _reviews(n: int, rng: random.Random) -> list[dict]:
+    rows = []
+    for i in range(n):
+        label = i % 2
+        words = [rng.choice(FILLER) for _ in range(rng.randint(4, 20))]
+        for _ in range(2):
+            words.insert(rng.randrange(len(words) + 1), rng.choice(POS if label else NEG))
+        rows.append({"text": " ".join(words) + "<br /><br />", "label": label})
+    return rows
+
+
+def test_imdb_learns_a_separable_set_and_predicts(tmp_path, tiny_tokenizer_dir, capsys):
+    rng = random.Random(0)
+    data = tmp_path / "imdb"
+    data.mkdir()
+    for split, n in (("train", 384), ("test", 128)):
+        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in _reviews(n, rng)) + "\n")
+    cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=32, hidden_dim=64, num_heads=4, num_layers=1,
+                                                max_len=32, dropout=0.0))
+    cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir = str(data), str(tiny_tokenizer_dir), None
+    cfg.data.bucket_by_length = True
+    cfg.optimizer.lr = 3e-3
+    cfg.strategy.zero_stage = 2
+    cfg.trainer.micro_batch_size, cfg.trainer.epochs, cfg.trainer.num_workers = 16, 3, 0
+    cfg.trainer.output_dir, cfg.trainer.run_name = str(tmp_path / "runs"), "imdb"
+    cfg.logging.progress_bar = False
+    result = fit(IMDBTask(cfg))
+
+    assert result.final_step == 3 * (384 // 16)
+    assert result.metrics["test_reviews"] == 64  # the seeded half of the test split
+    assert result.metrics["test_acc"] > 0.9, result.metrics
+    assert 0.0 <= result.metrics["throughput_data_wait_frac"] <= 1.0
+
+    capsys.readouterr()
+    assert cli_main(["predict", str(result.run_dir), "a wonderful film , loved it", "boring and awful"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["positive", "negative"]
