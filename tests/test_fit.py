@@ -118,7 +118,9 @@ def test_two_processes_on_gloo(tmp_path, stage):
     """``--launch.nproc_per_node 2`` starts two ranks itself; both see the same data split in halves."""
     out = zerotrain_cmd(["fit", "toy", "--trainer.max_steps", "4", "--trainer.log_every_steps", "1", "--trainer.num_workers",
                 "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "two", "--strategy.zero_stage",
-                str(stage), "--launch.nproc_per_node", "2", "--logging.progress_bar", "false"], tmp_path)
+                str(stage), "--launch.nproc_per_node", "2", "--logging.progress_bar", "false",
+                # 17 validation examples: 2 batches on rank 0, 1 on rank 1 (ZeRO-3 must not hang on that).
+                "--data.num_val_examples", "17"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "two"
     ds = json.loads((run / "ds_config.json").read_text())
@@ -126,7 +128,8 @@ def test_two_processes_on_gloo(tmp_path, stage):
     env = json.loads((run / "env.json").read_text())
     assert env["launcher_env"]["WORLD_SIZE"] == "2"
     assert len(train_log(run)) == 4
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["val_mse"] > 0
     # ZeRO-3 shards parameters across both ranks: the export must still hold full weights.
     from safetensors.torch import load_file
 
@@ -139,3 +142,10 @@ def test_deepspeed_launcher_local_rank_flag_is_accepted():
 
     assert _drop_local_rank(["--local_rank=1", "--trainer.max_steps", "2"]) == ["--trainer.max_steps", "2"]
     assert _drop_local_rank(["--local_rank", "0", "--x", "1"]) == ["--x", "1"]
+
+
+def test_logged_lr_is_the_rate_the_step_used(tmp_path):
+    cfg = toy_config(tmp_path, "lr", backend="ddp")
+    cfg.scheduler.name, cfg.scheduler.warmup_steps = "constant", 4
+    rows = train_log(fit(ToyTask(cfg)).run_dir)
+    assert [rows[s]["lr"] for s in (1, 2, 4, 8)] == pytest.approx([cfg.optimizer.lr * f for f in (0.25, 0.5, 1, 1)])

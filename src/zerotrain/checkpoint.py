@@ -62,6 +62,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(engine: Engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep_last: int) -> Path:
     """Save a checkpoint for ``step`` on every rank; return its folder. Collective."""
     folder = step_folder(ckpt_dir, step)
+    if is_complete(folder):
+        return folder  # already saved (e.g. a resumed run that had finished): never delete a good checkpoint
     if engine.rank == 0 and folder.exists():
         shutil.rmtree(folder)  # a leftover from a killed save of the same step
     engine.barrier()

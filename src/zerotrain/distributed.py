@@ -31,9 +31,21 @@ class DistInfo:
         return self.rank == 0
 
 
-def launched_by_a_launcher() -> bool:
-    """True inside a process started by torchrun/deepspeed (RANK set) or by srun with several tasks."""
-    return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+def slurm_task_per_gpu(launch: LaunchConfig) -> bool:
+    """Whether ``srun`` started one task per GPU (each task is a rank), rather than one launcher task per node.
+
+    Several tasks on a node mean one per GPU. One task per node is a rank only when the user did
+    not ask zerotrain to start more (``--launch.nproc_per_node 1``); otherwise it is a launcher.
+    """
+    if "SLURM_PROCID" not in os.environ:
+        return False
+    ntasks, nnodes = int(os.environ.get("SLURM_NTASKS", "1")), int(os.environ.get("SLURM_NNODES", "1"))
+    return ntasks > 1 and (ntasks > nnodes or launch.nproc_per_node == 1)
+
+
+def launched_by_a_launcher(launch: LaunchConfig) -> bool:
+    """True inside a process started by torchrun/deepspeed (RANK set) or by srun as one task per GPU."""
+    return "RANK" in os.environ or slurm_task_per_gpu(launch)
 
 
 def adopt_slurm_env(launch: LaunchConfig) -> None:
@@ -42,7 +54,7 @@ def adopt_slurm_env(launch: LaunchConfig) -> None:
     Used when ``srun`` starts one task per GPU. The rendezvous address comes from
     ``--launch.rdzv_endpoint`` (set it to the first node of the allocation).
     """
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+    if "RANK" in os.environ or not slurm_task_per_gpu(launch):
         return
     host, _, port = launch.rdzv_endpoint.rpartition(":")
     os.environ.update(
@@ -78,7 +90,7 @@ def comm_backend(requested: str, device: str) -> str:
     return requested
 
 
-def init_process_group(backend: str, use_deepspeed: bool) -> DistInfo:
+def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu") -> DistInfo:
     """Initialise torch.distributed for this process (a group of one when started alone)."""
     if "RANK" not in os.environ:
         # A single process still gets a process group, so the engine code has one path.
@@ -87,6 +99,10 @@ def init_process_group(backend: str, use_deepspeed: bool) -> DistInfo:
     info = dist_info()
     if not torch.distributed.is_initialized():
         if use_deepspeed:
+            # DeepSpeed picks its accelerator by itself (cuda when one is visible); a CPU run must say so
+            # before deepspeed is imported, or the engine moves the model to the GPU behind our back.
+            if backend == "gloo" and device == "cpu":
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
 
             deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=backend == "mpi", verbose=False)

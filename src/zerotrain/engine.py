@@ -35,6 +35,8 @@ class StepStats:
     samples: int
     tokens: int
     micro_batches: int
+    flops: Optional[float] = None
+    """Summed StepOutput.flops, when every micro-batch gave them."""
 
 
 def lr_lambda(sched: SchedulerConfig, total_steps: int, steps_per_epoch: int) -> Callable[[int], float]:
@@ -130,12 +132,25 @@ class Engine(ABC):
             dist.all_reduce(t)
         return dict(zip(keys, t.tolist()))
 
+    def all_reduce_max(self, value: float) -> float:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def _add_flops(total: Optional[float], out: StepOutput, first: bool) -> Optional[float]:
+    """Running sum of per-micro-batch FLOPs; None as soon as one micro-batch does not report them."""
+    if out.flops is None or (total is None and not first):
+        return None
+    return (total or 0.0) + out.flops
 
 
 def _grad_norm(module: nn.Module) -> float:
@@ -163,6 +178,7 @@ class DeepSpeedEngine(Engine):
         # where the full gradients sit in .grad and one pass over them gives it.
         self._track_norm = self.precision == "fp32" and ds.get("zero_optimization", {}).get("stage", 0) == 0
         self._norm: Optional[float] = None
+        self._lr: Optional[float] = None
 
     @property
     def module(self) -> nn.Module:
@@ -173,20 +189,25 @@ class DeepSpeedEngine(Engine):
         return self.ds
 
     def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats:
-        loss_sum, samples, tokens, n = 0.0, 0, 0, 0
+        loss_sum, samples, tokens, n, flops = 0.0, 0, 0, 0, None
         for batch in micro_batches:
             out = step_fn(self.ds, to_device(batch, self.device))
             # DeepSpeed divides by gradient_accumulation_steps and only steps on the boundary.
             self.ds.backward(out.loss)
-            if self._track_norm and self.ds.is_gradient_accumulation_boundary():
-                self._norm = _grad_norm(self.ds.module)
+            if self.ds.is_gradient_accumulation_boundary():
+                # The rate this step uses: step() advances the schedule to the next step's.
+                self._lr = float(self.ds.get_lr()[0])
+                if self._track_norm:
+                    self._norm = _grad_norm(self.ds.module)
             self.ds.step()
             loss_sum += out.loss.detach().float().item()
             samples, tokens, n = samples + out.samples, tokens + out.tokens, n + 1
-        return StepStats(loss_sum / max(1, n), samples, tokens, n)
+            flops = _add_flops(flops, out, first=n == 1)
+        return StepStats(loss_sum / max(1, n), samples, tokens, n, flops)
 
     def lr(self) -> float:
-        return float(self.ds.get_lr()[0])
+        """The learning rate the last optimizer step used."""
+        return self._lr if self._lr is not None else float(self.ds.get_lr()[0])
 
     def grad_norm(self) -> Optional[float]:
         norm = self.ds.get_global_grad_norm()
@@ -247,6 +268,7 @@ class TorchEngine(Engine):
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self._grad_norm: Optional[float] = None
+        self._lr: Optional[float] = None
 
     @property
     def module(self) -> nn.Module:
@@ -266,7 +288,7 @@ class TorchEngine(Engine):
 
     def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats:
         batches = list(micro_batches)
-        loss_sum, samples, tokens = 0.0, 0, 0
+        loss_sum, samples, tokens, flops = 0.0, 0, 0, None
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             # Reduce gradients across ranks only once, on the last micro-batch.
@@ -277,18 +299,21 @@ class TorchEngine(Engine):
                 self.scaler.scale(out.loss / len(batches)).backward()
             loss_sum += out.loss.detach().float().item()
             samples, tokens = samples + out.samples, tokens + out.tokens
+            flops = _add_flops(flops, out, first=i == 0)
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self._module.parameters() if p.requires_grad]
         max_norm = self.clip if self.clip > 0 else float("inf")
         self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self._lr = float(self.optimizer.param_groups[0]["lr"])
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepStats(loss_sum / max(1, len(batches)), samples, tokens, len(batches))
+        return StepStats(loss_sum / max(1, len(batches)), samples, tokens, len(batches), flops)
 
     def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
+        """The learning rate the last optimizer step used."""
+        return self._lr if self._lr is not None else float(self.scheduler.get_last_lr()[0])
 
     def grad_norm(self) -> Optional[float]:
         return self._grad_norm

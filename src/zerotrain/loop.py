@@ -12,7 +12,6 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -84,14 +83,22 @@ def _stream(loader: DataLoader, sampler: EpochBatches, epoch: int, skip: int) ->
 
 def evaluate(task: Task, engine: Engine, dataset: Dataset, prefix: str, max_batches: Optional[int],
              workers: int, seed: int) -> dict[str, float]:
-    batches = eval_shard(len(dataset), engine.micro_batch_size, engine.rank, engine.world_size)
-    loader = _loader(dataset, batches, task, workers, seed)
+    batches = eval_shard(len(dataset), engine.micro_batch_size, engine.rank, engine.world_size)[:max_batches]
+    # Every rank runs the same number of forwards: under ZeRO-3 each forward is a collective
+    # (parameter all-gather), so a rank with one batch fewer would leave the others waiting.
+    # Ranks short of batches repeat one and discard the result.
+    rounds = int(engine.all_reduce_max(len(batches)))
+    filler = batches[0] if batches else [0]
+    plan = batches + [filler] * (rounds - len(batches))
+    loader = _loader(dataset, plan, task, workers, seed)
     engine.eval()
     sums: dict[str, float] = {}
     with torch.no_grad(), engine.eval_context():
-        for batch in islice(loader, max_batches):
-            for k, v in task.eval_step(engine.forward_model, to_device(batch, engine.device)).items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+        for i, batch in enumerate(loader):
+            out = task.eval_step(engine.forward_model, to_device(batch, engine.device))
+            if i < len(batches):
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
     engine.train()
     # Ranks with no batch still join the reduction with zeros.
     sums = engine.all_reduce_sum(_keys_everywhere(sums))
@@ -118,11 +125,17 @@ def fit(task: Task) -> FitResult:
     adopt_slurm_env(cfg.launch)
     device_type = "cuda" if tr.device == "cuda" or (tr.device == "auto" and torch.cuda.is_available()) else "cpu"
     backend = comm_backend(cfg.launch.comm_backend, device_type)
-    info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed")
+    info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type)
     setup_logging(info.is_main)
     device = _device(tr.device, info.local_rank)
     precision = resolve_precision(cfg.strategy.precision, device.type,
                                   device.type == "cuda" and torch.cuda.is_bf16_supported())
+    # The resolved value goes into the config: tasks read it (LoRA loads weights in it) and hparams.json shows it.
+    cfg.strategy.precision = precision
+    if device.type == "cuda" and precision == "fp32":
+        # fp32 matmuls on tensor cores (TF32), as MFU's fp32 peak assumes; IEEE fp32 runs ~7x slower on Hopper.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
     # --- run directory: rank 0 names it, everyone agrees; it is created once setup has succeeded,
     # so a bad flag or data file found below leaves no empty run folder behind ---
@@ -190,6 +203,9 @@ def fit(task: Task) -> FitResult:
         client = checkpoint.load(engine, resume_from)
         step, epoch, in_epoch = client["step"], client["epoch"], client["batches_in_epoch"]
         log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", resume_from, step, epoch, in_epoch)
+    start_step = step
+    if start_step >= total_steps:
+        log.info("the run had already reached step %d of %d: nothing to train", start_step, total_steps)
 
     dist.barrier()  # the run folder exists before any rank writes into it
     tracker = Tracker(run_dir, cfg.logging, cfg.to_dict(), info.is_main)
@@ -198,7 +214,8 @@ def fit(task: Task) -> FitResult:
     stream = _stream(loader, sampler, epoch, in_epoch)
     bar = _progress(cfg.logging.progress_bar and info.is_main, total_steps, step)
     eval_args = dict(max_batches=tr.eval_max_batches, workers=tr.num_workers, seed=tr.seed)
-    last_saved, results = -1, {}
+    # A resumed run does not save again the checkpoint it started from.
+    last_saved, results = (step if resume_from is not None else -1), {}
     window_loss, window_steps = 0.0, 0
     engine.train()
     meter.start()
@@ -212,22 +229,22 @@ def fit(task: Task) -> FitResult:
                 epoch, in_epoch = epoch + 1, 0
             stats = engine.train_step([b for _, _, b in drawn], task.training_step)
             step += 1
-            meter.add_step(stats.micro_batches, stats.samples, stats.tokens)
+            meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops)
             window_loss, window_steps = window_loss + stats.loss, window_steps + 1
 
             if step % tr.log_every_steps == 0 or step == total_steps:
                 loss = engine.all_reduce_sum({"loss": window_loss / window_steps})["loss"] / info.world_size
-                results = {"train_loss": loss, "lr": engine.lr(), "grad_norm": engine.grad_norm(),
-                           "loss_scale": engine.loss_scale(), "skipped_steps": engine.skipped_steps(),
-                           "epoch": epoch, **meter.read(), **memory_snapshot(device)}
-                tracker.log(step, results)
+                window = {"train_loss": loss, "lr": engine.lr(), "grad_norm": engine.grad_norm(),
+                          "loss_scale": engine.loss_scale(), "skipped_steps": engine.skipped_steps(),
+                          "epoch": epoch, **meter.read(), **memory_snapshot(device)}
+                tracker.log(step, window)
+                results.update(window)  # keeps the latest val_* next to the latest training window
                 bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
                 window_loss, window_steps = 0.0, 0
             bar.update(1)
 
             at_epoch_end = in_epoch == 0
-            if (tr.eval_every_steps and step % tr.eval_every_steps == 0) or (
-                    not tr.eval_every_steps and (at_epoch_end or step == total_steps)):
+            if step == total_steps or (step % tr.eval_every_steps == 0 if tr.eval_every_steps else at_epoch_end):
                 if splits.val is not None:
                     val = evaluate(task, engine, splits.val, "val", **eval_args)
                     tracker.log(step, val)
@@ -254,7 +271,7 @@ def fit(task: Task) -> FitResult:
     summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},
                **memory_snapshot(device), "device": meter.device_name, "world_size": info.world_size,
                "precision": engine.precision, "final_step": step}
-    if info.is_main:
+    if info.is_main and (step > start_step or not (run_dir / "summary.json").exists()):
         rundir.write_json(run_dir / "summary.json", summary)
     tracker.close()
     dist.barrier()

@@ -29,12 +29,14 @@ import torch
 PEAK_TFLOPS: list[tuple[str, float, float]] = [
     ("H200", 989.0, 494.0),
     ("H100 PCIe", 756.0, 378.0),
+    ("H100 NVL", 835.0, 418.0),
     ("H100", 989.0, 494.0),  # SXM / HBM3
     ("GH200", 989.0, 494.0),
     ("B200", 2250.0, 1100.0),
     ("A100", 312.0, 156.0),
     ("A800", 312.0, 156.0),
     ("L40S", 362.0, 183.0),
+    ("L40", 181.0, 90.5),
     ("L4", 121.0, 60.0),
     ("A10G", 70.0, 35.0),
     ("A10", 125.0, 62.5),
@@ -83,6 +85,7 @@ class Window:
     micro_batches: int = 0
     samples: int = 0
     tokens: int = 0
+    flops: float = 0.0
     data_wait_s: float = 0.0
 
 
@@ -116,8 +119,12 @@ class ThroughputMeter:
     def add_data_wait(self, seconds: float) -> None:
         self.window.data_wait_s += seconds
 
-    def add_step(self, micro_batches: int, samples: int, tokens: int) -> None:
-        """Count one optimizer step's work. Steps in the warm-up restart the clock instead."""
+    def add_step(self, micro_batches: int, samples: int, tokens: int, flops: Optional[float] = None) -> None:
+        """Count one optimizer step's work. Steps in the warm-up restart the clock instead.
+
+        ``flops``: the step's training FLOPs when the task measured them from the batch shapes;
+        otherwise ``flops_per_token`` x ``tokens``.
+        """
         self.steps_seen += 1
         if self.steps_seen <= self.warmup_steps:
             self.start()
@@ -127,6 +134,7 @@ class ThroughputMeter:
         w.micro_batches += micro_batches
         w.samples += samples
         w.tokens += tokens
+        w.flops += flops if flops is not None else self.flops_per_token * tokens
 
     def read(self) -> dict[str, float]:
         """Rates for the window since the last read, then start a new window. Empty during warm-up."""
@@ -142,12 +150,12 @@ class ThroughputMeter:
                 "sec_per_batch": elapsed / w.micro_batches,
                 "samples_per_s": w.samples * ws / elapsed,
                 "tokens_per_s": w.tokens * ws / elapsed,
-                "tflops_per_gpu": self.flops_per_token * w.tokens / elapsed / 1e12,
+                "tflops_per_gpu": w.flops / elapsed / 1e12,
                 "data_wait_frac": min(1.0, w.data_wait_s / elapsed),
             }
             if self.peak:
                 out["mfu"] = out["tflops_per_gpu"] / self.peak
-            for k in ("steps", "micro_batches", "samples", "tokens"):
+            for k in ("steps", "micro_batches", "samples", "tokens", "flops"):
                 setattr(self.total, k, getattr(self.total, k) + getattr(w, k))
             self.total.data_wait_s += w.data_wait_s
             self.total_seconds += elapsed
@@ -165,7 +173,7 @@ class ThroughputMeter:
             "sec_per_batch": s / t.micro_batches,
             "samples_per_s": t.samples * self.world_size / s,
             "tokens_per_s": t.tokens * self.world_size / s,
-            "tflops_per_gpu": self.flops_per_token * t.tokens / s / 1e12,
+            "tflops_per_gpu": t.flops / s / 1e12,
             "data_wait_frac": t.data_wait_s / s,
             "measured_steps": t.steps,
         }

@@ -74,7 +74,7 @@ def run(argv: list[str]) -> int:
     from zerotrain.distributed import launched_by_a_launcher, spawn_local_workers
 
     launch = cfg.launch
-    if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher():
+    if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher(launch):
         return spawn_local_workers(launch, ["fit", *argv])
 
     from zerotrain.loop import fit

@@ -42,6 +42,9 @@ class StepOutput:
     """Token positions the model processed (batch x sequence length), for tokens/s and MFU."""
     samples: int
     """Examples in the micro-batch, for samples/s."""
+    flops: Optional[float] = None
+    """Training FLOPs of this micro-batch, when they depend on its shape (e.g. padded length);
+    None: ``Task.flops_per_token`` x ``tokens``."""
 
 
 class Task(ABC, Generic[C]):

@@ -201,7 +201,8 @@ class IMDBTask(Task[IMDBConfig]):
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
         out = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
         B, T = batch["input_ids"].shape
-        return StepOutput(loss=out["loss"], tokens=B * T, samples=B)
+        # Batches are padded to their own longest review, not max_len: count the FLOPs of this T.
+        return StepOutput(loss=out["loss"], tokens=B * T, samples=B, flops=B * T * self._flops_per_token_at(model, T))
 
     def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
         with torch.no_grad():
@@ -221,8 +222,17 @@ class IMDBTask(Task[IMDBConfig]):
         return len(example[0])
 
     def flops_per_token(self, model: nn.Module) -> float:
-        # Attention cost grows with length; the configured max_len is an upper bound on the batches' T.
+        # Only a fallback: training_step reports each batch's FLOPs at its padded length.
         return getattr(model, "module", model).flops_per_token(self.cfg.model.max_len)
+
+    def _flops_per_token_at(self, model: nn.Module, seq_len: int) -> float:
+        # flops_per_token(T) = a + b*T; counting parameters once, not every step.
+        if getattr(self, "_flops_ab", None) is None:
+            m = getattr(model, "module", model)
+            a = m.flops_per_token(0)
+            self._flops_ab = (a, m.flops_per_token(1) - a)
+        a, b = self._flops_ab
+        return a + b * seq_len
 
 
 def predict(

@@ -34,6 +34,8 @@ class ToyDataConfig:
     """Training examples."""
     dim: int = 8
     """Input and output dimension."""
+    num_val_examples: int = 64
+    """Validation examples."""
 
 
 @dataclass
@@ -53,8 +55,8 @@ class ToyTask(Task[ToyConfig]):
 
     def build_datasets(self) -> Splits:
         g = torch.Generator().manual_seed(1234)  # the data is fixed, whatever the training seed
-        d, n = self.cfg.data.dim, self.cfg.data.num_examples
-        x = torch.randn(n + 64, d, generator=g)
+        d, n, v = self.cfg.data.dim, self.cfg.data.num_examples, self.cfg.data.num_val_examples
+        x = torch.randn(n + v, d, generator=g)
         y = x @ torch.randn(d, d, generator=g) / d**0.5
         return Splits(train=TensorDataset(x[:n], y[:n]), val=TensorDataset(x[n:], y[n:]))
 

@@ -1,0 +1,60 @@
+"""Who starts the processes (torchrun, srun, or zerotrain itself) and the Hopper arch-list fix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from zerotrain.config import LaunchConfig
+from zerotrain.distributed import adopt_slurm_env, launched_by_a_launcher, sanitize_cuda_arch_list
+
+CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+         "SLURM_NNODES", "SLURM_LOCALID")
+
+
+@pytest.fixture()
+def env(monkeypatch):
+    for key in CLEAN:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_torchrun_worker_is_launched(env):
+    env.setenv("RANK", "3")
+    assert launched_by_a_launcher(LaunchConfig(nproc_per_node=8))
+
+
+def test_one_srun_task_per_node_is_a_launcher(env):
+    """--ntasks-per-node=1 with --launch.nproc_per_node 8: zerotrain starts the 8 workers itself."""
+    env.setenv("SLURM_PROCID", "1")
+    env.setenv("SLURM_NTASKS", "2")
+    env.setenv("SLURM_NNODES", "2")
+    launch = LaunchConfig(nproc_per_node=8, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500")
+    assert not launched_by_a_launcher(launch)
+    adopt_slurm_env(launch)
+    assert "RANK" not in os.environ
+
+
+def test_one_srun_task_per_gpu_is_a_rank(env):
+    env.setenv("SLURM_PROCID", "5")
+    env.setenv("SLURM_NTASKS", "8")
+    env.setenv("SLURM_NNODES", "2")
+    env.setenv("SLURM_LOCALID", "1")
+    launch = LaunchConfig(rdzv_endpoint="node0:29511")
+    assert launched_by_a_launcher(launch)
+    adopt_slurm_env(launch)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("node0", "29511")
+
+
+@pytest.mark.parametrize("given,fixed", [("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("9.0a 10.0a", "9.0;10.0")])
+def test_arch_list_suffixes_are_removed(env, given, fixed):
+    env.setenv("TORCH_CUDA_ARCH_LIST", given)
+    assert sanitize_cuda_arch_list() == given
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == fixed
+
+
+def test_plain_arch_list_is_left_alone(env):
+    env.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert sanitize_cuda_arch_list() is None and os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
