@@ -269,6 +269,7 @@ class TorchEngine(Engine):
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
         self._grad_norm: Optional[float] = None
         self._lr: Optional[float] = None
+        self._skipped = 0
 
     @property
     def module(self) -> nn.Module:
@@ -305,10 +306,15 @@ class TorchEngine(Engine):
         max_norm = self.clip if self.clip > 0 else float("inf")
         self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self._lr = float(self.optimizer.param_groups[0]["lr"])
+        scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if self.precision == "fp16" and self.scaler.get_scale() < scale:
+            # An overflow: GradScaler skipped the update. Like DeepSpeed, count it and hold the schedule.
+            self._skipped += 1
+        else:
+            self.scheduler.step()
         return StepStats(loss_sum / max(1, len(batches)), samples, tokens, len(batches), flops)
 
     def lr(self) -> float:
@@ -321,6 +327,9 @@ class TorchEngine(Engine):
     def loss_scale(self) -> Optional[float]:
         return float(self.scaler.get_scale()) if self.precision == "fp16" else None
 
+    def skipped_steps(self) -> int:
+        return self._skipped
+
     def save(self, folder: Path, client_state: dict[str, Any]) -> None:
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
@@ -329,6 +338,7 @@ class TorchEngine(Engine):
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
+                "skipped_steps": self._skipped,
                 "client_state": client_state,
             }
             torch.save(state, folder / "torch_state.pt")
@@ -339,6 +349,7 @@ class TorchEngine(Engine):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
+        self._skipped = state.get("skipped_steps", 0)
         return state["client_state"]
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:

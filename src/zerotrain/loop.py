@@ -209,7 +209,8 @@ def fit(task: Task) -> FitResult:
 
     dist.barrier()  # the run folder exists before any rank writes into it
     tracker = Tracker(run_dir, cfg.logging, cfg.to_dict(), info.is_main)
-    meter = ThroughputMeter(device, info.world_size, flops_per_token, engine.precision, tr.warmup_steps_excluded)
+    meter = ThroughputMeter(device, info.world_size, flops_per_token, engine.precision, tr.warmup_steps_excluded,
+                            sum_across_ranks=engine.all_reduce_sum)
     loader = _loader(splits.train, sampler, task, tr.num_workers, tr.seed)
     stream = _stream(loader, sampler, epoch, in_epoch)
     bar = _progress(cfg.logging.progress_bar and info.is_main, total_steps, step)

@@ -19,7 +19,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import psutil
 import torch
@@ -92,12 +92,15 @@ class Window:
 class ThroughputMeter:
     """Accumulates work between two log points and turns it into rates.
 
-    Per-rank counts are multiplied by ``world_size`` for the job-wide samples/s and tokens/s;
-    TFLOP/s and MFU are per GPU.
+    samples/s and tokens/s are job-wide: ``sum_across_ranks`` (an all-reduce, called by every rank
+    at the same reads) adds up the ranks' counts, which differ when batches are padded to their own
+    length. Without it, this rank's counts are multiplied by ``world_size``. TFLOP/s and MFU are the
+    job's FLOPs divided by the number of GPUs.
     """
 
     def __init__(self, device: torch.device, world_size: int, flops_per_token: float, precision: str,
-                 warmup_steps: int):
+                 warmup_steps: int, sum_across_ranks: Optional[Callable[[dict[str, float]], dict[str, float]]] = None):
+        self._sum = sum_across_ranks
         self.device = device
         self.world_size = world_size
         self.flops_per_token = flops_per_token
@@ -141,16 +144,19 @@ class ThroughputMeter:
         synchronize(self.device)
         now = time.perf_counter()
         w = self.window
+        ws = self.world_size
+        counts = {"samples": float(w.samples), "tokens": float(w.tokens), "flops": w.flops}
+        job = self._sum(counts) if self._sum else {k: v * ws for k, v in counts.items()}
+        w.samples, w.tokens, w.flops = int(job["samples"]), int(job["tokens"]), job["flops"]
         out: dict[str, float] = {}
         if self._t0 is not None and w.steps > 0:
             elapsed = now - self._t0
-            ws = self.world_size
             out = {
                 "sec_per_step": elapsed / w.steps,
                 "sec_per_batch": elapsed / w.micro_batches,
-                "samples_per_s": w.samples * ws / elapsed,
-                "tokens_per_s": w.tokens * ws / elapsed,
-                "tflops_per_gpu": w.flops / elapsed / 1e12,
+                "samples_per_s": w.samples / elapsed,
+                "tokens_per_s": w.tokens / elapsed,
+                "tflops_per_gpu": w.flops / ws / elapsed / 1e12,
                 "data_wait_frac": min(1.0, w.data_wait_s / elapsed),
             }
             if self.peak:
@@ -171,9 +177,9 @@ class ThroughputMeter:
         out = {
             "sec_per_step": s / t.steps,
             "sec_per_batch": s / t.micro_batches,
-            "samples_per_s": t.samples * self.world_size / s,
-            "tokens_per_s": t.tokens * self.world_size / s,
-            "tflops_per_gpu": t.flops / s / 1e12,
+            "samples_per_s": t.samples / s,
+            "tokens_per_s": t.tokens / s,
+            "tflops_per_gpu": t.flops / self.world_size / s / 1e12,
             "data_wait_frac": t.data_wait_s / s,
             "measured_steps": t.steps,
         }
