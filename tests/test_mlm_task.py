@@ -93,3 +93,13 @@ def test_validation_names_the_flag(section, change, flag):
         setattr(getattr(cfg, section), key, value)
     with pytest.raises(ConfigError, match=flag.replace(".", r"\.")):
         cfg.validate()
+
+
+def test_eval_masks_do_not_depend_on_batch_composition(task):
+    """With several ranks, a row lands in a different batch: its validation mask must not change."""
+    splits = task.build_datasets()
+    rows = [splits.train[i] for i in range(4)]
+    whole, whole_labels = task._eval_mask(task.collate(rows))
+    part, part_labels = task._eval_mask(task.collate(rows[2:]))
+    assert torch.equal(whole[2:], part) and torch.equal(whole_labels[2:], part_labels)
+    assert (whole_labels != -100).any()

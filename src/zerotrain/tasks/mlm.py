@@ -194,16 +194,23 @@ class MLMTask(Task[MLMConfig]):
 
     @staticmethod
     def _eval_seed(input_ids: torch.Tensor) -> int:
-        """A seed from the batch's content: the same batch gets the same masks wherever it is evaluated."""
+        """A seed from one row's content: the row gets the same mask in every evaluation, whichever
+        batch, rank or number of ranks it lands in."""
         flat = input_ids.reshape(-1).long()
         weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
         return int((flat * weights).sum().item()) % (2**63 - 1)
 
+    def _eval_mask(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = []
+        for i in range(batch["input_ids"].shape[0]):
+            row = {k: v[i:i + 1] for k, v in batch.items()}  # (1, T)
+            g = torch.Generator(device=row["input_ids"].device).manual_seed(self._eval_seed(row["input_ids"]))
+            rows.append(self._mask(row, generator=g))
+        return torch.cat([m for m, _ in rows]), torch.cat([l for _, l in rows])  # (B, T) each
+
     @torch.no_grad()
     def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
-        input_ids = batch["input_ids"]
-        generator = torch.Generator(device=input_ids.device).manual_seed(self._eval_seed(input_ids))
-        masked, labels = self._mask(batch, generator=generator)  # (B, T) each
+        masked, labels = self._eval_mask(batch)  # (B, T) each
         out = model(input_ids=masked, attention_mask=batch["attention_mask"], labels=labels)
         target = labels[labels != IGNORE_INDEX]  # (M,)
         picked = out["logits"].float()  # (M, V)
