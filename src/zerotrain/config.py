@@ -241,12 +241,16 @@ class LaunchConfig:
     """host:port of node 0, where all processes meet (torchrun's --rdzv-endpoint / MASTER_ADDR:MASTER_PORT)."""
     comm_backend: Literal["auto", "nccl", "gloo", "mpi"] = "auto"
     """torch.distributed backend: auto is nccl on GPU and gloo on CPU."""
+    timeout_minutes: int = 60
+    """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights."""
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
             raise ConfigError("--launch.nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
             raise ConfigError("--launch.nnodes", f"must be >= 1, got {self.nnodes}")
+        if self.timeout_minutes < 1:
+            raise ConfigError("--launch.timeout_minutes", f"must be >= 1, got {self.timeout_minutes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--launch.node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
         host, _, port = self.rdzv_endpoint.rpartition(":")

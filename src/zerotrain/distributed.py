@@ -8,6 +8,7 @@ re-implements a rendezvous.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import socket
@@ -90,13 +91,14 @@ def comm_backend(requested: str, device: str) -> str:
     return requested
 
 
-def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu") -> DistInfo:
+def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", timeout_minutes: int = 60) -> DistInfo:
     """Initialise torch.distributed for this process (a group of one when started alone)."""
     if "RANK" not in os.environ:
         # A single process still gets a process group, so the engine code has one path.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     info = dist_info()
+    timeout = datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
         if use_deepspeed:
             # DeepSpeed picks its accelerator by itself (cuda when one is visible); a CPU run must say so
@@ -105,9 +107,10 @@ def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu") -
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=backend == "mpi", verbose=False)
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=backend == "mpi", verbose=False,
+                                       timeout=timeout)
         else:
-            torch.distributed.init_process_group(backend=backend)
+            torch.distributed.init_process_group(backend=backend, timeout=timeout)
     return info
 
 

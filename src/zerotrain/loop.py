@@ -125,7 +125,8 @@ def fit(task: Task) -> FitResult:
     adopt_slurm_env(cfg.launch)
     device_type = "cuda" if tr.device == "cuda" or (tr.device == "auto" and torch.cuda.is_available()) else "cpu"
     backend = comm_backend(cfg.launch.comm_backend, device_type)
-    info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type)
+    info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
+                              timeout_minutes=cfg.launch.timeout_minutes)
     setup_logging(info.is_main)
     device = _device(tr.device, info.local_rank)
     precision = resolve_precision(cfg.strategy.precision, device.type,
