@@ -122,3 +122,32 @@ def test_config_validation_names_flags():
     cfg.data.max_train_samples = 1
     with pytest.raises(ConfigError, match="--data.max_train_samples"):
         cfg.validate()
+
+
+def test_init_from_a_real_mlm_run_copies_embedding_and_layers(tmp_path, tiny_tokenizer_dir):
+    """The mlm recipe's encoder layers land in torch's TransformerEncoderLayer and compute the same function."""
+    from safetensors.torch import save_file
+
+    from zerotrain.models.roberta_mlm import RobertaMLM
+    from zerotrain.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_tokenizer_dir))
+    torch.manual_seed(0)
+    mlm = RobertaMLM(vocab_size=len(tok), num_layers=2, num_heads=4, h_dim=32, ff_dim=64, dropout=0.0,
+                     max_seq_length=32, pad_token_id=tok.pad_token_id).eval()
+    (tmp_path / "model").mkdir()
+    save_file({k: v.clone().contiguous() for k, v in mlm.state_dict().items()}, str(tmp_path / "model" / "model.safetensors"))
+
+    cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=32, hidden_dim=64, num_heads=4, num_layers=2, max_len=32,
+                                                dropout=0.0, init_from_mlm=str(tmp_path)))
+    cfg.data.tokenizer = str(tiny_tokenizer_dir)
+    clf = IMDBTask(cfg).build_model().eval()
+    assert init_from_mlm(clf, str(tmp_path)) == 1 + 2 * 12  # embedding + 12 tensors per layer
+    torch.testing.assert_close(clf.token_embedding.weight, mlm.encoder.token_embedding.weight)
+
+    x = torch.randn(2, 7, 32)  # (B, T, C)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    with torch.no_grad():
+        for mine, theirs in zip(clf.encoder.layers, mlm.encoder.layers):
+            torch.testing.assert_close(mine(x, src_key_padding_mask=~mask), theirs(x, mask[:, None, None, :]),
+                                       atol=1e-5, rtol=1e-5)

@@ -56,6 +56,7 @@ class SentimentClassifier(nn.Module):
         pad_token_id: int,
         num_classes: int = 2,
         activation_checkpointing: bool = False,
+        activation: str = "relu",
     ):
         super().__init__()
         if embed_dim % num_heads:
@@ -78,7 +79,8 @@ class SentimentClassifier(nn.Module):
         self.register_buffer("positions", sinusoidal_positions(max_len, embed_dim), persistent=False)
         self.embed_dropout = nn.Dropout(dropout)
         layer = nn.TransformerEncoderLayer(
-            embed_dim, num_heads, dim_feedforward=hidden_dim, dropout=dropout, batch_first=True
+            embed_dim, num_heads, dim_feedforward=hidden_dim, dropout=dropout, batch_first=True,
+            activation=activation,
         )
         # enable_nested_tensor=False: nested tensors only pay off for very ragged batches in
         # inference; our collate already trims padding to the batch's longest review.

@@ -127,8 +127,29 @@ def _safetensors_path(path: str, flag: str) -> Path:
     return p
 
 
+# zerotrain's RoBERTa MLM layer -> torch's nn.TransformerEncoderLayer: both are post-LN with a packed
+# [q; k; v] input projection, so the tensors carry over one to one.
+_MLM_TO_CLASSIFIER = [
+    ("encoder.token_embedding.", "token_embedding."),
+    (".attn.qkv.weight", ".self_attn.in_proj_weight"), (".attn.qkv.bias", ".self_attn.in_proj_bias"),
+    (".attn.out.", ".self_attn.out_proj."), (".ff_in.", ".linear1."), (".ff_out.", ".linear2."),
+    (".ln_attn.", ".norm1."), (".ln_ff.", ".norm2."),
+]
+
+
+def _classifier_name(mlm_name: str) -> str:
+    for old, new in _MLM_TO_CLASSIFIER:
+        mlm_name = mlm_name.replace(old, new)
+    return mlm_name
+
+
 def init_from_mlm(model: nn.Module, path: str) -> int:
-    """Copy from the MLM weights at ``path`` every tensor whose name and shape match ``model``'s.
+    """Copy from the MLM weights at ``path`` the token embedding and the encoder layers.
+
+    Names are translated from the ``mlm`` recipe's model (see ``_MLM_TO_CLASSIFIER``); a tensor is
+    copied when its translated name and its shape match (the same tokenizer, width, FFN size and at
+    most as many layers). The MLM's learned positions, embedding LayerNorm and head are not used.
+    The classifier then uses GELU, as the MLM layers were trained with it.
 
     Returns how many tensors were copied; raises :class:`UserError` naming --model.init_from_mlm
     when none match (a copy of nothing is almost certainly a mistake, not a choice).
@@ -137,7 +158,8 @@ def init_from_mlm(model: nn.Module, path: str) -> int:
 
     source = load_file(str(_safetensors_path(path, "--model.init_from_mlm")))
     target = model.state_dict()
-    copied = {k: v for k, v in source.items() if k in target and target[k].shape == v.shape}
+    renamed = {_classifier_name(k): v for k, v in source.items()}
+    copied = {k: v for k, v in renamed.items() if k in target and target[k].shape == v.shape}
     if not copied:
         raise UserError(
             f"--model.init_from_mlm: none of the {len(source)} tensors in {path} matches a classifier tensor "
@@ -159,7 +181,9 @@ class IMDBTask(Task[IMDBConfig]):
     def tokenizer(self):
         return load_tokenizer(self.cfg.data.tokenizer)
 
-    def build_model(self) -> nn.Module:
+    def build_model(self, load_mlm: bool = True) -> nn.Module:
+        """The classifier; with ``--model.init_from_mlm``, GELU layers filled from the MLM run
+        (``load_mlm=False`` builds the same architecture without reading the MLM weights)."""
         m = self.cfg.model
         model = SentimentClassifier(
             vocab_size=len(self.tokenizer),
@@ -171,8 +195,9 @@ class IMDBTask(Task[IMDBConfig]):
             dropout=m.dropout,
             pad_token_id=self.tokenizer.pad_token_id,
             activation_checkpointing=self.cfg.strategy.activation_checkpointing,
+            activation="gelu" if m.init_from_mlm else "relu",
         )
-        if m.init_from_mlm:
+        if m.init_from_mlm and load_mlm:
             n = init_from_mlm(model, m.init_from_mlm)
             log.info("copied %d tensors from the MLM model %s", n, m.init_from_mlm)
         return model
@@ -267,11 +292,10 @@ def predict(
     cfg: IMDBConfig = from_dict(IMDBConfig, {k: v for k, v in raw.items() if k in known})
     if tokenizer is not None:
         cfg.data.tokenizer = tokenizer
-    cfg.model.init_from_mlm = None  # the exported weights already include whatever it contributed
     cfg.strategy.activation_checkpointing = False
 
     task = IMDBTask(cfg)
-    model = task.build_model()
+    model = task.build_model(load_mlm=False)  # the exported weights already hold what the MLM gave
     state = load_file(str(weights))
     state = {k.removeprefix("module."): v for k, v in state.items()}
     model.load_state_dict(state)
