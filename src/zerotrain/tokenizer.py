@@ -7,6 +7,15 @@ from pathlib import Path
 from zerotrain.errors import UserError
 
 
+def looks_local(name_or_path: str) -> bool:
+    """True for a local file or folder (existing, or written as a path), False for a hub name.
+
+    Hub names (``roberta-base``, ``stanfordnlp/imdb``) and relative paths (``data/imdb``) look alike;
+    a name that exists on disk, or starts with ``.``, ``/`` or ``~``, is taken as local.
+    """
+    return name_or_path.startswith((".", "/", "~")) or Path(name_or_path).expanduser().exists()
+
+
 def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
     """Return a fast tokenizer from a local folder (``tokenizer.json`` or ``vocab.json`` + ``merges.txt``)
     or a hub name such as ``roberta-base``.
@@ -16,14 +25,14 @@ def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
     from transformers import AutoTokenizer
 
     path = Path(name_or_path).expanduser()
-    looks_local = path.exists() or name_or_path.startswith((".", "/", "~"))
-    if looks_local and not path.is_dir():
+    local = looks_local(name_or_path)
+    if local and not path.is_dir():
         raise UserError(f"{flag}: tokenizer folder {name_or_path!r} does not exist. Pass a folder with tokenizer.json "
                         "(or vocab.json + merges.txt), e.g. ../shared/data/roberta-tokenizer")
     try:
-        return AutoTokenizer.from_pretrained(str(path) if looks_local else name_or_path)
+        return AutoTokenizer.from_pretrained(str(path) if local else name_or_path)
     except (OSError, ValueError) as exc:
-        where = f"folder {name_or_path!r}" if looks_local else f"hub name {name_or_path!r}"
+        where = f"folder {name_or_path!r}" if local else f"hub name {name_or_path!r}"
         raise UserError(
             f"{flag}: could not load a tokenizer from the {where} ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
             "Offline, pass a local folder with tokenizer.json (or vocab.json + merges.txt), "

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import Dataset
 
 from zerotrain.errors import DataError, UserError
+from zerotrain.tokenizer import looks_local
 
 LABEL_NAMES = ("negative", "positive")
 _BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
@@ -182,8 +183,7 @@ def load_split(source: str | os.PathLike, split: str) -> tuple[list[str], list[i
     """
     text_source = str(source)
     path = Path(text_source.replace("{split}", split)).expanduser()
-    looks_local = path.exists() or text_source.startswith((".", "/", "~")) or "{split}" in text_source
-    if not looks_local:
+    if not (looks_local(str(path)) or "{split}" in text_source):
         return _load_hub(text_source, split)
 
     if path.is_dir():

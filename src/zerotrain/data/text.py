@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from zerotrain.tokenizer import looks_local
 from zerotrain.errors import DataError, UserError
 
 TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz", ".raw")
@@ -31,9 +32,7 @@ _CACHE_FORMAT = 1  # bump when the packing changes, so old caches are not reused
 
 def is_local_source(path_or_name: str) -> bool:
     """True when ``path_or_name`` names a local file or folder (existing or path-like), False for a hub name."""
-    if path_or_name.startswith((".", "/", "~")) or path_or_name.endswith(SUFFIXES):
-        return True
-    return Path(path_or_name).expanduser().exists()
+    return path_or_name.endswith(SUFFIXES) or looks_local(path_or_name)
 
 
 def _open_text(path: Path) -> IO[str]:

@@ -22,7 +22,7 @@ from zerotrain.config import RunConfig
 from zerotrain.data.sft import IGNORE_INDEX, SFTCollator, build_examples, load_records
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
-from zerotrain.tokenizer import load_tokenizer
+from zerotrain.tokenizer import load_tokenizer, looks_local
 
 logger = logging.getLogger(__name__)
 
@@ -176,13 +176,13 @@ class LoRATask(Task[LoRAConfig]):
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
         path = Path(m.name_or_path).expanduser()
-        looks_local = path.exists() or m.name_or_path.startswith((".", "/", "~"))
-        if looks_local and not path.is_dir():
+        local = looks_local(m.name_or_path)
+        if local and not path.is_dir():
             raise UserError(f"--model.name_or_path: model folder {m.name_or_path!r} does not exist")
         try:
-            return AutoModelForCausalLM.from_pretrained(str(path) if looks_local else m.name_or_path, dtype=dtype)
+            return AutoModelForCausalLM.from_pretrained(str(path) if local else m.name_or_path, dtype=dtype)
         except (OSError, ValueError) as exc:
-            where = f"folder {m.name_or_path!r}" if looks_local else f"hub name {m.name_or_path!r}"
+            where = f"folder {m.name_or_path!r}" if local else f"hub name {m.name_or_path!r}"
             raise UserError(
                 f"--model.name_or_path: could not load a causal LM from the {where} "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0]}). Offline, pass a local folder saved with "
