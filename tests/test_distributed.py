@@ -15,9 +15,14 @@ CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLUR
 
 @pytest.fixture()
 def env(monkeypatch):
+    # adopt_slurm_env writes os.environ directly: restore it whole, or RANK=5 of 8 would leak into
+    # the next test's process group and make it wait for seven ranks that never come.
+    saved = dict(os.environ)
     for key in CLEAN:
         monkeypatch.delenv(key, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_torchrun_worker_is_launched(env):
