@@ -149,3 +149,30 @@ def test_logged_lr_is_the_rate_the_step_used(tmp_path):
     cfg.scheduler.name, cfg.scheduler.warmup_steps = "constant", 4
     rows = train_log(fit(ToyTask(cfg)).run_dir)
     assert [rows[s]["lr"] for s in (1, 2, 4, 8)] == pytest.approx([cfg.optimizer.lr * f for f in (0.25, 0.5, 1, 1)])
+
+
+@pytest.mark.parametrize("backend", ["ddp", "deepspeed"])
+def test_resume_after_a_kill_logs_what_an_uninterrupted_run_logs(tmp_path, backend):
+    """Killed at step 6 with the last checkpoint at 4, mid log window: the resumed log equals the straight one."""
+    def cfg(name: str):
+        c = toy_config(tmp_path, name, backend=backend, zero_stage=0)
+        c.trainer.log_every_steps = 3  # windows end at 3, 6, 8: the checkpoint at 4 falls inside one
+        c.checkpoint.every_steps = 4
+        return c
+
+    straight = fit(ToyTask(cfg("straight")))
+    killed = cfg("killed")
+    killed.trainer.max_steps, killed.checkpoint.save_final = 6, False  # rows up to 6, checkpoint at 4
+    fit(ToyTask(killed))
+    again = cfg("killed")
+    again.checkpoint.resume = "auto"
+    resumed = fit(ToyTask(again))
+
+    def rows(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    a, b = rows(straight.run_dir), rows(resumed.run_dir)
+    assert [r["step"] for r in b] == [r["step"] for r in a]  # nothing logged twice
+    for x, y in zip(a, b):
+        for key in ("train_loss", "lr", "val_mse"):
+            assert x.get(key) == y.get(key), (x["step"], key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -200,9 +201,14 @@ def fit(task: Task) -> FitResult:
 
     # --- resume ---
     step, epoch, in_epoch = 0, 0, 0
+    window_loss, window_steps = 0.0, 0
     if resume_from is not None:
         client = checkpoint.load(engine, resume_from)
         step, epoch, in_epoch = client["step"], client["epoch"], client["batches_in_epoch"]
+        # The unfinished log window goes on where it was, so the logged losses match an uninterrupted run.
+        window_loss, window_steps = client.get("window_loss", 0.0), client.get("window_steps", 0)
+        if info.is_main:
+            _drop_rows_after(run_dir / "metrics.jsonl", step)
         log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", resume_from, step, epoch, in_epoch)
     start_step = step
     if start_step >= total_steps:
@@ -218,7 +224,6 @@ def fit(task: Task) -> FitResult:
     eval_args = dict(max_batches=tr.eval_max_batches, workers=tr.num_workers, seed=tr.seed)
     # A resumed run does not save again the checkpoint it started from.
     last_saved, results = (step if resume_from is not None else -1), {}
-    window_loss, window_steps = 0.0, 0
     engine.train()
     meter.start()
     try:
@@ -254,14 +259,14 @@ def fit(task: Task) -> FitResult:
                     log.info("step %d: %s", step, _fmt(val))
                 meter.start()  # evaluation time is not training time
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last)
+                _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last, window_loss, window_steps)
                 last_saved = step
                 meter.start()
     finally:
         bar.close()
 
     if cfg.checkpoint.save_final and last_saved != step:
-        _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last)
+        _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last, window_loss, window_steps)
     if splits.test is not None:
         test = evaluate(task, engine, splits.test, "test", **eval_args)
         tracker.log(step, test)
@@ -281,10 +286,24 @@ def fit(task: Task) -> FitResult:
     return FitResult(run_dir=run_dir, final_step=step, metrics=summary, is_main=info.is_main)
 
 
-def _save(engine: Engine, run_dir: Path, step: int, epoch: int, in_epoch: int, keep_last: int) -> None:
-    client = {"step": step, "epoch": epoch, "batches_in_epoch": in_epoch}
+def _save(engine: Engine, run_dir: Path, step: int, epoch: int, in_epoch: int, keep_last: int,
+          window_loss: float, window_steps: int) -> None:
+    client = {"step": step, "epoch": epoch, "batches_in_epoch": in_epoch,
+              "window_loss": window_loss, "window_steps": window_steps}
     folder = checkpoint.save(engine, run_dir / "checkpoints", step, client, keep_last)
     log.info("checkpoint: %s", folder)
+
+
+def _drop_rows_after(metrics_file: Path, step: int) -> None:
+    """Forget what a killed run logged after its last checkpoint: the resumed run logs those steps again."""
+    if not metrics_file.is_file():
+        return
+    lines = metrics_file.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = metrics_file.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics_file)
 
 
 def _fmt(metrics: dict[str, float]) -> str:
