@@ -204,3 +204,31 @@ def test_example_data_with_roberta_tokenizer(shared_data):
     examples = task.build_datasets().train
     assert len(examples) == 64
     assert all(max(e["input_ids"]) < 50265 and e["labels"][-1] == task.tokenizer.eos_token_id for e in examples)
+
+
+def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenizer_dir):
+    """Two micro-batches with different target counts: the weighted losses add up to the one-batch loss."""
+    from zerotrain.distributed import init_process_group
+    from zerotrain.engine import TorchEngine
+
+    init_process_group("gloo", use_deepspeed=False)
+    task = make_task(workdir, tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    examples = task.build_datasets().train
+    small, large = task.collate(examples[:1]), task.collate(examples[1:6])
+    engine = TorchEngine(model, task.cfg, torch.device("cpu"), "fp32", total_steps=1, steps_per_epoch=1)
+    factors = engine._loss_factors([small, large], task.loss_weight)
+    w = [task.loss_weight(small), task.loss_weight(large)]
+    assert w[0] != w[1] and factors == pytest.approx([2 * w[0] / sum(w), 2 * w[1] / sum(w)])
+
+    def token_loss_sum(batch):
+        return task.eval_step(model, batch)["loss_sum"]
+
+    with torch.no_grad():
+        means = [task.training_step(model, b).loss.item() for b in (small, large)]
+    # What the engine back-propagates (each factor x mean loss, averaged over micro-batches) is the
+    # mean over all target tokens of both micro-batches, as if they had been one batch.
+    combined = sum(f * m for f, m in zip(factors, means)) / 2
+    assert combined == pytest.approx((token_loss_sum(small) + token_loss_sum(large)) / sum(w), rel=1e-5)
+    assert combined != pytest.approx(sum(means) / 2, rel=1e-3)  # the plain mean of means differs

@@ -26,6 +26,7 @@ from zerotrain.ds_config import ResolvedPrecision, precision_of
 from zerotrain.tasks.base import Batch, StepOutput
 
 StepFn = Callable[[nn.Module, Batch], StepOutput]
+WeightFn = Callable[[Batch], Optional[float]]
 
 
 @dataclass
@@ -89,7 +90,26 @@ class Engine(ABC):
         """What a task calls for forward passes (the wrapped model)."""
 
     @abstractmethod
-    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats: ...
+    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn,
+                   weight_fn: Optional[WeightFn] = None) -> StepStats:
+        """Forward/backward every micro-batch of one optimizer step, then step.
+
+        ``weight_fn`` (see :meth:`Task.loss_weight`) makes the step's gradient that of one big batch:
+        micro-batch losses are weighted by their share of the step's weight summed over all ranks.
+        """
+
+    def _loss_factors(self, batches: list[Batch], weight_fn: Optional[WeightFn]) -> list[float]:
+        """Multipliers for each micro-batch's (mean) loss. Both engines average over micro-batches and
+        ranks, so factor = weight x micro-batches x ranks / (the step's total weight): the gradient is
+        then the weight-averaged one, e.g. every target token counts once however the tokens fall."""
+        n = len(batches)
+        weights = [weight_fn(b) for b in batches] if weight_fn is not None else [None]
+        if any(w is None for w in weights):
+            return [1.0] * n
+        total = self.all_reduce_sum({"weight": sum(weights)})["weight"]
+        if total <= 0:
+            return [1.0] * n
+        return [w * n * self.world_size / total for w in weights]
 
     @abstractmethod
     def lr(self) -> float: ...
@@ -188,19 +208,23 @@ class DeepSpeedEngine(Engine):
     def forward_model(self) -> nn.Module:
         return self.ds
 
-    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats:
+    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn,
+                   weight_fn: Optional[WeightFn] = None) -> StepStats:
+        batches = list(micro_batches)
+        factors = self._loss_factors(batches, weight_fn)
         loss_sum, samples, tokens, n, flops = 0.0, 0, 0, 0, None
-        for batch in micro_batches:
+        for batch, factor in zip(batches, factors):
             out = step_fn(self.ds, to_device(batch, self.device))
             # DeepSpeed divides by gradient_accumulation_steps and only steps on the boundary.
-            self.ds.backward(out.loss)
+            loss = out.loss * factor if factor != 1.0 else out.loss
+            self.ds.backward(loss)
             if self.ds.is_gradient_accumulation_boundary():
                 # The rate this step uses: step() advances the schedule to the next step's.
                 self._lr = float(self.ds.get_lr()[0])
                 if self._track_norm:
                     self._norm = _grad_norm(self.ds.module)
             self.ds.step()
-            loss_sum += out.loss.detach().float().item()
+            loss_sum += loss.detach().float().item()
             samples, tokens, n = samples + out.samples, tokens + out.tokens, n + 1
             flops = _add_flops(flops, out, first=n == 1)
         return StepStats(loss_sum / max(1, n), samples, tokens, n, flops)
@@ -287,8 +311,10 @@ class TorchEngine(Engine):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
-    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn) -> StepStats:
+    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn,
+                   weight_fn: Optional[WeightFn] = None) -> StepStats:
         batches = list(micro_batches)
+        factors = self._loss_factors(batches, weight_fn)
         loss_sum, samples, tokens, flops = 0.0, 0, 0, None
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
@@ -297,8 +323,9 @@ class TorchEngine(Engine):
             with sync:
                 with self._autocast():
                     out = step_fn(self._wrapped, to_device(batch, self.device))
-                self.scaler.scale(out.loss / len(batches)).backward()
-            loss_sum += out.loss.detach().float().item()
+                loss = out.loss * factors[i]
+                self.scaler.scale(loss / len(batches)).backward()
+            loss_sum += loss.detach().float().item()
             samples, tokens = samples + out.samples, tokens + out.tokens
             flops = _add_flops(flops, out, first=i == 0)
         self.scaler.unscale_(self.optimizer)

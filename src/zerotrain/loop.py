@@ -234,7 +234,7 @@ def fit(task: Task) -> FitResult:
             epoch, in_epoch, _ = drawn[-1]
             if in_epoch == sampler.batches_per_epoch:
                 epoch, in_epoch = epoch + 1, 0
-            stats = engine.train_step([b for _, _, b in drawn], task.training_step)
+            stats = engine.train_step([b for _, _, b in drawn], task.training_step, task.loss_weight)
             step += 1
             meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops)
             window_loss, window_steps = window_loss + stats.loss, window_steps + 1

@@ -84,6 +84,15 @@ class Task(ABC, Generic[C]):
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Turn the summed eval_step outputs (over all batches and ranks) into metrics."""
 
+    def loss_weight(self, batch: Batch) -> Optional[float]:
+        """How much this micro-batch's mean loss counts, e.g. its number of target tokens.
+
+        None (the default): every micro-batch counts the same. With a weight, the engine scales
+        the losses so that a step's gradient is that of all its micro-batches on all ranks taken as
+        one batch: each target token counts once, whatever batch it fell in.
+        """
+        return None
+
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per token for MFU. Default: 6 x trainable-and-frozen parameters (forward + backward)."""
         return 6.0 * sum(p.numel() for p in model.parameters())

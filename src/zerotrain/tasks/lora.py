@@ -264,6 +264,10 @@ class LoRATask(Task[LoRAConfig]):
         b, t = batch["input_ids"].shape  # (B, T)
         return StepOutput(loss=out.loss, tokens=b * t, samples=b)
 
+    def loss_weight(self, batch: Batch) -> float:
+        """Target tokens the causal-LM loss averages over (labels shift by one: position t predicts t+1)."""
+        return float((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
     @torch.no_grad()
     def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
