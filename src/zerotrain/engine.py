@@ -23,6 +23,7 @@ from torch import nn
 
 from zerotrain.config import RunConfig, SchedulerConfig
 from zerotrain.ds_config import ResolvedPrecision, precision_of
+from zerotrain.errors import UserError
 from zerotrain.tasks.base import Batch, StepOutput
 
 StepFn = Callable[[nn.Module, Batch], StepOutput]
@@ -254,8 +255,6 @@ class DeepSpeedEngine(Engine):
     def load(self, folder: Path) -> dict[str, Any]:
         path, client = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
         if path is None:
-            from zerotrain.errors import UserError
-
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
         return client or {}
 

@@ -26,6 +26,7 @@ from zerotrain.data.sampling import EpochBatches, eval_shard
 from zerotrain.distributed import adopt_slurm_env, comm_backend, init_process_group, sanitize_cuda_arch_list
 from zerotrain.ds_config import batch_shape, make_ds_config, resolve_precision
 from zerotrain.engine import Engine, build_engine, to_device
+from zerotrain.errors import DataError, UserError
 from zerotrain.metrics import ThroughputMeter, memory_snapshot
 from zerotrain.tasks.base import Task
 from zerotrain.tracking import Tracker, log, setup_logging
@@ -47,12 +48,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            from zerotrain.errors import UserError
+def _device_type(requested: str) -> str:
+    """``--trainer.device`` resolved: auto is cuda when a GPU is visible."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--trainer.device cuda: no CUDA GPU is visible. Use --trainer.device cpu (or auto)")
+    return "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
 
-            raise UserError("--trainer.device cuda: no CUDA GPU is visible. Use --trainer.device cpu (or auto)")
+
+def _device(device_type: str, local_rank: int) -> torch.device:
+    if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -124,12 +128,12 @@ def fit(task: Task) -> FitResult:
     tr = cfg.trainer
     sanitize_cuda_arch_list()
     adopt_slurm_env(cfg.launch)
-    device_type = "cuda" if tr.device == "cuda" or (tr.device == "auto" and torch.cuda.is_available()) else "cpu"
+    device_type = _device_type(tr.device)
     backend = comm_backend(cfg.launch.comm_backend, device_type)
     info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
                               timeout_minutes=cfg.launch.timeout_minutes)
     setup_logging(info.is_main)
-    device = _device(tr.device, info.local_rank)
+    device = _device(device_type, info.local_rank)
     precision = resolve_precision(cfg.strategy.precision, device.type,
                                   device.type == "cuda" and torch.cuda.is_bf16_supported())
     # The resolved value goes into the config: tasks read it (LoRA loads weights in it) and hparams.json shows it.
@@ -163,8 +167,6 @@ def fit(task: Task) -> FitResult:
     sampler = EpochBatches(len(splits.train), micro, info.rank, info.world_size, tr.seed, grad_accum, lengths)
     steps_per_epoch = sampler.batches_per_epoch // grad_accum
     if steps_per_epoch < 1:
-        from zerotrain.errors import DataError
-
         raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
                         f"({micro} x {grad_accum} x {info.world_size}). Add data or lower --trainer.micro_batch_size")
     total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
