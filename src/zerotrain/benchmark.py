@@ -66,8 +66,8 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
             if proc.returncode == 0 and summary.is_file():
                 row.update(json.loads(summary.read_text()))
             else:
-                tail = (proc.stderr or proc.stdout)[-2000:]
-                row["error"] = "out of memory" if "out of memory" in tail.lower() else tail.strip().splitlines()[-1:]
+                tail = (proc.stderr or proc.stdout)[-4000:]
+                row["error"] = _failure(tail)
                 print(tail, file=sys.stderr)
             rows.append(row)
             print(f"[benchmark] {name} x {n}: {_brief(row)}", flush=True)
@@ -76,6 +76,15 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
     write_json(out_dir / "benchmark.json", result)
     (out_dir / "benchmark.md").write_text(markdown(result))
     return result
+
+
+def _failure(log_tail: str) -> str:
+    """One line saying why a fit failed: OOM, else zerotrain's own error line, else the last line."""
+    if "out of memory" in log_tail.lower():
+        return "out of memory"
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    ours = [line for line in lines if line.startswith("zerotrain")]
+    return (ours or lines or ["no output"])[-1][:300]
 
 
 def _brief(row: dict[str, Any]) -> str:

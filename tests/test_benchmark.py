@@ -1,0 +1,34 @@
+"""`zerotrain benchmark`: one fit per strategy, a JSON and a Markdown table, failures reported per row."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import zerotrain_cmd
+
+
+def test_sweep_writes_json_and_markdown(tmp_path):
+    out = zerotrain_cmd(["benchmark", "toy", "--strategies", "zero0,ddp", "--out", str(tmp_path / "b"),
+                         "--trainer.max_steps", "4", "--trainer.num_workers", "0",
+                         "--trainer.warmup_steps_excluded", "1"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "b" / "benchmark.json").read_text())
+    assert [r["strategy"] for r in result["rows"]] == ["zero0", "ddp"]
+    for row in result["rows"]:
+        assert "error" not in row and row["throughput_measured_steps"] == 3 and row["throughput_tokens_per_s"] > 0
+        assert row["command"].startswith("zerotrain fit toy")
+    table = (tmp_path / "b" / "benchmark.md").read_text()
+    assert "| zero0 | 1 |" in table and "| ddp | 1 |" in table and result["environment"]["versions"]["torch"] in table
+
+
+def test_a_failed_fit_is_a_row_with_its_reason(tmp_path):
+    out = zerotrain_cmd(["benchmark", "toy", "--strategies", "zero0", "--out", str(tmp_path / "b"),
+                         "--trainer.max_steps", "0"], cwd=tmp_path)
+    assert out.returncode == 1
+    row = json.loads((tmp_path / "b" / "benchmark.json").read_text())["rows"][0]
+    assert "--trainer.max_steps" in row["error"]
+
+
+def test_unknown_strategy_names_the_flag(tmp_path):
+    out = zerotrain_cmd(["benchmark", "toy", "--strategies", "zero9"], cwd=tmp_path)
+    assert out.returncode == 2 and "--strategies" in out.stderr and "Traceback" not in out.stderr
