@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -24,6 +25,10 @@ def main() -> None:
     args, rest = p.parse_known_args()
     fit_flags = rest[1:] if rest[:1] == ["--"] else rest
 
+    # One process without a launcher: DeepSpeed inside the Trainer still wants torchrun's variables.
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29511"}.items():
+        os.environ.setdefault(key, value)
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from zerotrain.cli.fit import parse_config
@@ -42,13 +47,19 @@ def main() -> None:
     tr, st = cfg.trainer, cfg.strategy
     precision = "bf16" if st.precision in ("auto", "bf16") else st.precision
 
+    cuda = torch.cuda.is_available()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     class Meter(TrainerCallback):
         def __init__(self):
-            self.t0, self.steps, self.tokens, self.seen = None, 0, 0, 0
+            self.t0, self.steps, self.seen = None, 0, 0
 
         def on_step_begin(self, a, state, control, **kw):
             if self.seen == args.warmup:
-                torch.cuda.synchronize()
+                sync()
                 self.t0 = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
@@ -57,12 +68,13 @@ def main() -> None:
                 self.steps += 1
 
     meter = Meter()
-    tokens_per_step = []
+    tokens_per_micro_batch = []
 
-    def collate(examples):
-        batch = task.collate(examples)
-        tokens_per_step.append(batch["input_ids"].numel())
-        return batch
+    class CountingTrainer(Trainer):
+        # Counted here, in the main process: the collate function runs in data-loader workers.
+        def training_step(self, model, inputs, *rest, **kw):
+            tokens_per_micro_batch.append(inputs["input_ids"].numel())
+            return super().training_step(model, inputs, *rest, **kw)
 
     targs = TrainingArguments(
         output_dir="/tmp/hf_trainer_lora", per_device_train_batch_size=tr.micro_batch_size,
@@ -73,14 +85,16 @@ def main() -> None:
         deepspeed=st.deepspeed_config, dataloader_num_workers=tr.num_workers, remove_unused_columns=False,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=targs, train_dataset=splits.train, data_collator=collate, callbacks=[meter])
-    torch.cuda.reset_peak_memory_stats()
+    trainer = CountingTrainer(model=model, args=targs, train_dataset=splits.train, data_collator=task.collate,
+                              callbacks=[meter])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    torch.cuda.synchronize()
+    sync()
     seconds = time.perf_counter() - meter.t0
     gas = st.gradient_accumulation_steps
-    measured_tokens = sum(tokens_per_step[args.warmup * gas:(args.warmup + meter.steps) * gas])
-    name = torch.cuda.get_device_name()
+    measured_tokens = sum(tokens_per_micro_batch[args.warmup * gas:(args.warmup + meter.steps) * gas])
+    name = torch.cuda.get_device_name() if cuda else "cpu"
     tflops = flops_per_token * measured_tokens / seconds / 1e12
     peak = peak_tflops(name, precision)
     row = {
@@ -88,7 +102,8 @@ def main() -> None:
         "deepspeed_config": st.deepspeed_config, "command": " ".join(["python", *sys.argv]),
         "throughput_sec_per_step": seconds / meter.steps, "throughput_tokens_per_s": measured_tokens / seconds,
         "throughput_tflops_per_gpu": tflops, "throughput_mfu": tflops / peak if peak else None,
-        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30, "measured_steps": meter.steps,
+        "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "measured_steps": meter.steps,
     }
     with open(args.out, "w") as f:
         json.dump(row, f, indent=2)
