@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|mlm|imdb_b|imdb_sweep|lora
+#   bash benchmarks/gpu_suite.sh tests|mlm|imdb_b|imdb_sweep|lora|lora_hf   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 D=${DATA:-.data}
@@ -35,15 +35,16 @@ for part in "$@"; do
           --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 150 \
           --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 20 | tail -n 6
       fi ;;
-    lora)  # ~1.2B Llama from a config, LoRA r=8 on q/v, bf16, 512-token IMDB prompts
+    lora|lora_hf)  # ~1.2B Llama from a config, LoRA r=8 on q/v, bf16, 512-token IMDB prompts
       python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
       FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
              --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
              --trainer.max_steps 25 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5
              --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
              --checkpoint.save_final false)
-      z benchmark lora --strategies zero2,zero3 --out "$OUT/lora" "${FLAGS[@]}" | tail -n 6
-      z benchmark lora --strategies zero2 --out "$OUT/lora_offload" "${FLAGS[@]}" \
+      mkdir -p "$OUT/lora"
+      [ $part = lora ] && z benchmark lora --strategies zero2,zero3 --out "$OUT/lora" "${FLAGS[@]}" | tail -n 6
+      [ $part = lora ] && z benchmark lora --strategies zero2 --out "$OUT/lora_offload" "${FLAGS[@]}" \
         --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json | tail -n 4
       python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora/hf_trainer.json" -- "${FLAGS[@]}" \
         --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json > "$OUT/lora/hf_trainer.log" 2>&1

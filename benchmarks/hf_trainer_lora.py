@@ -33,6 +33,7 @@ def main() -> None:
 
     from zerotrain.cli.fit import parse_config
     from zerotrain.distributed import sanitize_cuda_arch_list
+    from zerotrain.ds_config import load_user_config
     from zerotrain.loop import seed_everything
     from zerotrain.metrics import peak_tflops
     from zerotrain.tasks.lora import LoRATask
@@ -82,7 +83,8 @@ def main() -> None:
         weight_decay=cfg.optimizer.weight_decay, max_grad_norm=st.gradient_clipping, max_steps=tr.max_steps,
         warmup_steps=cfg.scheduler.warmup_steps, lr_scheduler_type="constant_with_warmup", bf16=precision == "bf16",
         fp16=precision == "fp16", logging_steps=10, save_strategy="no", report_to=[], seed=tr.seed,
-        deepspeed=st.deepspeed_config, dataloader_num_workers=tr.num_workers, remove_unused_columns=False,
+        # The parsed file: the Trainer's json.load cannot read the '#' comment of the tutorial's JSON.
+        deepspeed=load_user_config(st.deepspeed_config) if st.deepspeed_config else None, dataloader_num_workers=tr.num_workers, remove_unused_columns=False,
         disable_tqdm=True,
     )
     trainer = CountingTrainer(model=model, args=targs, train_dataset=splits.train, data_collator=task.collate,

@@ -25,7 +25,8 @@ def zerotrain_cmd(args: list[str], cwd: Path, timeout: int = 600, **env_extra: s
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", **env_extra)
+    pythonpath = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
+    env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", **env_extra)
     return subprocess.run([sys.executable, "-m", "zerotrain", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

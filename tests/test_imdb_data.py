@@ -129,6 +129,7 @@ def test_split_test_in_halves():
     assert abs(len(val) - len(test)) <= 1
     assert (val, test) == split_test_in_halves(101, seed=3)
     assert val != split_test_in_halves(101, seed=4)[0]
+    assert val != sorted(val)  # shuffled: the first batches of a label-sorted file mix both classes
 
 
 def test_balanced_subset():

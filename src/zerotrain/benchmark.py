@@ -18,16 +18,21 @@ from typing import Any
 from zerotrain.errors import UserError
 from zerotrain.rundir import environment, write_json
 
+def _strategy(backend: str, stage: int, optimizer: str = "none", param: str = "none") -> list[str]:
+    # Every field is set, so a strategy means the same thing whatever the --config file says.
+    return ["--strategy.backend", backend, "--strategy.zero_stage", str(stage),
+            "--strategy.offload_optimizer", optimizer, "--strategy.offload_param", param]
+
+
 STRATEGIES: dict[str, list[str]] = {
-    "ddp": ["--strategy.backend", "ddp"],
-    "zero0": ["--strategy.zero_stage", "0"],
-    "zero1": ["--strategy.zero_stage", "1"],
-    "zero2": ["--strategy.zero_stage", "2"],
-    "zero3": ["--strategy.zero_stage", "3"],
-    "zero1_offload": ["--strategy.zero_stage", "1", "--strategy.offload_optimizer", "cpu"],
-    "zero2_offload": ["--strategy.zero_stage", "2", "--strategy.offload_optimizer", "cpu"],
-    "zero3_offload": ["--strategy.zero_stage", "3", "--strategy.offload_optimizer", "cpu",
-                      "--strategy.offload_param", "cpu"],
+    "ddp": _strategy("ddp", 0),
+    "zero0": _strategy("deepspeed", 0),
+    "zero1": _strategy("deepspeed", 1),
+    "zero2": _strategy("deepspeed", 2),
+    "zero3": _strategy("deepspeed", 3),
+    "zero1_offload": _strategy("deepspeed", 1, optimizer="cpu"),
+    "zero2_offload": _strategy("deepspeed", 2, optimizer="cpu"),
+    "zero3_offload": _strategy("deepspeed", 3, optimizer="cpu", param="cpu"),
 }
 
 COLUMNS = [

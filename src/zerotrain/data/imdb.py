@@ -217,10 +217,12 @@ def split_test_in_halves(n: int, seed: int) -> tuple[list[int], list[int]]:
 
     The tutorial's protocol: IMDB has no validation split, so half of the test reviews serve for
     model selection and the other half for the final number. Disjoint, covering, reproducible.
+    The halves stay shuffled: the IMDB files are sorted by label, so an evaluation cut short
+    (``--trainer.eval_max_batches``) would otherwise see one class only.
     """
     order = np.random.default_rng(seed).permutation(n)
     half = n // 2
-    return sorted(order[:half].tolist()), sorted(order[half:].tolist())
+    return order[:half].tolist(), order[half:].tolist()
 
 
 def balanced_subset(labels: Sequence[int], k: Optional[int], seed: int) -> list[int]:
