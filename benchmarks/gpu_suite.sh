@@ -46,7 +46,7 @@ for part in "$@"; do
       [ $part = lora ] && z benchmark lora --strategies zero2,zero3 --out "$OUT/lora" "${FLAGS[@]}" | tail -n 6
       [ $part = lora ] && z benchmark lora --strategies zero2 --out "$OUT/lora_offload" "${FLAGS[@]}" \
         --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json | tail -n 4
-      python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora/hf_trainer.json" -- "${FLAGS[@]}" \
+      python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora/hf_trainer.json" --warmup 5 -- "${FLAGS[@]}" \
         --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json > "$OUT/lora/hf_trainer.log" 2>&1
       echo "hf_trainer rc=$?"; tail -n 12 "$OUT/lora/hf_trainer.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
