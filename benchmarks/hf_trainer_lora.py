@@ -29,6 +29,8 @@ def main() -> None:
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29511"}.items():
         os.environ.setdefault(key, value)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as zerotrain does for CPU runs
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from zerotrain.cli.fit import parse_config
@@ -105,7 +107,7 @@ def main() -> None:
         "throughput_sec_per_step": seconds / meter.steps, "throughput_tokens_per_s": measured_tokens / seconds,
         "throughput_tflops_per_gpu": tflops, "throughput_mfu": tflops / peak if peak else None,
         "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-        "measured_steps": meter.steps,
+        "measured_steps": meter.steps, "measured_tokens": measured_tokens,
     }
     with open(args.out, "w") as f:
         json.dump(row, f, indent=2)

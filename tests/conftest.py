@@ -15,8 +15,8 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 
-def zerotrain_cmd(args: list[str], cwd: Path, timeout: int = 600, **env_extra: str):
-    """Run ``python -m zerotrain ARGS`` as a user would, in a fresh process.
+def run_python(argv: list[str], cwd: Path, timeout: int = 600, **env_extra: str):
+    """Run ``python ARGV`` in a fresh process that imports this checkout's zerotrain.
 
     In-process fits earlier in the session set torchrun's variables for their group of one;
     they are dropped, so a command with --launch.nproc_per_node N starts its N workers itself.
@@ -27,8 +27,13 @@ def zerotrain_cmd(args: list[str], cwd: Path, timeout: int = 600, **env_extra: s
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     pythonpath = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
     env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", **env_extra)
-    return subprocess.run([sys.executable, "-m", "zerotrain", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def zerotrain_cmd(args: list[str], cwd: Path, timeout: int = 600, **env_extra: str):
+    """Run ``python -m zerotrain ARGS`` as a user would (see :func:`run_python`)."""
+    return run_python(["-m", "zerotrain", *args], cwd, timeout, **env_extra)
+
 
 WORDS = (
     "the a movie film was great good bad awful terrible wonderful plot acting story actor boring "

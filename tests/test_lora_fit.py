@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import zerotrain_cmd
+from conftest import REPO, run_python, zerotrain_cmd
 
 from zerotrain.checkpoint import complete_checkpoints
 from zerotrain.loop import seed_everything
@@ -88,3 +88,22 @@ def _plain_base(task, cfg):
     """The base model exactly as the run initialised it (same seed, same draw order), without LoRA."""
     seed_everything(cfg.trainer.seed)
     return task._load_base()
+
+
+@pytest.mark.slow
+def test_hf_trainer_row_reads_the_tutorial_json(lora_files):
+    """The benchmark's Hugging Face Trainer row runs the shipped ZeRO-2 + offload preset (HJSON with a
+    '#' comment) and counts the tokens of every measured step, data-loader workers or not."""
+    tmp_path, tok = lora_files
+    fit_flags = _args(tmp_path, tok, stage=2, nproc=1)[2:]
+    fit_flags[fit_flags.index("--trainer.num_workers") + 1] = "2"
+    row_file = tmp_path / "row.json"
+    preset = REPO / "src" / "zerotrain" / "presets" / "ds_zero2_offload.json"
+    out = run_python([str(REPO / "benchmarks" / "hf_trainer_lora.py"), "--out", str(row_file), "--warmup", "1",
+                      "--", *fit_flags, "--strategy.deepspeed_config", str(preset)], cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(row_file.read_text())
+    assert row["measured_steps"] == 3  # 4 steps, the first one excluded
+    # Micro-batch 4, padded to a multiple of 8, at most 32 tokens: what the workers' collate produced.
+    assert 0 < row["measured_tokens"] <= 3 * 4 * 32 and row["measured_tokens"] % (4 * 8) == 0
+    assert row["throughput_tokens_per_s"] > 0

@@ -32,8 +32,9 @@ WeightFn = Callable[[Batch], Optional[float]]
 
 @dataclass
 class StepStats:
-    loss: float
-    """Mean loss over the step's micro-batches (this rank)."""
+    loss: torch.Tensor
+    """Mean loss over the step's micro-batches (this rank), a 0-d tensor on the device: reading it
+    waits for the GPU, so the loop only does that when it logs."""
     samples: int
     tokens: int
     micro_batches: int
@@ -104,6 +105,8 @@ class Engine(ABC):
         ranks, so factor = weight x micro-batches x ranks / (the step's total weight): the gradient is
         then the weight-averaged one, e.g. every target token counts once however the tokens fall."""
         n = len(batches)
+        if n == 1 and self.world_size == 1:
+            return [1.0]  # one micro-batch on one rank: nothing to weigh (and no host-device sync)
         weights = [weight_fn(b) for b in batches] if weight_fn is not None else [None]
         if any(w is None for w in weights):
             return [1.0] * n
@@ -213,7 +216,7 @@ class DeepSpeedEngine(Engine):
                    weight_fn: Optional[WeightFn] = None) -> StepStats:
         batches = list(micro_batches)
         factors = self._loss_factors(batches, weight_fn)
-        loss_sum, samples, tokens, n, flops = 0.0, 0, 0, 0, None
+        loss_sum, samples, tokens, n, flops = torch.zeros((), device=self.device), 0, 0, 0, None
         for batch, factor in zip(batches, factors):
             out = step_fn(self.ds, to_device(batch, self.device))
             # DeepSpeed divides by gradient_accumulation_steps and only steps on the boundary.
@@ -225,7 +228,7 @@ class DeepSpeedEngine(Engine):
                 if self._track_norm:
                     self._norm = _grad_norm(self.ds.module)
             self.ds.step()
-            loss_sum += loss.detach().float().item()
+            loss_sum += loss.detach().float()
             samples, tokens, n = samples + out.samples, tokens + out.tokens, n + 1
             flops = _add_flops(flops, out, first=n == 1)
         return StepStats(loss_sum / max(1, n), samples, tokens, n, flops)
@@ -290,7 +293,7 @@ class TorchEngine(Engine):
         self.scheduler = make_scheduler(self.optimizer, cfg, total_steps, steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        self._grad_norm: Optional[float] = None
+        self._grad_norm: Optional[torch.Tensor] = None
         self._lr: Optional[float] = None
         self._skipped = 0
 
@@ -314,7 +317,7 @@ class TorchEngine(Engine):
                    weight_fn: Optional[WeightFn] = None) -> StepStats:
         batches = list(micro_batches)
         factors = self._loss_factors(batches, weight_fn)
-        loss_sum, samples, tokens, flops = 0.0, 0, 0, None
+        loss_sum, samples, tokens, flops = torch.zeros((), device=self.device), 0, 0, None
         for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             # Reduce gradients across ranks only once, on the last micro-batch.
@@ -324,13 +327,13 @@ class TorchEngine(Engine):
                     out = step_fn(self._wrapped, to_device(batch, self.device))
                 loss = out.loss * factors[i]
                 self.scaler.scale(loss / len(batches)).backward()
-            loss_sum += loss.detach().float().item()
+            loss_sum += loss.detach().float()
             samples, tokens = samples + out.samples, tokens + out.tokens
             flops = _add_flops(flops, out, first=i == 0)
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self._module.parameters() if p.requires_grad]
         max_norm = self.clip if self.clip > 0 else float("inf")
-        self._grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()  # read when logged
         self._lr = float(self.optimizer.param_groups[0]["lr"])
         scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
@@ -348,7 +351,7 @@ class TorchEngine(Engine):
         return self._lr if self._lr is not None else float(self.scheduler.get_last_lr()[0])
 
     def grad_norm(self) -> Optional[float]:
-        return self._grad_norm
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def loss_scale(self) -> Optional[float]:
         return float(self.scaler.get_scale()) if self.precision == "fp16" else None

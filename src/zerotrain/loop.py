@@ -261,14 +261,14 @@ def fit(task: Task) -> FitResult:
                     log.info("step %d: %s", step, _fmt(val))
                 meter.start()  # evaluation time is not training time
             if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0:
-                _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last, window_loss, window_steps)
+                _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last, float(window_loss), window_steps)
                 last_saved = step
                 meter.start()
     finally:
         bar.close()
 
     if cfg.checkpoint.save_final and last_saved != step:
-        _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last, window_loss, window_steps)
+        _save(engine, run_dir, step, epoch, in_epoch, cfg.checkpoint.keep_last, float(window_loss), window_steps)
     if splits.test is not None:
         test = evaluate(task, engine, splits.test, "test", **eval_args)
         tracker.log(step, test)

@@ -77,10 +77,14 @@ def run(argv: list[str]) -> int:
     if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher(launch):
         return spawn_local_workers(launch, ["fit", *argv])
 
+    import torch.distributed
+
     from zerotrain.loop import fit
 
     _, task_cls = recipes.load(recipe)
     result = fit(task_cls(cfg))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # a clean exit: NCCL warns about a group left open
     if result.is_main:
         print(f"run directory: {result.run_dir}")
     return 0
