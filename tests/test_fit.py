@@ -176,3 +176,13 @@ def test_resume_after_a_kill_logs_what_an_uninterrupted_run_logs(tmp_path, backe
     for x, y in zip(a, b):
         for key in ("train_loss", "lr", "val_mse"):
             assert x.get(key) == y.get(key), (x["step"], key)
+
+    # TensorBoard shows the same curve: the killed run's points after step 4 are purged, not doubled.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def tb_curve(run):
+        events = EventAccumulator(str(run / "tb_dir"))
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("train_loss")]
+
+    assert tb_curve(resumed.run_dir) == tb_curve(straight.run_dir)

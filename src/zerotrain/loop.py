@@ -217,7 +217,8 @@ def fit(task: Task) -> FitResult:
         log.info("the run had already reached step %d of %d: nothing to train", start_step, total_steps)
 
     dist.barrier()  # the run folder exists before any rank writes into it
-    tracker = Tracker(run_dir, cfg.logging, cfg.to_dict(), info.is_main)
+    tracker = Tracker(run_dir, cfg.logging, cfg.to_dict(), info.is_main,
+                      resumed_at=start_step if resume_from is not None else None)
     meter = ThroughputMeter(device, info.world_size, flops_per_token, engine.precision, tr.warmup_steps_excluded,
                             sum_across_ranks=engine.all_reduce_sum)
     loader = _loader(splits.train, sampler, task, tr.num_workers, tr.seed)

@@ -7,7 +7,7 @@ import logging
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from zerotrain.config import LoggingConfig
 from zerotrain.errors import UserError
@@ -26,7 +26,10 @@ def setup_logging(is_main: bool) -> None:
 
 
 class Tracker:
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, hparams: dict[str, Any], is_main: bool):
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, hparams: dict[str, Any], is_main: bool,
+                 resumed_at: Optional[int] = None):
+        """``resumed_at``: the checkpoint step a resumed run starts from. What a killed run logged after
+        it is hidden from TensorBoard (its ``purge_step``), as the loop removes it from metrics.jsonl."""
         self.is_main = is_main
         self._jsonl = None
         self._tb = None
@@ -37,7 +40,8 @@ class Tracker:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb_dir"))
+            purge = None if resumed_at is None else resumed_at + 1
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb_dir"), purge_step=purge)
         if cfg.wandb:
             try:
                 import wandb
