@@ -17,23 +17,7 @@ from typing import Any
 
 from zerotrain.errors import UserError
 from zerotrain.rundir import environment, write_json
-
-def _strategy(backend: str, stage: int, optimizer: str = "none", param: str = "none") -> list[str]:
-    # Every field is set, so a strategy means the same thing whatever the --config file says.
-    return ["--strategy.backend", backend, "--strategy.zero_stage", str(stage),
-            "--strategy.offload_optimizer", optimizer, "--strategy.offload_param", param]
-
-
-STRATEGIES: dict[str, list[str]] = {
-    "ddp": _strategy("ddp", 0),
-    "zero0": _strategy("deepspeed", 0),
-    "zero1": _strategy("deepspeed", 1),
-    "zero2": _strategy("deepspeed", 2),
-    "zero3": _strategy("deepspeed", 3),
-    "zero1_offload": _strategy("deepspeed", 1, optimizer="cpu"),
-    "zero2_offload": _strategy("deepspeed", 2, optimizer="cpu"),
-    "zero3_offload": _strategy("deepspeed", 3, optimizer="cpu", param="cpu"),
-}
+from zerotrain.strategies import STRATEGIES
 
 COLUMNS = [
     ("strategy", "strategy", "{}"),
@@ -59,7 +43,7 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
     for n in nprocs:
         for name in strategies:
             run_name = f"{recipe}-{name}-{n}gpu"
-            cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, *STRATEGIES[name],
+            cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, *STRATEGIES[name].flags(),
                    "--launch.nproc_per_node", str(n), "--trainer.output_dir", str(out_dir / "runs"),
                    "--trainer.run_name", run_name, "--logging.progress_bar", "false"]
             print(f"[benchmark] {name} x {n}: {shlex.join(cmd[1:])}", flush=True)

@@ -15,6 +15,7 @@ from zerotrain.errors import UserError
 SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
     "benchmark": "sweep ZeRO stages / offload / DDP and tabulate speed and memory",
+    "estimate": "model-state memory of every strategy, and the fastest that fits",
     "predict": "classify texts with a trained IMDB run",
     "doctor": "report versions, GPUs, compilers and DeepSpeed op readiness",
 }

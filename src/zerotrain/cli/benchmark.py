@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from zerotrain.benchmark import STRATEGIES, run_sweep
+from zerotrain.benchmark import run_sweep
 from zerotrain.errors import UserError
+from zerotrain.strategies import STRATEGIES
 
 
 def run(argv: list[str]) -> int:

@@ -1,0 +1,36 @@
+"""The named strategies that ``zerotrain benchmark`` sweeps and ``zerotrain estimate`` ranks.
+
+A strategy fixes every memory-relevant field of ``--strategy`` (backend, ZeRO stage, both offloads),
+so it means the same thing whatever a ``--config`` file says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Strategy:
+    backend: str  # "deepspeed" or "ddp"
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    def flags(self) -> list[str]:
+        """The ``zerotrain fit`` flags that select this strategy."""
+        return ["--strategy.backend", self.backend, "--strategy.zero_stage", str(self.zero_stage),
+                "--strategy.offload_optimizer", self.offload_optimizer, "--strategy.offload_param", self.offload_param]
+
+
+# In the order the planner prefers them, fastest first when they fit: everything on the GPU before
+# anything on the CPU, fewer partitions before more (BENCHMARKS.md measures this order on one H200).
+STRATEGIES: dict[str, Strategy] = {
+    "ddp": Strategy("ddp"),
+    "zero0": Strategy("deepspeed", 0),
+    "zero1": Strategy("deepspeed", 1),
+    "zero2": Strategy("deepspeed", 2),
+    "zero3": Strategy("deepspeed", 3),
+    "zero1_offload": Strategy("deepspeed", 1, offload_optimizer="cpu"),
+    "zero2_offload": Strategy("deepspeed", 2, offload_optimizer="cpu"),
+    "zero3_offload": Strategy("deepspeed", 3, offload_optimizer="cpu", offload_param="cpu"),
+}

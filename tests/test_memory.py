@@ -1,0 +1,85 @@
+"""The model-state memory estimator and the planner behind ``zerotrain estimate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerotrain.cli import main
+from zerotrain.memory import ParamCounts, count_params, model_state_memory, plan
+from zerotrain.strategies import STRATEGIES
+
+GIB = 2**30
+
+
+def test_count_params_on_the_meta_device():
+    with torch.device("meta"):
+        emb = nn.Embedding(100, 8)
+        head = nn.Linear(8, 100, bias=False)
+        head.weight = emb.weight  # tied: counted once
+        model = nn.Sequential(emb, nn.Linear(8, 8), head).to(torch.bfloat16)
+    model[1].weight.requires_grad_(False)
+    c = count_params(model)
+    assert (c.total, c.trainable, c.largest_layer) == (800 + 72, 800 + 8, 800)
+    assert (c.total_bytes, c.trainable_bytes) == (2 * 872, 2 * 808)
+
+
+def test_each_stage_partitions_what_it_should():
+    """Ψ = T = 1000 on 4 GPUs in bf16: weights 2, gradients 2, optimizer 16 bytes per parameter."""
+    c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000)
+
+    def mem(name):
+        m = model_state_memory(c, STRATEGIES[name], world_size=4, precision="bf16", reduce_bucket_size=10)
+        return m.gpu_bytes, m.cpu_bytes
+
+    bucket = 2 * 10
+    assert mem("zero0") == (2000 + 2000 + 16000, 0)
+    assert mem("zero1") == (2000 + 2000 + 4000 + bucket, 0)
+    assert mem("zero2") == (2000 + 500 + 4000 + bucket, 0)
+    assert mem("zero3") == (500 + 500 + 4000 + 2 * 2 * 100 + bucket, 0)
+    assert mem("zero2_offload") == (2000 + 500 + bucket, 4000)
+    assert mem("zero3_offload") == (500 + 2 * 2 * 100 + bucket, 4000 + 500)
+    # Plain PyTorch keeps the built fp32 weights; gradients twice over (DDP's buckets), Adam's two moments.
+    assert mem("ddp") == (4000 + 8000 + 8000, 0)
+
+
+def test_lora_pays_for_frozen_weights_only_once():
+    """1B frozen + 1M trainable: every stage needs the 16-bit weights; the optimizer barely counts."""
+    c = ParamCounts(total=10**9, trainable=10**6, largest_layer=10**7)
+    zero0 = model_state_memory(c, STRATEGIES["zero0"], 1, "bf16").gpu_bytes
+    assert zero0 == 2 * 10**9 + 18 * 10**6
+    offload = model_state_memory(c, STRATEGIES["zero2_offload"], 1, "bf16")
+    assert offload.cpu_bytes == 16 * 10**6  # offloading saves 16 MB: not worth its cost for LoRA
+
+
+def test_the_planner_picks_the_first_strategy_that_fits():
+    """Full training of 1B parameters on 8 GPUs of 16 GiB: DDP and ZeRO-0 need ~18.6 GiB; ZeRO-1 fits."""
+    c = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**8, total_bytes=4 * 10**9, trainable_bytes=4 * 10**9)
+    rows = plan(c, world_size=8, precision="bf16", gpu_bytes=16 * GIB, host_bytes=512 * GIB, procs_per_host=8)
+    assert [r.name for r in rows] == list(STRATEGIES)
+    fits = {r.name: r.fits for r in rows}
+    assert not fits["ddp"] and not fits["zero0"] and fits["zero1"]
+    assert next(r.name for r in rows if r.fits) == "zero1"
+    # Keeping 10 GiB for activations rules ZeRO-1 (6.5 GiB of states) out; ZeRO-2 (4.9 GiB) is next.
+    rows = plan(c, 8, "bf16", 16 * GIB, 512 * GIB, procs_per_host=8, reserve_bytes=10 * GIB)
+    assert next(r.name for r in rows if r.fits) == "zero2"
+    # Host memory bounds the offloads: 8 processes x 2 GB of optimizer state do not fit in 8 GiB.
+    rows = plan(c, 8, "bf16", 2 * GIB, 8 * GIB, procs_per_host=8)
+    assert not any(r.fits for r in rows if r.name.endswith("_offload"))
+
+
+def test_estimate_command_prints_the_table_and_a_pick(capsys):
+    assert main(["estimate", "toy", "--gpu_memory_gib", "16", "--host_memory_gib", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| zero3_offload |" in out and "Pick: ddp" in out and "--strategy.backend ddp" in out
+
+
+def test_estimate_command_says_when_nothing_fits(capsys):
+    assert main(["estimate", "toy", "--gpu_memory_gib", "1e-7", "--host_memory_gib", "1e-7"]) == 1
+    assert "Nothing fits" in capsys.readouterr().out
+
+
+def test_estimate_command_rejects_a_bad_flag(capsys):
+    assert main(["estimate", "toy", "--strategy.zero_stage", "7"]) == 2
+    assert "--strategy.zero_stage" in capsys.readouterr().err
