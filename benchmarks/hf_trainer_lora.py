@@ -25,16 +25,17 @@ def main() -> None:
     args, rest = p.parse_known_args()
     fit_flags = rest[1:] if rest[:1] == ["--"] else rest
 
+    from zerotrain.distributed import free_port, sanitize_cuda_arch_list
+
     # One process without a launcher: DeepSpeed inside the Trainer still wants torchrun's variables.
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "29511"}.items():
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as zerotrain does for CPU runs
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from zerotrain.cli.fit import parse_config
-    from zerotrain.distributed import sanitize_cuda_arch_list
     from zerotrain.ds_config import load_user_config
     from zerotrain.loop import seed_everything
     from zerotrain.metrics import peak_tflops
@@ -42,6 +43,9 @@ def main() -> None:
 
     sanitize_cuda_arch_list()
     cfg = parse_config("lora", fit_flags).validate()
+    if cfg.trainer.max_steps is None or cfg.trainer.max_steps <= args.warmup:
+        p.error(f"--trainer.max_steps must be set and larger than --warmup ({args.warmup}): "
+                "the row times the steps after the warm-up")
     task = LoRATask(cfg)
     seed_everything(cfg.trainer.seed)
     splits = task.build_datasets()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from zerotrain.cli import main
-from zerotrain.memory import ParamCounts, count_params, model_state_memory, plan
+from zerotrain.memory import Buckets, ParamCounts, count_params, model_state_memory, plan
 from zerotrain.strategies import STRATEGIES
 
 GIB = 2**30
@@ -30,7 +30,7 @@ def test_each_stage_partitions_what_it_should():
     c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000)
 
     def mem(name):
-        m = model_state_memory(c, STRATEGIES[name], world_size=4, precision="bf16", reduce_bucket_size=10)
+        m = model_state_memory(c, STRATEGIES[name], world_size=4, precision="bf16", buckets=Buckets(10))
         return m.gpu_bytes, m.cpu_bytes
 
     bucket = 2 * 10
@@ -44,9 +44,22 @@ def test_each_stage_partitions_what_it_should():
     assert mem("ddp") == (4000 + 8000 + 8000, 0)
 
 
+def test_reduce_buckets_follow_the_deepspeed_config():
+    """Two buckets with overlap_comm (stages 1-2), none without contiguous_gradients, read from the JSON."""
+    c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000)
+    plain = model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", Buckets(10)).gpu_bytes
+    overlap = Buckets.from_ds_config({"zero_optimization": {"reduce_bucket_size": 10, "overlap_comm": True}})
+    assert model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", overlap).gpu_bytes == plain + 2 * 10
+    assert model_state_memory(c, STRATEGIES["zero3"], 1, "bf16", overlap).gpu_bytes == (
+        model_state_memory(c, STRATEGIES["zero3"], 1, "bf16", Buckets(10)).gpu_bytes)
+    no_buffer = Buckets(10, contiguous_gradients=False)
+    assert model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", no_buffer).gpu_bytes == plain - 2 * 10
+
+
 def test_lora_pays_for_frozen_weights_only_once():
     """1B frozen + 1M trainable: every stage needs the 16-bit weights; the optimizer barely counts."""
-    c = ParamCounts(total=10**9, trainable=10**6, largest_layer=10**7)
+    c = ParamCounts(total=10**9, trainable=10**6, largest_layer=10**7, total_bytes=2 * 10**9 + 4 * 10**6,
+                    trainable_bytes=4 * 10**6)
     zero0 = model_state_memory(c, STRATEGIES["zero0"], 1, "bf16").gpu_bytes
     assert zero0 == 2 * 10**9 + 18 * 10**6
     offload = model_state_memory(c, STRATEGIES["zero2_offload"], 1, "bf16")
@@ -64,9 +77,12 @@ def test_the_planner_picks_the_first_strategy_that_fits():
     # Keeping 10 GiB for activations rules ZeRO-1 (6.5 GiB of states) out; ZeRO-2 (4.9 GiB) is next.
     rows = plan(c, 8, "bf16", 16 * GIB, 512 * GIB, procs_per_host=8, reserve_bytes=10 * GIB)
     assert next(r.name for r in rows if r.fits) == "zero2"
-    # Host memory bounds the offloads: 8 processes x 2 GB of optimizer state do not fit in 8 GiB.
-    rows = plan(c, 8, "bf16", 2 * GIB, 8 * GIB, procs_per_host=8)
-    assert not any(r.fits for r in rows if r.name.endswith("_offload"))
+    # Host memory bounds the offloads: 8 processes x 2 GB of optimizer state do not fit in 8 GiB,
+    # however much GPU memory there is; with 64 GiB of host memory they do.
+    fits = {r.name: r.fits for r in plan(c, 8, "bf16", 100 * GIB, 8 * GIB, procs_per_host=8)}
+    assert fits["zero2"] and not any(ok for name, ok in fits.items() if name.endswith("_offload"))
+    fits = {r.name: r.fits for r in plan(c, 8, "bf16", 100 * GIB, 64 * GIB, procs_per_host=8)}
+    assert all(ok for name, ok in fits.items() if name.endswith("_offload"))
 
 
 def test_estimate_command_prints_the_table_and_a_pick(capsys):
@@ -83,3 +99,21 @@ def test_estimate_command_says_when_nothing_fits(capsys):
 def test_estimate_command_rejects_a_bad_flag(capsys):
     assert main(["estimate", "toy", "--strategy.zero_stage", "7"]) == 2
     assert "--strategy.zero_stage" in capsys.readouterr().err
+
+
+def test_estimate_reads_a_pretrained_models_config_not_its_weights(tmp_path, tiny_tokenizer_dir, capsys):
+    """A saved causal LM (the LoRA recipe's default --model.init pretrained) is sized from its config.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "model.safetensors").write_bytes(b"not read")  # proves the weights are not loaded
+    n_params = sum(p.numel() for p in model.parameters())
+    argv = ["estimate", "lora", "--model.name_or_path", str(tmp_path / "llama"), "--model.tokenizer",
+            str(tiny_tokenizer_dir), "--data.train_path", "unused.jsonl", "--gpu_memory_gib", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    adapters = 8 * (32 + 32) * 2 * 2  # r x (in + out) for q_proj and v_proj in 2 layers: the defaults
+    assert f"lora: {n_params + adapters:,} parameters, {adapters:,} trainable" in out and "Pick:" in out

@@ -75,7 +75,7 @@ def dist_info() -> DistInfo:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -96,7 +96,7 @@ def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", t
     if "RANK" not in os.environ:
         # A single process still gets a process group, so the engine code has one path.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     info = dist_info()
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():

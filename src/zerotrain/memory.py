@@ -19,9 +19,10 @@ LoRA base model loaded in bf16 with fp32 adapters.)
 ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also the gradients,
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
-memory, where each process holds its partition. DeepSpeed's ZeRO stages also allocate a gradient
-reduce bucket of ``reduce_bucket_size`` elements up front (5e8 x 2 bytes = 0.93 GiB at the default):
-the IMDB sweep in BENCHMARKS.md shows it as the 0.93 GiB that ZeRO-1/2/3 add over ZeRO-0 on one GPU.
+memory, where each process holds its partition. With ``contiguous_gradients`` DeepSpeed's ZeRO stages
+also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements up front, two of them for
+stages 1-2 with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB: the IMDB sweep in
+BENCHMARKS.md shows it as what ZeRO-1/2/3 add over ZeRO-0 on one GPU).
 
 Not counted: activations (they depend on batch and sequence length, not on the ZeRO stage, and
 ``--strategy.activation_checkpointing`` cuts them), the CUDA context (~0.5 GiB) and allocator slack.
@@ -48,9 +49,9 @@ class ParamCounts:
     """T: parameters with requires_grad (all of them in full training, the adapters under LoRA)."""
     largest_layer: int
     """Parameters of the largest single module (what ZeRO-3 gathers at once)."""
-    total_bytes: int = 0
+    total_bytes: int
     """Bytes of all parameters in the dtypes the model was built in."""
-    trainable_bytes: int = 0
+    trainable_bytes: int
     """Bytes of the trainable parameters in the dtypes the model was built in."""
 
 
@@ -64,6 +65,21 @@ def count_params(model: nn.Module) -> ParamCounts:
         total_bytes=sum(p.numel() * p.element_size() for p in unique),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
     )
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """DeepSpeed's gradient-bucket settings (``zero_optimization``): what the ZeRO stages allocate."""
+
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+
+    @classmethod
+    def from_ds_config(cls, ds: dict) -> "Buckets":
+        zero = ds.get("zero_optimization", {})
+        return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
+                   bool(zero.get("contiguous_gradients", True)))
 
 
 @dataclass(frozen=True)
@@ -85,7 +101,7 @@ def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str) -> tup
 
 
 def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,
-                       reduce_bucket_size: int = 500_000_000) -> StateMemory:
+                       buckets: Buckets = Buckets()) -> StateMemory:
     """Bytes the model states take per GPU and per process in host memory (see the module docstring)."""
     n = world_size
     weights, grads, optim = _state_bytes(counts, strategy, precision)
@@ -106,7 +122,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     if strategy.offload_param != "none":
         cpu += weights
         weights = 0
-    bucket = element * reduce_bucket_size if stage >= 1 else 0  # allocated whole, however small the model
+    n_buckets = 0 if stage == 0 or not buckets.contiguous_gradients else 2 if buckets.overlap_comm and stage < 3 else 1
+    bucket = n_buckets * element * buckets.reduce_bucket_size  # allocated whole, however small the model
     return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket), cpu_bytes=int(cpu))
 
 
@@ -118,14 +135,14 @@ class PlanRow:
 
 
 def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float, host_bytes: float,
-         procs_per_host: int, reserve_bytes: float = 0.0, reduce_bucket_size: int = 500_000_000) -> list[PlanRow]:
+         procs_per_host: int, reserve_bytes: float = 0.0, buckets: Buckets = Buckets()) -> list[PlanRow]:
     """Every strategy with its model-state memory and whether it fits: GPU states within ``gpu_bytes``
     minus ``reserve_bytes`` (kept for activations), and the offloaded states of the processes of one
     host within ``host_bytes``. In :data:`~zerotrain.strategies.STRATEGIES` order: the first that fits
     is the planner's pick."""
     rows = []
     for name, strategy in STRATEGIES.items():
-        mem = model_state_memory(counts, strategy, world_size, precision, reduce_bucket_size)
+        mem = model_state_memory(counts, strategy, world_size, precision, buckets)
         fits = mem.gpu_bytes <= gpu_bytes - reserve_bytes and mem.cpu_bytes * procs_per_host <= host_bytes
         rows.append(PlanRow(name, mem, fits))
     return rows

@@ -22,8 +22,11 @@ class Strategy:
                 "--strategy.offload_optimizer", self.offload_optimizer, "--strategy.offload_param", self.offload_param]
 
 
-# In the order the planner prefers them, fastest first when they fit: everything on the GPU before
-# anything on the CPU, fewer partitions before more (BENCHMARKS.md measures this order on one H200).
+# In the order the planner prefers them when they fit: fewer partitions before more, everything on
+# the GPU before anything on the host. On one GPU ZeRO-3 never fits where ZeRO-2 does not (it only
+# adds gathered layers), so the planner goes from ZeRO-2 to the offloads, the order BENCHMARKS.md
+# measured on one H200. From two GPUs up, ZeRO-3 comes first: its all-gathers run on the GPU
+# interconnect, while an offloaded optimizer step runs on the CPU (not measured here yet).
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy("ddp"),
     "zero0": Strategy("deepspeed", 0),

@@ -16,7 +16,8 @@ import torch
 
 from zerotrain import recipes
 from zerotrain.cli.fit import parse_config
-from zerotrain.memory import GIB, count_params, gpu_memory_bytes, plan
+from zerotrain.ds_config import make_ds_config
+from zerotrain.memory import GIB, Buckets, count_params, gpu_memory_bytes, plan
 from zerotrain.strategies import STRATEGIES
 
 
@@ -34,9 +35,11 @@ def run(argv: list[str]) -> int:
     cfg.validate()
     per_node = cfg.launch.nproc_per_node
     world = per_node * cfg.launch.nnodes
+    if cfg.strategy.precision == "auto":
+        cfg.strategy.precision = "bf16"  # what auto resolves to on any GPU since Ampere; the model is built in it
     precision = cfg.strategy.precision
-    if precision == "auto":
-        precision = "bf16"  # what auto resolves to on any GPU since Ampere
+    # Bucket sizes as DeepSpeed would get them: from the flags, or from --strategy.deepspeed_config.
+    buckets = Buckets.from_ds_config(make_ds_config(cfg, world, "cuda", precision))
 
     _, task_cls = recipes.load(args.recipe)
     with torch.device("meta"):
@@ -47,10 +50,10 @@ def run(argv: list[str]) -> int:
     host = args.host_memory_gib * GIB if args.host_memory_gib is not None else float(psutil.virtual_memory().total)
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
                 procs_per_host=per_node,
-                reserve_bytes=args.reserve_gib * GIB, reduce_bucket_size=cfg.strategy.reduce_bucket_size)
+                reserve_bytes=args.reserve_gib * GIB, buckets=buckets)
 
-    print(f"{args.recipe}: {counts.total / 1e6:,.1f}M parameters, {counts.trainable / 1e6:,.2f}M trainable, "
-          f"largest layer {counts.largest_layer / 1e6:,.1f}M; {precision}, {world} GPU(s)")
+    print(f"{args.recipe}: {counts.total:,} parameters, {counts.trainable:,} trainable, "
+          f"largest layer {counts.largest_layer:,}; {precision}, {world} GPU(s)")
     gpu_text = f"{gpu / GIB:.1f} GiB per GPU" if gpu is not None else "GPU memory unknown (no GPU here: pass --gpu_memory_gib)"
     print(f"{gpu_text}, {host / GIB:.1f} GiB host memory, {args.reserve_gib:g} GiB reserved for activations\n")
     print("| strategy | model states per GPU (GiB) | offloaded per process (GiB) | fits |")

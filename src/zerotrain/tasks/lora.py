@@ -179,8 +179,12 @@ class LoRATask(Task[LoRAConfig]):
         local = looks_local(m.name_or_path)
         if local and not path.is_dir():
             raise UserError(f"--model.name_or_path: model folder {m.name_or_path!r} does not exist")
+        source = str(path) if local else m.name_or_path
         try:
-            return AutoModelForCausalLM.from_pretrained(str(path) if local else m.name_or_path, dtype=dtype)
+            if torch.get_default_device().type == "meta":
+                # Shapes only (zerotrain estimate builds on the meta device): the config, never the weights.
+                return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
+            return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         except (OSError, ValueError) as exc:
             where = f"folder {m.name_or_path!r}" if local else f"hub name {m.name_or_path!r}"
             raise UserError(
