@@ -9,7 +9,7 @@ TOK=$D/roberta-tokenizer
 z() { python3 -m zerotrain "$@"; }
 
 for part in "$@"; do
-  mkdir -p "$OUT/$part"
+  [ "$part" = lora_hf ] || mkdir -p "$OUT/$part"  # lora_hf writes into $OUT/lora
   case $part in
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
