@@ -21,19 +21,26 @@ for part in "$@"; do
         --trainer.micro_batch_size 8 --trainer.max_steps 300 --trainer.log_every_steps 50 \
         --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 50 --strategy.precision bf16 \
         --scheduler.name warmup_linear --scheduler.warmup_steps 30 --optimizer.lr 1e-4 | tail -n 12 ;;
-    imdb_b)  # the tutorial's preset (b), full data, 5 epochs, one GPU
-      z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
-        --trainer.output_dir "$OUT/imdb_b/runs" --trainer.run_name imdb_b --strategy.zero_stage 0 \
-        --logging.progress_bar false > "$OUT/imdb_b/log.txt" 2>&1; echo "imdb_b rc=$?"
-      cp "$OUT/imdb_b/runs/imdb_b/summary.json" "$OUT/imdb_b/summary.json"; tail -n 3 "$OUT/imdb_b/log.txt" ;;
-    imdb_sweep)  # the tutorial's comparison: preset (b), 150 steps per strategy
+    imdb_b)  # the tutorial's preset (b), full data, 5 epochs, one GPU per run; three seeds spread over the GPUs
+      n=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))'); seeds=(42 43 44)
+      for g in $(seq 0 $((n - 1))); do
+        ( for i in "${!seeds[@]}"; do
+            [ $((i % n)) -eq "$g" ] || continue; s=${seeds[$i]}
+            CUDA_VISIBLE_DEVICES=$g z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
+              --trainer.output_dir "$OUT/imdb_b/runs" --trainer.run_name "seed$s" --trainer.seed "$s" \
+              --strategy.zero_stage 0 --logging.progress_bar false > "$OUT/imdb_b/seed$s.log" 2>&1
+            echo "imdb_b seed $s rc=$?"; cp "$OUT/imdb_b/runs/seed$s/summary.json" "$OUT/imdb_b/seed${s}_summary.json"
+          done ) &
+      done; wait
+      grep -h "test_acc" "$OUT"/imdb_b/seed*.log ;;
+    imdb_sweep)  # the tutorial's comparison: preset (b), 500 steps per strategy, the first 100 untimed
       z benchmark imdb --strategies ddp,zero0,zero1,zero2,zero3,zero2_offload --nproc 1 --out "$OUT/imdb_sweep1" \
-        --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 150 \
-        --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 20 | tail -n 10
+        --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 500 \
+        --trainer.warmup_steps_excluded 100 --trainer.eval_max_batches 20 | tail -n 10
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
         z benchmark imdb --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/imdb_sweep2" \
-          --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 150 \
-          --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 20 | tail -n 6
+          --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.max_steps 500 \
+          --trainer.warmup_steps_excluded 100 --trainer.eval_max_batches 20 | tail -n 6
       fi ;;
     lora|lora_hf)  # ~1.2B Llama from a config, LoRA r=8 on q/v, bf16, 512-token IMDB prompts
       python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000

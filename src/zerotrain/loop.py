@@ -27,7 +27,7 @@ from zerotrain.distributed import adopt_slurm_env, comm_backend, init_process_gr
 from zerotrain.ds_config import batch_shape, make_ds_config, resolve_precision
 from zerotrain.engine import Engine, build_engine, to_device
 from zerotrain.errors import DataError, UserError
-from zerotrain.metrics import ThroughputMeter, memory_snapshot
+from zerotrain.metrics import ThroughputMeter, memory_snapshot, numel
 from zerotrain.tasks.base import Task
 from zerotrain.tracking import Tracker, log, setup_logging
 
@@ -191,8 +191,8 @@ def fit(task: Task) -> FitResult:
                 print(json.dumps(ds_config, indent=2), flush=True)
         rundir.write_json(run_dir / "env.json", rundir.environment())
         rundir.write_code_state(run_dir)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_params = sum(numel(p) for p in model.parameters())
+    n_train = sum(numel(p) for p in model.parameters() if p.requires_grad)
     log.info("run directory: %s", run_dir)
     log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s ZeRO-%s",
              task.name, n_params / 1e6, n_train / 1e6, device.type, info.world_size, engine.precision,

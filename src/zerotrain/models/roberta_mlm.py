@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zerotrain.metrics import numel
+
 IGNORE_INDEX = -100
 
 
@@ -152,11 +154,10 @@ class RobertaMLM(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; ``non_embedding`` leaves out the token and position embedding tables."""
-        # Under ZeRO-3 a parameter's local numel() is its shard; ds_numel is the full size.
-        n = sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
+        n = sum(numel(p) for p in self.parameters())
         if non_embedding:
             for emb in (self.encoder.token_embedding, self.encoder.position_embedding):
-                n -= getattr(emb.weight, "ds_numel", emb.weight.numel())
+                n -= numel(emb.weight)
         return n
 
     def flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:

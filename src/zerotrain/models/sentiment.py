@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zerotrain.metrics import numel
+
 
 def sinusoidal_positions(max_len: int, dim: int) -> torch.Tensor:
     """The fixed sine/cosine table of "Attention Is All You Need", shape (max_len, dim)."""
@@ -131,7 +133,7 @@ class SentimentClassifier(nn.Module):
 
     def num_non_embedding_params(self) -> int:
         """Parameters outside the token embedding (the positional table is a buffer, not counted)."""
-        return sum(p.numel() for p in self.parameters()) - self.token_embedding.weight.numel()
+        return sum(numel(p) for p in self.parameters()) - numel(self.token_embedding.weight)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: ``6 * N + 12 * L * D * T``.

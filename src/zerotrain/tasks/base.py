@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from zerotrain.config import RunConfig
+from zerotrain.metrics import numel
 
 C = TypeVar("C", bound=RunConfig)
 Batch = dict[str, torch.Tensor]
@@ -95,7 +96,7 @@ class Task(ABC, Generic[C]):
 
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per token for MFU. Default: 6 x trainable-and-frozen parameters (forward + backward)."""
-        return 6.0 * sum(p.numel() for p in model.parameters())
+        return 6.0 * sum(numel(p) for p in model.parameters())
 
     def example_length(self, example: Any) -> int:
         """Length of one dataset item in tokens, for length-bucketed batches. Override to enable them."""

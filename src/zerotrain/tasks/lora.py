@@ -21,6 +21,7 @@ from torch import nn
 from zerotrain.config import RunConfig
 from zerotrain.data.sft import IGNORE_INDEX, SFTCollator, build_examples, load_records
 from zerotrain.errors import ConfigError, UserError
+from zerotrain.metrics import numel
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 from zerotrain.tokenizer import load_tokenizer, looks_local
 
@@ -225,8 +226,8 @@ class LoRATask(Task[LoRAConfig]):
 
     def build_model(self) -> nn.Module:
         model = self._wrap(self._load_base())
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+        total = sum(numel(p) for p in model.parameters())
         self._summary = {"trainable": trainable, "total": total, "fraction": trainable / max(total, 1)}
         logger.info("LoRA: %s", self.trainable_summary_text())
         return model
@@ -302,8 +303,7 @@ class LoRATask(Task[LoRAConfig]):
         """
         frozen = trainable = 0
         for p in model.parameters():
-            # Under ZeRO-3 a parameter's local tensor is an empty partition; ds_numel is its true size
-            n = getattr(p, "ds_numel", p.numel())
+            n = numel(p)
             if p.requires_grad:
                 trainable += n
             else:
