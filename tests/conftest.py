@@ -70,14 +70,45 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
+    """The real data beside the clone. A test that asks for it must be marked ``data`` (checked at collection)."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data not found at {SHARED_DATA} (integration tests need ../shared/data beside the clone)")
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session")
+def cpu_adam_built() -> None:
+    """DeepSpeed's CPU Adam op (DeepSpeedCPUAdam, the optimizer step under CPU offload), built once per session.
+
+    DeepSpeed JIT-compiles it the first time it is loaded (about 2 minutes on 2 cores). Building it
+    here puts that cost in this fixture's setup, once, instead of in the first offload test's run;
+    later loads, in this process or in the ``python -m zerotrain`` processes tests start, find it in
+    torch's extension cache. Where it cannot be built, the tests that need it are skipped with the
+    reason (pytest's -ra summary prints it), not errored. Tests using it must be marked ``slow``.
+    """
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder  # the import DeepSpeedCPUAdam itself uses
+
+        CPUAdamBuilder().load()
+    except Exception as exc:  # no compiler, no headers, an unsupported CPU: skip what needs the op
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        pytest.skip(f"DeepSpeed's CPU Adam op cannot be built on this machine, so CPU-offload tests cannot run "
+                    f"({reason[-600:]})")
+
+
+# A test that requests the fixture must carry the marker, so that `-m "not data"` / `-m "not slow"` select right.
+MARKER_OF_FIXTURE = {"shared_data": "data", "cpu_adam_built": "slow"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run on the GPU machine; elsewhere they are skipped with the reason."""
+    """Check the markers that follow from fixtures; GPU tests run on the GPU machine, elsewhere they are skipped."""
     import torch
+
+    missing = [f"{item.nodeid}: uses the {fixture} fixture, so mark it @pytest.mark.{marker}"
+               for item in items for fixture, marker in MARKER_OF_FIXTURE.items()
+               if fixture in getattr(item, "fixturenames", ()) and item.get_closest_marker(marker) is None]
+    if missing:
+        raise pytest.UsageError("tests without the marker their fixtures imply:\n  " + "\n  ".join(missing))
 
     if torch.cuda.is_available():
         return

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import zerotrain_cmd
+
+pytestmark = pytest.mark.slow  # every test starts `python -m zerotrain benchmark`
 
 
 def test_sweep_writes_json_and_markdown(tmp_path):

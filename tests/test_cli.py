@@ -99,6 +99,7 @@ def cli(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, tuple[subprocess.Comp
         return {name: (futures[name].result(), commands[name][1]) for name in commands}
 
 
+@pytest.mark.slow  # the cli fixture runs `python -m zerotrain` subprocesses
 @pytest.mark.parametrize("name", list(ERRORS))
 def test_user_error_is_one_clear_line(cli, name):
     proc, words = cli[name]
@@ -111,6 +112,7 @@ def test_user_error_is_one_clear_line(cli, name):
         assert word in lines[0], f"{word!r} not in the error line {lines[0]!r}{where}"
 
 
+@pytest.mark.slow  # the cli fixture runs `python -m zerotrain` subprocesses
 @pytest.mark.parametrize("name", [n for n in ERRORS if n.startswith(("param_", "user_json", "mlm_", "output_"))])
 def test_user_error_exits_2_and_says_only_that(cli, name):
     # A UserError from the library: status 2, and the error line is all of stderr.
@@ -119,6 +121,7 @@ def test_user_error_exits_2_and_says_only_that(cli, name):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow  # the cli fixture runs `python -m zerotrain` subprocesses
 def test_top_level_help(cli):
     proc, _ = cli["help"]
     assert proc.returncode == 0, proc.stderr
@@ -140,6 +143,7 @@ def test_fit_recipe_help_shows_field_docstrings(capsys):
     assert "--model.width" in text and "Hidden width of the MLP" in text
 
 
+@pytest.mark.slow  # the cli fixture runs `python -m zerotrain` subprocesses
 def test_doctor_json(cli):
     proc, _ = cli["doctor_json"]
     assert proc.returncode == 0, proc.stderr
@@ -188,22 +192,14 @@ def test_every_shipped_config_has_a_recipe():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_parses_and_validates(path, monkeypatch):
-    import importlib
-
     from zerotrain.cli.fit import parse_config
 
     recipe = next((r for p, r in CONFIG_RECIPES.items() if path.name.startswith(p)), None)
     if recipe is None:
         pytest.fail(f"{path.name}: no recipe in CONFIG_RECIPES")
-    module = recipes.RECIPES[recipe][0]
-    try:
-        importlib.import_module(module)
-    except ImportError as exc:
-        pytest.skip(f"recipe {recipe!r}: its module {module} cannot be imported yet ({exc})")
     monkeypatch.chdir(REPO)  # paths in the shipped configs are relative to the repository root
     cfg = parse_config(recipe, ["--config", str(path)])
-    cfg_cls, _ = recipes.load(recipe)
-    assert type(cfg) is cfg_cls
+    assert type(cfg) is recipes.get(recipe).config_class
     assert cfg.validate() is cfg
     # What the file sets is what the config holds (a typo'd key would have failed the parse).
     import yaml

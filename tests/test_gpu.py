@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import zerotrain_cmd
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # each test starts a `python -m zerotrain fit` process
 
 
 def _fit(tmp_path: Path, *flags: str, env_extra: dict[str, str] | None = None) :
@@ -27,11 +27,19 @@ def test_hopper_arch_list_does_not_break_the_op_build(tmp_path):
     assert ds["optimizer"]["params"]["torch_adam"] is False  # the fused CUDA kernel, not torch's Adam
 
 
+@pytest.fixture
+def flags(request) -> tuple[str, ...]:
+    """The strategy's flags; with CPU offload, DeepSpeed's CPU Adam op is built first, in the setup (conftest)."""
+    if "--strategy.offload_optimizer" in request.param:
+        request.getfixturevalue("cpu_adam_built")
+    return request.param
+
+
 @pytest.mark.parametrize("flags", [
     ("--strategy.zero_stage", "3"),
     ("--strategy.zero_stage", "2", "--strategy.offload_optimizer", "cpu"),
     ("--strategy.backend", "ddp"),
-])
+], indirect=True)
 def test_each_strategy_trains_in_bf16(tmp_path, flags):
     out = _fit(tmp_path, "--strategy.precision", "bf16", *flags)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from zerotrain.data.collate import PadCollator
 from zerotrain.data.imdb import (
     balanced_subset,
-    collate_reviews,
     load_split,
     split_test_in_halves,
     tokenize_reviews,
@@ -94,7 +94,7 @@ def test_aclimdb_tree_and_file_template(tmp_path):
         ('{"text": "no label"}', "label"),
         ('{"label": 1}', "text"),
         ('{"text": "x", "label": 2}', "label"),
-        ('{"text": "x", "label": 1', "malformed JSON"),
+        ('{"text": "x", "label": 1', "not valid JSON"),
     ],
 )
 def test_bad_records_name_file_and_line(tmp_path, line, problem):
@@ -102,15 +102,15 @@ def test_bad_records_name_file_and_line(tmp_path, line, problem):
     path.write_text('{"text": "fine", "label": 0}\n' + line + "\n")
     with pytest.raises(DataError) as err:
         load_split(tmp_path, "train")
-    assert "train.jsonl" in str(err.value) and "line 2" in str(err.value) and problem in str(err.value)
+    assert f"{path}:2: " in str(err.value) and problem in str(err.value)
 
 
 def test_bad_csv_label_and_empty_split(tmp_path):
     write_csv(tmp_path / "train.csv", [{"text": "ok", "label": 1}, {"text": "bad", "label": 5}])
-    with pytest.raises(DataError, match=r"train\.csv, line 3.*label"):
+    with pytest.raises(DataError, match=r"train\.csv:3: .*label"):
         load_split(tmp_path, "train")
     (tmp_path / "test.jsonl").write_text("\n")
-    with pytest.raises(DataError, match=r"test\.jsonl, line 1.*empty"):
+    with pytest.raises(DataError, match=r"test\.jsonl: .*empty"):
         load_split(tmp_path, "test")
     with pytest.raises(DataError, match="no validation split"):
         load_split(tmp_path, "validation")
@@ -155,7 +155,7 @@ def test_tokenize_truncates_and_caches(tmp_path, tok, monkeypatch):
 
     monkeypatch.setattr(type(tok), "__call__", fail)
     again = tokenize_reviews(texts, tok, max_len=16, cache_dir=tmp_path)
-    assert all(np.array_equal(a, b) for a, b in zip(ids, again))
+    assert len(again) == len(ids) and all(np.array_equal(a, b) for a, b in zip(ids, again))
     monkeypatch.undo()
     tokenize_reviews(texts, tok, max_len=8, cache_dir=tmp_path)  # other max_len: other key
     tokenize_reviews(texts[:1], tok, max_len=16, cache_dir=tmp_path)  # other texts: other key
@@ -163,11 +163,11 @@ def test_tokenize_truncates_and_caches(tmp_path, tok, monkeypatch):
 
 
 def test_collate_pads_to_multiple_of_8():
-    batch = collate_reviews([(np.array([0, 5, 2], np.int32), 1), (np.array([0, 5, 6, 7, 8, 9, 10, 11, 12, 2]), 0)],
-                            pad_token_id=1)
+    batch = PadCollator(pad_token_id=1)([(np.array([0, 5, 2], np.int32), 1),
+                                         (np.array([0, 5, 6, 7, 8, 9, 10, 11, 12, 2]), 0)])
     assert batch["input_ids"].shape == (2, 16)
     assert batch["attention_mask"].sum(1).tolist() == [3, 10]
     assert batch["input_ids"][0, 3:].eq(1).all() and batch["attention_mask"][0, 3:].eq(0).all()
     assert batch["labels"].tolist() == [1, 0]
-    capped = collate_reviews([(np.arange(10), 1)], pad_token_id=1, max_len=12)
+    capped = PadCollator(pad_token_id=1, max_len=12)([(np.arange(10), 1)])
     assert capped["input_ids"].shape == (1, 12)

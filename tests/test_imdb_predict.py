@@ -1,4 +1,4 @@
-"""predict() on a fake run folder: hparams.json + model/model.safetensors, as a training run leaves them."""
+"""predict() on a fake run folder: hparams.json (recipe + config) + model/model.safetensors, as a training run leaves them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from zerotrain.data.imdb import collate_reviews, tokenize_reviews
+from zerotrain.data.collate import PadCollator
+from zerotrain.data.imdb import tokenize_reviews
 from zerotrain.errors import UserError
 from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig, predict
 
@@ -22,7 +23,7 @@ def run_dir(tmp_path, tiny_tokenizer_dir):
     model = task.build_model().eval()
     run = tmp_path / "imdb.run"
     (run / "model").mkdir(parents=True)
-    (run / "hparams.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    (run / "hparams.json").write_text(json.dumps({"recipe": "imdb", **dataclasses.asdict(cfg)}))
     task.export(model, model.state_dict(), run / "model")
     return run, task, model
 
@@ -32,7 +33,7 @@ def test_predict_matches_model_softmax(run_dir):
     texts = ["a great movie<br />loved it", "awful boring plot " * 10, "good"]
     got = predict(run, texts)
     ids = tokenize_reviews([t.replace("<br />", " ") for t in texts], task.tokenizer, max_len=16)
-    batch = collate_reviews([(x, 0) for x in ids], task.tokenizer.pad_token_id, max_len=16)
+    batch = PadCollator(task.tokenizer.pad_token_id, max_len=16)([(x, 0) for x in ids])
     with torch.no_grad():
         probs = model(batch["input_ids"], batch["attention_mask"])["logits"].softmax(-1)
     assert len(got) == 3

@@ -91,7 +91,7 @@ def _plain_base(task, cfg):
 
 
 @pytest.mark.slow
-def test_hf_trainer_row_reads_the_tutorial_json(lora_files):
+def test_hf_trainer_row_reads_the_tutorial_json(lora_files, cpu_adam_built):
     """The benchmark's Hugging Face Trainer row runs the shipped ZeRO-2 + offload preset (HJSON with a
     '#' comment) and counts the tokens of every measured step, data-loader workers or not."""
     tmp_path, tok = lora_files

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from zerotrain.data.imdb import collate_reviews
+from zerotrain.data.collate import PadCollator
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.models.sentiment import SentimentClassifier
 from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig, init_from_mlm
@@ -28,7 +29,7 @@ def test_padding_does_not_change_logits():
     model = tiny_model().eval()
     review = torch.tensor([[0, 9, 10, 6, 2]])
     alone = model(review, torch.ones_like(review))["logits"]
-    batch = collate_reviews([(review[0].numpy(), 1), (np.arange(4, 24), 0)], pad_token_id=PAD)
+    batch = PadCollator(PAD)([(review[0].numpy(), 1), (np.arange(4, 24), 0)])
     assert batch["input_ids"].shape == (2, 24)
     with torch.no_grad():  # the fused fast path of nn.TransformerEncoder runs under no_grad in eval
         padded = model(batch["input_ids"], batch["attention_mask"])["logits"]
@@ -47,16 +48,29 @@ def test_shapes_loss_and_flops():
         model(torch.zeros(1, 65, dtype=torch.long), torch.ones(1, 65))
 
 
-def test_flops_count_full_parameters_under_zero3_partitioning():
-    """ZeRO-3 leaves each rank an empty local tensor and the true size in ``ds_numel``; the FLOP
-    count (and so TFLOP/s and MFU) must not drop to the attention term alone (seen: 0.9 TFLOP/s on
-    an H200 for ZeRO-3 against 7.0 for ZeRO-2 at 0.64x the speed)."""
-    model = tiny_model()
-    expected = model.flops_per_token(16)
-    for p in model.parameters():  # what deepspeed.zero.Init does to a parameter on one rank
+def test_step_flops_are_fixed_before_zero3_partitions_the_model(tiny_tokenizer_dir):
+    """ZeRO-3 leaves each rank an empty local tensor, so FLOPs counted from the live model drop to
+    the attention term alone (seen: 0.9 TFLOP/s on an H200 for ZeRO-3 against 7.0 for ZeRO-2 at 0.64x
+    the speed). The task counts them when it builds the model, before any engine exists."""
+    from zerotrain.tasks.imdb import IMDBConfig, IMDBTask
+
+    cfg = IMDBConfig()
+    cfg.data.tokenizer = str(tiny_tokenizer_dir)
+    cfg.model = dataclasses.replace(cfg.model, embed_dim=32, hidden_dim=64, num_heads=2, num_layers=2, max_len=64)
+    task = IMDBTask(cfg)
+    model = task.build_model()
+    batch = task.collator()([(np.arange(3, 12), 1), (np.arange(5, 9), 0)])
+    expected = 2 * 16 * model.flops_per_token(16)  # (B, T) = (2, 16): padded to a multiple of 8
+    for p in model.parameters():  # what ZeRO-3 does to a parameter on one rank
         p.ds_numel = p.numel()
         p.data = torch.empty(0)
-    assert model.flops_per_token(16) == expected
+
+    def partitioned_forward(input_ids, attention_mask, labels=None):  # the engine's forward, stubbed
+        return {"loss": torch.zeros(())}
+
+    out = task.training_step(partitioned_forward, batch)
+    assert out.flops == expected
+    assert batch["input_ids"].shape == (2, 16)
 
 
 def test_activation_checkpointing_gives_same_grads():
@@ -64,7 +78,7 @@ def test_activation_checkpointing_gives_same_grads():
     plain = tiny_model(dropout=0.0)
     ckpt = tiny_model(dropout=0.0, activation_checkpointing=True)
     ckpt.load_state_dict(plain.state_dict())
-    batch = collate_reviews([(np.arange(3, 12), 1), (np.arange(5, 9), 0)], pad_token_id=PAD)
+    batch = PadCollator(PAD)([(np.arange(3, 12), 1), (np.arange(5, 9), 0)])
     for m in (plain, ckpt):
         m.train()
         m(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])["loss"].backward()
@@ -86,13 +100,13 @@ def test_learns_a_separable_toy_task():
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     model.train()
     for step in range(30):
-        batch = collate_reviews(rng.sample(data, 16), pad_token_id=PAD)
+        batch = PadCollator(PAD)(rng.sample(data, 16))
         loss = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])["loss"]
         opt.zero_grad()
         loss.backward()
         opt.step()
     model.eval()
-    test = collate_reviews([review(i % 2) for i in range(200)], pad_token_id=PAD)
+    test = PadCollator(PAD)([review(i % 2) for i in range(200)])
     with torch.no_grad():
         acc = (model(test["input_ids"], test["attention_mask"])["logits"].argmax(-1) == test["labels"]).float().mean()
     assert acc > 0.9

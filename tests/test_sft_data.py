@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from zerotrain.data.sft import IGNORE_INDEX, SFTCollator, build_example, build_examples, load_records
+from zerotrain.data.collate import IGNORE_INDEX, PadCollator
+from zerotrain.data.sft import build_example, build_examples, load_records
 from zerotrain.errors import DataError
 
 
@@ -75,7 +76,7 @@ def test_target_truncated_to_nothing_names_record(tok):
 def test_collator_pads_right_to_multiple_of_8(tok):
     a = build_example(REC, tok, max_length=64)
     b = build_example({"input": "fun", "target": "good"}, tok, max_length=64)
-    batch = SFTCollator(tok.pad_token_id, pad_to_multiple_of=8)([a, b])
+    batch = PadCollator(tok.pad_token_id, pad_to_multiple_of=8)([a, b])
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (2, 8)
     nb = len(b["input_ids"])
     assert batch["input_ids"][1, :nb].tolist() == b["input_ids"]
@@ -83,7 +84,7 @@ def test_collator_pads_right_to_multiple_of_8(tok):
     assert (batch["labels"][1, nb:] == IGNORE_INDEX).all()
     assert batch["attention_mask"][1].tolist() == [1] * nb + [0] * (8 - nb)
     long = build_example({"input": "the " * 8, "target": "good"}, tok, max_length=64)  # 1+8+1+1 = 11
-    assert SFTCollator(tok.pad_token_id)([long])["input_ids"].shape == (1, 16)
+    assert PadCollator(tok.pad_token_id)([long])["input_ids"].shape == (1, 16)
 
 
 def test_load_json_jsonl_and_gz(tmp_path):
@@ -100,7 +101,7 @@ def test_load_json_jsonl_and_gz(tmp_path):
 def test_missing_field_names_file_and_record(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"input": "a", "target": "b"}\n{"prompt": "a", "target": "b"}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl: line 2 \(record 1\): missing field 'input'.*--data.input_field"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: missing field 'input'.*--data.input_field"):
         load_records(path)
     jpath = tmp_path / "bad.json"
     jpath.write_text(json.dumps([{"input": "a", "target": "b"}] * 3 + [{"input": "x"}]))
@@ -111,16 +112,16 @@ def test_missing_field_names_file_and_record(tmp_path):
 def test_malformed_empty_and_missing_files(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"input": "a", "target": "b"}\n{"input": "a", \n')
-    with pytest.raises(DataError, match=r"broken\.jsonl: line 2 .*malformed JSON"):
+    with pytest.raises(DataError, match=r"broken\.jsonl:2: not valid JSON"):
         load_records(path)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DataError, match=r"empty\.jsonl: no records"):
         load_records(tmp_path / "empty.jsonl")
     (tmp_path / "empty.json").write_text("")
-    with pytest.raises(DataError, match=r"empty\.json: no records"):
+    with pytest.raises(DataError, match=r"empty\.json: the file is empty"):
         load_records(tmp_path / "empty.json")
     (tmp_path / "broken.json").write_text('[{"input": "a",')
-    with pytest.raises(DataError, match=r"broken\.json: malformed JSON at line 1"):
+    with pytest.raises(DataError, match=r"broken\.json:1: not valid JSON.*one list of objects"):
         load_records(tmp_path / "broken.json")
     with pytest.raises(DataError, match=r"nope\.jsonl: data file not found"):
         load_records(tmp_path / "nope.jsonl")

@@ -54,11 +54,11 @@ def test_missing_and_empty_files_name_the_file(tmp_path):
 def test_bad_json_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n\n{"text": broken}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl.*line 3"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: not valid JSON"):
         read_text_lines(str(path))
     missing = tmp_path / "nofield.jsonl"
     missing.write_text('{"body": "x"}\n')
-    with pytest.raises(DataError, match=r"nofield\.jsonl.*line 1.*'text'"):
+    with pytest.raises(DataError, match=r"nofield\.jsonl:1: .*'text'"):
         read_text_lines(str(missing))
 
 

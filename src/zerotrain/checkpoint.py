@@ -1,30 +1,31 @@
-"""Checkpoints that are complete or absent, and an exact resume.
+"""Checkpoints that are complete or absent, an exact resume, and the component that decides when to save.
 
 Layout: ``<run>/checkpoints/step00000120/`` holds the engine's files (DeepSpeed's sharded
-``mp_rank_*``/``*_optim_states.pt``, or ``torch_state.pt``), one ``rng_rank<R>.pt`` per rank, and
-last of all ``COMPLETE.json``. The marker is written by rank 0 after a barrier, through a
-temporary file and an atomic rename, so a run killed while saving leaves a folder without it:
-resume ignores such folders and the next save deletes them.
+``mp_rank_*``/``*_optim_states.pt``, or ``torch_state.pt``), one ``train_state_rank<R>.pt`` per rank
+(:class:`~zerotrain.train_state.TrainState`: step, data position, log window, RNG), and last of all
+``COMPLETE.json``. The marker is written by rank 0 after a barrier, through a temporary file and an
+atomic rename, so a run killed while saving leaves a folder without it: resume ignores such folders
+and the next save deletes them.
 
-What an exact resume needs, and where it lives: model, optimizer and scheduler (engine files);
-step, epoch and batches consumed in the epoch (client state); Python, NumPy, torch CPU and CUDA
-generator states (per rank, since each rank draws its own dropout and masking).
+The split of an exact resume: model, optimizer and scheduler are the engine's (they are sharded
+differently by every ZeRO stage); everything else is the train state's. :class:`Checkpointer` is
+the only code that writes or reads either.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
 import torch
 
+from zerotrain.config import CheckpointConfig
 from zerotrain.engine import Engine
 from zerotrain.errors import UserError
+from zerotrain.train_state import TrainState
 
 MARKER = "COMPLETE.json"
 
@@ -44,50 +45,76 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step") and is_complete(p))
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def state_file(folder: Path, rank: int) -> Path:
+    return folder / f"train_state_rank{rank}.pt"
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class Checkpointer:
+    """Saves ``engine`` + ``state`` every ``cfg.every_steps`` steps and at the end; resumes them.
 
+    Every method is collective: all ranks call it at the same step.
+    """
 
-def save(engine: Engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep_last: int) -> Path:
-    """Save a checkpoint for ``step`` on every rank; return its folder. Collective."""
-    folder = step_folder(ckpt_dir, step)
-    if is_complete(folder):
-        return folder  # already saved (e.g. a resumed run that had finished): never delete a good checkpoint
-    if engine.rank == 0 and folder.exists():
-        shutil.rmtree(folder)  # a leftover from a killed save of the same step
-    engine.barrier()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        engine.save(folder, client_state)
-        torch.save(rng_state(), folder / f"rng_rank{engine.rank}.pt")
-    except OSError as exc:
-        raise UserError(
-            f"could not write checkpoint {folder}: {exc.strerror or exc}. Free disk space or point "
-            "--trainer.output_dir at a disk with room; the last complete checkpoint is untouched"
-        ) from None
-    engine.barrier()
-    if engine.rank == 0:
-        tmp = folder / (MARKER + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "world_size": engine.world_size, **_plain(client_state)}))
-        os.replace(tmp, folder / MARKER)
-        _prune(ckpt_dir, keep_last)
-    engine.barrier()
-    return folder
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, engine: Engine, state: TrainState):
+        self.cfg, self.engine, self.state = cfg, engine, state
+        self.dir = run_dir / "checkpoints"
+        self.last_saved: Optional[int] = None
+        """Step of the newest checkpoint this run wrote or resumed from."""
 
+    def should_save(self, step: int, last_step: bool = False) -> bool:
+        if step == self.last_saved:
+            return False  # e.g. a resumed run that had finished: never rewrite its checkpoint
+        if last_step:
+            return self.cfg.save_final
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
 
-def _plain(client_state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in client_state.items() if isinstance(v, (int, float, str, bool))}
+    def save(self) -> Path:
+        """Write a checkpoint of the current step; return its folder."""
+        rank, step = self.engine.rank, self.state.step
+        folder = step_folder(self.dir, step)
+        if is_complete(folder):
+            # Written before (a resume from an older checkpoint replays the same steps exactly):
+            # never delete a good checkpoint.
+            self.last_saved = step
+            return folder
+        if rank == 0 and folder.exists():
+            shutil.rmtree(folder)  # a leftover from a killed save of the same step
+        self.engine.barrier()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.engine.save(folder)
+            torch.save(self.state.state_dict(), state_file(folder, rank))
+        except OSError as exc:
+            raise UserError(
+                f"could not write checkpoint {folder}: {exc.strerror or exc}. Free disk space or point "
+                "--trainer.output_dir at a disk with room; the last complete checkpoint is untouched"
+            ) from None
+        self.engine.barrier()
+        if rank == 0:
+            meta = {"world_size": self.engine.world_size, **self.state.plain()}
+            tmp = folder / (MARKER + ".tmp")
+            tmp.write_text(json.dumps(meta))
+            os.replace(tmp, folder / MARKER)
+            _prune(self.dir, self.cfg.keep_last)
+        self.engine.barrier()
+        self.last_saved = step
+        return folder
+
+    def load(self, folder: Path) -> None:
+        """Restore the engine and this rank's train state from ``folder``."""
+        meta = json.loads((folder / MARKER).read_text())
+        if meta.get("world_size") != self.engine.world_size:
+            raise UserError(
+                f"--checkpoint.resume: {folder} was written by {meta.get('world_size')} processes, this run has "
+                f"{self.engine.world_size}. Resume with the same number of processes for an exact resume"
+            )
+        mine = state_file(folder, self.engine.rank)
+        if not mine.is_file():
+            raise UserError(f"--checkpoint.resume: {mine} is missing, so the run cannot continue exactly. "
+                            "Pass an older checkpoint folder, or start a new run")
+        self.engine.load(folder)
+        self.state.load_state_dict(torch.load(mine, weights_only=True))
+        self.last_saved = self.state.step
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:
@@ -123,18 +150,3 @@ def find_resume_folder(resume: str, run_dir_default: Optional[Path]) -> Optional
         raise UserError(f"{flag}: {p} is an incomplete checkpoint (no {MARKER}: the save was interrupted). "
                         "Pass an older step folder or the run folder to take the newest complete one")
     raise UserError(f"{flag}: no complete checkpoint under {p}")
-
-
-def load(engine: Engine, folder: Path) -> dict[str, Any]:
-    """Restore engine state and this rank's RNG from ``folder``; return the client state."""
-    meta = json.loads((folder / MARKER).read_text())
-    if meta.get("world_size") != engine.world_size:
-        raise UserError(
-            f"--checkpoint.resume: {folder} was written by {meta.get('world_size')} processes, this run has "
-            f"{engine.world_size}. Resume with the same number of processes for an exact resume"
-        )
-    client = engine.load(folder)
-    rng_file = folder / f"rng_rank{engine.rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
-    return client

@@ -8,17 +8,21 @@ re-implements a rendezvous.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
-from zerotrain.config import LaunchConfig
+from zerotrain.config import LaunchConfig, RunConfig
+from zerotrain.ds_config import ResolvedPrecision, resolve_precision
 from zerotrain.errors import UserError
+from zerotrain.tracking import setup_logging
 
 
 @dataclass(frozen=True)
@@ -114,13 +118,124 @@ def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", t
     return info
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process trains: its place in the job, its device and the precision it computes in."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    precision: ResolvedPrecision
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR",
+                  "TORCH_CUDA_ARCH_LIST")
+
+
+@contextlib.contextmanager
+def setup(cfg: RunConfig) -> Iterator[Runtime]:
+    """Join the job for the length of a ``with`` block, and leave the process as it was found.
+
+    Inside: the launcher's variables adopted (SLURM mapped onto torchrun's), a process group (a group
+    of one when started alone, so the engines have one code path), this rank's device, the resolved
+    precision and the backend flags it needs, and rank-aware logging. On exit, however the block
+    ends: the process group this call created is destroyed after a last barrier, and the environment,
+    the TF32 flags and the logging handlers are restored.
+    """
+    saved_env = {k: os.environ.get(k) for k in _LAUNCHER_VARS}
+    saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    owns_group = not torch.distributed.is_initialized()
+    restore_logging = None
+    finished = False
+    try:
+        sanitize_cuda_arch_list()
+        adopt_slurm_env(cfg.launch)
+        device_type = _device_type(cfg.trainer.device)
+        backend = comm_backend(cfg.launch.comm_backend, device_type)
+        info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
+                                  timeout_minutes=cfg.launch.timeout_minutes)
+        restore_logging = setup_logging(info.is_main)
+        device = torch.device("cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(info.local_rank)
+            device = torch.device("cuda", info.local_rank)
+        precision = resolve_precision(cfg.strategy.precision, device.type,
+                                      device.type == "cuda" and torch.cuda.is_bf16_supported())
+        if device.type == "cuda" and precision == "fp32":
+            # fp32 matmuls on tensor cores (TF32), as MFU's fp32 peak assumes; IEEE fp32 runs ~7x slower on Hopper.
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        yield Runtime(info.rank, info.world_size, info.local_rank, device, precision)
+        finished = True
+    finally:
+        if owns_group and torch.distributed.is_initialized():
+            if finished and info.world_size > 1:
+                torch.distributed.barrier()  # nobody tears down while another rank still talks
+            _destroy_process_group()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if restore_logging is not None:
+            restore_logging()
+
+
+def _destroy_process_group() -> None:
+    ds_comm = sys.modules.get("deepspeed.comm.comm")  # where DeepSpeed keeps its backend (cdb)
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
+        # DeepSpeed caches its process groups in module globals; its own teardown drops them too,
+        # so a later fit in this process starts from a clean slate.
+        ds_comm.destroy_process_group()
+    else:
+        torch.distributed.destroy_process_group()
+
+
+def _device_type(requested: str) -> str:
+    """``--trainer.device`` resolved: auto is cuda when a GPU is visible."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--trainer.device cuda: no CUDA GPU is visible. Use --trainer.device cpu (or auto)")
+    return "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
 def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     """Re-run this command in ``nproc_per_node`` processes on this node through torchrun's library.
 
     Single node: torchrun's standalone mode picks a free port. Several nodes: a static rendezvous at
     ``rdzv_endpoint`` with this node's ``node_rank``, exactly as ``torchrun --nnodes --node-rank
     --master-addr --master-port`` would do.
+
+    Returns 0, or the exit status of the first worker that failed (2 for a :class:`UserError`, whose
+    one line a worker has printed already). A failure is reported in one line of our own: torchelastic's
+    warnings and its failure banner are silenced for this call.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = [f"--nproc-per-node={launch.nproc_per_node}"]
@@ -131,11 +246,19 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
         args += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}",
                  f"--master-addr={host}", f"--master-port={port}"]
     args += ["-m", "zerotrain", *argv]
+    saved_levels = _silence_torchelastic()
     try:
         run(get_args_parser().parse_args(args))
-    except Exception as exc:  # torchelastic's ChildFailedError lists each failed rank
-        print(f"zerotrain: a worker process failed: {exc}", file=sys.stderr)
+    except ChildFailedError as exc:  # lists every failed rank of this node, the ones torchelastic stopped too
+        return _report_worker_failure(exc.failures)
+    except SignalException as exc:  # Ctrl-C or a scheduler's SIGTERM; torchelastic has stopped the workers
+        print(f"zerotrain: interrupted ({exc.sigval.name})", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except Exception as exc:  # no worker ran: the rendezvous or the start failed
+        print(f"zerotrain: could not start the worker processes: {exc}", file=sys.stderr)
         return 1
+    finally:
+        _restore_levels(saved_levels)
     return 0
 
 
@@ -162,3 +285,230 @@ def sanitize_cuda_arch_list() -> str | None:
         return None
     os.environ["TORCH_CUDA_ARCH_LIST"] = new
     return value
+
+
+# --- an error on one rank ends every rank the same way -----------------------------------------------
+#
+# A rank that stops alone leaves the others waiting in their next collective until the launcher kills
+# them, each printing a traceback of its own that hides the cause. A section run on rank 0 first (or
+# only) through the helpers below passes its error to every rank, which raises it too: a UserError
+# then ends every rank with exit status 2 and one line, printed by rank 0 (see zerotrain.cli).
+
+USER_ERROR_EXIT = 2
+"""Exit status of a process stopped by a :class:`UserError` (the CLI's)."""
+
+ERROR_FILE_KEY = "zerotrain_user_error"
+"""Key of the record the CLI leaves in torchelastic's error file of a worker stopped by a UserError."""
+
+
+def main_process_first(is_main: bool):
+    """A ``with`` block that rank 0 runs first while the other ranks wait; then the others run it.
+
+    Typical use: rank 0 fills a cache (tokenised data) that the others then read::
+
+        with main_process_first(info.is_main):
+            splits = task.build_datasets()
+
+    If rank 0's block raises, every other rank raises the same error (same class, message and
+    attributes) without running the block. If a block fails on another rank, rank 0 and the ranks
+    whose block succeeded raise the lowest failing rank's error. So every rank leaves the block the
+    same way, and a :class:`UserError` ends them all with the one line rank 0 prints. An exception
+    received from another rank carries ``zerotrain_origin_rank``. ``is_main`` must be true on global
+    rank 0 only. Without torch.distributed, or in a group of one, it is just the block.
+    """
+    return _MainProcessFirst(is_main)
+
+
+def run_on_main(fn):
+    """Call ``fn()`` on rank 0 only and return its result on every rank (it must pickle).
+
+    If ``fn`` raises, every rank raises the same error, as in :func:`main_process_first`. Use it for
+    checks only rank 0 makes, e.g. ``run_on_main(lambda: rundir.check_writable(tr.output_dir))``.
+    Without torch.distributed, or in a group of one, it is ``fn()``.
+    """
+    if not _collectives_needed():
+        return fn()
+    if torch.distributed.get_rank() != 0:
+        failed, result = _share_from_main(None)
+        if failed is not None:
+            raise _rebuild_error(failed)
+        return result
+    try:
+        result = fn()
+        _check_picklable(result)
+    except Exception as exc:
+        _share_from_main((_describe_error(exc), None))
+        raise
+    _share_from_main((None, result))
+    return result
+
+
+class _MainProcessFirst:
+    def __init__(self, is_main: bool):
+        self.is_main = is_main
+        self.synced = False
+
+    def __enter__(self) -> None:
+        self.synced = _collectives_needed()
+        if self.synced and not self.is_main:
+            failed = _share_from_main(None)  # wait for rank 0's block
+            if failed is not None:
+                raise _rebuild_error(failed)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.synced or (exc is not None and not isinstance(exc, Exception)):
+            return False  # alone, or Ctrl-C (which reaches every rank anyway): nothing to share
+        mine = _describe_error(exc) if exc is not None else None
+        if self.is_main:
+            _share_from_main(mine)
+            if mine is not None:
+                return False  # rank 0 raises its own error; the others raise it from __enter__
+        failures = [d for d in _gather(None if self.is_main else mine) if d is not None]
+        if exc is None and failures:
+            raise _rebuild_error(failures[0])
+        return False
+
+
+def _collectives_needed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _share_from_main(obj):
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj) -> list:
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def _check_picklable(value) -> None:
+    import pickle
+
+    try:
+        pickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(f"cannot send {type(value).__name__} to the other ranks: {exc}") from None
+
+
+def _picklable(value) -> bool:
+    try:
+        _check_picklable(value)
+        return True
+    except TypeError:
+        return False
+
+
+def _describe_error(exc: BaseException) -> dict:
+    """What :func:`_rebuild_error` needs to make ``exc`` again on another rank (it pickles)."""
+    origin = getattr(exc, "zerotrain_origin_rank", None)
+    try:
+        return {
+            "module": type(exc).__module__, "qualname": type(exc).__qualname__,
+            "args": tuple(exc.args) if _picklable(tuple(exc.args)) else (str(exc),),
+            "state": {k: v for k, v in vars(exc).items() if k != "__notes__" and _picklable(v)},
+            "text": str(exc), "user_error": isinstance(exc, UserError),
+            "rank": torch.distributed.get_rank() if origin is None else origin,
+        }
+    except Exception:  # never leave the other ranks waiting for a description that failed
+        return {"module": "builtins", "qualname": "RuntimeError", "args": (repr(exc),), "state": {},
+                "text": repr(exc), "user_error": isinstance(exc, UserError), "rank": origin or 0}
+
+
+def _rebuild_error(desc: dict) -> Exception:
+    """The exception ``desc`` describes: its own class when importable here, else UserError/RuntimeError."""
+    import importlib
+
+    exc = None
+    try:
+        cls = importlib.import_module(desc["module"])
+        for part in desc["qualname"].split("."):
+            cls = getattr(cls, part)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            # As unpickling does, without calling __init__ (ConfigError's takes other arguments than its args).
+            candidate = cls.__new__(cls, *desc["args"])
+            candidate.args = tuple(desc["args"])
+            candidate.__dict__.update(desc["state"])
+            if str(candidate) == desc["text"]:
+                exc = candidate
+    except Exception:
+        exc = None
+    if exc is None:
+        exc = (UserError(desc["text"]) if desc["user_error"]
+               else RuntimeError(f"{desc['qualname']} on rank {desc['rank']}: {desc['text']}"))
+    exc.zerotrain_origin_rank = desc["rank"]
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(f"(raised on rank {desc['rank']}; every rank stops with it)")
+    return exc
+
+
+# --- what spawn_local_workers says when a worker fails -----------------------------------------------
+
+_TORCHELASTIC_LOGGERS = ("torch.distributed.run", "torch.distributed.elastic", "torch.distributed.launcher")
+
+
+def _silence_torchelastic() -> dict:
+    """Mute torchrun's own loggers (the OMP_NUM_THREADS notice, SIGTERM notices, failure banner); return their levels."""
+    import importlib
+    import logging
+
+    for module in ("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+                   "torch.distributed.elastic.rendezvous.static_tcp_rendezvous"):
+        try:  # imported during the run otherwise, and their loggers made after these are muted
+            importlib.import_module(module)
+        except Exception:
+            pass
+    names = set(_TORCHELASTIC_LOGGERS)
+    names.update(name for name, logger in list(logging.Logger.manager.loggerDict.items())
+                 if isinstance(logger, logging.Logger)
+                 and any(name.startswith(prefix + ".") for prefix in _TORCHELASTIC_LOGGERS))
+    saved = {}
+    for name in names:
+        logger = logging.getLogger(name)
+        saved[name] = logger.level
+        logger.setLevel(logging.CRITICAL + 1)
+    return saved
+
+
+def _restore_levels(saved: dict) -> None:
+    import logging
+
+    for name, level in saved.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def _report_worker_failure(failures: dict) -> int:
+    """Say (at most) one line about the first worker that failed; return its exit status.
+
+    ``failures`` is torchelastic's ``ChildFailedError.failures``: global rank -> ``ProcessFailure``
+    (``exitcode``, ``local_rank``, ``timestamp``, ``message``, ``error_file_data``). It also lists the
+    workers torchelastic stopped with SIGTERM once the first had failed; those are not the cause.
+    """
+    def record(failure) -> dict | None:  # left by zerotrain.cli in the worker's error file for a UserError
+        data = failure.error_file_data
+        found = data.get(ERROR_FILE_KEY) if isinstance(data, dict) else None
+        return found if isinstance(found, dict) else None
+
+    user = {r: f for r, f in failures.items() if f.exitcode == USER_ERROR_EXIT or record(f) is not None}
+    if user:
+        printed = any((record(f) or {}).get("printed") or (r == 0 and f.exitcode == USER_ERROR_EXIT)
+                      for r, f in user.items())
+        if not printed:  # rank 0 runs on another node (or was stopped before it could print): say it here
+            rank = min(user, key=lambda r: (record(user[r]) is None, r))
+            print(user[rank].message if record(user[rank]) else
+                  f"zerotrain: rank {rank} stopped on an error (exit status {USER_ERROR_EXIT})", file=sys.stderr)
+        return USER_ERROR_EXIT
+    crashed = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
+    rank, failure = min(crashed.items(), key=lambda item: (item[1].timestamp, item[0]))
+    if failure.exitcode > 0:
+        print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) failed with exit status {failure.exitcode}; "
+              "its traceback, if any, is above", file=sys.stderr)
+        return failure.exitcode
+    hint = " (out of memory?)" if failure.exitcode == -9 else ""
+    print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()}{hint}",
+          file=sys.stderr)
+    return 128 - failure.exitcode

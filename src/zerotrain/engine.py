@@ -3,27 +3,30 @@
 :class:`DeepSpeedEngine` wraps ``deepspeed.initialize`` (ZeRO 0-3, offload, fp16/bf16);
 :class:`TorchEngine` is plain PyTorch (DDP across ranks, autocast, GradScaler for fp16), the
 baseline users compare DeepSpeed with. Both expose the same methods, so the training loop never
-branches on the backend: ``train_step`` runs the forward/backward of every micro-batch of one
-optimizer step and the step itself; ``save``/``load`` move everything that is sharded
-(parameters, optimizer states, scheduler) plus a ``client_state`` dict owned by the loop.
+branches on the backend. :meth:`Engine.train_step` is written once, in the base class: it runs
+the forward/backward of every micro-batch of one optimizer step and the step itself, and the two
+engines differ only in :meth:`~Engine._backward` and :meth:`~Engine._optimizer_step` (and in the
+contexts a micro-batch runs in). ``save``/``load`` move what is sharded: parameters, optimizer
+states, scheduler; the loop's own state is :class:`~zerotrain.train_state.TrainState`.
+:func:`build_engine` turns the typed config into either engine, building the DeepSpeed JSON itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotrain.config import RunConfig, SchedulerConfig
-from zerotrain.ds_config import ResolvedPrecision, precision_of
+from zerotrain.config import RunConfig
+from zerotrain.ds_config import ResolvedPrecision, make_ds_config, precision_of
 from zerotrain.errors import UserError
+from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
 
 StepFn = Callable[[nn.Module, Batch], StepOutput]
@@ -42,36 +45,12 @@ class StepStats:
     """Summed StepOutput.flops, when every micro-batch gave them."""
 
 
-def lr_lambda(sched: SchedulerConfig, total_steps: int, steps_per_epoch: int) -> Callable[[int], float]:
-    """Learning-rate multiplier at optimizer step ``step`` (0-based), for torch's LambdaLR."""
-    warm = sched.warmup_steps
-
-    def factor(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if sched.name == "constant":
-            return 1.0
-        if sched.name == "warmup_linear":
-            return max(0.0, (total_steps - step) / max(1, total_steps - warm))
-        if sched.name == "cosine":
-            progress = min(1.0, (step - warm) / max(1, total_steps - warm))
-            return sched.min_lr_ratio + (1 - sched.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        unit = steps_per_epoch if sched.step_unit == "epochs" else 1
-        return sched.gamma ** ((step // max(1, unit)) // sched.step_size)
-
-    return factor
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int, steps_per_epoch: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.scheduler, total_steps, steps_per_epoch))
-
-
 def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 class Engine(ABC):
-    """Common interface of the DeepSpeed and plain-PyTorch engines."""
+    """Common interface of the DeepSpeed and plain-PyTorch engines; owns the one ``train_step``."""
 
     device: torch.device
     precision: ResolvedPrecision
@@ -80,6 +59,7 @@ class Engine(ABC):
     world_size: int
     rank: int
     ds_config: Optional[dict[str, Any]] = None
+    """The DeepSpeed JSON the engine runs with (None for the plain engine)."""
 
     @property
     @abstractmethod
@@ -91,7 +71,7 @@ class Engine(ABC):
     def forward_model(self) -> nn.Module:
         """What a task calls for forward passes (the wrapped model)."""
 
-    @abstractmethod
+    # ---- the step: written once; engines fill in the four hooks below -------------------------
     def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn,
                    weight_fn: Optional[WeightFn] = None) -> StepStats:
         """Forward/backward every micro-batch of one optimizer step, then step.
@@ -99,6 +79,37 @@ class Engine(ABC):
         ``weight_fn`` (see :meth:`Task.loss_weight`) makes the step's gradient that of one big batch:
         micro-batch losses are weighted by their share of the step's weight summed over all ranks.
         """
+        batches = list(micro_batches)
+        factors = self._loss_factors(batches, weight_fn)
+        loss_sum, samples, tokens, flops = torch.zeros((), device=self.device), 0, 0, None
+        for i, (batch, factor) in enumerate(zip(batches, factors)):
+            last = i == len(batches) - 1
+            with self._accumulating(last):
+                with self._autocast():
+                    out = step_fn(self.forward_model, to_device(batch, self.device))
+                loss = out.loss * factor if factor != 1.0 else out.loss
+                self._backward(loss, len(batches), last)
+            loss_sum += loss.detach().float()
+            samples, tokens = samples + out.samples, tokens + out.tokens
+            flops = _add_flops(flops, out, first=i == 0)
+        self._optimizer_step()
+        return StepStats(loss_sum / max(1, len(batches)), samples, tokens, len(batches), flops)
+
+    def _accumulating(self, last: bool) -> ContextManager:
+        """Context of one micro-batch's forward and backward (DDP: no gradient sync before the last)."""
+        return contextlib.nullcontext()
+
+    def _autocast(self) -> ContextManager:
+        """Context of forward passes, in training and evaluation (mixed precision by autocast)."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def _backward(self, loss: torch.Tensor, micro_batches: int, last: bool) -> None:
+        """Accumulate the gradient of ``loss``, one of ``micro_batches`` of this step."""
+
+    @abstractmethod
+    def _optimizer_step(self) -> None:
+        """Clip, step the optimizer and the schedule, clear gradients; remember lr and grad norm."""
 
     def _loss_factors(self, batches: list[Batch], weight_fn: Optional[WeightFn]) -> list[float]:
         """Multipliers for each micro-batch's (mean) loss. Both engines average over micro-batches and
@@ -115,8 +126,10 @@ class Engine(ABC):
             return [1.0] * n
         return [w * n * self.world_size / total for w in weights]
 
+    # ---- what the loop reads on log steps -----------------------------------------------------
     @abstractmethod
-    def lr(self) -> float: ...
+    def lr(self) -> float:
+        """The learning rate the last optimizer step used."""
 
     @abstractmethod
     def grad_norm(self) -> Optional[float]: ...
@@ -127,21 +140,22 @@ class Engine(ABC):
     def skipped_steps(self) -> int:
         return 0
 
+    # ---- state ---------------------------------------------------------------------------------
     @abstractmethod
-    def save(self, folder: Path, client_state: dict[str, Any]) -> None:
+    def save(self, folder: Path) -> None:
         """Write the sharded training state into ``folder`` (called on every rank)."""
 
     @abstractmethod
-    def load(self, folder: Path) -> dict[str, Any]:
-        """Restore from ``folder``; return the client state."""
+    def load(self, folder: Path) -> None:
+        """Restore the sharded training state from ``folder``."""
 
     @abstractmethod
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Full model weights on rank 0 (gathered under ZeRO-3), None elsewhere. Collective."""
 
-    def eval_context(self):
+    def eval_context(self) -> ContextManager:
         """Context for forward passes outside train_step (evaluation): the same precision as training."""
-        return contextlib.nullcontext()
+        return self._autocast()
 
     def train(self) -> None:
         self.forward_model.train()
@@ -149,6 +163,7 @@ class Engine(ABC):
     def eval(self) -> None:
         self.forward_model.eval()
 
+    # ---- collectives the loop needs ------------------------------------------------------------
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         keys = sorted(values)
         t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self._comm_device())
@@ -212,29 +227,20 @@ class DeepSpeedEngine(Engine):
     def forward_model(self) -> nn.Module:
         return self.ds
 
-    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn,
-                   weight_fn: Optional[WeightFn] = None) -> StepStats:
-        batches = list(micro_batches)
-        factors = self._loss_factors(batches, weight_fn)
-        loss_sum, samples, tokens, n, flops = torch.zeros((), device=self.device), 0, 0, 0, None
-        for batch, factor in zip(batches, factors):
-            out = step_fn(self.ds, to_device(batch, self.device))
-            # DeepSpeed divides by gradient_accumulation_steps and only steps on the boundary.
-            loss = out.loss * factor if factor != 1.0 else out.loss
-            self.ds.backward(loss)
-            if self.ds.is_gradient_accumulation_boundary():
-                # The rate this step uses: step() advances the schedule to the next step's.
-                self._lr = float(self.ds.get_lr()[0])
-                if self._track_norm:
-                    self._norm = _grad_norm(self.ds.module)
-            self.ds.step()
-            loss_sum += loss.detach().float()
-            samples, tokens, n = samples + out.samples, tokens + out.tokens, n + 1
-            flops = _add_flops(flops, out, first=n == 1)
-        return StepStats(loss_sum / max(1, n), samples, tokens, n, flops)
+    def _backward(self, loss: torch.Tensor, micro_batches: int, last: bool) -> None:
+        # DeepSpeed divides by gradient_accumulation_steps itself.
+        self.ds.backward(loss)
+        if not last:
+            self.ds.step()  # off the accumulation boundary this only counts the micro-batch
+
+    def _optimizer_step(self) -> None:
+        # The rate this step uses: step() advances the schedule to the next step's.
+        self._lr = float(self.ds.get_lr()[0])
+        if self._track_norm:
+            self._norm = _grad_norm(self.ds.module)
+        self.ds.step()
 
     def lr(self) -> float:
-        """The learning rate the last optimizer step used."""
         return self._lr if self._lr is not None else float(self.ds.get_lr()[0])
 
     def grad_norm(self) -> Optional[float]:
@@ -251,15 +257,14 @@ class DeepSpeedEngine(Engine):
     def skipped_steps(self) -> int:
         return int(getattr(self.ds, "skipped_steps", 0))
 
-    def save(self, folder: Path, client_state: dict[str, Any]) -> None:
+    def save(self, folder: Path) -> None:
         # save_latest=False: zerotrain marks complete checkpoints itself (see checkpoint.py).
-        self.ds.save_checkpoint(str(folder.parent), tag=folder.name, client_state=client_state, save_latest=False)
+        self.ds.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
 
-    def load(self, folder: Path) -> dict[str, Any]:
-        path, client = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+    def load(self, folder: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
-        return client or {}
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.ds.zero_optimization_partition_weights():
@@ -272,6 +277,8 @@ class DeepSpeedEngine(Engine):
 
 class TorchEngine(Engine):
     """Plain PyTorch: DDP when several ranks, autocast for bf16/fp16, GradScaler for fp16."""
+
+    STATE_FILE = "torch_state.pt"
 
     def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, precision: ResolvedPrecision,
                  total_steps: int, steps_per_epoch: int):
@@ -305,31 +312,19 @@ class TorchEngine(Engine):
     def forward_model(self) -> nn.Module:
         return self._wrapped
 
-    def eval_context(self):
-        return self._autocast()
+    def _accumulating(self, last: bool) -> ContextManager:
+        # Reduce gradients across ranks only once, on the last micro-batch.
+        return contextlib.nullcontext() if last or self.world_size == 1 else self._wrapped.no_sync()
 
-    def _autocast(self):
+    def _autocast(self) -> ContextManager:
         if self._autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
-    def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn,
-                   weight_fn: Optional[WeightFn] = None) -> StepStats:
-        batches = list(micro_batches)
-        factors = self._loss_factors(batches, weight_fn)
-        loss_sum, samples, tokens, flops = torch.zeros((), device=self.device), 0, 0, None
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            # Reduce gradients across ranks only once, on the last micro-batch.
-            sync = contextlib.nullcontext() if last or self.world_size == 1 else self._wrapped.no_sync()
-            with sync:
-                with self._autocast():
-                    out = step_fn(self._wrapped, to_device(batch, self.device))
-                loss = out.loss * factors[i]
-                self.scaler.scale(loss / len(batches)).backward()
-            loss_sum += loss.detach().float()
-            samples, tokens = samples + out.samples, tokens + out.tokens
-            flops = _add_flops(flops, out, first=i == 0)
+    def _backward(self, loss: torch.Tensor, micro_batches: int, last: bool) -> None:
+        self.scaler.scale(loss / micro_batches).backward()
+
+    def _optimizer_step(self) -> None:
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self._module.parameters() if p.requires_grad]
         max_norm = self.clip if self.clip > 0 else float("inf")
@@ -344,10 +339,8 @@ class TorchEngine(Engine):
             self._skipped += 1
         else:
             self.scheduler.step()
-        return StepStats(loss_sum / max(1, len(batches)), samples, tokens, len(batches), flops)
 
     def lr(self) -> float:
-        """The learning rate the last optimizer step used."""
         return self._lr if self._lr is not None else float(self.scheduler.get_last_lr()[0])
 
     def grad_norm(self) -> Optional[float]:
@@ -359,7 +352,7 @@ class TorchEngine(Engine):
     def skipped_steps(self) -> int:
         return self._skipped
 
-    def save(self, folder: Path, client_state: dict[str, Any]) -> None:
+    def save(self, folder: Path) -> None:
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             state = {
@@ -368,18 +361,17 @@ class TorchEngine(Engine):
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict(),
                 "skipped_steps": self._skipped,
-                "client_state": client_state,
             }
-            torch.save(state, folder / "torch_state.pt")
+            torch.save(state, folder / self.STATE_FILE)
 
-    def load(self, folder: Path) -> dict[str, Any]:
-        state = torch.load(folder / "torch_state.pt", map_location=self.device, weights_only=False)
+    def load(self, folder: Path) -> None:
+        # Tensors and plain containers only: a crafted file cannot run code here.
+        state = torch.load(folder / self.STATE_FILE, map_location=self.device, weights_only=True)
         self._module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self._skipped = state.get("skipped_steps", 0)
-        return state["client_state"]
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.rank != 0:
@@ -388,8 +380,16 @@ class TorchEngine(Engine):
 
 
 def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precision: ResolvedPrecision,
-                 total_steps: int, steps_per_epoch: int, ds_config: Optional[dict[str, Any]]) -> Engine:
-    """The DeepSpeed engine when ``ds_config`` is given, else the plain-PyTorch one."""
-    if ds_config is not None:
-        return DeepSpeedEngine(model, cfg, device, ds_config, total_steps, steps_per_epoch)
-    return TorchEngine(model, cfg, device, precision, total_steps, steps_per_epoch)
+                 total_steps: int, steps_per_epoch: int, world_size: int,
+                 hints: Optional[dict[str, Any]] = None) -> Engine:
+    """The engine ``cfg.strategy.backend`` names, for ``model`` on ``device``.
+
+    For DeepSpeed the JSON is built here from ``cfg`` (or the user's file, its "auto" values filled
+    from ``cfg``, the schedule's length and the task's ``hints`` such as ``hidden_size``).
+    """
+    if cfg.strategy.backend != "deepspeed":
+        return TorchEngine(model, cfg, device, precision, total_steps, steps_per_epoch)
+    facts = {"total_num_steps": total_steps, "warmup_num_steps": cfg.scheduler.warmup_steps,
+             "min_lr_ratio": cfg.scheduler.min_lr_ratio, **(hints or {})}
+    ds = make_ds_config(cfg, world_size, device.type, precision, facts)
+    return DeepSpeedEngine(model, cfg, device, ds, total_steps, steps_per_epoch)

@@ -55,12 +55,6 @@ def peak_tflops(device_name: str, precision: str) -> Optional[float]:
     return None
 
 
-def numel(p: torch.Tensor) -> int:
-    """A parameter's full element count. Under ZeRO-3 its local tensor is an empty partition and
-    DeepSpeed keeps the true size in ``ds_numel``; counting ``numel()`` there gives 0."""
-    return getattr(p, "ds_numel", p.numel())
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

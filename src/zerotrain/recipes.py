@@ -1,26 +1,33 @@
-"""The recipes shipped with zerotrain: name -> (config class, task class), imported on demand."""
+"""The recipes: every :class:`~zerotrain.tasks.base.Task` subclass with a ``name`` registers itself.
+
+The shipped recipes live in the modules below and are imported on first use (the LoRA recipe pulls
+in peft and transformers); a user's own task registers as soon as its module is imported.
+"""
 
 from __future__ import annotations
 
 import importlib
 
-from zerotrain.config import RunConfig
-from zerotrain.tasks.base import Task
+from zerotrain.errors import UserError
+from zerotrain.tasks.base import REGISTRY, Task
 
-RECIPES: dict[str, tuple[str, str, str, str]] = {
-    # name: (module, config class, task class, one-line description)
-    "imdb": ("zerotrain.tasks.imdb", "IMDBConfig", "IMDBTask",
-             "IMDB sentiment classifier (transformer encoder, RoBERTa tokenizer)"),
-    "mlm": ("zerotrain.tasks.mlm", "MLMConfig", "MLMTask",
-            "RoBERTa masked-language-model pre-training (HelloDeepSpeed)"),
-    "lora": ("zerotrain.tasks.lora", "LoRAConfig", "LoRATask",
-             "LoRA fine-tuning of a causal LM with prompt masking"),
-    "toy": ("zerotrain.tasks.toy", "ToyConfig", "ToyTask",
-            "a tiny MLP on synthetic data (smoke tests, custom-task template)"),
-}
+BUILTIN_MODULES = ("zerotrain.tasks.imdb", "zerotrain.tasks.mlm", "zerotrain.tasks.lora", "zerotrain.tasks.toy")
 
 
-def load(name: str) -> tuple[type[RunConfig], type[Task]]:
-    module, cfg_cls, task_cls, _ = RECIPES[name]
-    mod = importlib.import_module(module)
-    return getattr(mod, cfg_cls), getattr(mod, task_cls)
+def _import_builtins() -> None:
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def all_recipes() -> dict[str, type[Task]]:
+    """Recipe name -> task class, the shipped ones first."""
+    _import_builtins()
+    return dict(REGISTRY)
+
+
+def get(name: str) -> type[Task]:
+    """The task class of recipe ``name``; a UserError listing the choices when there is none."""
+    found = all_recipes().get(name)
+    if found is None:
+        raise UserError(f"unknown recipe {name!r}; choose one of: {', '.join(all_recipes())}")
+    return found

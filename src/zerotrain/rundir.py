@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -51,10 +51,38 @@ def create(output_dir: str, name: str) -> Path:
     return run
 
 
+def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optional[str],
+            is_main: bool) -> tuple[Path, Optional[Path]]:
+    """The run folder every rank agrees on, and the checkpoint to resume from (None: start fresh).
+
+    Rank 0 names the run and checks the parent folder is writable; nothing is created yet, so a
+    bad flag or data file found later leaves no empty run folder behind (see :func:`write_metadata`).
+    """
+    from zerotrain.checkpoint import find_resume_folder
+    from zerotrain.distributed import broadcast_object
+
+    name = broadcast_object(run_name or new_run_name(recipe) if is_main else None)
+    if is_main:
+        check_writable(output_dir)
+    run_dir = Path(output_dir).expanduser() / name
+    return run_dir, (find_resume_folder(resume, run_dir) if resume else None)
+
+
+def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_config: Optional[dict[str, Any]]) -> None:
+    """Create the run folder and write what reruns the run: config, DeepSpeed JSON, environment, code state."""
+    create(str(run_dir.parent), run_dir.name)
+    write_json(run_dir / "hparams.json", {"recipe": recipe, **hparams})
+    if ds_config is not None:
+        write_json(run_dir / "ds_config.json", ds_config)
+    write_json(run_dir / "env.json", environment())
+    write_code_state(run_dir)
+
+
 def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
+    """``data`` as indented JSON (values json cannot encode written as strings), replaced atomically."""
+    from zerotrain.data.io import write_json as atomic_write_json
+
+    atomic_write_json(path, data, indent=2, default=str)
 
 
 def _git(args: list[str], cwd: Path) -> str:
@@ -102,3 +130,132 @@ def environment() -> dict[str, Any]:
                                                     "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES")
                          if k in os.environ},
     }
+
+
+# ---- loading a finished run ------------------------------------------------------------------
+# (imported here rather than at the top: this section was appended to the module)
+import dataclasses as _dataclasses  # noqa: E402
+
+TOKENIZER_SETTINGS = ("data.tokenizer", "model.tokenizer")
+"""Where recipes keep their tokenizer, in the order :func:`load_run`'s ``"tokenizer"`` override looks."""
+
+
+@_dataclasses.dataclass
+class LoadedRun:
+    """A finished run rebuilt for inference: what :func:`load_run` returns."""
+
+    run_dir: Path
+    recipe: str
+    cfg: Any
+    """The recipe's typed config (a :class:`~zerotrain.config.RunConfig` subclass), as the run saved it."""
+    task: Any
+    """The recipe's :class:`~zerotrain.tasks.base.Task`, built on ``cfg``: ``task.predict(model, texts)``."""
+    model: torch.nn.Module
+    """The exported weights, in eval mode, on the requested device."""
+
+
+def _tokenizer_setting(cfg: Any) -> Optional[str]:
+    for dotted in TOKENIZER_SETTINGS:
+        section, _, name = dotted.partition(".")
+        value = getattr(cfg, section, None)
+        if _dataclasses.is_dataclass(value) and name in {f.name for f in _dataclasses.fields(value)}:
+            return dotted
+    return None
+
+
+def _apply_overrides(cfg: Any, overrides: dict[str, Any], recipe: str) -> None:
+    for key, value in overrides.items():
+        if key == "tokenizer":
+            key = _tokenizer_setting(cfg) or key
+        section_name, _, name = key.partition(".")
+        section = getattr(cfg, section_name, None) if name else None
+        if not (_dataclasses.is_dataclass(section) and name in {f.name for f in _dataclasses.fields(section)}):
+            raise UserError(f"override {key!r}: the {recipe} recipe's config has no such setting "
+                            "(write section.field, e.g. data.tokenizer)")
+        setattr(section, name, value)
+
+
+def _check_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA GPU is visible here. Use --device cpu")
+    return dev
+
+
+def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, device: str = "cpu") -> LoadedRun:
+    """Rebuild the model a finished ``zerotrain fit`` run exported, ready for inference.
+
+    Reads ``<run_dir>/hparams.json`` (its config sections; other keys such as ``recipe`` only say
+    which recipe it is), builds the recipe's task and its model without reading any pretrained
+    weights (``build_model(pretrained=False)``), and loads ``<run_dir>/model`` into it with
+    ``Task.load_exported``. The model is put in eval mode on ``device``; activation checkpointing,
+    a training-time setting, is turned off.
+
+    ``overrides`` replaces saved settings before anything is built, as ``{"section.field": value}``,
+    e.g. ``{"data.tokenizer": "/new/place/tokenizer"}`` when the run's tokenizer folder moved; the
+    key ``"tokenizer"`` names the recipe's own tokenizer setting (``data.tokenizer`` or
+    ``model.tokenizer``). A user's own task must be imported (so that it registers) before its runs
+    can be loaded. Every failure is a :class:`~zerotrain.errors.UserError` naming the folder or file
+    and what to do.
+    """
+    from zerotrain import recipes
+    from zerotrain.config import from_dict
+    from zerotrain.tokenizer import looks_local
+
+    run_dir = Path(run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
+                        "(runs/<recipe>.<date>...)")
+    hparams = run_dir / "hparams.json"
+    if not hparams.is_file():
+        parent = f"; its parent {run_dir.parent} is one: pass that" if (run_dir.parent / "hparams.json").is_file() else ""
+        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder{parent}. "
+                        "Pass the folder a training run wrote")
+    dev = _check_device(device)
+    try:
+        raw = json.loads(hparams.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{hparams} cannot be read as JSON ({exc}); was it edited by hand?") from None
+    recipe = raw.get("recipe") if isinstance(raw, dict) else None
+    if not isinstance(recipe, str):
+        raise UserError(f"{hparams} names no recipe (no \"recipe\" key): it was not written by zerotrain fit")
+    known = recipes.all_recipes()
+    if recipe not in known:
+        raise UserError(f"{hparams}: the run is of recipe {recipe!r}, which is not registered here (known: "
+                        f"{', '.join(known)}). For a task of your own, import the module that defines it first")
+    task_cls = known[recipe]
+    fields = {f.name for f in _dataclasses.fields(task_cls.config_class)}
+    try:
+        cfg = from_dict(task_cls.config_class, {k: v for k, v in raw.items() if k in fields})
+    except (UserError, TypeError, ValueError) as exc:
+        raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc}); "
+                        "was the run made by another zerotrain version?") from None
+    _apply_overrides(cfg, dict(overrides or {}), recipe)
+    cfg.strategy.activation_checkpointing = False  # a training setting; inference has no backward pass
+
+    setting = _tokenizer_setting(cfg)
+    if setting is not None:
+        section, _, name = setting.partition(".")
+        tokenizer = getattr(getattr(cfg, section), name)
+        if isinstance(tokenizer, str) and looks_local(tokenizer) and not Path(tokenizer).expanduser().is_dir():
+            raise UserError(f"the tokenizer folder {tokenizer!r} that {run_dir} was trained with ({setting} in "
+                            "hparams.json) no longer exists. Pass its new place: --tokenizer DIR "
+                            "(load_run(..., overrides={'tokenizer': DIR}) from Python)")
+
+    export_dir = run_dir / "model"
+    if not export_dir.is_dir():
+        raise UserError(f"{export_dir} is missing: the run did not finish exporting its model. "
+                        "Let it finish (or resume it) and try again")
+    task = task_cls(cfg)
+    # Random initialisation before the weights are loaded must not move the caller's random streams.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            model = task.build_model(pretrained=False)
+        except UserError as exc:
+            raise UserError(f"cannot rebuild the model of {run_dir} from its hparams.json: {exc}") from None
+        task.load_exported(model, export_dir)
+    model.to(dev).eval()
+    return LoadedRun(run_dir=run_dir, recipe=recipe, cfg=cfg, task=task, model=model)

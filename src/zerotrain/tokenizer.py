@@ -4,16 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zerotrain.data.io import hub_offline, looks_local
 from zerotrain.errors import UserError
 
-
-def looks_local(name_or_path: str) -> bool:
-    """True for a local file or folder (existing, or written as a path), False for a hub name.
-
-    Hub names (``roberta-base``, ``stanfordnlp/imdb``) and relative paths (``data/imdb``) look alike;
-    a name that exists on disk, or starts with ``.``, ``/`` or ``~``, is taken as local.
-    """
-    return name_or_path.startswith((".", "/", "~")) or Path(name_or_path).expanduser().exists()
+__all__ = ["load_tokenizer", "looks_local"]
 
 
 def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
@@ -21,6 +15,8 @@ def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
     or a hub name such as ``roberta-base``.
 
     ``flag`` names the option that holds ``name_or_path``, so the error message can say what to pass.
+    A hub name with no network fails within seconds (offline mode, see :func:`zerotrain.data.io.hub_offline`);
+    a tokenizer already in the local cache still loads.
     """
     from transformers import AutoTokenizer
 
@@ -29,12 +25,15 @@ def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
     if local and not path.is_dir():
         raise UserError(f"{flag}: tokenizer folder {name_or_path!r} does not exist. Pass a folder with tokenizer.json "
                         "(or vocab.json + merges.txt), e.g. ../shared/data/roberta-tokenizer")
+    if not local:
+        hub_offline()
     try:
         return AutoTokenizer.from_pretrained(str(path) if local else name_or_path)
     except (OSError, ValueError) as exc:
         where = f"folder {name_or_path!r}" if local else f"hub name {name_or_path!r}"
         raise UserError(
-            f"{flag}: could not load a tokenizer from the {where} ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+            f"{flag}: could not load a tokenizer from the {where} "
+            f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}). "
             "Offline, pass a local folder with tokenizer.json (or vocab.json + merges.txt), "
-            "e.g. --data.tokenizer ../shared/data/roberta-tokenizer"
+            f"e.g. {flag} ../shared/data/roberta-tokenizer"
         ) from None

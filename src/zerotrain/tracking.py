@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from zerotrain.config import LoggingConfig
 from zerotrain.errors import UserError
@@ -15,14 +16,25 @@ from zerotrain.errors import UserError
 log = logging.getLogger("zerotrain")
 
 
-def setup_logging(is_main: bool) -> None:
-    """Rank 0 logs at INFO; the other ranks only warn, so N processes don't print N copies."""
+def setup_logging(is_main: bool) -> Callable[[], None]:
+    """Rank 0 logs at INFO; the other ranks only warn, so N processes don't print N copies.
+
+    Returns a function that puts the ``zerotrain`` logger back as it was.
+    """
+    saved = (list(log.handlers), log.level, log.propagate)
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[zerotrain] %(message)s"))
         log.addHandler(handler)
         log.propagate = False
     log.setLevel(logging.INFO if is_main else logging.WARNING)
+
+    def restore() -> None:
+        log.handlers[:] = saved[0]
+        log.setLevel(saved[1])
+        log.propagate = saved[2]
+
+    return restore
 
 
 class Tracker:
@@ -36,6 +48,8 @@ class Tracker:
         self._wandb = None
         if not is_main:
             return
+        if resumed_at is not None:
+            _drop_rows_after(run_dir / "metrics.jsonl", resumed_at)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -71,3 +85,59 @@ class Tracker:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _drop_rows_after(metrics_file: Path, step: int) -> None:
+    """Forget what a killed run logged after its last checkpoint: the resumed run logs those steps again."""
+    if not metrics_file.is_file():
+        return
+    lines = metrics_file.read_text().splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        tmp = metrics_file.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics_file)
+
+
+class StepLogger:
+    """The loop's logging component: every ``every`` steps (and at the last), one window of metrics.
+
+    The loss is averaged over the window's steps and over ranks; rates come from the meter, memory
+    from a snapshot. Reading the loss waits for the device, so it happens only here, on log steps.
+    """
+
+    def __init__(self, every: int, total_steps: int, engine: Any, meter: Any, tracker: Tracker, bar: Any):
+        self.every, self.total_steps = every, total_steps
+        self.engine, self.meter, self.tracker, self.bar = engine, meter, tracker, bar
+
+    def should_log(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.total_steps
+
+    def log(self, state: Any) -> dict[str, Any]:
+        """Log the open window of ``state`` (a TrainState), close it and return what was logged."""
+        from zerotrain.metrics import memory_snapshot
+
+        e = self.engine
+        loss = e.all_reduce_sum({"loss": state.window_loss / state.window_steps})["loss"] / e.world_size
+        window = {"train_loss": loss, "lr": e.lr(), "grad_norm": e.grad_norm(), "loss_scale": e.loss_scale(),
+                  "skipped_steps": e.skipped_steps(), "epoch": state.epoch, **self.meter.read(),
+                  **memory_snapshot(e.device)}
+        self.tracker.log(state.step, window)
+        self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        state.close_window()
+        return window
+
+
+def progress_bar(enabled: bool, total: int, initial: int):
+    """tqdm on rank 0 when asked, else an object with the same methods that does nothing."""
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None: ...
+    def set_postfix(self, **kwargs: Any) -> None: ...
+    def close(self) -> None: ...

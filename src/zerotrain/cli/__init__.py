@@ -43,8 +43,62 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return module.run(rest) or 0
     except UserError as exc:
-        print(f"zerotrain {name}: error: {exc}", file=sys.stderr)
+        # In a job every rank stops on the error (zerotrain.distributed.main_process_first shares one
+        # found on a single rank); rank 0 says it once, and all ranks exit 2.
+        origin = getattr(exc, "zerotrain_origin_rank", None)
+        line = f"zerotrain {name}: error: {exc}" + (f" (on rank {origin})" if origin not in (None, 0) else "")
+        if _rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        _tell_launcher(line, printed=_rank() == 0)
+        _end_process_group()
         return 2
     except KeyboardInterrupt:
         print("zerotrain: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # Another rank's error, raised here too so that every rank stops: its traceback is that
+        # rank's (and rank 0's) to print, not this one's.
+        origin = getattr(exc, "zerotrain_origin_rank", None)
+        if origin is None or origin == _rank() or _rank() == 0:
+            raise
+        _end_process_group()
+        return 1
+
+
+def _rank() -> int:
+    """This process's rank in the job, from the launcher's ``RANK`` (0 when started alone)."""
+    try:
+        return int(os.environ.get("RANK") or 0)
+    except ValueError:
+        return 0
+
+
+def _tell_launcher(line: str, printed: bool) -> None:
+    """Leave the error in torchelastic's error file of this worker, for ``spawn_local_workers`` to find.
+
+    A node whose workers do not include rank 0 then still prints the line. The key is
+    ``zerotrain.distributed.ERROR_FILE_KEY``; the format is the one torchelastic reads (a ``message``
+    string and a ``timestamp``).
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time()),
+                       "zerotrain_user_error": {"printed": printed}}, f)
+    except OSError:
+        pass
+
+
+def _end_process_group() -> None:
+    """Destroy the process group on the way out, so NCCL/Gloo add no warnings after the error line."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass

@@ -1,7 +1,10 @@
-"""``zerotrain predict RUN_DIR "review text" ... [--file TEXTS.txt] [--tokenizer DIR]``: classify reviews.
+"""``zerotrain predict RUN_DIR TEXT... [--file TEXTS.txt] [--tokenizer DIR] [--device cpu] [--top_k K] [--max_new_tokens N]``.
 
-Loads the weights a finished ``zerotrain fit imdb`` run exported to ``RUN_DIR/model`` and prints
-one line per text: label, probability, and the start of the text.
+Loads the model a finished ``zerotrain fit`` run exported to ``RUN_DIR/model`` and prints one line
+per text: what the run's recipe predicts, a tab, and the start of the text. imdb: the label and its
+probability; mlm: for each <mask> in the text, the --top_k likeliest tokens and their probabilities;
+lora: the greedy continuation (at most --max_new_tokens tokens) of the prompt the run's
+--data.template makes of the text.
 """
 
 from __future__ import annotations
@@ -12,25 +15,37 @@ from pathlib import Path
 from zerotrain.errors import UserError
 
 
+def snippet(text: str, width: int = 60) -> str:
+    """The start of ``text`` on one line, at most ``width`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="zerotrain predict", description=__doc__.split("\n\n")[1])
-    parser.add_argument("run_dir", type=Path, help="a finished imdb run directory")
-    parser.add_argument("texts", nargs="*", help="review texts")
-    parser.add_argument("--file", type=Path, help="a file with one review per line")
+    parser.add_argument("run_dir", type=Path, help="a finished run directory (runs/<recipe>.<date>...)")
+    parser.add_argument("texts", nargs="*", help="input texts (reviews; texts with <mask>; prompts' inputs)")
+    parser.add_argument("--file", type=Path, help="a file with one text per line")
     parser.add_argument("--tokenizer", help="tokenizer folder, when the run's own path no longer resolves")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--top_k", type=int, default=5, help="mlm: candidates shown per <mask>")
+    parser.add_argument("--max_new_tokens", type=int, default=32, help="lora: most tokens generated per text")
     args = parser.parse_args(argv)
+    for flag, value in (("--top_k", args.top_k), ("--max_new_tokens", args.max_new_tokens)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
     texts = list(args.texts)
     if args.file is not None:
         if not args.file.is_file():
             raise UserError(f"--file: {args.file} not found")
         texts += [line for line in args.file.read_text(encoding="utf-8").split("\n") if line.strip()]
     if not texts:
-        raise UserError("give review texts as arguments or --file TEXTS.txt (one per line)")
+        raise UserError("give texts as arguments or --file TEXTS.txt (one per line)")
 
-    from zerotrain.tasks.imdb import predict
+    from zerotrain.rundir import load_run
 
-    for text, (label, prob) in zip(texts, predict(args.run_dir, texts, device=args.device, tokenizer=args.tokenizer)):
-        snippet = text if len(text) <= 60 else text[:57] + "..."
-        print(f"{label}\t{prob:.3f}\t{snippet}")
+    loaded = load_run(args.run_dir, {"tokenizer": args.tokenizer} if args.tokenizer else None, device=args.device)
+    predictions = loaded.task.predict(loaded.model, texts, top_k=args.top_k, max_new_tokens=args.max_new_tokens)
+    for text, prediction in zip(texts, predictions, strict=True):
+        print(f"{prediction}\t{snippet(text)}")
     return 0

@@ -18,27 +18,23 @@ keyed by a hash of the texts, the tokenizer and ``max_len``, so the next run sta
 from __future__ import annotations
 
 import csv
-import gzip
-import hashlib
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 
+from zerotrain.data.io import atomic_file, fingerprint, load_hub_dataset, looks_local, open_text, read_jsonl
 from zerotrain.errors import DataError, UserError
-from zerotrain.tokenizer import looks_local
 
 LABEL_NAMES = ("negative", "positive")
 _BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
 _SUFFIXES = (".jsonl.gz", ".jsonl", ".csv", ".parquet")
-_OFFLINE_HINT = (
-    "Offline, pass a local copy: --data.path ../shared/data/imdb (a folder with train.jsonl.gz and "
-    "test.jsonl.gz), or explicit files such as --data.path data/imdb_{split}.csv"
+_LOCAL_EXAMPLE = (
+    "../shared/data/imdb (a folder with train.jsonl.gz and test.jsonl.gz), "
+    "or explicit files such as --data.path data/imdb_{split}.csv"
 )
 
 
@@ -58,19 +54,9 @@ def _check_record(text: Any, label: Any, where: str) -> tuple[str, int]:
 
 
 def _read_jsonl(path: Path) -> tuple[list[str], list[int]]:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", newline="") as f:
-        content = f.read()
     texts, labels = [], []
-    # Split on "\n" only: some reviews contain U+0085 and friends, which str.splitlines() breaks on.
-    for lineno, line in enumerate(content.split("\n"), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    for lineno, record in read_jsonl(path):
+        where = f"{path}:{lineno}"
         if not isinstance(record, dict) or "text" not in record or "label" not in record:
             raise DataError(f"{where}: each record needs 'text' and 'label' fields, got {str(record)[:80]!r}")
         text, label = _check_record(record["text"], record["label"], where)
@@ -81,17 +67,20 @@ def _read_jsonl(path: Path) -> tuple[list[str], list[int]]:
 
 def _read_csv(path: Path) -> tuple[list[str], list[int]]:
     texts, labels = [], []
-    with open(path, encoding="utf-8", newline="") as f:
+    with open_text(path) as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"text", "label"} <= set(reader.fieldnames):
-            raise DataError(f"{path}, line 1: the CSV header must name 'text' and 'label' columns, got {reader.fieldnames}")
-        for row in reader:
-            where = f"{path}, line {reader.line_num}"
-            if row.get("text") is None or row.get("label") in (None, ""):
-                raise DataError(f"{where}: each row needs 'text' and 'label' values")
-            text, label = _check_record(row["text"], row["label"], where)
-            texts.append(text)
-            labels.append(label)
+        try:
+            if reader.fieldnames is None or not {"text", "label"} <= set(reader.fieldnames):
+                raise DataError(f"{path}:1: the CSV header must name 'text' and 'label' columns, got {reader.fieldnames}")
+            for row in reader:
+                where = f"{path}:{reader.line_num}"
+                if row.get("text") is None or row.get("label") in (None, ""):
+                    raise DataError(f"{where}: each row needs 'text' and 'label' values")
+                text, label = _check_record(row["text"], row["label"], where)
+                texts.append(text)
+                labels.append(label)
+        except csv.Error as exc:
+            raise DataError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from None
     return texts, labels
 
 
@@ -104,7 +93,7 @@ def _read_parquet(path: Path) -> tuple[list[str], list[int]]:
         raise DataError(f"{path}: Parquet file lacks column(s) {sorted(missing)}; it needs 'text' and 'label'")
     texts, labels = [], []
     for i, (text, label) in enumerate(zip(table.column("text").to_pylist(), table.column("label").to_pylist())):
-        t, l = _check_record(text, label, f"{path}, row {i + 1}")
+        t, l = _check_record(text, label, f"{path}: row {i + 1}")
         texts.append(t)
         labels.append(l)
     return texts, labels
@@ -112,12 +101,14 @@ def _read_parquet(path: Path) -> tuple[list[str], list[int]]:
 
 def _read_file(path: Path) -> tuple[list[str], list[int]]:
     name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
+    if name.endswith(".parquet"):
+        return _read_parquet(path)
+    for compression in (".gz", ".xz", ".bz2"):  # text formats may be compressed
+        name = name.removesuffix(compression)
+    if name.endswith((".jsonl", ".json")):
         return _read_jsonl(path)
     if name.endswith(".csv"):
         return _read_csv(path)
-    if name.endswith(".parquet"):
-        return _read_parquet(path)
     raise DataError(f"{path}: unknown format; use .jsonl, .jsonl.gz, .csv or .parquet")
 
 
@@ -133,7 +124,8 @@ def _read_aclimdb(root: Path, split: str) -> tuple[list[str], list[int]]:
             return (int(head) if head.isdigit() else -1, p.name)
 
         for p in sorted(folder.glob("*.txt"), key=review_id):
-            texts.append(clean_text(p.read_text(encoding="utf-8")))
+            with open_text(p, newline=None) as f:
+                texts.append(clean_text(f.read()))
             labels.append(label)
     return texts, labels
 
@@ -156,21 +148,12 @@ def _split_file(path: Path, split: str) -> Path:
 
 
 def _load_hub(name: str, split: str) -> tuple[list[str], list[int]]:
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as exc:  # offline, unknown name, no such split: all fixed by passing a local path
-        first = (str(exc).splitlines() or [""])[0][:200]
-        raise UserError(
-            f"--data.path: could not load the hub dataset {name!r}, split {split!r} ({type(exc).__name__}: {first}). "
-            + _OFFLINE_HINT
-        ) from None
+    ds = load_hub_dataset(name, split, "--data.path", _LOCAL_EXAMPLE)
     if "text" not in ds.column_names or "label" not in ds.column_names:
         raise DataError(f"hub dataset {name!r} split {split!r}: needs 'text' and 'label' columns, has {ds.column_names}")
     texts, labels = [], []
     for i, (text, label) in enumerate(zip(ds["text"], ds["label"])):
-        t, l = _check_record(text, label, f"hub dataset {name!r} split {split!r}, row {i + 1}")
+        t, l = _check_record(text, label, f"hub dataset {name!r} split {split!r}: row {i + 1}")
         texts.append(t)
         labels.append(l)
     return texts, labels
@@ -208,7 +191,7 @@ def load_split(source: str | os.PathLike, split: str) -> tuple[list[str], list[i
         texts, labels = _read_file(where)
 
     if not texts:
-        raise DataError(f"{where}, line 1: the {split} split is empty")
+        raise DataError(f"{where}: the {split} split is empty (no records)")
     return texts, labels
 
 
@@ -246,28 +229,6 @@ def balanced_subset(labels: Sequence[int], k: Optional[int], seed: int) -> list[
     return sorted(picked.tolist())
 
 
-def _tokenizer_fingerprint(tokenizer: Any) -> str:
-    h = hashlib.sha256(type(tokenizer).__name__.encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        spec = json.loads(backend.to_str())
-        # Truncation and padding are call-time state that the last call leaves behind, not identity.
-        spec.pop("truncation", None)
-        spec.pop("padding", None)
-        h.update(json.dumps(spec, sort_keys=True).encode())
-    else:
-        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    return h.hexdigest()
-
-
-def _texts_fingerprint(texts: Sequence[str]) -> str:
-    h = hashlib.sha256()
-    for t in texts:
-        h.update(t.encode("utf-8", "surrogatepass"))
-        h.update(b"\x00")  # separator, so ["ab", "c"] and ["a", "bc"] differ
-    return h.hexdigest()
-
-
 def tokenize_reviews(
     texts: Sequence[str],
     tokenizer: Any,
@@ -283,9 +244,7 @@ def tokenize_reviews(
     """
     cache_file = None
     if cache_dir is not None:
-        key = hashlib.sha256(
-            f"{_texts_fingerprint(texts)}|{_tokenizer_fingerprint(tokenizer)}|{max_len}".encode()
-        ).hexdigest()[:24]
+        key = fingerprint("imdb-tokens", list(texts), tokenizer, max_len)
         cache_file = Path(cache_dir).expanduser() / f"imdb-tokens-{key}.npz"
         if cache_file.is_file():
             try:
@@ -307,14 +266,11 @@ def tokenize_reviews(
         out.extend(np.asarray(ids, dtype=np.int32) for ids in enc["input_ids"])
 
     if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
         offsets = np.zeros(len(out) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(x) for x in out])
         flat = np.concatenate(out) if out else np.zeros(0, dtype=np.int32)
-        # Write then rename, so a crashed or concurrent run never leaves a half-written cache.
-        tmp = cache_file.with_name(f"{cache_file.stem}.{os.getpid()}.tmp.npz")
-        np.savez(tmp, ids=flat, offsets=offsets)
-        os.replace(tmp, cache_file)
+        with atomic_file(cache_file) as f:  # a crashed or concurrent run never leaves half a cache
+            np.savez(f, ids=flat, offsets=offsets)
     return out
 
 
@@ -333,27 +289,3 @@ class ReviewDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
         return self.token_ids[i], self.labels[i]
 
-
-def collate_reviews(
-    examples: Sequence[tuple[Any, int]],
-    pad_token_id: int,
-    pad_to_multiple_of: int = 8,
-    max_len: Optional[int] = None,
-) -> dict[str, torch.Tensor]:
-    """Pad a list of ``(token_ids, label)`` to the batch's longest review, rounded up to a multiple of 8.
-
-    Rounding keeps the number of distinct shapes small (and matmuls tensor-core aligned); it never
-    goes past ``max_len``. Returns ``input_ids`` and ``attention_mask`` (B, T) and ``labels`` (B,).
-    """
-    longest = max(len(ids) for ids, _ in examples)
-    T = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    if max_len is not None:
-        T = max(longest, min(T, max_len))
-    input_ids = torch.full((len(examples), T), pad_token_id, dtype=torch.long)  # (B, T)
-    attention_mask = torch.zeros((len(examples), T), dtype=torch.long)  # (B, T)
-    for row, (ids, _) in enumerate(examples):
-        n = len(ids)
-        input_ids[row, :n] = torch.as_tensor(np.asarray(ids), dtype=torch.long)
-        attention_mask[row, :n] = 1
-    labels = torch.tensor([int(label) for _, label in examples], dtype=torch.long)  # (B,)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-IGNORE_INDEX = -100
+from zerotrain.data.collate import IGNORE_INDEX
 
 
 def mask_tokens(

@@ -16,87 +16,54 @@ reorders records.
 
 from __future__ import annotations
 
-import gzip
-import json
-import math
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-import torch
-
+from zerotrain.data.collate import IGNORE_INDEX
+from zerotrain.data.io import read_json, read_jsonl
 from zerotrain.errors import DataError
-
-IGNORE_INDEX = -100
-"""Label value that torch's cross-entropy (and Hugging Face's causal-LM loss) skips."""
 
 
 def load_records(path: str | Path, input_field: str = "input", target_field: str = "target") -> list[dict]:
     """Read prompt/target records from a JSON file (a list of objects) or JSON lines (``.jsonl``, ``.jsonl.gz``).
 
     Every record must be an object holding ``input_field`` and ``target_field``. Errors are
-    :class:`~zerotrain.errors.DataError` naming the file and the record (and, for JSON lines, the line).
+    :class:`~zerotrain.errors.DataError` naming the file and the line (JSON lines: ``{path}:{line}: ...``)
+    or the record (a JSON list: ``{path}: record {i}: ...``).
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found. Check --data.train_path / --data.val_path")
     name = path.name.lower()
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
-        records = list(_read_jsonl(path))
+    for compression in (".gz", ".xz", ".bz2"):
+        name = name.removesuffix(compression)
+    if name.endswith((".jsonl", ".ndjson")):
+        records = [(f"{path}:{line}", record) for line, record in read_jsonl(path)]
     else:
-        records = _read_json(path)
+        records = _read_json_list(path)
     if not records:
         raise DataError(f"{path}: no records (the file is empty)")
-    for index, (where, record) in enumerate(records):
+    for where, record in records:
         if not isinstance(record, dict):
-            raise DataError(f"{path}: {where}: expected a JSON object, got {type(record).__name__}")
+            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
         for field_name, flag in ((input_field, "--data.input_field"), (target_field, "--data.target_field")):
             if field_name not in record:
                 raise DataError(
-                    f"{path}: {where}: missing field {field_name!r} (keys: {sorted(record)}). "
+                    f"{where}: missing field {field_name!r} (keys: {sorted(record)}). "
                     f"Rename the field or set {flag}"
                 )
             if not isinstance(record[field_name], str):
                 raise DataError(
-                    f"{path}: {where}: field {field_name!r} must be a string, got {type(record[field_name]).__name__}"
+                    f"{where}: field {field_name!r} must be a string, got {type(record[field_name]).__name__}"
                 )
     return [record for _, record in records]
 
 
-def _read_jsonl(path: Path) -> Iterable[tuple[str, Any]]:
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            index = 0
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue  # a trailing newline or blank separator line is not a record
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}: line {line_no} (record {index}): malformed JSON ({exc.msg})") from None
-                yield f"line {line_no} (record {index})", record
-                index += 1
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
-        raise DataError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
-
-
-def _read_json(path: Path) -> list[tuple[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
-    if not text.strip():
-        return []
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(
-            f"{path}: malformed JSON at line {exc.lineno} column {exc.colno} ({exc.msg}). "
-            "A .json file must hold one list of objects; use .jsonl for one object per line"
-        ) from None
+def _read_json_list(path: Path) -> list[tuple[str, Any]]:
+    data = read_json(path, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-    return [(f"record {i}", record) for i, record in enumerate(data)]
+    return [(f"{path}: record {i}", record) for i, record in enumerate(data)]
 
 
 def split_template(template: str) -> tuple[str, str]:
@@ -182,30 +149,3 @@ def build_examples(
             raise DataError(f"{source}: {exc}" if source else str(exc)) from None
     return examples
 
-
-class SFTCollator:
-    """Right-pad a list of examples into a batch: pad id for inputs, -100 for labels, mask 0 on padding.
-
-    The padded length is rounded up to ``pad_to_multiple_of`` so that tensor-core matmuls see
-    aligned shapes and fewer distinct shapes reach the allocator.
-    """
-
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 8):
-        if pad_token_id is None:
-            raise ValueError("pad_token_id is None: set a pad token (e.g. the EOS token) on the tokenizer")
-        self.pad_token_id = int(pad_token_id)
-        self.pad_to_multiple_of = max(1, int(pad_to_multiple_of))
-
-    def __call__(self, examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-        longest = max(len(e["input_ids"]) for e in examples)
-        length = math.ceil(longest / self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch = len(examples)
-        input_ids = torch.full((batch, length), self.pad_token_id, dtype=torch.long)  # (B, T)
-        labels = torch.full((batch, length), IGNORE_INDEX, dtype=torch.long)  # (B, T)
-        attention_mask = torch.zeros((batch, length), dtype=torch.long)  # (B, T)
-        for row, example in enumerate(examples):
-            n = len(example["input_ids"])
-            input_ids[row, :n] = torch.tensor(example["input_ids"], dtype=torch.long)
-            labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
-            attention_mask[row, :n] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -8,77 +8,39 @@ block is dropped. Packed blocks are cached on disk because tokenizing a large co
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import json
-import lzma
-import os
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from zerotrain.tokenizer import looks_local
+from zerotrain.data.io import atomic_file, fingerprint, load_hub_dataset, looks_local, read_jsonl, read_lines
 from zerotrain.errors import DataError, UserError
 
-TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz", ".raw")
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
+TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz", ".txt.bz2", ".raw")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".jsonl.bz2")
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
 TOKENIZE_CHUNK_LINES = 1000
 _CACHE_FORMAT = 1  # bump when the packing changes, so old caches are not reused
 
 
-def is_local_source(path_or_name: str) -> bool:
-    """True when ``path_or_name`` names a local file or folder (existing or path-like), False for a hub name."""
-    return path_or_name.endswith(SUFFIXES) or looks_local(path_or_name)
-
-
-def _open_text(path: Path) -> IO[str]:
-    # newline="" leaves line endings alone: lines are split on "\n" only (some texts hold U+0085, \r).
-    name = path.name
-    if name.endswith(".xz"):
-        return lzma.open(path, "rt", encoding="utf-8", newline="")
-    if name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
-
-
-def _split_lines(f: IO[str], chunk_chars: int = 1 << 20) -> Iterator[str]:
-    """Yield lines split on "\\n" only (file iteration would also split on "\\r")."""
-    rest = ""
-    while chunk := f.read(chunk_chars):
-        parts = (rest + chunk).split("\n")
-        rest = parts.pop()
-        yield from parts
-    if rest:
-        yield rest
-
-
 def _read_file(path: Path, text_field: str, max_lines: Optional[int]) -> list[str]:
     is_jsonl = path.name.endswith(JSONL_SUFFIXES)
     lines: list[str] = []
+    records = read_jsonl(path) if is_jsonl else read_lines(path)
     try:
-        with _open_text(path) as f:
-            for lineno, line in enumerate(_split_lines(f), start=1):
-                if max_lines is not None and len(lines) >= max_lines:
-                    break
-                if not line.strip():
-                    continue
-                if is_jsonl:
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from None
-                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise DataError(f"{path}: line {lineno} has no string field {text_field!r}")
-                    line = record[text_field]
-                    if not line.strip():
-                        continue
-                lines.append(line)
-    except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: could not be read ({type(exc).__name__}: {exc})") from None
+        for lineno, value in records:
+            if max_lines is not None and len(lines) >= max_lines:
+                break
+            if is_jsonl:
+                if not isinstance(value, dict) or not isinstance(value.get(text_field), str):
+                    raise DataError(f"{path}:{lineno}: no string field {text_field!r}; set --data.text_field")
+                value = value[text_field]
+            if value.strip():
+                lines.append(value)
+    finally:
+        records.close()  # closes the file at once when max_lines stops early
     return lines
 
 
@@ -94,11 +56,6 @@ def _local_files(path: Path, flag: str) -> list[Path]:
     if not path.name.endswith(SUFFIXES):
         raise DataError(f"{flag}: {path}: unsupported file type; use one of {', '.join(SUFFIXES)}")
     return [path]
-
-
-def _parse_hub_name(name: str) -> tuple[str, Optional[str]]:
-    dataset, _, config = name.partition(":")
-    return dataset, (config or None)
 
 
 def read_text_lines(
@@ -118,7 +75,7 @@ def read_text_lines(
     """
     if max_lines is not None and max_lines < 1:
         raise ValueError(f"max_lines must be >= 1, got {max_lines}")
-    if is_local_source(path_or_name):
+    if looks_local(path_or_name):
         lines: list[str] = []
         for file in _local_files(Path(path_or_name).expanduser(), flag):
             left = None if max_lines is None else max_lines - len(lines)
@@ -133,18 +90,7 @@ def read_text_lines(
 
 
 def _read_hub(name: str, split: str, text_field: str, max_lines: Optional[int], flag: str) -> list[str]:
-    dataset, config = _parse_hub_name(name)
-    try:
-        import datasets
-
-        ds = datasets.load_dataset(dataset, config, split=split)
-    except Exception as exc:  # offline, unknown name, missing split: all mean "pass a local file"
-        first = (str(exc).splitlines() or [""])[0][:200]
-        raise UserError(
-            f"{flag}: could not load the Hugging Face dataset {name!r}, split {split!r} "
-            f"({type(exc).__name__}: {first}). Offline, pass a local file instead, e.g. "
-            f"{flag} ../shared/data/gutenberg/train.txt.xz"
-        ) from None
+    ds = load_hub_dataset(name, split, flag, "../shared/data/gutenberg/train.txt.xz")
     if text_field not in ds.column_names:
         raise DataError(f"hub dataset {name!r} has no column {text_field!r} (columns: {ds.column_names})")
     lines = []
@@ -160,23 +106,16 @@ def _read_hub(name: str, split: str, text_field: str, max_lines: Optional[int], 
     return lines
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    specials = (tokenizer.bos_token_id, tokenizer.eos_token_id, type(tokenizer).__name__, len(tokenizer))
-    return hashlib.sha256(f"{vocab}|{specials}".encode()).hexdigest()
-
-
-def _cache_path(cache_dir: str, source_key: str, tokenizer, max_seq_length: int) -> Path:
-    key = hashlib.sha256(
-        f"{_CACHE_FORMAT}|{source_key}|{_tokenizer_fingerprint(tokenizer)}|{max_seq_length}".encode()
-    ).hexdigest()[:24]
+def _cache_path(cache_dir: str, source_key: str | list[str], tokenizer, max_seq_length: int) -> Path:
+    """``source_key`` is a string naming the source, or the lines themselves (hashed by content)."""
+    key = fingerprint("packed", _CACHE_FORMAT, source_key, tokenizer, max_seq_length)
     return Path(cache_dir).expanduser() / f"packed-{key}-T{max_seq_length}.npy"
 
 
 def _source_key(path_or_name: str, split: str, text_field: str, max_lines: Optional[int], flag: str) -> str:
     """Identity of a text source without reading it: path, size and mtime of each local file."""
     parts = [f"split={split}", f"field={text_field}", f"max_lines={max_lines}"]
-    if is_local_source(path_or_name):
+    if looks_local(path_or_name):
         for file in _local_files(Path(path_or_name).expanduser(), flag):
             st = file.stat()
             parts.append(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}")
@@ -195,8 +134,8 @@ def tokenize_and_pack(
     """Tokenize ``lines`` and pack them into full blocks: returns an int32 tensor (N, max_seq_length).
 
     Each block is ``<s>`` + ``max_seq_length - 2`` tokens of the ``</s>``-joined documents + ``</s>``.
-    With ``cache_dir``, the result is saved there under a key made of ``cache_key`` (default: a hash of
-    the lines), the tokenizer's vocabulary and ``max_seq_length``, and loaded instead of re-tokenizing.
+    With ``cache_dir``, the result is saved there under a key made of ``cache_key`` (default: the
+    lines' content), the tokenizer's vocabulary and ``max_seq_length``, and loaded instead of re-tokenizing.
     """
     if max_seq_length < 3:
         raise ValueError(f"max_seq_length must be >= 3 (<s>, a token, </s>), got {max_seq_length}")
@@ -205,12 +144,7 @@ def tokenize_and_pack(
         raise UserError("--data.tokenizer: the tokenizer needs bos (<s>) and eos (</s>) tokens for MLM packing")
     cache_file = None
     if cache_dir is not None:
-        if cache_key is None:
-            h = hashlib.sha256()
-            for line in lines:
-                h.update(line.encode("utf-8", "surrogatepass") + b"\n")
-            cache_key = f"content:{h.hexdigest()}"
-        cache_file = _cache_path(cache_dir, cache_key, tokenizer, max_seq_length)
+        cache_file = _cache_path(cache_dir, list(lines) if cache_key is None else cache_key, tokenizer, max_seq_length)
         if cache_file.is_file():
             return torch.from_numpy(np.load(cache_file))
 
@@ -236,12 +170,8 @@ def tokenize_and_pack(
     blocks[:, 1:-1] = stream[: n * body].reshape(n, body)
 
     if cache_file is not None:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so that ranks or runs sharing the cache never read a half-written file.
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
+        with atomic_file(cache_file) as f:  # ranks or runs sharing the cache never read half a file
             np.save(f, blocks)
-        os.replace(tmp, cache_file)
     return torch.from_numpy(blocks)
 
 

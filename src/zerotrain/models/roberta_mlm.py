@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerotrain.metrics import numel
-
-IGNORE_INDEX = -100
+from zerotrain.data.collate import IGNORE_INDEX
 
 
 class SelfAttention(nn.Module):
@@ -154,10 +152,10 @@ class RobertaMLM(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; ``non_embedding`` leaves out the token and position embedding tables."""
-        n = sum(numel(p) for p in self.parameters())
+        n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             for emb in (self.encoder.token_embedding, self.encoder.position_embedding):
-                n -= numel(emb.weight)
+                n -= emb.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerotrain.metrics import numel
 
 
 def sinusoidal_positions(max_len: int, dim: int) -> torch.Tensor:
@@ -133,7 +132,7 @@ class SentimentClassifier(nn.Module):
 
     def num_non_embedding_params(self) -> int:
         """Parameters outside the token embedding (the positional table is a buffer, not counted)."""
-        return sum(numel(p) for p in self.parameters()) - numel(self.token_embedding.weight)
+        return sum(p.numel() for p in self.parameters()) - self.token_embedding.weight.numel()
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: ``6 * N + 12 * L * D * T``.

@@ -8,17 +8,17 @@ zerotrain by subclassing :class:`Task` and calling :func:`zerotrain.fit`.
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Callable, ClassVar, Generic, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from zerotrain.config import RunConfig
-from zerotrain.metrics import numel
 
 C = TypeVar("C", bound=RunConfig)
 Batch = dict[str, torch.Tensor]
@@ -49,25 +49,54 @@ class StepOutput:
 
 
 class Task(ABC, Generic[C]):
-    """A recipe: model, data, loss and metrics. Knows nothing about DeepSpeed or torch.distributed."""
+    """A recipe: model, data, loss and metrics. Knows nothing about DeepSpeed or torch.distributed.
 
-    name: str = "task"
-    """Short name, used as the prefix of run directory names."""
+    A subclass that sets ``name`` registers itself as a recipe (``zerotrain fit NAME``); the loop
+    asks it only through the methods below. What a recipe can do beyond the abstract ones (length
+    bucketing, DeepSpeed "auto" hints, predictions) it declares by overriding a method, never by
+    the loop looking for attributes of its config.
+    """
+
+    name: ClassVar[str] = ""
+    """Recipe name: the ``zerotrain fit NAME`` argument and the prefix of run directory names."""
+    config_class: ClassVar[type[RunConfig]] = RunConfig
+    """The typed config this recipe's flags are generated from."""
+    description: ClassVar[str] = ""
+    """One line for ``zerotrain fit --help``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            REGISTRY[cls.name] = cls
 
     def __init__(self, cfg: C):
         self.cfg = cfg
 
+    def with_config(self, cfg: C) -> "Task[C]":
+        """A shallow copy of this task that reads ``cfg`` (the loop's resolved copy); self is unchanged."""
+        clone = copy.copy(self)
+        clone.cfg = cfg
+        return clone
+
     @abstractmethod
-    def build_model(self) -> nn.Module:
-        """Return the model, on CPU, in fp32 (the engine moves and casts it)."""
+    def build_model(self, pretrained: bool = True) -> nn.Module:
+        """Return the model, on CPU, in fp32 (the engine moves and casts it).
+
+        ``pretrained=False`` builds the same architecture without reading any weights file: what
+        ``zerotrain estimate`` sizes on the meta device and what a finished run's weights load into.
+        """
 
     @abstractmethod
     def build_datasets(self) -> Splits:
-        """Return the datasets. Items are whatever :meth:`collate` accepts."""
+        """Return the datasets. Items are whatever :meth:`collator` accepts."""
 
     @abstractmethod
-    def collate(self, examples: list[Any]) -> Batch:
-        """Turn a list of dataset items into a batch of CPU tensors (runs in DataLoader workers)."""
+    def collator(self) -> Callable[[list[Any]], Batch]:
+        """A picklable callable turning a list of dataset items into a batch of CPU tensors.
+
+        It runs in DataLoader worker processes, so it should carry only what it needs (a pad id,
+        a length cap), not the task with its tokenizer and model.
+        """
 
     @abstractmethod
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
@@ -95,12 +124,25 @@ class Task(ABC, Generic[C]):
         return None
 
     def flops_per_token(self, model: nn.Module) -> float:
-        """Training FLOPs per token for MFU. Default: 6 x trainable-and-frozen parameters (forward + backward)."""
-        return 6.0 * sum(numel(p) for p in model.parameters())
+        """Training FLOPs per token for MFU, from the unsharded ``model`` before any engine exists.
 
-    def example_length(self, example: Any) -> int:
-        """Length of one dataset item in tokens, for length-bucketed batches. Override to enable them."""
-        raise NotImplementedError
+        Default: 6 x all parameters (2 forward + 4 backward per weight, nanoGPT's estimate without
+        the attention term). Recipes with a better formula override it and say which.
+        """
+        return 6.0 * sum(p.numel() for p in model.parameters())
+
+    def train_lengths(self, train: Dataset) -> Optional[Sequence[int]]:
+        """Length in tokens of every training item, to batch similar lengths together; None (the
+        default) keeps plain shuffled batches. Recipes with variable-length items return lengths
+        when their config asks for length bucketing."""
+        return None
+
+    def deepspeed_hints(self, model: nn.Module) -> dict[str, Any]:
+        """Facts about the model that fill a user DeepSpeed JSON's "auto" values (DeepSpeed's
+        ``hidden_size``-derived bucket sizes). Default: ``hidden_size`` from a Hugging Face style
+        ``model.config`` when the model has one."""
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        return {"hidden_size": hidden} if hidden else {}
 
     def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
         """Write the trained model to ``out_dir`` (called once, on the main process, after the last step).
@@ -114,3 +156,48 @@ class Task(ABC, Generic[C]):
         out_dir.mkdir(parents=True, exist_ok=True)
         # clone(): tied weights share storage, which safetensors refuses to write twice.
         save_file({k: v.detach().cpu().clone().contiguous() for k, v in state_dict.items()}, str(out_dir / "model.safetensors"))
+
+    def load_exported(self, model: nn.Module, export_dir: Path) -> None:
+        """Load into ``model`` (built with ``build_model(pretrained=False)``) what :meth:`export` wrote
+        to ``export_dir``: the inverse of :meth:`export`, used by :func:`zerotrain.rundir.load_run`.
+
+        The default reads ``model.safetensors`` (a ``module.`` prefix, as a wrapped model's keys
+        carry, is dropped) and requires every tensor to match. Raises
+        :class:`~zerotrain.errors.UserError` naming the file when it is missing or does not fit.
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from zerotrain.errors import UserError
+
+        weights = Path(export_dir) / "model.safetensors"
+        if not weights.is_file():
+            raise UserError(f"{weights} is missing: the run did not finish exporting its model. "
+                            "Let it finish (or resume it) and try again")
+        try:
+            state = load_file(str(weights))
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{weights} cannot be read ({exc}): the file is damaged or still being written") from None
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as exc:
+            detail = " ".join(str(exc).split())
+            raise UserError(f"{weights} does not fit the model the run's hparams.json describes "
+                            f"({detail[:300]}). Was the folder's model/ copied from another run?") from None
+
+    def predict(self, model: nn.Module, inputs: list[str], **options: Any) -> list[str]:
+        """One output line per input text, from the trained ``model`` (in eval mode, on its device):
+        what ``zerotrain predict RUN_DIR TEXT...`` prints.
+
+        ``options`` are the command's settings (``top_k``, ``max_new_tokens``); a recipe reads the
+        ones it uses and ignores the others. The default has nothing to predict and says so.
+        """
+        from zerotrain.errors import UserError
+
+        raise UserError(f"recipe {self.name or type(self).__name__} has no prediction to make "
+                        "(zerotrain predict knows the imdb, mlm and lora recipes)")
+
+
+REGISTRY: dict[str, type[Task]] = {}
+"""Recipe name -> task class, filled as task modules are imported (see :mod:`zerotrain.recipes`)."""

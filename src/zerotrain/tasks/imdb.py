@@ -19,18 +19,19 @@ import logging
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from zerotrain.config import RunConfig, from_dict
+from zerotrain.data.collate import PadCollator
 from zerotrain.data.imdb import (
     LABEL_NAMES,
     ReviewDataset,
     balanced_subset,
     clean_text,
-    collate_reviews,
     load_split,
     split_test_in_halves,
     tokenize_reviews,
@@ -176,14 +177,16 @@ class IMDBTask(Task[IMDBConfig]):
     """Binary sentiment classification of IMDB reviews with :class:`SentimentClassifier`."""
 
     name = "imdb"
+    config_class = IMDBConfig
+    description = "IMDB sentiment classifier (transformer encoder, RoBERTa tokenizer)"
 
     @cached_property
     def tokenizer(self):
         return load_tokenizer(self.cfg.data.tokenizer)
 
-    def build_model(self, load_mlm: bool = True) -> nn.Module:
+    def build_model(self, pretrained: bool = True) -> nn.Module:
         """The classifier; with ``--model.init_from_mlm``, GELU layers filled from the MLM run
-        (``load_mlm=False`` builds the same architecture without reading the MLM weights)."""
+        (``pretrained=False`` builds the same architecture without reading the MLM weights)."""
         m = self.cfg.model
         model = SentimentClassifier(
             vocab_size=len(self.tokenizer),
@@ -197,9 +200,13 @@ class IMDBTask(Task[IMDBConfig]):
             activation_checkpointing=self.cfg.strategy.activation_checkpointing,
             activation="gelu" if m.init_from_mlm else "relu",
         )
-        if m.init_from_mlm and load_mlm:
+        if m.init_from_mlm and pretrained:
             n = init_from_mlm(model, m.init_from_mlm)
             log.info("copied %d tensors from the MLM model %s", n, m.init_from_mlm)
+        # Batches are padded to their own longest review: FLOPs per token are a + b*T. Both
+        # coefficients come from the whole model now, before an engine may shard its parameters.
+        a = model.flops_per_token(0)
+        self._flops_ab = (a, model.flops_per_token(1) - a)
         return model
 
     def _tokenize(self, texts: list[str]) -> list:
@@ -220,14 +227,14 @@ class IMDBTask(Task[IMDBConfig]):
             halves.append(ReviewDataset(self._tokenize([test_texts[i] for i in sub]), [test_labels[i] for i in sub]))
         return Splits(train=ReviewDataset(self._tokenize(train_texts), train_labels), val=halves[0], test=halves[1])
 
-    def collate(self, examples: list[Any]) -> Batch:
-        return collate_reviews(examples, self.tokenizer.pad_token_id, max_len=self.cfg.model.max_len)
+    def collator(self):
+        return PadCollator(self.tokenizer.pad_token_id, max_len=self.cfg.model.max_len)
 
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
         out = model(batch["input_ids"], batch["attention_mask"], labels=batch["labels"])
         B, T = batch["input_ids"].shape
-        # Batches are padded to their own longest review, not max_len: count the FLOPs of this T.
-        return StepOutput(loss=out["loss"], tokens=B * T, samples=B, flops=B * T * self._flops_per_token_at(model, T))
+        a, b = self._flops_ab  # set by build_model
+        return StepOutput(loss=out["loss"], tokens=B * T, samples=B, flops=B * T * (a + b * T))
 
     def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
         with torch.no_grad():
@@ -243,21 +250,38 @@ class IMDBTask(Task[IMDBConfig]):
         return {"loss": sums.get("loss_sum", 0.0) / count, "acc": sums.get("correct", 0.0) / count,
                 "reviews": sums.get("count", 0.0)}
 
-    def example_length(self, example: Any) -> int:
-        return len(example[0])
+    def train_lengths(self, train: Dataset) -> Optional[list[int]]:
+        if not self.cfg.data.bucket_by_length:
+            return None
+        return [len(ids) for ids in train.token_ids]
 
     def flops_per_token(self, model: nn.Module) -> float:
         # Only a fallback: training_step reports each batch's FLOPs at its padded length.
-        return getattr(model, "module", model).flops_per_token(self.cfg.model.max_len)
+        return model.flops_per_token(self.cfg.model.max_len)
 
-    def _flops_per_token_at(self, model: nn.Module, seq_len: int) -> float:
-        # flops_per_token(T) = a + b*T; counting parameters once, not every step.
-        if getattr(self, "_flops_ab", None) is None:
-            m = getattr(model, "module", model)
-            a = m.flops_per_token(0)
-            self._flops_ab = (a, m.flops_per_token(1) - a)
-        a, b = self._flops_ab
-        return a + b * seq_len
+    def classify(self, model: nn.Module, texts: list[str], batch_size: int = 32) -> list[tuple[str, float]]:
+        """``(label, probability of that label)`` per text, label "negative" or "positive".
+
+        Texts are cleaned and truncated to ``max_len`` as training reviews were; ``model`` is in
+        eval mode on its device.
+        """
+        device = next(model.parameters()).device
+        ids = tokenize_reviews([clean_text(t) for t in texts], self.tokenizer, self.cfg.model.max_len)
+        collate = self.collator()
+        results: list[tuple[str, float]] = []
+        with torch.no_grad():
+            for start in range(0, len(ids), batch_size):
+                batch = collate([(x, 0) for x in ids[start:start + batch_size]])
+                logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))["logits"]  # (B, 2)
+                probs = logits.float().softmax(dim=-1).cpu()  # (B, 2)
+                for p in probs:
+                    k = int(p.argmax())
+                    results.append((LABEL_NAMES[k], float(p[k])))
+        return results
+
+    def predict(self, model: nn.Module, inputs: list[str], **options) -> list[str]:
+        """``label<TAB>probability`` per review (see :meth:`classify`)."""
+        return [f"{label}\t{prob:.3f}" for label, prob in self.classify(model, inputs)]
 
 
 def predict(
@@ -266,51 +290,17 @@ def predict(
     device: str = "cpu",
     tokenizer: Optional[str] = None,
 ) -> list[tuple[str, float]]:
-    """Classify ``texts`` with the model a finished run exported.
+    """Classify ``texts`` with the model a finished imdb run exported.
 
-    Reads ``<run_dir>/hparams.json`` and ``<run_dir>/model/model.safetensors``; tokenises with the
-    run's tokenizer (or ``tokenizer``, a folder or hub name, when the run's path no longer resolves)
-    and ``max_len``. Returns ``(label, probability of that label)`` per text, label
-    "negative" or "positive".
+    A thin wrapper over :func:`zerotrain.rundir.load_run` (which reads ``<run_dir>/hparams.json``
+    and ``<run_dir>/model``) and :meth:`IMDBTask.classify`; ``tokenizer`` (a folder or hub name)
+    replaces the run's when its path no longer resolves. Returns ``(label, probability of that
+    label)`` per text, label "negative" or "positive".
     """
-    from safetensors.torch import load_file
+    from zerotrain.rundir import load_run
 
-    run_dir = Path(run_dir).expanduser()
-    hparams = run_dir / "hparams.json"
-    weights = run_dir / "model" / "model.safetensors"
-    if not run_dir.is_dir():
-        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote (runs/imdb.<date>...)")
-    if not hparams.is_file():
-        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder. Pass the folder a training run wrote")
-    if not weights.is_file():
-        raise UserError(
-            f"{weights} is missing: the run did not finish exporting its model. Let it finish (or resume it) and try again"
-        )
-    raw = json.loads(hparams.read_text())
-    # hparams.json may carry extra run metadata next to the config sections; keep only the config.
-    known = {f.name for f in dataclasses.fields(IMDBConfig)}
-    cfg: IMDBConfig = from_dict(IMDBConfig, {k: v for k, v in raw.items() if k in known})
-    if tokenizer is not None:
-        cfg.data.tokenizer = tokenizer
-    cfg.strategy.activation_checkpointing = False
-
-    task = IMDBTask(cfg)
-    model = task.build_model(load_mlm=False)  # the exported weights already hold what the MLM gave
-    state = load_file(str(weights))
-    state = {k.removeprefix("module."): v for k, v in state.items()}
-    model.load_state_dict(state)
-    model.to(device).eval()
-
-    ids = tokenize_reviews([clean_text(t) for t in texts], task.tokenizer, cfg.model.max_len)
-    results: list[tuple[str, float]] = []
-    batch_size = 32
-    with torch.no_grad():
-        for start in range(0, len(ids), batch_size):
-            chunk = [(x, 0) for x in ids[start : start + batch_size]]
-            batch = task.collate(chunk)
-            logits = model(batch["input_ids"].to(device), batch["attention_mask"].to(device))["logits"]  # (B, 2)
-            probs = logits.float().softmax(dim=-1).cpu()  # (B, 2)
-            for p in probs:
-                k = int(p.argmax())
-                results.append((LABEL_NAMES[k], float(p[k])))
-    return results
+    run = load_run(run_dir, {"data.tokenizer": tokenizer} if tokenizer is not None else None, device=device)
+    if not isinstance(run.task, IMDBTask):
+        raise UserError(f"{run.run_dir} is a run of the {run.recipe} recipe, not imdb: "
+                        "use zerotrain.rundir.load_run and its task's predict")
+    return run.task.classify(run.model, texts)

@@ -19,11 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotrain.config import RunConfig
-from zerotrain.data.sft import IGNORE_INDEX, SFTCollator, build_examples, load_records
+from zerotrain.data.collate import IGNORE_INDEX, PadCollator
+from zerotrain.data.io import looks_local
+from zerotrain.data.sft import build_examples, load_records
 from zerotrain.errors import ConfigError, UserError
-from zerotrain.metrics import numel
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
-from zerotrain.tokenizer import load_tokenizer, looks_local
+from zerotrain.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class LoRADataConfig:
     """Tokens per example (BOS + prompt + target + EOS) after truncation."""
     train_on_inputs: bool = False
     """Also compute the loss on prompt tokens (default: only on the target)."""
+    bucket_by_length: bool = False
+    """Group examples of similar length into the same batches to cut padding (batches stay shuffled)."""
 
     def validate(self) -> None:
         if not self.train_path:
@@ -127,6 +130,8 @@ class LoRATask(Task[LoRAConfig]):
     """
 
     name = "lora"
+    config_class = LoRAConfig
+    description = "LoRA fine-tuning of a causal LM with prompt masking"
 
     def __init__(self, cfg: LoRAConfig):
         super().__init__(cfg)
@@ -152,7 +157,7 @@ class LoRATask(Task[LoRAConfig]):
             choice = self.cfg.strategy.precision if self.cfg.strategy.precision in ("bf16", "fp16") else "fp32"
         return _DTYPES[choice]
 
-    def _load_base(self) -> nn.Module:
+    def _load_base(self, pretrained: bool = True) -> nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         m = self.cfg.model
@@ -182,8 +187,7 @@ class LoRATask(Task[LoRAConfig]):
             raise UserError(f"--model.name_or_path: model folder {m.name_or_path!r} does not exist")
         source = str(path) if local else m.name_or_path
         try:
-            if torch.get_default_device().type == "meta":
-                # Shapes only (zerotrain estimate builds on the meta device): the config, never the weights.
+            if not pretrained:  # the architecture from config.json; the weights are never read
                 return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
             return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         except (OSError, ValueError) as exc:
@@ -224,10 +228,10 @@ class LoRATask(Task[LoRAConfig]):
         except ValueError as exc:
             raise ConfigError("--model.target_modules", f"{list(m.target_modules)}: {str(exc).splitlines()[0]}") from None
 
-    def build_model(self) -> nn.Module:
-        model = self._wrap(self._load_base())
-        trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
-        total = sum(numel(p) for p in model.parameters())
+    def build_model(self, pretrained: bool = True) -> nn.Module:
+        model = self._wrap(self._load_base(pretrained))
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
         self._summary = {"trainable": trainable, "total": total, "fraction": trainable / max(total, 1)}
         logger.info("LoRA: %s", self.trainable_summary_text())
         return model
@@ -257,11 +261,13 @@ class LoRATask(Task[LoRAConfig]):
         val = self._examples(d.val_path) if d.val_path else None
         return Splits(train=train, val=val)
 
-    def collate(self, examples: list[Any]) -> Batch:
-        return SFTCollator(self.tokenizer.pad_token_id)(examples)
+    def collator(self) -> PadCollator:
+        return PadCollator(self.tokenizer.pad_token_id)
 
-    def example_length(self, example: Any) -> int:
-        return len(example["input_ids"])
+    def train_lengths(self, train: list[dict[str, list[int]]]) -> Optional[list[int]]:
+        if not self.cfg.data.bucket_by_length:
+            return None
+        return [len(example["input_ids"]) for example in train]
 
     # ---- steps -----------------------------------------------------------------------------
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
@@ -303,7 +309,7 @@ class LoRATask(Task[LoRAConfig]):
         """
         frozen = trainable = 0
         for p in model.parameters():
-            n = numel(p)
+            n = p.numel()
             if p.requires_grad:
                 trainable += n
             else:
@@ -350,3 +356,60 @@ class LoRATask(Task[LoRAConfig]):
             merged.save_pretrained(str(merged_dir), safe_serialization=True)
             self.tokenizer.save_pretrained(str(merged_dir))
             logger.info("merged model written to %s", merged_dir)
+
+    # ---- inference -------------------------------------------------------------------------
+    def load_exported(self, model: nn.Module, export_dir: Path) -> None:
+        """Load the run's base weights and its adapter (``export_dir/adapter``) into ``model``, the
+        peft model ``build_model(pretrained=False)`` built.
+
+        The export holds only the adapter, so the base weights come from where the run took them:
+        ``--model.name_or_path`` (``pretrained``), or the run's own seeded initialisation
+        (``random``: the same seed and draw order as the training loop, which seeds
+        ``--trainer.seed`` just before building the model). peft's own loader reads the adapter.
+        """
+        from peft import PeftModel
+
+        adapter_dir = Path(export_dir) / "adapter"
+        if not (adapter_dir / "adapter_config.json").is_file():
+            raise UserError(f"{adapter_dir / 'adapter_config.json'} is missing: the run did not finish exporting "
+                            "its LoRA adapter. Let it finish (or resume it) and try again")
+        with torch.random.fork_rng(devices=[]):
+            if self.cfg.model.init == "random":
+                torch.manual_seed(self.cfg.trainer.seed)
+            try:
+                base = self._load_base(pretrained=True)
+            except UserError as exc:
+                raise UserError(f"the base model the adapter in {adapter_dir} was trained on cannot be loaded: "
+                                f"{exc}") from None
+        try:
+            loaded = PeftModel.from_pretrained(base, str(adapter_dir))
+            model.load_state_dict(loaded.state_dict())
+        except (ValueError, RuntimeError, KeyError, OSError) as exc:
+            detail = " ".join(str(exc).split())
+            raise UserError(f"{adapter_dir} does not fit the model the run's hparams.json describes "
+                            f"({type(exc).__name__}: {detail[:300]})") from None
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, inputs: list[str], max_new_tokens: int = 32, **options: Any) -> list[str]:
+        """The greedy continuation of each input, prompted as in training: ``--data.template`` up to
+        ``{target}`` with the input in place of ``{input}`` (and BOS first when the tokenizer adds
+        one). At most ``max_new_tokens`` new tokens, stopping at EOS; newlines and tabs in the
+        continuation are written as ``\\n`` and ``\\t`` so that each input gets one line."""
+        from zerotrain.data.sft import _adds_bos, split_template
+
+        tok = self.tokenizer
+        head, _ = split_template(self.cfg.data.template)
+        start = [tok.bos_token_id] if _adds_bos(tok) else []
+        device = next(model.parameters()).device
+        lines = []
+        for text in inputs:
+            # str.replace, not str.format, as in training: inputs may contain braces
+            ids = start + list(tok(head.replace("{input}", text), add_special_tokens=False)["input_ids"])
+            x = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            new = out[0, x.shape[1]:].tolist()
+            if tok.eos_token_id in new:
+                new = new[:new.index(tok.eos_token_id)]
+            lines.append(tok.decode(new, skip_special_tokens=True).replace("\n", "\\n").replace("\t", "\\t"))
+        return lines

@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotrain.config import RunConfig
-from zerotrain.data.masking import IGNORE_INDEX, mask_tokens
-from zerotrain.data.text import PackedBlocks, is_local_source, load_packed
+from zerotrain.data.collate import IGNORE_INDEX
+from zerotrain.data.io import looks_local as is_local_source
+from zerotrain.data.masking import mask_tokens
+from zerotrain.data.text import PackedBlocks, load_packed
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models.roberta_mlm import RobertaMLM
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
@@ -111,6 +113,8 @@ class MLMTask(Task[MLMConfig]):
     """Masked-language modelling with a RoBERTa-style encoder. Batches are full packed blocks."""
 
     name = "mlm"
+    config_class = MLMConfig
+    description = "RoBERTa masked-language-model pre-training (HelloDeepSpeed)"
 
     def __init__(self, cfg: MLMConfig):
         super().__init__(cfg)
@@ -127,13 +131,7 @@ class MLMTask(Task[MLMConfig]):
             self._tokenizer = tok
         return self._tokenizer
 
-    def __getstate__(self) -> dict[str, Any]:
-        # DataLoader workers pickle the task for collate; device tensors must not travel with it.
-        state = self.__dict__.copy()
-        state["_special_ids"] = {}
-        return state
-
-    def build_model(self) -> nn.Module:
+    def build_model(self, pretrained: bool = True) -> nn.Module:
         m = self.cfg.model
         pad = self.tokenizer.pad_token_id
         return RobertaMLM(
@@ -160,13 +158,11 @@ class MLMTask(Task[MLMConfig]):
             train, val = train[:-n_val], train[-n_val:]
         return Splits(train=PackedBlocks(train), val=PackedBlocks(val))
 
-    def collate(self, examples: list[torch.Tensor]) -> Batch:
-        input_ids = torch.stack(examples).long()  # (B, T)
-        # Packed blocks are full: no padding, every position is attended to.
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    def collator(self):
+        return stack_blocks
 
-    def example_length(self, example: torch.Tensor) -> int:
-        return int(example.shape[0])
+    def deepspeed_hints(self, model: nn.Module) -> dict[str, Any]:
+        return {"hidden_size": self.cfg.model.h_dim}
 
     def _special_mask(self, batch: Batch) -> torch.Tensor:
         input_ids = batch["input_ids"]
@@ -232,6 +228,43 @@ class MLMTask(Task[MLMConfig]):
         }
 
     def flops_per_token(self, model: nn.Module) -> float:
-        # The loop may pass a DeepSpeed engine or DDP wrapper; both keep the model in .module.
-        return getattr(model, "module", model).flops_per_token(self.cfg.model.max_seq_length,
-                                                              predicted_fraction=self.cfg.data.mask_prob)
+        return model.flops_per_token(self.cfg.model.max_seq_length, predicted_fraction=self.cfg.data.mask_prob)
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, inputs: list[str], top_k: int = 5, **options: Any) -> list[str]:
+        """Fill-mask: for every ``<mask>`` of each text (the tokenizer's mask token), the ``top_k``
+        likeliest tokens with their probabilities, ``token prob, token prob, ...``; the groups of a
+        text's masks, left to right, are joined by `` | ``. A text without a mask is refused."""
+        tok = self.tokenizer
+        device = next(model.parameters()).device
+        longest = self.cfg.model.max_seq_length
+        k = max(1, min(top_k, len(tok)))
+        lines = []
+        for i, text in enumerate(inputs, 1):
+            ids = tok(text, add_special_tokens=True)["input_ids"]
+            x = torch.tensor([ids], dtype=torch.long, device=device)  # (1, T)
+            positions = (x[0] == tok.mask_token_id).nonzero().flatten().tolist()
+            if not positions:
+                raise UserError(f"text {i} has no {tok.mask_token}: write {tok.mask_token} where a word is to be "
+                                f"predicted, e.g. \"the movie was {tok.mask_token}\"")
+            if len(ids) > longest:
+                raise UserError(f"text {i} is {len(ids)} tokens long with <s> and </s>, more than the "
+                                f"{longest} the model was trained on (--model.max_seq_length): shorten it")
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x))["logits"][0]  # (T, V)
+            groups = []
+            for pos in positions:
+                probs, top = logits[pos].float().softmax(dim=-1).topk(k)  # (k,) each
+                groups.append(", ".join(f"{self._token_text(j)} {p:.3f}" for p, j in zip(probs.tolist(), top.tolist())))
+            lines.append(" | ".join(groups))
+        return lines
+
+    def _token_text(self, token_id: int) -> str:
+        """A vocabulary entry as text: the word for byte-level BPE's ``Ġword``, the token itself when blank."""
+        text = self.tokenizer.decode([token_id]).strip()
+        return text or repr(self.tokenizer.convert_ids_to_tokens(token_id))
+
+
+def stack_blocks(examples: list[torch.Tensor]) -> Batch:
+    """Packed blocks are full: no padding, every position is attended to."""
+    input_ids = torch.stack(examples).long()  # (B, T)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}

@@ -48,8 +48,10 @@ class ToyConfig(RunConfig):
 
 class ToyTask(Task[ToyConfig]):
     name = "toy"
+    config_class = ToyConfig
+    description = "a tiny MLP on synthetic data (smoke tests, custom-task template)"
 
-    def build_model(self) -> nn.Module:
+    def build_model(self, pretrained: bool = True) -> nn.Module:
         d, w = self.cfg.data.dim, self.cfg.model.width
         return nn.Sequential(nn.Linear(d, w), nn.GELU(), nn.Dropout(self.cfg.model.dropout), nn.Linear(w, d))
 
@@ -60,9 +62,8 @@ class ToyTask(Task[ToyConfig]):
         y = x @ torch.randn(d, d, generator=g) / d**0.5
         return Splits(train=TensorDataset(x[:n], y[:n]), val=TensorDataset(x[n:], y[n:]))
 
-    def collate(self, examples):
-        xs, ys = zip(*examples)
-        return {"x": torch.stack(xs), "y": torch.stack(ys)}
+    def collator(self):
+        return stack_pairs
 
     def training_step(self, model, batch) -> StepOutput:
         pred = model(batch["x"].to(_dtype_of(model)))
@@ -75,6 +76,11 @@ class ToyTask(Task[ToyConfig]):
 
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         return {"mse": sums["sq_err"] / max(1.0, sums["count"])}
+
+
+def stack_pairs(examples: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    xs, ys = zip(*examples)
+    return {"x": torch.stack(xs), "y": torch.stack(ys)}  # (B, dim) each
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:

@@ -1,0 +1,37 @@
+"""DataLoaders over a batch plan, and the endless stream of training micro-batches."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from zerotrain.data.sampling import EpochBatches
+
+
+def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], collate: Callable[[list[Any]], Any],
+                workers: int, seed: int) -> DataLoader:
+    return DataLoader(
+        dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=workers,
+        pin_memory=torch.cuda.is_available(), persistent_workers=False,
+        # A private generator: worker seeds must not draw from the global RNG that resume restores.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
+                       skip: int) -> Iterator[tuple[int, int, Any]]:
+    """Micro-batches forever from (epoch, skip), as (epoch, batches consumed in it with this one, batch).
+
+    A position at the very end of an epoch is reported as (next epoch, 0), so a checkpoint taken
+    there resumes at the start of the next epoch.
+    """
+    while True:
+        sampler.set_epoch(epoch, skip)
+        for i, batch in enumerate(loader, start=skip + 1):
+            if i == sampler.batches_per_epoch:
+                yield epoch + 1, 0, batch
+            else:
+                yield epoch, i, batch
+        epoch, skip = epoch + 1, 0

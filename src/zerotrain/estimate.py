@@ -1,0 +1,118 @@
+"""What ``zerotrain estimate`` computes: a recipe's model-state memory under every strategy, and the pick.
+
+The recipe's model is built on PyTorch's meta device (no memory, no weights read: ``build_model(
+pretrained=False)``), its parameters are counted, and :func:`zerotrain.memory.plan` sizes every
+strategy for the GPUs of the config (``launch.nproc_per_node`` per host x ``launch.nnodes``).
+Activations are not included: :func:`estimate` keeps ``reserve_gib`` of each GPU for them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from zerotrain import recipes
+from zerotrain.config import RunConfig
+from zerotrain.errors import ConfigError
+from zerotrain.memory import GIB, Buckets, ParamCounts, PlanRow, count_params, gpu_memory_bytes, plan
+from zerotrain.strategies import STRATEGIES
+
+
+@dataclass(frozen=True)
+class EstimateReport:
+    recipe: str
+    counts: ParamCounts
+    precision: str
+    """The precision the model states are sized in (``auto`` resolved to bf16)."""
+    world_size: int
+    gpu_bytes: Optional[float]
+    """Memory of one GPU; None when unknown (no GPU here and none given)."""
+    host_bytes: float
+    reserve_bytes: float
+    rows: list[PlanRow]
+    """Every strategy in :data:`~zerotrain.strategies.STRATEGIES` order, with its memory and whether it fits."""
+
+    @property
+    def pick(self) -> Optional[str]:
+        """The first (fastest) strategy that fits; None when nothing fits or the GPU memory is unknown."""
+        if self.gpu_bytes is None:
+            return None
+        return next((row.name for row in self.rows if row.fits), None)
+
+
+def _check_gib(flag: str, value: Optional[float], minimum_exclusive: bool) -> None:
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > 0 if minimum_exclusive else value >= 0)
+    if not ok:
+        raise ConfigError(flag, f"must be a number {'>' if minimum_exclusive else '>='} 0 (GiB), got {value:g}")
+
+
+def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None,
+             host_memory_gib: Optional[float] = None, reserve_gib: float = 0.0) -> EstimateReport:
+    """Size ``recipe``'s model states under every strategy for the run ``cfg`` describes.
+
+    ``gpu_memory_gib`` defaults to GPU 0's memory (None without a GPU: nothing is judged to fit or
+    not), ``host_memory_gib`` to this host's. ``cfg`` is not changed. Raises
+    :class:`~zerotrain.errors.ConfigError` naming the flag for a non-positive memory size or an
+    invalid config.
+    """
+    import psutil
+
+    from zerotrain.ds_config import make_ds_config
+
+    _check_gib("--gpu_memory_gib", gpu_memory_gib, minimum_exclusive=True)
+    _check_gib("--host_memory_gib", host_memory_gib, minimum_exclusive=True)
+    _check_gib("--reserve_gib", reserve_gib, minimum_exclusive=False)
+    cfg = copy.deepcopy(cfg)
+    if cfg.trainer.max_steps is None and cfg.trainer.epochs is None:
+        cfg.trainer.max_steps = 1  # the run's length does not change its memory; validate() needs one
+    cfg.validate()
+    per_node = cfg.launch.nproc_per_node
+    world = per_node * cfg.launch.nnodes
+    if cfg.strategy.precision == "auto":
+        cfg.strategy.precision = "bf16"  # what auto resolves to on any GPU since Ampere; the model is built in it
+    precision = cfg.strategy.precision
+    # Bucket sizes as DeepSpeed would get them: from the flags, or from --strategy.deepspeed_config.
+    buckets = Buckets.from_ds_config(make_ds_config(cfg, world, "cuda", precision))
+
+    with torch.device("meta"):
+        model = recipes.get(recipe)(cfg).build_model(pretrained=False)
+    counts = count_params(model)
+
+    gpu = gpu_memory_gib * GIB if gpu_memory_gib is not None else gpu_memory_bytes()
+    host = host_memory_gib * GIB if host_memory_gib is not None else float(psutil.virtual_memory().total)
+    rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
+                procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets)
+    return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
+                          host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows)
+
+
+def format_report(report: EstimateReport) -> str:
+    """The report as ``zerotrain estimate`` prints it: a header, a Markdown table and the pick."""
+    c, gpu = report.counts, report.gpu_bytes
+    lines = [
+        f"{report.recipe}: {c.total:,} parameters, {c.trainable:,} trainable, largest layer {c.largest_layer:,}; "
+        f"{report.precision}, {report.world_size} GPU(s)",
+        f"{gpu / GIB:.1f} GiB per GPU" if gpu is not None else "GPU memory unknown (no GPU here: pass --gpu_memory_gib)",
+    ]
+    lines[-1] += f", {report.host_bytes / GIB:.1f} GiB host memory, {report.reserve_bytes / GIB:g} GiB reserved for activations"
+    lines += ["", "| strategy | model states per GPU (GiB) | offloaded per process (GiB) | fits |", "|---|---|---|---|"]
+    for row in report.rows:
+        fits = ("yes" if row.fits else "no") if gpu is not None else "?"
+        lines.append(f"| {row.name} | {row.memory.gpu_bytes / GIB:.2f} | {row.memory.cpu_bytes / GIB:.2f} | {fits} |")
+    lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket); activations come on top."]
+    if gpu is None:
+        return "\n".join(lines)
+    pick = report.pick
+    if pick is None:
+        lines.append("Nothing fits: add GPUs (--launch.nproc_per_node, --launch.nnodes), train fewer parameters "
+                     "(the lora recipe), or lower --reserve_gib.")
+    else:
+        lines.append(f"Pick: {pick}   ->   zerotrain fit {report.recipe} ... {' '.join(STRATEGIES[pick].flags())}")
+        lines.append(f"Check it: zerotrain benchmark {report.recipe} --strategies {pick} ... (measures activations too)")
+    return "\n".join(lines)

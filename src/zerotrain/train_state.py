@@ -1,0 +1,100 @@
+"""Where training stands, in one object: the part of an exact resume that is not the engine's.
+
+The engine owns what is sharded (parameters, optimizer states, the learning-rate schedule). Everything
+else the loop needs to continue a run as if it had never stopped lives in :class:`TrainState`: the
+optimizer step, the position in the data, the open logging window and this process's random number
+generators. The checkpointer (:mod:`zerotrain.checkpoint`) saves it per rank next to the engine's
+files and restores it; nothing else writes or reads it.
+
+The saved form holds only tensors, numbers, strings and lists, so it loads with
+``torch.load(weights_only=True)``: a checkpoint file cannot run code.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from zerotrain.errors import UserError
+
+SCHEMA_VERSION = 1
+"""Bumped whenever the fields below change meaning; a checkpoint of another version is refused."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Current pass over the training data (0-based)."""
+    batches_in_epoch: int = 0
+    """Micro-batches this rank has consumed in the current epoch."""
+    window_loss: float = 0.0
+    """Sum of this rank's step losses since the last log line (a device tensor while training)."""
+    window_steps: int = 0
+    """Steps in the open logging window."""
+
+    def advance(self, loss: Any, epoch: int, batches_in_epoch: int) -> None:
+        """Count one optimizer step whose last micro-batch left the data at (epoch, batches_in_epoch)."""
+        self.step += 1
+        self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
+        self.window_loss = self.window_loss + loss
+        self.window_steps += 1
+
+    def close_window(self) -> None:
+        self.window_loss, self.window_steps = 0.0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state and this process's RNG states, now."""
+        return {
+            "version": SCHEMA_VERSION,
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "window_loss": float(self.window_loss),  # reading a device tensor: only at save time
+            "window_steps": self.window_steps,
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the fields and this process's RNG states from :meth:`state_dict`'s output."""
+        if state.get("version") != SCHEMA_VERSION:
+            raise UserError(f"--checkpoint.resume: the checkpoint's train state has schema version "
+                            f"{state.get('version')}, this zerotrain reads {SCHEMA_VERSION}. Resume it with the "
+                            "zerotrain version that wrote it, or start a new run")
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.batches_in_epoch = int(state["batches_in_epoch"])
+        self.window_loss, self.window_steps = float(state["window_loss"]), int(state["window_steps"])
+        set_rng_state(state["rng"])
+
+    def plain(self) -> dict[str, Any]:
+        """The fields alone (no RNG), for the checkpoint's JSON marker and log lines."""
+        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU (and CUDA) generator states, in weights_only-loadable types."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
