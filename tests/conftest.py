@@ -13,6 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+_RUNNING: dict[str, pytest.Item] = {}
+"""The test being set up or run, for :func:`run_python`'s marker check."""
 
 
 def run_python(argv: list[str], cwd: Path, timeout: int = 600, **env_extra: str):
@@ -20,10 +22,15 @@ def run_python(argv: list[str], cwd: Path, timeout: int = 600, **env_extra: str)
 
     In-process fits earlier in the session set torchrun's variables for their group of one;
     they are dropped, so a command with --launch.nproc_per_node N starts its N workers itself.
+    The test that calls it must be marked ``slow`` (a fresh process pays for importing torch).
     """
     import subprocess
     import sys
 
+    item = _RUNNING.get("item")
+    if item is not None and item.get_closest_marker("slow") is None:
+        pytest.fail(f"{item.nodeid} starts `python {' '.join(map(str, argv[:2]))} ...`: mark it @pytest.mark.slow",
+                    pytrace=False)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     pythonpath = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
     env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", **env_extra)
@@ -98,6 +105,14 @@ def cpu_adam_built() -> None:
 
 # A test that requests the fixture must carry the marker, so that `-m "not data"` / `-m "not slow"` select right.
 MARKER_OF_FIXTURE = {"shared_data": "data", "cpu_adam_built": "slow"}
+
+
+def pytest_runtest_setup(item):
+    _RUNNING["item"] = item
+
+
+def pytest_runtest_teardown(item, nextitem):
+    _RUNNING.pop("item", None)
 
 
 def pytest_collection_modifyitems(config, items):

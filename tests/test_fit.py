@@ -56,7 +56,11 @@ def strategy(request) -> dict:
     return request.param
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES), indirect=True)
+@pytest.mark.parametrize("strategy", [
+    # CPU offload: 7-12 s of fits (DeepSpeedCPUAdam), after the op's one-time build (~1-2 min).
+    pytest.param(s, id=name, marks=pytest.mark.slow if s.get("offload_optimizer") == "cpu" else ())
+    for name, s in STRATEGIES.items()
+], indirect=True)
 def test_resume_is_exact(tmp_path, strategy):
     """2N steps in one run and N steps + resume + N steps give identical losses and gradient norms."""
     straight = fit(ToyTask(toy_config(tmp_path, "straight", **strategy)))
@@ -196,3 +200,30 @@ def test_resume_after_a_kill_logs_what_an_uninterrupted_run_logs(tmp_path, backe
         return [(e.step, e.value) for e in events.Scalars("train_loss")]
 
     assert tb_curve(resumed.run_dir) == tb_curve(straight.run_dir)
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "ddp"])
+def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
+    """No process group, launcher variable, backend flag or log handler outlives fit(), and the
+    config it was handed is not rewritten (precision stays 'auto'); a second fit in the same process works."""
+    import logging
+    import os
+
+    import torch
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    env = dict(os.environ)
+    handlers = list(logging.getLogger("zerotrain").handlers)
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    cfg = toy_config(tmp_path, f"clean-{backend}", backend=backend)
+    cfg.trainer.max_steps = 2
+    fit(ToyTask(cfg))
+    assert not torch.distributed.is_initialized()
+    assert {k: v for k, v in os.environ.items() if k not in env} == {}
+    assert {k for k in env if os.environ.get(k) != env[k]} == set()
+    assert logging.getLogger("zerotrain").handlers == handlers
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32
+    assert cfg.strategy.precision == "auto"
+    cfg.trainer.run_name = f"again-{backend}"
+    assert fit(ToyTask(cfg)).final_step == 2

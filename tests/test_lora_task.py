@@ -77,7 +77,7 @@ def test_train_export_reload(workdir, tiny_tokenizer_dir, tmp_path):
 
     splits = task.build_datasets()
     assert len(splits.train) == len(RECORDS)
-    batch = task.collate(splits.train)
+    batch = task.collator()(splits.train)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model.train()
     losses = []
@@ -143,7 +143,7 @@ def test_activation_checkpointing_gives_lora_grads(workdir, tiny_tokenizer_dir):
     base = model.base_model.model
     assert getattr(base, "is_activation_checkpointing", None) or base.is_gradient_checkpointing
     model.train()
-    batch = task.collate(task.build_datasets().train)
+    batch = task.collator()(task.build_datasets().train)
     loss = task.training_step(model, batch).loss
     assert torch.isfinite(loss)
     loss.backward()
@@ -218,7 +218,7 @@ def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenize
     torch.manual_seed(0)
     model = task.build_model().eval()
     examples = task.build_datasets().train
-    small, large = task.collate(examples[:1]), task.collate(examples[1:6])
+    small, large = task.collator()(examples[:1]), task.collator()(examples[1:6])
     engine = TorchEngine(model, task.cfg, torch.device("cpu"), "fp32", total_steps=1, steps_per_epoch=1)
     factors = engine._loss_factors([small, large], task.loss_weight)
     w = [task.loss_weight(small), task.loss_weight(large)]

@@ -119,3 +119,52 @@ def test_estimate_reads_a_pretrained_models_config_not_its_weights(tmp_path, tin
     out = capsys.readouterr().out
     adapters = 8 * (32 + 32) * 2 * 2  # r x (in + out) for q_proj and v_proj in 2 layers: the defaults
     assert f"lora: {n_params + adapters:,} parameters, {adapters:,} trainable" in out and "Pick:" in out
+
+
+def test_estimate_is_a_library_call_with_rows_and_a_pick():
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate, format_report
+    from zerotrain.tasks.toy import ToyTask
+
+    cfg = parse_config("toy", ["--launch.nproc_per_node", "2"])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64, reserve_gib=1)
+    assert [row.name for row in report.rows] == list(STRATEGIES)
+    assert report.pick == "ddp" and report.world_size == 2 and report.precision == "bf16"
+    assert report.counts.total == sum(p.numel() for p in ToyTask(cfg).build_model().parameters())
+    assert report.gpu_bytes == 16 * GIB and report.host_bytes == 64 * GIB and report.reserve_bytes == GIB
+    # The caller's config is left as it was (estimate fills max_steps and resolves auto on a copy).
+    assert cfg.trainer.max_steps is None and cfg.strategy.precision == "auto"
+    text = format_report(report)
+    assert text.splitlines()[0].startswith("toy: ") and "| zero3_offload |" in text and "Pick: ddp" in text
+
+
+def test_estimate_without_known_gpu_memory_judges_nothing(monkeypatch, capsys):
+    import zerotrain.estimate
+
+    monkeypatch.setattr(zerotrain.estimate, "gpu_memory_bytes", lambda: None)
+    assert main(["estimate", "toy", "--host_memory_gib", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory unknown (no GPU here: pass --gpu_memory_gib)" in out and "| ddp |" in out and "| ? |" in out
+    assert "Pick" not in out and "Nothing fits" not in out
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu_memory_gib", "-3"), ("--gpu_memory_gib", "0"),
+                                        ("--host_memory_gib", "0"), ("--reserve_gib", "-1")])
+def test_estimate_refuses_a_memory_size_that_is_not_one(capsys, flag, value):
+    assert main(["estimate", "toy", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [
+        f"zerotrain estimate: error: {flag} must be a number {'>=' if flag == '--reserve_gib' else '>'} 0 (GiB), "
+        f"got {float(value):g}"]
+
+
+@pytest.mark.slow  # a fresh python process (run_python)
+def test_estimate_does_not_import_the_fit_command(tmp_path):
+    from conftest import run_python
+
+    code = ("import sys, zerotrain.cli.estimate, zerotrain.estimate\n"
+            "print(sorted(m for m in sys.modules if m.startswith('zerotrain.cli.')))")
+    out = run_python(["-c", code], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['zerotrain.cli.estimate']"

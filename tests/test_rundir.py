@@ -72,16 +72,30 @@ def test_write_json_never_leaves_a_half_written_file(tmp_path, monkeypatch):
     """A crash while writing (disk full, kill) keeps the previous complete file, as os.replace promises."""
     path = tmp_path / "summary.json"
     rundir.write_json(path, {"final_step": 4})
-    real_write_text = Path.write_text
+    import zerotrain.data.io as data_io
 
-    def crash_half_way(self, text, *args, **kwargs):
-        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
-        raise OSError(28, "No space left on device")
+    class HalfWrite:
+        """The file handle of atomic_file: writes half of the data, then the disk is full."""
 
-    monkeypatch.setattr(Path, "write_text", crash_half_way)
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+
+    real_fdopen = data_io.os.fdopen
+    monkeypatch.setattr(data_io.os, "fdopen", lambda *a, **k: HalfWrite(real_fdopen(*a, **k)))
     with pytest.raises(OSError):
         rundir.write_json(path, {"final_step": 8, "padding": "x" * 100})
     monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary file left behind
     assert json.loads(path.read_text()) == {"final_step": 4}
 
 

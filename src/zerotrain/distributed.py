@@ -133,10 +133,6 @@ class Runtime:
         return self.rank == 0
 
 
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR",
-                  "TORCH_CUDA_ARCH_LIST")
-
-
 @contextlib.contextmanager
 def setup(cfg: RunConfig) -> Iterator[Runtime]:
     """Join the job for the length of a ``with`` block, and leave the process as it was found.
@@ -147,7 +143,8 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     ends: the process group this call created is destroyed after a last barrier, and the environment,
     the TF32 flags and the logging handlers are restored.
     """
-    saved_env = {k: os.environ.get(k) for k in _LAUNCHER_VARS}
+    # The whole environment: besides the launcher variables set here, importing DeepSpeed sets some of its own.
+    saved_env = dict(os.environ)
     saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     owns_group = not torch.distributed.is_initialized()
     restore_logging = None
@@ -178,11 +175,8 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
                 torch.distributed.barrier()  # nobody tears down while another rank still talks
             _destroy_process_group()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        os.environ.clear()
+        os.environ.update(saved_env)
         if restore_logging is not None:
             restore_logging()
 

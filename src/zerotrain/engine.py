@@ -71,6 +71,10 @@ class Engine(ABC):
     def forward_model(self) -> nn.Module:
         """What a task calls for forward passes (the wrapped model)."""
 
+    @abstractmethod
+    def describe(self) -> str:
+        """How this engine trains, for the log: e.g. 'deepspeed ZeRO-2, optimizer offload to cpu'."""
+
     # ---- the step: written once; engines fill in the four hooks below -------------------------
     def train_step(self, micro_batches: Iterable[Batch], step_fn: StepFn,
                    weight_fn: Optional[WeightFn] = None) -> StepStats:
@@ -219,6 +223,13 @@ class DeepSpeedEngine(Engine):
         self._norm: Optional[float] = None
         self._lr: Optional[float] = None
 
+    def describe(self) -> str:
+        zero = self.ds_config.get("zero_optimization", {})
+        offload = [f"{what} offload to {zero[key]['device']}" for what, key in
+                   (("optimizer", "offload_optimizer"), ("parameter", "offload_param"))
+                   if zero.get(key, {}).get("device", "none") != "none"]
+        return ", ".join([f"deepspeed ZeRO-{zero.get('stage', 0)}", *offload])
+
     @property
     def module(self) -> nn.Module:
         return self.ds.module
@@ -303,6 +314,9 @@ class TorchEngine(Engine):
         self._grad_norm: Optional[torch.Tensor] = None
         self._lr: Optional[float] = None
         self._skipped = 0
+
+    def describe(self) -> str:
+        return "plain PyTorch" + (" DDP" if self.world_size > 1 else "")
 
     @property
     def module(self) -> nn.Module:

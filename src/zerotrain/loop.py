@@ -162,10 +162,8 @@ def _build(task: Task, rt: Runtime) -> Run:
         if engine.ds_config is not None and cfg.logging.print_ds_config:
             print(json.dumps(engine.ds_config, indent=2), flush=True)
     log.info("run directory: %s", run_dir)
-    stage = (engine.ds_config or {}).get("zero_optimization", {}).get("stage", 0)
-    log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s ZeRO-%s", task.name,
-             n_params / 1e6, n_train / 1e6, rt.device.type, rt.world_size, engine.precision, cfg.strategy.backend,
-             stage if engine.ds_config is not None else cfg.strategy.zero_stage)
+    log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s", task.name, n_params / 1e6,
+             n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
     log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
              total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
     return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, flops_per_token)

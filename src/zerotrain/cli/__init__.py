@@ -66,9 +66,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _rank() -> int:
-    """This process's rank in the job, from the launcher's ``RANK`` (0 when started alone)."""
+    """This process's rank in the job, from the launcher's ``RANK`` (0 when started alone).
+
+    ``srun`` sets only ``SLURM_PROCID`` (zerotrain maps it onto ``RANK`` for the length of a fit): a
+    task per GPU is that rank, and a launcher task per node prints only on node 0.
+    """
     try:
-        return int(os.environ.get("RANK") or 0)
+        return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
     except ValueError:
         return 0
 
