@@ -93,7 +93,7 @@ def main() -> None:
         deepspeed=load_user_config(st.deepspeed_config) if st.deepspeed_config else None, dataloader_num_workers=tr.num_workers, remove_unused_columns=False,
         disable_tqdm=True,
     )
-    trainer = CountingTrainer(model=model, args=targs, train_dataset=splits.train, data_collator=task.collate,
+    trainer = CountingTrainer(model=model, args=targs, train_dataset=splits.train, data_collator=task.collator(),
                               callbacks=[meter])
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -87,8 +87,8 @@ def shared_data() -> Path:
 def cpu_adam_built() -> None:
     """DeepSpeed's CPU Adam op (DeepSpeedCPUAdam, the optimizer step under CPU offload), built once per session.
 
-    DeepSpeed JIT-compiles it the first time it is loaded (about 2 minutes on 2 cores). Building it
-    here puts that cost in this fixture's setup, once, instead of in the first offload test's run;
+    DeepSpeed JIT-compiles it the first time it is loaded (65 to 140 s on 2 cores). Building it here
+    puts that cost in this fixture's setup, once, instead of in the first offload test's run;
     later loads, in this process or in the ``python -m zerotrain`` processes tests start, find it in
     torch's extension cache. Where it cannot be built, the tests that need it are skipped with the
     reason (pytest's -ra summary prints it), not errored. Tests using it must be marked ``slow``.

@@ -240,9 +240,6 @@ def test_an_error_found_on_every_rank_after_init_is_one_line_and_status_2(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="rundir.prepare checks --trainer.output_dir on rank 0 alone; rank 1 then "
-                   "fails in its next collective with a traceback. Passes once that check runs through "
-                   "zerotrain.distributed.run_on_main (then remove this marker)")
 def test_an_error_found_by_rank0_alone_after_init_is_one_line_and_status_2(tmp_path):
     afile = tmp_path / "a-file"
     afile.write_text("")

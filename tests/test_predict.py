@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -161,6 +160,7 @@ def test_lora_generates_greedily_from_the_template(lora_run, capsys):
     texts = ["great movie", "the plot was bad"]
     assert main(["predict", str(run), *texts, "--max_new_tokens", "6"]) == 0
     lines = _out_lines(capsys)
+    assert len(lines) == len(texts), lines  # zip() below would stop at the shorter one
     tok = task.tokenizer
     for (generated, snippet), text in zip(lines, texts):
         assert snippet == text
@@ -249,14 +249,15 @@ def test_predict_on_a_trained_mlm_run(tmp_path, tiny_tokenizer_dir, capsys):
 @pytest.mark.slow
 def test_predict_on_a_trained_lora_run(tmp_path, tiny_tokenizer_dir, capsys):
     (tmp_path / "llama.json").write_text(json.dumps(LLAMA))
-    records = [{"input": f"{WORDS[i % 20]} {WORDS[(i * 7) % 20]}", "target": f"{WORDS[(i * 3) % 20]} {WORDS[i % 5]}"}
+    # One answer for every input: a few steps teach it, so the prediction shows what was learned.
+    records = [{"input": f"{WORDS[i % 20]} {WORDS[(i * 7) % 20]}", "target": "great movie great movie"}
                for i in range(32)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     out = zerotrain_cmd(
         ["fit", "lora", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"), "--model.tokenizer",
          str(tiny_tokenizer_dir), "--model.lora_r", "4", "--data.train_path", str(tmp_path / "train.jsonl"),
-         "--data.max_length", "32", "--strategy.precision", "fp32", "--optimizer.lr", "5e-3",
-         "--trainer.micro_batch_size", "4", "--trainer.max_steps", "4", "--trainer.num_workers", "0",
+         "--data.max_length", "32", "--strategy.precision", "fp32", "--optimizer.lr", "1e-2",
+         "--trainer.micro_batch_size", "4", "--trainer.max_steps", "8", "--trainer.num_workers", "0",
          "--trainer.device", "cpu", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "lora",
          "--logging.progress_bar", "false"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -275,13 +276,16 @@ def test_predict_on_a_trained_lora_run(tmp_path, tiny_tokenizer_dir, capsys):
         torch.testing.assert_close(loaded.model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
     capsys.readouterr()
-    texts = [records[0]["input"], records[5]["input"]]
+    texts = [records[0]["input"], "a boring plot"]
     assert main(["predict", str(run), *texts, "--max_new_tokens", "5"]) == 0
     tok = task.tokenizer
-    for (generated, snippet), text in zip(_out_lines(capsys), texts):
+    lines = _out_lines(capsys)
+    assert len(lines) == len(texts), lines  # zip() below would stop at the shorter one
+    for (generated, snippet), text in zip(lines, texts):
         assert snippet == text
         prompt = [tok.bos_token_id] + tok(f"{text}\n", add_special_tokens=False)["input_ids"]
         assert generated == _greedy(reference, tok, prompt, 5)
+        assert generated and set(generated.split()) <= {"great", "movie"}, generated
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ import pytest
 from zerotrain.data.sampling import EpochBatches, eval_shard
 
 
-def plans(size: int, micro: int, world: int, epoch: int = 0, seed: int = 0, skip: int = 0, **kw) -> list[list[list[int]]]:
+def plans(size: int, micro: int, world: int, epoch: int = 0, seed: int = 0, skip: int = 0,
+          **kw) -> list[list[list[int]]]:
     """Each rank's micro-batches of one epoch: plans[rank][i]."""
     out = []
     for rank in range(world):
@@ -23,7 +24,8 @@ def flat(batches) -> list[int]:
     return [i for b in batches for i in b]
 
 
-@pytest.mark.parametrize("size, micro, world, grad_accum", [(100, 4, 2, 1), (100, 4, 2, 5), (61, 3, 4, 2), (64, 8, 1, 1)])
+@pytest.mark.parametrize("size, micro, world, grad_accum",
+                         [(100, 4, 2, 1), (100, 4, 2, 5), (61, 3, 4, 2), (64, 8, 1, 1)])
 def test_each_example_at_most_once_per_epoch_across_ranks(size, micro, world, grad_accum):
     per_rank = plans(size, micro, world, epoch=3, grad_accum=grad_accum)
     seen = flat(flat(per_rank))

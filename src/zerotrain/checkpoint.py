@@ -15,7 +15,6 @@ the only code that writes or reads either.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -23,6 +22,7 @@ from typing import Optional
 import torch
 
 from zerotrain.config import CheckpointConfig
+from zerotrain.data.io import atomic_write_text
 from zerotrain.engine import Engine
 from zerotrain.errors import UserError
 from zerotrain.train_state import TrainState
@@ -92,9 +92,7 @@ class Checkpointer:
         self.engine.barrier()
         if rank == 0:
             meta = {"world_size": self.engine.world_size, **self.state.plain()}
-            tmp = folder / (MARKER + ".tmp")
-            tmp.write_text(json.dumps(meta))
-            os.replace(tmp, folder / MARKER)
+            atomic_write_text(folder / MARKER, json.dumps(meta))
             _prune(self.dir, self.cfg.keep_last)
         self.engine.barrier()
         self.last_saved = step

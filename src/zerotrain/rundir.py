@@ -59,11 +59,10 @@ def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optio
     bad flag or data file found later leaves no empty run folder behind (see :func:`write_metadata`).
     """
     from zerotrain.checkpoint import find_resume_folder
-    from zerotrain.distributed import broadcast_object
+    from zerotrain.distributed import broadcast_object, run_on_main
 
     name = broadcast_object(run_name or new_run_name(recipe) if is_main else None)
-    if is_main:
-        check_writable(output_dir)
+    run_on_main(lambda: check_writable(output_dir))  # its error stops every rank, not rank 0 alone
     run_dir = Path(output_dir).expanduser() / name
     return run_dir, (find_resume_folder(resume, run_dir) if resume else None)
 
@@ -203,7 +202,7 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     """
     from zerotrain import recipes
     from zerotrain.config import from_dict
-    from zerotrain.tokenizer import looks_local
+    from zerotrain.data.io import looks_local
 
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():

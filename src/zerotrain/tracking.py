@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from zerotrain.config import LoggingConfig
+from zerotrain.data.io import atomic_write_text
 from zerotrain.errors import UserError
 
 log = logging.getLogger("zerotrain")
@@ -94,9 +94,7 @@ def _drop_rows_after(metrics_file: Path, step: int) -> None:
     lines = metrics_file.read_text().splitlines()
     kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
     if len(kept) != len(lines):
-        tmp = metrics_file.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, metrics_file)
+        atomic_write_text(metrics_file, "".join(line + "\n" for line in kept))
 
 
 class StepLogger:

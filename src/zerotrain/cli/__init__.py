@@ -16,7 +16,7 @@ SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
     "benchmark": "sweep ZeRO stages / offload / DDP and tabulate speed and memory",
     "estimate": "model-state memory of every strategy, and the fastest that fits",
-    "predict": "classify texts with a trained IMDB run",
+    "predict": "predict with a finished run: IMDB labels, MLM fill-mask, LoRA generation",
     "doctor": "report versions, GPUs, compilers and DeepSpeed op readiness",
 }
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import sys
 
 from zerotrain import recipes
-# build_parser and parse_config live in zerotrain.config_cli (estimate and the benchmarks use them too);
-# imported here by name, as before, for callers that import them from this module.
-from zerotrain.config_cli import build_parser, parse_config  # noqa: F401
+# parse_config lives in zerotrain.config_cli (estimate and the benchmarks use it too, without this command).
+from zerotrain.config_cli import parse_config
 
 
 def _recipe_list() -> str:

@@ -13,8 +13,6 @@ Differences from the tutorial, each for a reason:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from zerotrain.config import RunConfig, from_dict
+from zerotrain.config import RunConfig
 from zerotrain.data.collate import PadCollator
 from zerotrain.data.imdb import (
     LABEL_NAMES,

@@ -20,7 +20,7 @@ from torch import nn
 
 from zerotrain.config import RunConfig
 from zerotrain.data.collate import IGNORE_INDEX, PadCollator
-from zerotrain.data.io import looks_local
+from zerotrain.data.io import hub_offline, looks_local
 from zerotrain.data.sft import build_examples, load_records
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
@@ -186,6 +186,8 @@ class LoRATask(Task[LoRAConfig]):
         if local and not path.is_dir():
             raise UserError(f"--model.name_or_path: model folder {m.name_or_path!r} does not exist")
         source = str(path) if local else m.name_or_path
+        if not local:
+            hub_offline()  # offline, fail at once with the message below instead of minutes of retries
         try:
             if not pretrained:  # the architecture from config.json; the weights are never read
                 return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=dtype)
