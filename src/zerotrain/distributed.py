@@ -25,17 +25,6 @@ from zerotrain.errors import UserError
 from zerotrain.tracking import setup_logging
 
 
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
 def slurm_task_per_gpu(launch: LaunchConfig) -> bool:
     """Whether ``srun`` started one task per GPU (each task is a rank), rather than one launcher task per node.
 
@@ -71,14 +60,6 @@ def adopt_slurm_env(launch: LaunchConfig) -> None:
     )
 
 
-def dist_info() -> DistInfo:
-    return DistInfo(
-        rank=int(os.environ.get("RANK", 0)),
-        world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-    )
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,13 +76,12 @@ def comm_backend(requested: str, device: str) -> str:
     return requested
 
 
-def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", timeout_minutes: int = 60) -> DistInfo:
+def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", timeout_minutes: int = 60) -> None:
     """Initialise torch.distributed for this process (a group of one when started alone)."""
     if "RANK" not in os.environ:
         # A single process still gets a process group, so the engine code has one path.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
-    info = dist_info()
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
         if use_deepspeed:
@@ -115,7 +95,6 @@ def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", t
                                        timeout=timeout)
         else:
             torch.distributed.init_process_group(backend=backend, timeout=timeout)
-    return info
 
 
 @dataclass(frozen=True)
@@ -154,24 +133,26 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         adopt_slurm_env(cfg.launch)
         device_type = _device_type(cfg.trainer.device)
         backend = comm_backend(cfg.launch.comm_backend, device_type)
-        info = init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
-                                  timeout_minutes=cfg.launch.timeout_minutes)
-        restore_logging = setup_logging(info.is_main)
+        init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
+                           timeout_minutes=cfg.launch.timeout_minutes)
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        restore_logging = setup_logging(rank == 0)
         device = torch.device("cpu")
         if device_type == "cuda":
-            torch.cuda.set_device(info.local_rank)
-            device = torch.device("cuda", info.local_rank)
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
         precision = resolve_precision(cfg.strategy.precision, device.type,
                                       device.type == "cuda" and torch.cuda.is_bf16_supported())
         if device.type == "cuda" and precision == "fp32":
             # fp32 matmuls on tensor cores (TF32), as MFU's fp32 peak assumes; IEEE fp32 runs ~7x slower on Hopper.
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        yield Runtime(info.rank, info.world_size, info.local_rank, device, precision)
+        yield Runtime(rank, world_size, local_rank, device, precision)
         finished = True
     finally:
         if owns_group and torch.distributed.is_initialized():
-            if finished and info.world_size > 1:
+            if finished and torch.distributed.get_world_size() > 1:
                 torch.distributed.barrier()  # nobody tears down while another rank still talks
             _destroy_process_group()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
