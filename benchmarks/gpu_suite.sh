@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|mlm|imdb_b|imdb_sweep|lora|lora_hf   (lora_hf: the Trainer row alone)
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 D=${DATA:-.data}
@@ -21,6 +21,19 @@ for part in "$@"; do
         --trainer.micro_batch_size 8 --trainer.max_steps 300 --trainer.log_every_steps 50 \
         --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 50 --strategy.precision bf16 \
         --scheduler.name warmup_linear --scheduler.warmup_steps 30 --optimizer.lr 1e-4 | tail -n 12 ;;
+    fastpath)  # BERT-base-shaped MLM, micro-batch 32 x 512, bf16, one GPU: the plain engine, ZeRO-0/1/2 with
+      # the fast path, and ZeRO-0/1/2 with DeepSpeed's defaults (--strategy.fast_path false), same data and seed
+      BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz"
+            --data.tokenizer "$TOK" --data.max_train_lines 60000 --data.max_val_lines 2000
+            --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
+            --trainer.micro_batch_size 32 --trainer.max_steps ${STEPS:-120} --trainer.log_every_steps 10
+            --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
+            --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
+            --checkpoint.save_final false)
+      z benchmark mlm --strategies ddp,zero0,zero1,zero2 --out "$OUT/fastpath/fast" "${BERT[@]}" | tail -n 6
+      z benchmark mlm --strategies zero0,zero1,zero2 --out "$OUT/fastpath/defaults" "${BERT[@]}" \
+        --strategy.fast_path false | tail -n 5
+      python3 benchmarks/loss_curves.py "$OUT/fastpath/loss_curves.json" "$OUT/fastpath/fast" "$OUT/fastpath/defaults" ;;
     imdb_b)  # the tutorial's preset (b), full data, 5 epochs, one GPU per run; three seeds spread over the GPUs
       n=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))'); seeds=(42 43 44)
       for g in $(seq 0 $((n - 1))); do

@@ -14,6 +14,7 @@ from zerotrain.config import OptimizerConfig, StrategyConfig, TrainerConfig
 from zerotrain.ds_config import (
     batch_shape,
     build_ds_config,
+    engine_clips,
     load_user_config,
     make_ds_config,
     precision_of,
@@ -96,12 +97,40 @@ def test_nvme_offload_carries_the_path():
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_precision_blocks(precision):
-    ds = build_ds_config(make_cfg(), 1, "cuda", precision)
+    ds = build_ds_config(make_cfg(fast_path=False), 1, "cuda", precision)
     assert ds["fp16"]["enabled"] is (precision == "fp16")
     assert ds["bf16"]["enabled"] is (precision == "bf16")
     assert precision_of(ds) == precision
     # Off, the fp16 block is the bare switch; on, it carries the loss-scale settings too.
     assert (ds["fp16"] == {"enabled": False}) is (precision != "fp16")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_fast_path_rewrites(stage, precision):
+    """What the fast path changes against DeepSpeed's defaults, per stage and precision (ds_config.fast_path)."""
+    cfg, slow_cfg = make_cfg(zero_stage=stage), make_cfg(zero_stage=stage, fast_path=False)
+    fast, slow = build_ds_config(cfg, 1, "cuda", precision), build_ds_config(slow_cfg, 1, "cuda", precision)
+    assert fast["timers"] == {"throughput": {"enabled": False}} and "timers" not in slow
+    assert precision_of(fast) == precision_of(slow) == precision
+    autocast = stage == 0 and precision == "bf16"
+    assert ("torch_autocast" in fast) is autocast
+    assert fast["bf16"]["enabled"] is (precision == "bf16" and not autocast)
+    assert fast["bf16"].get("check_grad_overflow", True) is not (precision == "bf16" and stage in (1, 2))
+    clips = stage == 0 and precision != "fp16"
+    assert engine_clips(cfg, fast) is clips and not engine_clips(slow_cfg, slow)
+    assert fast["gradient_clipping"] == (0.0 if clips else 0.5) and slow["gradient_clipping"] == 0.5
+    assert fast["zero_optimization"] == slow["zero_optimization"]
+    assert fast["fp16"] == slow["fp16"]
+
+
+def test_fast_path_leaves_a_user_file_alone(tmp_path):
+    path = write(tmp_path, json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 2.0,
+                                       "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}))
+    cfg = make_cfg(deepspeed_config=str(path))
+    ds = make_ds_config(cfg, 1, "cuda", "bf16")
+    assert ds["gradient_clipping"] == 2.0 and ds["bf16"] == {"enabled": True} and "torch_autocast" not in ds
+    assert not engine_clips(cfg, ds)
 
 
 def test_fp16_block_follows_the_config():
@@ -121,7 +150,7 @@ def test_batch_rule(micro, gas, world):
 
 
 def test_optimizer_and_clipping_from_config():
-    ds = build_ds_config(make_cfg(), 1, "cuda", "bf16")
+    ds = build_ds_config(make_cfg(zero_stage=2), 1, "cuda", "bf16")
     assert ds["optimizer"]["type"] == "AdamW"
     assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.05,
                                          "torch_adam": False, "adam_w_mode": True}

@@ -227,3 +227,20 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     assert cfg.strategy.precision == "auto"
     cfg.trainer.run_name = f"again-{backend}"
     assert fit(ToyTask(cfg)).final_step == 2
+
+
+def test_fast_path_follows_deepspeeds_default_path(tmp_path):
+    """200 steps of ZeRO-0 with clipping that bites: the fast path (engine-side clip, timers off) gives
+    the loss curve of DeepSpeed's own path within fp32 rounding (the GPU row in BENCHMARKS.md checks bf16)."""
+    logs = {}
+    for fast in (True, False):
+        cfg = toy_config(tmp_path, f"fast-{fast}", zero_stage=0, fast_path=fast, gradient_clipping=0.05)
+        cfg.trainer.max_steps, cfg.trainer.log_every_steps, cfg.trainer.eval_every_steps = 200, 10, 200
+        cfg.scheduler.name = "constant"
+        fit(ToyTask(cfg))
+        logs[fast] = train_log(tmp_path / f"fast-{fast}")
+    assert sorted(logs[True]) == sorted(logs[False]) == list(range(10, 201, 10))
+    for step, row in logs[True].items():
+        assert row["train_loss"] == pytest.approx(logs[False][step]["train_loss"], rel=1e-5, abs=1e-7), step
+    assert logs[True][200]["train_loss"] < 0.5 * logs[True][10]["train_loss"]  # it did learn
+    assert logs[True][200]["grad_norm"] > 0.05  # clipping was active all along

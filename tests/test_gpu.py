@@ -54,3 +54,15 @@ def test_fp16_reports_the_loss_scale(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
     scales = [r["loss_scale"] for r in rows if "loss_scale" in r]
     assert scales and all(s <= 2**12 for s in scales)
+
+
+def test_zero0_bf16_runs_the_autocast_fast_path(tmp_path):
+    """ZeRO-0 in bf16 trains through torch_autocast with the engine's own clip: the grad norm is logged."""
+    out = _fit(tmp_path, "--strategy.precision", "bf16", "--strategy.zero_stage", "0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    ds = json.loads((tmp_path / "gpu" / "ds_config.json").read_text())
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and ds["bf16"]["enabled"] is False
+    rows = [json.loads(line) for line in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in rows if "train_loss" in r]
+    assert norms and all(n > 0 for n in norms)
+    assert json.loads((tmp_path / "gpu" / "summary.json").read_text())["precision"] == "bf16"

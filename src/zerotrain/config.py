@@ -106,6 +106,8 @@ class StrategyConfig:
     """ZeRO: elements reduced at once."""
     allgather_bucket_size: int = 500_000_000
     """ZeRO 1/2: elements all-gathered at once."""
+    fast_path: bool = True
+    """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     deepspeed_config: Optional[str] = None
     """A DeepSpeed JSON/HJSON file of your own. Its "auto" values are filled from this config; explicit values win and are checked."""
 

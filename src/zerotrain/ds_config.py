@@ -15,6 +15,7 @@ what zerotrain writes can be read next to the DeepSpeed documentation.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -104,7 +105,46 @@ def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Res
         # Lets save_16bit_model / the export gather full weights instead of writing empty shards.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     ds["zero_optimization"] = zero
+    if s.fast_path:
+        fast_path(ds, device, world_size)
     return ds
+
+
+def fast_path(ds: dict[str, Any], device: str, world_size: int) -> None:
+    """Rewrite a generated config (in place) so DeepSpeed's step costs what plain PyTorch's does.
+
+    Measured on one H100 at BERT-base shape (BENCHMARKS.md): DeepSpeed 0.19's default step is
+    bound by the host, with one host-device synchronisation per parameter tensor. Each change below
+    removes a cost and keeps the arithmetic of a plain PyTorch step:
+
+    * ``timers.throughput`` off: DeepSpeed synchronises the device twice per micro-batch for a
+      throughput figure it only prints; zerotrain measures throughput itself.
+    * ZeRO-0 in bf16 runs as ``torch_autocast`` (fp32 weights, bf16 matmuls), not the ``bf16`` block.
+      At stage 0 that block runs DeepSpeed's FP16_Optimizer, which checks every gradient tensor for
+      overflow on the host (~160 syncs a step) and takes one zero-gradient Adam step at start-up, so
+      its first real update is ~0.74x plain Adam's. Autocast is what the plain engine does.
+    * ZeRO-0 without fp16: the engine clips (one fused ``clip_grad_norm_`` that stays on the device,
+      see :func:`engine_clips`) instead of DeepSpeed's per-tensor clip, which synchronises twice.
+    * ZeRO-1/2 in bf16: no overflow check (``bf16.check_grad_overflow``). bf16 has fp32's range and
+      no loss scale to adjust; plain PyTorch does not skip such steps either.
+    """
+    ds["timers"] = {"throughput": {"enabled": False}}
+    stage = ds["zero_optimization"]["stage"]
+    bf16 = _enabled(ds.get("bf16"))
+    if stage == 0 and bf16 and device == "cuda":
+        ds["bf16"] = {"enabled": False}
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif stage in (1, 2) and bf16:
+        ds["bf16"]["check_grad_overflow"] = False
+    if stage == 0 and not _enabled(ds.get("fp16")):
+        ds["gradient_clipping"] = 0.0  # the engine clips instead
+
+
+def engine_clips(cfg: RunConfig, ds: dict[str, Any]) -> bool:
+    """Whether the engine, not DeepSpeed, clips gradients: generated fast-path configs at ZeRO-0
+    without fp16 (where the full gradients sit in ``.grad`` after backward, as in plain PyTorch)."""
+    return (cfg.strategy.fast_path and not cfg.strategy.deepspeed_config
+            and ds["zero_optimization"]["stage"] == 0 and not _enabled(ds.get("fp16")))
 
 
 def load_user_config(path: str | Path) -> dict[str, Any]:
@@ -241,7 +281,8 @@ def _offload_device(block: Any) -> str | None:
 
 def precision_of(ds: dict[str, Any]) -> ResolvedPrecision:
     """The precision a (resolved) DeepSpeed config trains in."""
-    if _enabled(ds.get("bf16")):
+    autocast = ds.get("torch_autocast")
+    if _enabled(ds.get("bf16")) or (_enabled(autocast) and autocast.get("dtype") in ("bfloat16", "torch.bfloat16")):
         return "bf16"
     if _enabled(ds.get("fp16")):
         return "fp16"
@@ -263,12 +304,15 @@ def batch_shape(cfg: RunConfig) -> tuple[int, int]:
 def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision,
                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config DeepSpeed gets: generated, or the user's file with "auto" resolved; always validated."""
-    generated = build_ds_config(cfg, world_size, device, precision)
     if cfg.strategy.deepspeed_config:
+        # The user's file decides the stage and precision blocks, so its "auto" values are filled from
+        # DeepSpeed's defaults for the typed config, not from a fast path planned for another stage.
+        plain = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, fast_path=False))
+        generated = build_ds_config(plain, world_size, device, precision)
         user = load_user_config(cfg.strategy.deepspeed_config)
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
     else:
-        ds = generated
+        ds = build_ds_config(cfg, world_size, device, precision)
     validate_ds_config(ds, world_size)
     return ds

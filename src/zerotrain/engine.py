@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerotrain.config import RunConfig
-from zerotrain.ds_config import ResolvedPrecision, make_ds_config, precision_of
+from zerotrain.ds_config import ResolvedPrecision, engine_clips, make_ds_config, precision_of
 from zerotrain.errors import UserError
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
@@ -196,14 +196,12 @@ def _add_flops(total: Optional[float], out: StepOutput, first: bool) -> Optional
     return (total or 0.0) + out.flops
 
 
-def _grad_norm(module: nn.Module) -> float:
-    grads = [p.grad.detach() for p in module.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-
-
 class DeepSpeedEngine(Engine):
+    """``deepspeed.initialize`` with zerotrain's schedule. With ``clip`` (see ``ds_config.engine_clips``)
+    the engine clips the gradients itself before DeepSpeed's step, keeping the norm on the device."""
+
     def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, ds: dict[str, Any],
-                 total_steps: int, steps_per_epoch: int):
+                 total_steps: int, steps_per_epoch: int, clip: Optional[float] = None):
         import deepspeed
 
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
@@ -217,10 +215,13 @@ class DeepSpeedEngine(Engine):
         params = [p for p in model.parameters() if p.requires_grad]
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
-        # DeepSpeed records the global norm under ZeRO and mixed precision, not for plain fp32 stage 0,
-        # where the full gradients sit in .grad and one pass over them gives it.
-        self._track_norm = self.precision == "fp32" and ds.get("zero_optimization", {}).get("stage", 0) == 0
-        self._norm: Optional[float] = None
+        self._clip = clip
+        self._params = params
+        if clip is not None and self.world_size == 1:
+            # One rank has nothing to average, yet stage 0 still flattens every gradient, all-reduces
+            # it with itself and copies it back. DeepSpeed sets this same switch without a process group.
+            self.ds.enable_backward_allreduce = False
+        self._norm: Optional[torch.Tensor] = None
         self._lr: Optional[float] = None
 
     def describe(self) -> str:
@@ -247,17 +248,16 @@ class DeepSpeedEngine(Engine):
     def _optimizer_step(self) -> None:
         # The rate this step uses: step() advances the schedule to the next step's.
         self._lr = float(self.ds.get_lr()[0])
-        if self._track_norm:
-            self._norm = _grad_norm(self.ds.module)
+        if self._clip is not None:
+            # The global norm stays a device tensor until a log step reads it.
+            self._norm = torch.nn.utils.clip_grad_norm_(self._params, self._clip or float("inf"))
         self.ds.step()
 
     def lr(self) -> float:
         return self._lr if self._lr is not None else float(self.ds.get_lr()[0])
 
     def grad_norm(self) -> Optional[float]:
-        norm = self.ds.get_global_grad_norm()
-        if norm is None:
-            norm = self._norm
+        norm = self._norm if self._clip is not None else self.ds.get_global_grad_norm()
         return None if norm is None else float(norm)
 
     def loss_scale(self) -> Optional[float]:
@@ -406,4 +406,5 @@ def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precisi
     facts = {"total_num_steps": total_steps, "warmup_num_steps": cfg.scheduler.warmup_steps,
              "min_lr_ratio": cfg.scheduler.min_lr_ratio, **(hints or {})}
     ds = make_ds_config(cfg, world_size, device.type, precision, facts)
-    return DeepSpeedEngine(model, cfg, device, ds, total_steps, steps_per_epoch)
+    clip = cfg.strategy.gradient_clipping if engine_clips(cfg, ds) else None
+    return DeepSpeedEngine(model, cfg, device, ds, total_steps, steps_per_epoch, clip)
