@@ -198,6 +198,27 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def all_reduce_sum(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each value summed over ranks (float64), sent in one all-reduce."""
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device(device))
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_comm_device(device))
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _comm_device(device: torch.device) -> torch.device:
+    """NCCL reduces tensors on the GPU; Gloo on the CPU."""
+    return device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+
+
 def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     """Re-run this command in ``nproc_per_node`` processes on this node through torchrun's library.
 

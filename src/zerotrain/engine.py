@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerotrain.config import RunConfig
+from zerotrain.distributed import all_reduce_max, all_reduce_sum, barrier
 from zerotrain.ds_config import ResolvedPrecision, engine_clips, make_ds_config, precision_of
 from zerotrain.errors import UserError
 from zerotrain.schedule import make_scheduler
@@ -167,26 +168,15 @@ class Engine(ABC):
     def eval(self) -> None:
         self.forward_model.eval()
 
-    # ---- collectives the loop needs ------------------------------------------------------------
+    # ---- collectives the loop needs (implemented in zerotrain.distributed) ------------------------
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
-        keys = sorted(values)
-        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self._comm_device())
-        if self.world_size > 1:
-            dist.all_reduce(t)
-        return dict(zip(keys, t.tolist()))
+        return all_reduce_sum(values, self.device)
 
     def all_reduce_max(self, value: float) -> float:
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device())
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
-
-    def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return all_reduce_max(value, self.device)
 
     def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
+        barrier()
 
 
 def _add_flops(total: Optional[float], out: StepOutput, first: bool) -> Optional[float]:
