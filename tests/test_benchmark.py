@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # every test starts `python -m zerotrain benchmar
 
 def test_sweep_writes_json_and_markdown(tmp_path):
     out = zerotrain_cmd(["benchmark", "toy", "--strategies", "zero0,ddp", "--out", str(tmp_path / "b"),
-                         "--trainer.max_steps", "4", "--trainer.num_workers", "0",
+                         "--profile", "2", "--trainer.max_steps", "4", "--trainer.num_workers", "0",
                          "--trainer.warmup_steps_excluded", "1"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "b" / "benchmark.json").read_text())
@@ -20,6 +20,15 @@ def test_sweep_writes_json_and_markdown(tmp_path):
     for row in result["rows"]:
         assert "error" not in row and row["throughput_measured_steps"] == 3 and row["throughput_tokens_per_s"] > 0
         assert row["command"].startswith("zerotrain fit toy")
+        # The fields every row carries (issue: recipe, dims, parameters, GPU, strategy, speed, memory, status).
+        assert row["recipe"] == "toy" and row["model"] == {"width": 32, "dropout": 0.1}
+        assert row["n_params"] == 8 * 32 + 32 + 32 * 8 + 8 and row["n_gpus"] == 1 and row["gpu"] == "cpu"
+        assert row["precision"] == "fp32" and row["micro_batch_size"] == 8 and row["seq_len"] == 1.0
+        assert row["tokens_per_s"] > 0 and row["peak_host_mem_gib"] > 0 and row["status"] == "ok"
+        assert row["commit"] == result["environment"]["commit"] and len(row["commit"]) >= 7
+        assert row["profile"]["steps"] == 2 and row["profile"]["cpu_ms_per_step"] > 0
+        assert (tmp_path / "b" / f"profile_{row['strategy']}_1gpu.md").read_text().startswith("Profile of 2 steps")
+    assert (tmp_path / "b" / "benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (tmp_path / "b" / "benchmark.md").read_text()
     assert "| zero0 | 1 |" in table and "| ddp | 1 |" in table and result["environment"]["versions"]["torch"] in table
 

@@ -97,3 +97,139 @@ def test_another_process_count_is_refused(tmp_path):
     (folder / MARKER).write_text(json.dumps({**meta, "world_size": 2}))
     with pytest.raises(UserError, match="written by 2 processes"):
         checkpointer(tmp_path).load(folder)
+
+
+# ---- integrity: sizes and checksums in the marker, fallback to the previous intact checkpoint --------
+def two_checkpoints(tmp_path: Path, **cfg) -> tuple[Path, Path]:
+    ck = checkpointer(tmp_path, every_steps=1, keep_last=3, **cfg)
+    ck.state.step = 1
+    older = ck.save()
+    ck.state.step = 2
+    ck.engine.weight = torch.arange(4.0) * 2
+    return older, ck.save()
+
+
+def test_marker_lists_every_file_with_size_and_sha256(tmp_path):
+    import hashlib
+
+    _, folder = two_checkpoints(tmp_path)
+    files = json.loads((folder / MARKER).read_text())["files"]
+    assert sorted(files) == ["engine.pt", "train_state_rank0.pt"]
+    for name, entry in files.items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_truncated_file_falls_back_to_the_previous_checkpoint_with_a_warning(tmp_path, caplog):
+    older, newer = two_checkpoints(tmp_path)
+    data = (newer / "engine.pt").read_bytes()
+    (newer / "engine.pt").write_bytes(data[: len(data) // 2])
+    with caplog.at_level("WARNING", logger="zerotrain"):
+        assert find_resume_folder("auto", tmp_path) == older
+        assert find_resume_folder(str(tmp_path), None) == older  # a run folder: the same choice
+    assert "engine.pt has" in caplog.text and "falling back" in caplog.text
+    # Named explicitly, a damaged step folder is refused (not swapped for another), naming the file.
+    with pytest.raises(UserError, match=r"--checkpoint.resume: .*step00000002/engine.pt has \d+ bytes"):
+        find_resume_folder(str(newer), None)
+
+
+def test_missing_rng_state_file_falls_back(tmp_path):
+    older, newer = two_checkpoints(tmp_path)
+    state_file(newer, 0).unlink()
+    assert find_resume_folder("auto", tmp_path) == older
+
+
+def test_flipped_bytes_are_caught_by_the_checksum_only_when_verifying(tmp_path):
+    older, newer = two_checkpoints(tmp_path)
+    path = newer / "engine.pt"
+    data = bytearray(path.read_bytes())
+    data[-200:-136] = bytes(b ^ 0xFF for b in data[-200:-136])  # 64 bytes, same size
+    path.write_bytes(bytes(data))
+    assert find_resume_folder("auto", tmp_path, verify=True) == older
+    assert find_resume_folder("auto", tmp_path, verify=False) == newer  # sizes alone cannot see it
+    with pytest.raises(UserError, match="engine.pt does not match its sha256"):
+        find_resume_folder(str(newer), None, verify=True)
+
+
+def test_every_checkpoint_damaged_is_one_line(tmp_path):
+    older, newer = two_checkpoints(tmp_path)
+    for folder in (older, newer):
+        (folder / "engine.pt").write_bytes(b"x")
+    with pytest.raises(UserError, match="every checkpoint under .* is damaged"):
+        find_resume_folder("auto", tmp_path)
+
+
+def test_without_verify_no_checksums_are_written(tmp_path):
+    _, folder = two_checkpoints(tmp_path, verify=False)
+    files = json.loads((folder / MARKER).read_text())["files"]
+    assert all(set(entry) == {"bytes"} for entry in files.values())
+
+
+def test_crafted_train_state_does_not_run_code(tmp_path):
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    folder = checkpointer(tmp_path).save()
+    state_file(folder, 0).write_bytes(pickle.dumps({"version": 1, "x": Evil()}))
+    with pytest.raises(UserError, match=r"train_state_rank0.pt cannot be loaded: .*could run code"):
+        checkpointer(tmp_path).load(folder)
+    assert not marker.exists()
+
+
+# ---- a full disk -------------------------------------------------------------------------------------
+def test_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    older, _ = two_checkpoints(tmp_path)
+    ck = checkpointer(tmp_path, every_steps=1, keep_last=3)
+    ck.state.step = 3
+
+    def full(*args, **kwargs):  # what torch.save raises when the disk fills up mid-file
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(UserError, match=r"no space left to write checkpoint step00000003 in .*checkpoints "
+                                        r"\(.* free, about .* needed\).*step00000002 is untouched") as err:
+        ck.save()
+    assert "\n" not in str(err.value)
+    assert not step_folder(tmp_path / "checkpoints", 3).exists()  # the partial folder is gone, its space freed
+    assert find_resume_folder("auto", tmp_path) == step_folder(tmp_path / "checkpoints", 2)
+    assert older.is_dir()
+
+
+def test_preflight_refuses_a_checkpoint_that_cannot_fit(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from zerotrain.checkpoint import estimate_bytes, preflight_space
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
+    needed = estimate_bytes(n_params=10**6, n_trainable=10**6, precision="fp32", backend="deepspeed")
+    assert needed == 16 * 10**6  # 4 (weights) + 4 (fp32 master) + 8 (Adam moments) bytes per parameter
+    with pytest.raises(UserError, match=r"--trainer.output_dir: .* has 976.6 KB free, one checkpoint needs about 15.3 MB"):
+        preflight_space(tmp_path / "run", needed)
+    preflight_space(tmp_path / "run", 10**5)  # fits: no error
+
+
+# ---- the run's shape is recorded and checked ---------------------------------------------------------
+def test_shape_is_recorded_and_a_different_micro_batch_is_refused(tmp_path):
+    from zerotrain.checkpoint import check_compatible
+
+    shape = {"recipe": "toy", "backend": "deepspeed", "zero_stage": 2, "precision": "fp32", "micro_batch_size": 8,
+             "grad_accum": 2, "world_size": 1}
+    ck = Checkpointer(CheckpointConfig(), tmp_path, FakeEngine(), TrainState(), shape)
+    folder = ck.save()
+    meta = json.loads((folder / MARKER).read_text())
+    assert {k: meta[k] for k in shape} == shape
+    check_compatible(folder, shape)  # the same shape: no error
+    with pytest.raises(UserError, match=r"written with micro_batch_size 8, this run has 4; pass --trainer.micro_batch_size 8"):
+        check_compatible(folder, {**shape, "micro_batch_size": 4})
+    with pytest.raises(UserError, match=r"written with zero_stage 2, this run has 3; pass --strategy.zero_stage 2"):
+        check_compatible(folder, {**shape, "zero_stage": 3})
+    with pytest.raises(UserError, match=r"written with backend deepspeed, this run has ddp"):
+        check_compatible(folder, {**shape, "backend": "ddp", "zero_stage": None})

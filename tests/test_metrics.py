@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -31,3 +33,23 @@ def test_rates_use_reported_flops_and_skip_warmup():
     assert "mfu" not in rates  # no peak for a CPU
     summary = meter.summary()
     assert summary["measured_steps"] == 2 and summary["tokens_per_s"] == pytest.approx(rates["tokens_per_s"])
+
+
+def test_profile_summary_on_cpu(tmp_path):
+    """The profile summary's format: per-step times, syncs, top operators, and its Markdown."""
+    from zerotrain.metrics import StepProfiler, kernel_family
+
+    prof = StepProfiler(steps=2, start_after=1, device=torch.device("cpu"), out_dir=tmp_path, is_main=True)
+    x = torch.randn(64, 64)
+    for step in range(1, 4):
+        (x @ x).relu().sum()
+        prof.step(step)
+    summary = json.loads((tmp_path / "profile.json").read_text())
+    assert summary["steps"] == 2 and summary["wall_ms_per_step"] > 0 and summary["cpu_ms_per_step"] > 0
+    assert summary["gpu_ms_per_step"] == 0 and summary["syncs_per_step"] == 0
+    assert any(t["name"] == "aten::mm" for t in summary["top"])
+    assert (tmp_path / "profile.md").read_text().startswith("Profile of 2 steps")
+    assert kernel_family("sm90_xmma_gemm_bf16bf16") == "matmul"
+    assert kernel_family("flash_fwd_kernel") == "attention"
+    assert kernel_family("multi_tensor_apply_kernel") == "optimizer"
+    assert kernel_family("vectorized_layer_norm_kernel") == "norm/elementwise"

@@ -158,3 +158,14 @@ def test_environment_holds_launcher_variables_and_no_others(monkeypatch):
     assert secret not in text
     for name in ("SECRET_TOKEN", "HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY"):
         assert name not in text
+
+
+def test_commit_outside_git_comes_from_zerotrain_commit(monkeypatch):
+    """A GPU machine receives the tree without .git: the commit travels in ZEROTRAIN_COMMIT."""
+    from zerotrain import rundir
+
+    monkeypatch.setattr(rundir, "_git", lambda args, cwd: "")  # as in a copy without .git
+    monkeypatch.delenv("ZEROTRAIN_COMMIT", raising=False)
+    assert rundir.commit() is None
+    monkeypatch.setenv("ZEROTRAIN_COMMIT", "249f40d")
+    assert rundir.commit() == "249f40d" and rundir.environment()["commit"] == "249f40d"

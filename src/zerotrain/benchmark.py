@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from zerotrain.errors import UserError
 from zerotrain.rundir import environment, write_json
@@ -23,7 +23,7 @@ COLUMNS = [
     ("strategy", "strategy", "{}"),
     ("gpus", "world_size", "{}"),
     ("s/step", "throughput_sec_per_step", "{:.4f}"),
-    ("tokens/s", "throughput_tokens_per_s", "{:,.0f}"),
+    ("tokens/s (non-padding)", "tokens_per_s", "{:,.0f}"),
     ("samples/s", "throughput_samples_per_s", "{:,.1f}"),
     ("TFLOP/s/GPU", "throughput_tflops_per_gpu", "{:.1f}"),
     ("MFU", "throughput_mfu", "{:.1%}"),
@@ -34,16 +34,18 @@ COLUMNS = [
 
 
 def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Path, fit_args: list[str],
-              timeout_s: int = 3600) -> dict[str, Any]:
+              timeout_s: int = 3600, profile_steps: int = 0) -> dict[str, Any]:
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    extra = ["--trainer.profile_steps", str(profile_steps)] if profile_steps else []
     rows = []
     for n in nprocs:
         for name in strategies:
             run_name = f"{recipe}-{name}-{n}gpu"
-            cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, *STRATEGIES[name].flags(),
+            cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, *STRATEGIES[name].flags(), *extra,
                    "--launch.nproc_per_node", str(n), "--trainer.output_dir", str(out_dir / "runs"),
                    "--trainer.run_name", run_name, "--logging.progress_bar", "false"]
             print(f"[benchmark] {name} x {n}: {shlex.join(cmd[1:])}", flush=True)
@@ -51,20 +53,74 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             row: dict[str, Any] = {"strategy": name, "nproc": n, "wall_s": round(time.perf_counter() - t0, 1),
                                    "command": "zerotrain " + shlex.join(cmd[3:])}
-            summary = out_dir / "runs" / run_name / "summary.json"
+            run_dir = out_dir / "runs" / run_name
+            summary = run_dir / "summary.json"
             if proc.returncode == 0 and summary.is_file():
                 row.update(json.loads(summary.read_text()))
             else:
                 tail = (proc.stderr or proc.stdout)[-4000:]
                 row["error"] = _failure(tail)
                 print(tail, file=sys.stderr)
+            row.update(_standard_fields(recipe, row, run_dir, env))
+            if (run_dir / "profile.md").is_file():
+                row["profile"] = json.loads((run_dir / "profile.json").read_text())
+                (out_dir / f"profile_{name}_{n}gpu.md").write_text((run_dir / "profile.md").read_text())
             rows.append(row)
             print(f"[benchmark] {name} x {n}: {_brief(row)}", flush=True)
     result = {"recipe": recipe, "fit_args": fit_args, "command": " ".join(["zerotrain", *sys.argv[1:]]),
-              "environment": environment(), "rows": rows}
+              "environment": env, "rows": rows}
     write_json(out_dir / "benchmark.json", result)
     (out_dir / "benchmark.md").write_text(markdown(result))
+    plot(result, out_dir / "benchmark.png")
     return result
+
+
+def _standard_fields(recipe: str, row: dict[str, Any], run_dir: Path, env: dict[str, Any]) -> dict[str, Any]:
+    """The fields every result row carries, whatever the recipe (None where a failed run left none)."""
+    hparams = json.loads((run_dir / "hparams.json").read_text()) if (run_dir / "hparams.json").is_file() else {}
+    error = row.get("error")
+    samples = row.get("throughput_samples_per_s")
+    return {
+        "recipe": recipe, "model": hparams.get("model"), "n_params": row.get("n_params"),
+        "gpu": row.get("device") or (env.get("gpus") or ["cpu"])[0], "n_gpus": row.get("world_size", row["nproc"]),
+        "precision": row.get("precision") or hparams.get("strategy", {}).get("precision"),
+        "micro_batch_size": row.get("micro_batch_size") or hparams.get("trainer", {}).get("micro_batch_size"),
+        # Mean padded length of a sample: the positions the model computed per example.
+        "seq_len": row["throughput_tokens_per_s"] / samples if samples else None,
+        "tokens_per_s": row.get("throughput_real_tokens_per_s"), "mfu": row.get("throughput_mfu"),
+        "peak_gpu_mem_gib": row.get("gpu_mem_peak_gib"), "peak_host_mem_gib": row.get("host_rss_peak_gib"),
+        "status": "ok" if error is None else ("oom" if error == "out of memory" else f"failed: {error}"),
+        "commit": env.get("commit"),
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> Optional[Path]:
+    """tokens/s against peak GPU memory, one point per strategy and GPU count (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[benchmark] matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    ok = [r for r in result["rows"] if r["status"] == "ok" and r.get("tokens_per_s")]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in ok:
+        mem = r.get("peak_gpu_mem_gib") or r.get("peak_host_mem_gib") or 0.0
+        ax.scatter(mem, r["tokens_per_s"])
+        ax.annotate(f"{r['strategy']} x{r['n_gpus']}", (mem, r["tokens_per_s"]), textcoords="offset points",
+                    xytext=(5, 5), fontsize=8)
+    gpu = ok[0]["gpu"] if ok else "no successful run"
+    ax.set_xlabel("peak GPU memory, rank 0 (GiB)" if any(r.get("peak_gpu_mem_gib") for r in ok)
+                  else "peak host memory, rank 0 (GiB)")
+    ax.set_ylabel("tokens/s (non-padding, whole job)")
+    ax.set_title(f"{result['recipe']} on {gpu}", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _failure(log_tail: str) -> str:

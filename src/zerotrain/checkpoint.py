@@ -1,11 +1,25 @@
-"""Checkpoints that are complete or absent, an exact resume, and the component that decides when to save.
+"""Checkpoints that are complete and intact or not used, an exact resume, and the component that decides when to save.
 
 Layout: ``<run>/checkpoints/step00000120/`` holds the engine's files (DeepSpeed's sharded
 ``mp_rank_*``/``*_optim_states.pt``, or ``torch_state.pt``), one ``train_state_rank<R>.pt`` per rank
 (:class:`~zerotrain.train_state.TrainState`: step, data position, log window, RNG), and last of all
-``COMPLETE.json``. The marker is written by rank 0 after a barrier, through a temporary file and an
-atomic rename, so a run killed while saving leaves a folder without it: resume ignores such folders
-and the next save deletes them.
+``COMPLETE.json``.
+
+What makes a checkpoint trustworthy:
+
+* **Complete.** After a barrier (every rank has written its files) every file is fsynced, then the
+  folder; only then rank 0 writes the marker, through a temporary file and an atomic rename. A run
+  killed while saving leaves a folder without it: resume ignores such folders, the next save deletes them.
+* **Intact.** The marker lists every file with its size and sha256 (hashed on all ranks, each a
+  share of the files, as they are fsynced). Resume checks the sizes always and, with
+  ``--checkpoint.verify`` (the default), the checksums; a damaged checkpoint is named with the file
+  and skipped for the previous complete one, with a warning.
+* **Of this run's shape.** The marker records recipe, backend, ZeRO stage, precision, micro-batch,
+  gradient accumulation and world size; :func:`check_compatible` refuses a resume that would silently
+  continue differently, before anything in the run folder is rewritten.
+* **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
+  loads DeepSpeed's through an allow-list (see ``engine.py``). A file that is not what it should be
+  ends in one :class:`UserError` line naming it.
 
 The split of an exact resume: model, optimizer and scheduler are the engine's (they are sharded
 differently by every ZeRO stage); everything else is the train state's. :class:`Checkpointer` is
@@ -14,20 +28,33 @@ the only code that writes or reads either.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
+from zerotrain import rundir
 from zerotrain.config import CheckpointConfig
-from zerotrain.data.io import atomic_write_text
+from zerotrain.data.io import _fsync_dir, atomic_write_text
 from zerotrain.engine import Engine
 from zerotrain.errors import UserError
-from zerotrain.train_state import TrainState
+from zerotrain.train_state import TrainState, load_safely
+
+log = logging.getLogger("zerotrain")
 
 MARKER = "COMPLETE.json"
+FORMAT = 2
+"""Version of the marker's content. 1: step and world size only (read without file checks)."""
+
+SHAPE_KEYS = ("recipe", "backend", "zero_stage", "precision", "micro_batch_size", "grad_accum", "world_size")
+"""What a resume must match (see :func:`check_compatible`)."""
+
+_HASH_CHUNK = 1 << 22
 
 
 def step_folder(ckpt_dir: Path, step: int) -> Path:
@@ -49,15 +76,196 @@ def state_file(folder: Path, rank: int) -> Path:
     return folder / f"train_state_rank{rank}.pt"
 
 
+def read_marker(folder: Path) -> dict[str, Any]:
+    """The marker's JSON; a UserError naming it when it cannot be read."""
+    try:
+        meta = json.loads((folder / MARKER).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"--checkpoint.resume: {folder / MARKER} cannot be read ({exc}). "
+                        "Pass an older checkpoint folder") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"--checkpoint.resume: {folder / MARKER} is not a checkpoint marker. Pass an older checkpoint folder")
+    return meta
+
+
+def shape_of(engine: Engine, recipe: str) -> dict[str, Any]:
+    """How this run trains, in the terms a checkpoint records (see :data:`SHAPE_KEYS`)."""
+    ds = engine.ds_config
+    return {
+        "recipe": recipe,
+        "backend": "deepspeed" if ds is not None else "ddp",
+        "zero_stage": int(ds.get("zero_optimization", {}).get("stage", 0)) if ds is not None else None,
+        "precision": engine.precision,
+        "micro_batch_size": int(engine.micro_batch_size),
+        "grad_accum": int(engine.grad_accum),
+        "world_size": int(engine.world_size),
+    }
+
+
+def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
+    """Refuse, in one line, a resume from ``folder`` by a run of another ``shape`` (see :func:`shape_of`).
+
+    Called before anything in the run folder is rewritten. Each difference would continue the run
+    silently wrong or crash in the engine: the data position counts micro-batches of this size per
+    rank (another micro-batch or process count starts at another sample, and the samplers draw by
+    micro-batch, so no exact conversion exists); accumulation sets the global batch the schedule
+    and optimizer state were made for; the engine's files are sharded by stage and backend, and
+    precision decides which of them hold the master weights.
+    """
+    meta = read_marker(folder)
+    flag = "--checkpoint.resume"
+    how = {
+        "recipe": "resume it with its own recipe",
+        "backend": "pass --strategy.backend {saved}",
+        "zero_stage": "pass --strategy.zero_stage {saved}",
+        "precision": "pass --strategy.precision {saved}",
+        "micro_batch_size": "pass --trainer.micro_batch_size {saved} (the data position counts micro-batches)",
+        "grad_accum": "pass --strategy.gradient_accumulation_steps {saved}",
+        "world_size": "start it with {saved} processes (resuming on another process count is not supported yet)",
+    }
+    for key in SHAPE_KEYS:
+        if key not in meta:
+            continue  # a marker of format 1 records the world size only
+        saved, now = meta[key], shape.get(key)
+        if saved != now:
+            raise UserError(f"{flag}: {folder} was written with {key} {saved}, this run has {now}; "
+                            f"{how[key].format(saved=saved)}, or start a new run (another --trainer.run_name)")
+
+
+# ---- integrity -------------------------------------------------------------------------------
+def _files(folder: Path) -> list[str]:
+    """Every regular file under ``folder`` (relative, sorted), but the marker and temporary files."""
+    out = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if name == MARKER or name.endswith(".tmp"):
+                continue
+            out.append(str((Path(root) / name).relative_to(folder)))
+    return sorted(out)
+
+
+def _sha256(path: Path, fsync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())  # a read-only descriptor syncs the file's dirty pages too
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _gather(obj: Any, world_size: int) -> list[Any]:
+    if world_size == 1:
+        return [obj]
+    from zerotrain.distributed import all_gather_object
+
+    return all_gather_object(obj)
+
+
+def seal(folder: Path, rank: int, world_size: int, checksums: bool) -> dict[str, dict[str, Any]]:
+    """fsync every file of ``folder`` and return ``{file: {"bytes", "sha256"?}}`` on every rank. Collective.
+
+    Each rank takes every world_size-th file, so hashing a large checkpoint is spread over the job.
+    """
+    names = _files(folder)
+    mine = {}
+    for name in names[rank::world_size]:
+        path = folder / name
+        entry: dict[str, Any] = {"bytes": path.stat().st_size}
+        if checksums:
+            entry["sha256"] = _sha256(path, fsync=True)
+        else:
+            _fsync(path)
+        mine[name] = entry
+    listing: dict[str, dict[str, Any]] = {}
+    for part in _gather(mine, world_size):
+        listing.update(part)
+    for root, _, _ in os.walk(folder):
+        _fsync_dir(Path(root))
+    return dict(sorted(listing.items()))
+
+
+def problem(folder: Path, checksums: bool, rank: int = 0, world_size: int = 1) -> Optional[str]:
+    """What is wrong with the complete checkpoint ``folder`` (None: nothing). Collective when ``world_size > 1``.
+
+    Sizes are compared on every rank (cheap, and every rank sees the same answer); checksums are
+    split as in :func:`seal`, and the problems gathered, so every rank agrees.
+    """
+    try:
+        meta = read_marker(folder)
+    except UserError as exc:
+        return str(exc).removeprefix("--checkpoint.resume: ")
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None  # format 1: nothing recorded to compare with
+    found = None
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            found = f"{path} is missing"
+            break
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            found = f"{path} has {size} bytes, {entry.get('bytes')} were written"
+            break
+    if found is None and checksums:
+        names = sorted(n for n, e in files.items() if "sha256" in e)
+        for name in names[rank::world_size]:
+            if _sha256(folder / name) != files[name]["sha256"]:
+                found = f"{folder / name} does not match its sha256 checksum (the file was damaged after it was written)"
+                break
+    if world_size > 1 and checksums:
+        found = next((p for p in _gather(found, world_size) if p is not None), None)
+    return found
+
+
+def checkpoint_bytes(folder: Path) -> Optional[int]:
+    """The bytes a checkpoint takes, as its marker lists them (None: not recorded)."""
+    try:
+        files = read_marker(folder).get("files")
+    except UserError:
+        return None
+    return sum(int(e.get("bytes", 0)) for e in files.values()) if isinstance(files, dict) else None
+
+
+def estimate_bytes(n_params: int, n_trainable: int, precision: str, backend: str) -> int:
+    """One checkpoint's size, estimated from the model before training: the weights in their training
+    precision, plus per trainable parameter Adam's two fp32 moments and, under DeepSpeed, the fp32
+    master copy (which a 16-bit run keeps besides its 16-bit weights)."""
+    weight = 2 if precision in ("bf16", "fp16") else 4
+    per_trainable = 8 + (4 if backend == "deepspeed" else 0)
+    return n_params * weight + n_trainable * per_trainable
+
+
+def preflight_space(run_dir: Path, needed: int) -> None:
+    """Refuse to start when one checkpoint clearly does not fit on the output disk (rank 0)."""
+    free = rundir.free_bytes(run_dir)
+    if free is not None and needed > free:
+        raise UserError(f"--trainer.output_dir: {run_dir.parent} has {rundir.fmt_bytes(free)} free, one checkpoint "
+                        f"needs about {rundir.fmt_bytes(needed)}. Free disk space, point --trainer.output_dir at a "
+                        "bigger disk, or train without checkpoints (--checkpoint.save_final false)")
+
+
 class Checkpointer:
     """Saves ``engine`` + ``state`` every ``cfg.every_steps`` steps and at the end; resumes them.
 
-    Every method is collective: all ranks call it at the same step.
+    Every method is collective: all ranks call it at the same step. ``shape`` (see :func:`shape_of`)
+    is recorded in each marker.
     """
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path, engine: Engine, state: TrainState):
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, engine: Engine, state: TrainState,
+                 shape: Optional[dict[str, Any]] = None):
         self.cfg, self.engine, self.state = cfg, engine, state
         self.dir = run_dir / "checkpoints"
+        self.shape = dict(shape or {"world_size": engine.world_size})
         self.last_saved: Optional[int] = None
         """Step of the newest checkpoint this run wrote or resumed from."""
 
@@ -80,27 +288,44 @@ class Checkpointer:
         if rank == 0 and folder.exists():
             shutil.rmtree(folder)  # a leftover from a killed save of the same step
         self.engine.barrier()
+        error = None
         try:
             folder.mkdir(parents=True, exist_ok=True)
             self.engine.save(folder)
             torch.save(self.state.state_dict(), state_file(folder, rank))
-        except OSError as exc:
-            raise UserError(
-                f"could not write checkpoint {folder}: {exc.strerror or exc}. Free disk space or point "
-                "--trainer.output_dir at a disk with room; the last complete checkpoint is untouched"
-            ) from None
+        except (OSError, RuntimeError) as exc:
+            error = self._write_error(folder, exc)
+        # Every rank learns whether one failed, so none waits in the next barrier for a rank that stopped.
+        error = next((e for e in _gather(error, self.engine.world_size) if e is not None), None)
+        if error is not None:
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)  # frees the space; the older checkpoints stay
+            raise UserError(error)
         self.engine.barrier()
-        if rank == 0:
-            meta = {"world_size": self.engine.world_size, **self.state.plain()}
-            atomic_write_text(folder / MARKER, json.dumps(meta))
-            _prune(self.dir, self.cfg.keep_last)
+        try:
+            files = seal(folder, rank, self.engine.world_size, self.cfg.verify)
+            if rank == 0:
+                meta = {"format": FORMAT, **self.shape, **self.state.plain(), "files": files}
+                atomic_write_text(folder / MARKER, json.dumps(meta, indent=1))
+                _prune(self.dir, self.cfg.keep_last)
+        except OSError as exc:  # rank 0's marker, or a full disk met while syncing
+            raise UserError(self._write_error(folder, exc)) from None
         self.engine.barrier()
         self.last_saved = step
         return folder
 
+    def _write_error(self, folder: Path, exc: BaseException) -> str:
+        previous = complete_checkpoints(self.dir)
+        keep = f"; the last complete checkpoint {previous[-1]} is untouched" if previous else ""
+        if rundir.is_space_error(exc):
+            needed = checkpoint_bytes(previous[-1]) if previous else None
+            return str(rundir.space_error(f"checkpoint {folder.name}", folder.parent, needed, keep))
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split())[:300]
+        return f"could not write checkpoint {folder}: {detail}{keep}"
+
     def load(self, folder: Path) -> None:
         """Restore the engine and this rank's train state from ``folder``."""
-        meta = json.loads((folder / MARKER).read_text())
+        meta = read_marker(folder)
         if meta.get("world_size") != self.engine.world_size:
             raise UserError(
                 f"--checkpoint.resume: {folder} was written by {meta.get('world_size')} processes, this run has "
@@ -111,7 +336,7 @@ class Checkpointer:
             raise UserError(f"--checkpoint.resume: {mine} is missing, so the run cannot continue exactly. "
                             "Pass an older checkpoint folder, or start a new run")
         self.engine.load(folder)
-        self.state.load_state_dict(torch.load(mine, weights_only=True))
+        self.state.load_state_dict(load_safely(mine))
         self.last_saved = self.state.step
 
 
@@ -127,23 +352,62 @@ def _prune(ckpt_dir: Path, keep_last: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def find_resume_folder(resume: str, run_dir_default: Optional[Path]) -> Optional[Path]:
-    """Resolve ``--checkpoint.resume``: ``auto`` (newest complete in this run, or None), a run folder, or a step folder."""
+def _rank_and_size() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _newest_intact(candidates: list[Path], verify: bool) -> Optional[Path]:
+    """The newest of ``candidates`` (oldest first) without a :func:`problem`; warns about each one skipped."""
+    rank, world_size = _rank_and_size()
+    for folder in reversed(candidates):
+        found = problem(folder, verify, rank, world_size)
+        if found is None:
+            return folder
+        if rank == 0:
+            log.warning("checkpoint %s is damaged: %s; falling back to the previous complete checkpoint",
+                        folder, found)
+    return None
+
+
+def find_resume_folder(resume: str, run_dir_default: Optional[Path], verify: bool = True) -> Optional[Path]:
+    """Resolve ``--checkpoint.resume``: ``auto`` (newest complete in this run, or None), a run folder, or a step folder.
+
+    The checkpoint found is checked (:func:`problem`: sizes, and checksums with ``verify``); a damaged
+    one is skipped for the previous complete one with a warning. A step folder named explicitly is
+    not replaced by another: its damage is an error. Collective (all ranks call it) when ``verify``.
+    """
     flag = "--checkpoint.resume"
     if resume == "auto":
         if run_dir_default is None:
             return None
         found = complete_checkpoints(run_dir_default / "checkpoints")
-        return found[-1] if found else None
+        if not found:
+            return None
+        intact = _newest_intact(found, verify)
+        if intact is None:
+            raise UserError(f"{flag} auto: every checkpoint under {run_dir_default / 'checkpoints'} is damaged (see the "
+                            "warnings above). Start a new run (another --trainer.run_name)")
+        return intact
     p = Path(resume).expanduser()
     if not p.exists():
         raise UserError(f"{flag}: {p} does not exist. Pass a run folder, one of its checkpoints/step* folders, or auto")
     if is_complete(p):
+        rank, world_size = _rank_and_size()
+        damage = problem(p, verify, rank, world_size)
+        if damage is not None:
+            raise UserError(f"{flag}: {damage}. Pass an older step folder, or the run folder to take the newest "
+                            "intact checkpoint")
         return p
     for candidate in (p / "checkpoints", p):
         found = complete_checkpoints(candidate)
         if found:
-            return found[-1]
+            intact = _newest_intact(found, verify)
+            if intact is None:
+                raise UserError(f"{flag}: every checkpoint under {candidate} is damaged (see the warnings above)")
+            return intact
     if p.name.startswith("step"):
         raise UserError(f"{flag}: {p} is an incomplete checkpoint (no {MARKER}: the save was interrupted). "
                         "Pass an older step folder or the run folder to take the newest complete one")

@@ -42,6 +42,8 @@ class OptimizerConfig:
             raise ConfigError("--optimizer.betas", f"both betas must be in [0, 1), got {self.betas}")
         if self.weight_decay < 0:
             raise ConfigError("--optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if not self.eps > 0:
+            raise ConfigError("--optimizer.eps", f"must be > 0 (e.g. 1e-8), got {self.eps}")
 
 
 @dataclass
@@ -145,6 +147,10 @@ class StrategyConfig:
             )
         if self.gradient_clipping < 0:
             raise ConfigError("--strategy.gradient_clipping", f"must be >= 0 (0 disables), got {self.gradient_clipping}")
+        for flag, value in (("--strategy.reduce_bucket_size", self.reduce_bucket_size),
+                            ("--strategy.allgather_bucket_size", self.allgather_bucket_size)):
+            if value < 1:
+                raise ConfigError(flag, f"must be >= 1 (elements per bucket, e.g. 500000000), got {value}")
         if self.precision == "fp16" and self.backend == "deepspeed" and self.initial_scale_power < 0:
             raise ConfigError("--strategy.initial_scale_power", "must be >= 0")
 
@@ -175,6 +181,8 @@ class TrainerConfig:
     """Run directory name; default <recipe>.<YYYY>.<MM>.<DD>.<HH>.<MM>.<SS>.<id>."""
     warmup_steps_excluded: int = 2
     """Optimizer steps left out of the throughput figures at the start (compilation, allocator warm-up)."""
+    profile_steps: int = 0
+    """Profile this many optimizer steps after the warm-up; writes <run>/profile.json and profile.md (0: off)."""
 
     def validate(self) -> None:
         if self.micro_batch_size < 1:
@@ -191,6 +199,8 @@ class TrainerConfig:
             raise ConfigError("--trainer.eval_every_steps", f"must be >= 0, got {self.eval_every_steps}")
         if self.num_workers < 0:
             raise ConfigError("--trainer.num_workers", f"must be >= 0, got {self.num_workers}")
+        if self.profile_steps < 0:
+            raise ConfigError("--trainer.profile_steps", f"must be >= 0, got {self.profile_steps}")
 
 
 @dataclass
@@ -203,6 +213,9 @@ class CheckpointConfig:
     """auto (newest complete checkpoint of the run named by --trainer.run_name, else start fresh) or a checkpoint/run folder."""
     save_final: bool = True
     """Save a checkpoint when training ends."""
+    verify: bool = True
+    """sha256 of every checkpoint file: recorded at save, checked at resume (sizes are always checked).
+    Costs one read of the checkpoint per save and resume, split over the ranks; turn off for huge checkpoints."""
 
     def validate(self) -> None:
         if self.every_steps < 0:
@@ -245,6 +258,8 @@ class LaunchConfig:
     """torch.distributed backend: auto is nccl on GPU and gloo on CPU."""
     timeout_minutes: int = 60
     """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights."""
+    rdzv_timeout_minutes: int = 10
+    """Several nodes: how long the launcher on each node waits for all nodes to join at rdzv_endpoint before giving up."""
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -253,6 +268,8 @@ class LaunchConfig:
             raise ConfigError("--launch.nnodes", f"must be >= 1, got {self.nnodes}")
         if self.timeout_minutes < 1:
             raise ConfigError("--launch.timeout_minutes", f"must be >= 1, got {self.timeout_minutes}")
+        if self.rdzv_timeout_minutes < 1:
+            raise ConfigError("--launch.rdzv_timeout_minutes", f"must be >= 1, got {self.rdzv_timeout_minutes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--launch.node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
         host, _, port = self.rdzv_endpoint.rpartition(":")
@@ -285,10 +302,32 @@ class RunConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        check_across_sections(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_across_sections(cfg: "RunConfig") -> None:
+    """Checks that read two sections at once."""
+    tr, ck, sched = cfg.trainer, cfg.checkpoint, cfg.scheduler
+    if ck.resume == "auto" and not tr.run_name:
+        raise ConfigError("--checkpoint.resume", "auto continues the run named by --trainer.run_name, and none is "
+                          "given: pass --trainer.run_name NAME (the folder name under --trainer.output_dir)")
+    if tr.max_steps is not None:
+        check_warmup(sched.warmup_steps, tr.max_steps)
+
+
+def check_warmup(warmup_steps: int, total_steps: int) -> None:
+    """Refuse a warm-up that does not end before the run does: the peak learning rate would never be used.
+
+    Called with --trainer.max_steps at validation, and by the loop once an epoch-based run's length is known.
+    """
+    if warmup_steps and warmup_steps >= total_steps:
+        raise ConfigError("--scheduler.warmup_steps", f"({warmup_steps}) must be below the run's {total_steps} "
+                          "optimizer steps, or the learning rate never reaches --optimizer.lr: lower it (e.g. "
+                          f"{max(1, total_steps // 10)}) or train longer")
 
 
 def from_dict(cls: type, data: dict[str, Any]) -> Any:

@@ -15,7 +15,7 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -106,6 +106,8 @@ class Runtime:
     local_rank: int
     device: torch.device
     precision: ResolvedPrecision
+    preemption: Any = None
+    """The :class:`~zerotrain.preemption.Preemption` whose handlers setup() installed for the block."""
 
     @property
     def is_main(self) -> bool:
@@ -128,7 +130,13 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     owns_group = not torch.distributed.is_initialized()
     restore_logging = None
     finished = False
+    from zerotrain.preemption import Preemption
+
+    preemption = Preemption()
+    saved_death_signal = _die_with_launcher()
     try:
+        # Before the first collective: a SIGTERM during the rendezvous is the same request as later.
+        preemption.install()
         sanitize_cuda_arch_list()
         adopt_slurm_env(cfg.launch)
         device_type = _device_type(cfg.trainer.device)
@@ -148,9 +156,11 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
             # fp32 matmuls on tensor cores (TF32), as MFU's fp32 peak assumes; IEEE fp32 runs ~7x slower on Hopper.
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        yield Runtime(rank, world_size, local_rank, device, precision)
+        yield Runtime(rank, world_size, local_rank, device, precision, preemption)
         finished = True
     finally:
+        preemption.restore()
+        _set_death_signal(saved_death_signal)
         if owns_group and torch.distributed.is_initialized():
             if finished and torch.distributed.get_world_size() > 1:
                 torch.distributed.barrier()  # nobody tears down while another rank still talks
@@ -160,6 +170,47 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         os.environ.update(saved_env)
         if restore_logging is not None:
             restore_logging()
+
+
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
+
+
+def _die_with_launcher() -> Optional[int]:
+    """In a worker started by torchrun's agent (ours or the user's): get SIGTERM when the launcher dies.
+
+    Without it a kill -9 of the launcher leaves its workers training and pruning checkpoints, and a
+    restarted job races with them. SIGTERM, not SIGKILL: the orphan then saves a checkpoint and exits
+    like a pre-empted run. Linux only (prctl); returns the previous setting for :func:`_set_death_signal`,
+    None where nothing was changed.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        old = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(old), 0, 0, 0) != 0:
+            return None
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    if os.getppid() == 1:  # the launcher died before prctl: the signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
+    return old.value
+
+
+def _set_death_signal(value: Optional[int]) -> None:
+    if value is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _destroy_process_group() -> None:
@@ -219,6 +270,10 @@ def _comm_device(device: torch.device) -> torch.device:
     return device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
 
 
+PREEMPTION_SAVE_TIMEOUT_S = 600
+"""How long the launcher waits, after forwarding a stop signal, for its workers to save and exit."""
+
+
 def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     """Re-run this command in ``nproc_per_node`` processes on this node through torchrun's library.
 
@@ -241,13 +296,27 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
         host, _, port = launch.rdzv_endpoint.rpartition(":")
         args += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}",
                  f"--master-addr={host}", f"--master-port={port}"]
+    parser = get_args_parser()
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    if "--signals-to-handle" in known:  # torch >= 2.8
+        # Forward SLURM's --signal=USR1 too (by default it would kill this launcher and orphan the workers),
+        # and give the workers time to save their pre-emption checkpoint before torchelastic's SIGKILL.
+        args += ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                 f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}"]
     args += ["-m", "zerotrain", *argv]
     saved_levels = _silence_torchelastic()
     try:
-        run(get_args_parser().parse_args(args))
+        run(parser.parse_args(args))
     except ChildFailedError as exc:  # lists every failed rank of this node, the ones torchelastic stopped too
         return _report_worker_failure(exc.failures)
     except SignalException as exc:  # Ctrl-C or a scheduler's SIGTERM; torchelastic has stopped the workers
+        from zerotrain.preemption import PREEMPTED_EXIT, SIGNALS
+
+        if exc.sigval in SIGNALS:
+            # Forwarded to the workers, which saved a checkpoint and exited (zerotrain.preemption): requeue.
+            print(f"zerotrain: stopped by {exc.sigval.name}; the workers saved a checkpoint "
+                  f"(exit status {PREEMPTED_EXIT}: requeue with --checkpoint.resume auto)", file=sys.stderr)
+            return PREEMPTED_EXIT
         print(f"zerotrain: interrupted ({exc.sigval.name})", file=sys.stderr)
         return 128 + int(exc.sigval)
     except Exception as exc:  # no worker ran: the rendezvous or the start failed
@@ -498,6 +567,13 @@ def _report_worker_failure(failures: dict) -> int:
             print(user[rank].message if record(user[rank]) else
                   f"zerotrain: rank {rank} stopped on an error (exit status {USER_ERROR_EXIT})", file=sys.stderr)
         return USER_ERROR_EXIT
+    from zerotrain.preemption import PREEMPTED_EXIT
+
+    if all(f.exitcode == PREEMPTED_EXIT for f in failures.values()):
+        # Every worker got the stop signal itself (SLURM signals every process) and saved: not a failure.
+        print(f"zerotrain: pre-empted; the workers saved a checkpoint (exit status {PREEMPTED_EXIT}: "
+              "requeue with --checkpoint.resume auto)", file=sys.stderr)
+        return PREEMPTED_EXIT
     crashed = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
     rank, failure = min(crashed.items(), key=lambda item: (item[1].timestamp, item[0]))
     if failure.exitcode > 0:

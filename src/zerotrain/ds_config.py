@@ -162,7 +162,53 @@ def load_user_config(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{flag}: {p} is not valid JSON/HJSON: {exc}") from None
     if not isinstance(loaded, dict):
         raise UserError(f"{flag}: {p} must hold a JSON object at the top level")
+    check_user_keys(loaded, p)
     return loaded
+
+
+# DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed reads the keys it
+# knows and ignores the rest, so a misspelt block (zero_optimisation) silently runs with defaults.
+DS_TOP_LEVEL_KEYS = frozenset("""
+train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler fp16 bf16
+torch_autocast amp gradient_clipping prescale_gradients gradient_predivide_factor sparse_gradients
+zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer steps_per_print wall_clock_breakdown
+dump_state flops_profiler activation_checkpointing aio sparse_attention data_efficiency curriculum_learning
+tensorboard wandb csv_monitor comet elasticity checkpoint data_types communication_data_type
+seq_parallel_communication_data_type autotuning compression_training memory_breakdown timers pipeline
+comms_logger disable_allgather dataloader_drop_last nebula weight_quantization hybrid_engine eigenvalue
+progressive_layer_drop quantize_training use_data_before_expert_parallelism use_node_local_storage
+graph_harvesting compile tensor_parallel zenflow gradient_accumulation_dtype
+""".split())
+
+
+def _zero_keys() -> frozenset[str]:
+    """zero_optimization's keys, from DeepSpeed's own config model (field names and their stage3_ aliases)."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        fields = DeepSpeedZeroConfig.model_fields
+        return frozenset(list(fields) + [f.alias for f in fields.values() if f.alias])
+    except Exception:  # another DeepSpeed layout: fall back to the keys zerotrain itself writes and documents
+        return frozenset("""stage overlap_comm contiguous_gradients reduce_bucket_size allgather_bucket_size
+            allgather_partitions reduce_scatter offload_optimizer offload_param sub_group_size round_robin_gradients
+            stage3_prefetch_bucket_size stage3_param_persistence_threshold stage3_max_live_parameters
+            stage3_max_reuse_distance stage3_gather_16bit_weights_on_model_save""".split())
+
+
+def check_user_keys(user: dict[str, Any], path: str | Path) -> None:
+    """Refuse a key DeepSpeed would ignore, naming it and the closest valid key (keys starting with _ are comments)."""
+    import difflib
+
+    flag = "--strategy.deepspeed_config"
+    zero = user.get("zero_optimization")
+    for prefix, keys, valid in (("", user, DS_TOP_LEVEL_KEYS),
+                                ("zero_optimization.", zero if isinstance(zero, dict) else {}, _zero_keys())):
+        for key in keys:
+            if key in valid or str(key).startswith("_"):
+                continue
+            close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{close[0]}?" if close else "see https://www.deepspeed.ai/docs/config-json/"
+            raise UserError(f"{flag}: {path}: unknown key {prefix}{key} (DeepSpeed would ignore it): {hint}")
 
 
 # Keys whose "auto" is not the same key in the generated config (Hugging Face's conventions).
@@ -243,8 +289,11 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
     return resolved
 
 
-def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
-    """Check what DeepSpeed would reject late or silently: batch rule, fp16+bf16, offload vs stage."""
+def validate_ds_config(ds: dict[str, Any], world_size: int, device: str | None = None) -> None:
+    """Check what DeepSpeed would reject late or silently: batch rule, fp16+bf16, offload vs stage; with
+    ``device``, precision the device cannot run, an optimizer DeepSpeed does not have, blocks zerotrain ignores."""
+    if device is not None:
+        _validate_for_device(ds, device)
     micro = ds.get("train_micro_batch_size_per_gpu")
     gas = ds.get("gradient_accumulation_steps")
     total = ds.get("train_batch_size")
@@ -269,6 +318,61 @@ def validate_ds_config(ds: dict[str, Any], world_size: int) -> None:
         raise ConfigError("zero_optimization.offload_param", f"needs stage 3, but zero_optimization.stage is {stage}")
     if _offload_device(zero.get("offload_optimizer")) not in (None, "none") and stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer", "needs stage 1, 2 or 3, but zero_optimization.stage is 0")
+
+
+# DeepSpeed's built-in optimizers (deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS, lower case); others need a client optimizer.
+_DS_OPTIMIZERS = ("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                  "muadamw", "musgd", "muon", "cpu_adam", "cpu_adagrad", "cpu_lion", "fusedadam")
+
+
+def _validate_for_device(ds: dict[str, Any], device: str) -> None:
+    import difflib
+
+    if _enabled(ds.get("fp16")) and device == "cpu":
+        raise ConfigError("fp16.enabled", "= true needs a GPU (as --strategy.precision fp16 does); on CPU set "
+                          "\"fp16\": {\"enabled\": false} in the file given to --strategy.deepspeed_config, or use bf16")
+    if "activation_checkpointing" in ds:
+        # That block configures deepspeed.checkpointing, which only models calling it use; zerotrain's
+        # models recompute through torch.utils.checkpoint, switched by the flag.
+        raise ConfigError("activation_checkpointing", "(a block of the file given to --strategy.deepspeed_config) "
+                          "does nothing for zerotrain's models: remove it and pass --strategy.activation_checkpointing true")
+    opt = ds.get("optimizer")
+    name = opt.get("type") if isinstance(opt, dict) else None
+    if isinstance(name, str) and name.lower() not in _DS_OPTIMIZERS:
+        try:
+            from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+            known = sorted(set(DEEPSPEED_OPTIMIZERS) | set(_DS_OPTIMIZERS))
+        except Exception:
+            known = list(_DS_OPTIMIZERS)
+        if name.lower() not in known:
+            close = difflib.get_close_matches(name.lower(), known, n=1)
+            raise ConfigError("optimizer.type", f"= {name!r} is not a DeepSpeed optimizer"
+                              + (f": did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"))
+
+
+def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> None:
+    """Write into ``cfg`` (the run's resolved copy) what a user's DeepSpeed file set, so ``hparams.json``
+    records the settings the run used rather than the typed config the file overrode."""
+    s, zero = cfg.strategy, ds.get("zero_optimization") or {}
+    s.precision = precision
+    s.zero_stage = zero.get("stage", 0)
+    for name in ("offload_optimizer", "offload_param"):
+        device = _offload_device(zero.get(name))
+        setattr(s, name, device if device in ("cpu", "nvme") else "none")
+    for name in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size"):
+        if isinstance(zero.get(name), (bool, int)):
+            setattr(s, name, zero[name])
+    cfg.trainer.micro_batch_size = ds["train_micro_batch_size_per_gpu"]
+    s.gradient_accumulation_steps = ds["gradient_accumulation_steps"]
+    if isinstance(ds.get("gradient_clipping"), (int, float)):
+        s.gradient_clipping = float(ds["gradient_clipping"])
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    o = cfg.optimizer
+    for name, cast in (("lr", float), ("eps", float), ("weight_decay", float)):
+        if isinstance(params.get(name), (int, float)):
+            setattr(o, name, cast(params[name]))
+    if isinstance(params.get("betas"), list) and len(params["betas"]) == 2:
+        o.betas = tuple(params["betas"])
 
 
 def _enabled(block: Any) -> bool:
@@ -314,5 +418,5 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         ds = resolve_auto(user, generated, extra)
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
-    validate_ds_config(ds, world_size)
+    validate_ds_config(ds, world_size, device)
     return ds

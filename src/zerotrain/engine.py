@@ -263,7 +263,18 @@ class DeepSpeedEngine(Engine):
         self.ds.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
 
     def load(self, folder: Path) -> None:
-        path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+        # DeepSpeed's checkpoint engine calls torch.load(weights_only=False): a crafted file in the
+        # folder would run code. This engine's loader is replaced, for this call only, by a
+        # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS).
+        from zerotrain.train_state import load_safely
+
+        allow = _ds_safe_globals()
+        ckpt_engine = self.ds.checkpoint_engine
+        ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
+        try:
+            path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+        finally:
+            del ckpt_engine.load  # the class's own method again
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
 
@@ -274,6 +285,26 @@ class DeepSpeedEngine(Engine):
         if self.rank != 0:
             return None
         return {k: v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
+
+
+DS_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                   "deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.utils.tensor_fragment.fragment_address")
+"""The classes DeepSpeed's checkpoint files hold besides tensors and containers (found by
+``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO-0..3 checkpoints): plain records,
+rebuilt by the weights-only unpickler without calling any of their code."""
+
+
+def _ds_safe_globals() -> list[type]:
+    import importlib
+
+    out = []
+    for dotted in DS_SAFE_GLOBALS:
+        module, _, name = dotted.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # another DeepSpeed version: a file that needs it is refused
+            pass
+    return out
 
 
 class TorchEngine(Engine):
@@ -369,8 +400,10 @@ class TorchEngine(Engine):
             torch.save(state, folder / self.STATE_FILE)
 
     def load(self, folder: Path) -> None:
-        # Tensors and plain containers only: a crafted file cannot run code here.
-        state = torch.load(folder / self.STATE_FILE, map_location=self.device, weights_only=True)
+        from zerotrain.train_state import load_safely
+
+        # Tensors and plain containers only: a crafted file cannot run code here (it is one UserError line).
+        state = load_safely(folder / self.STATE_FILE, map_location=self.device)
         self._module.load_state_dict(state["module"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -20,16 +20,19 @@ import numpy as np
 import torch
 
 from zerotrain import rundir
-from zerotrain.checkpoint import Checkpointer
+from zerotrain.checkpoint import Checkpointer, check_compatible, estimate_bytes, preflight_space, shape_of
 from zerotrain.config import RunConfig
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
-from zerotrain.distributed import Runtime, barrier, main_process_first, setup
-from zerotrain.ds_config import batch_shape
+from zerotrain.config import check_warmup
+from zerotrain.distributed import Runtime, barrier, main_process_first, run_on_main, setup
+from zerotrain.ds_config import batch_shape, reflect_ds_config
+from zerotrain.resume_check import check_resume_matches
 from zerotrain.engine import Engine, build_engine
 from zerotrain.errors import DataError
 from zerotrain.evaluate import Evaluator, fmt
-from zerotrain.metrics import ThroughputMeter, memory_snapshot
+from zerotrain.metrics import StepProfiler, ThroughputMeter, memory_snapshot
+from zerotrain.preemption import Preempted
 from zerotrain.tasks.base import Splits, Task
 from zerotrain.tracking import StepLogger, Tracker, log, progress_bar
 from zerotrain.train_state import TrainState
@@ -59,6 +62,7 @@ class Run:
     total_steps: int
     engine: Engine
     flops_per_token: float
+    n_params: int
 
 
 def seed_everything(seed: int) -> None:
@@ -73,11 +77,11 @@ def fit(task: Task) -> FitResult:
     ``task`` and its config are left as they were; so is the process (see ``distributed.setup``).
     """
     task.cfg.validate()
-    with setup(task.cfg) as rt:
-        run = _build(task, rt)
+    with setup(task.cfg) as rt, rundir.RunLock() as lock:  # rank 0 owns the run folder until fit returns
+        run = _build(task, rt, lock)
         tr = run.cfg.trainer
         state, engine = TrainState(), run.engine
-        checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state)
+        checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state, shape_of(engine, run.task.name))
         if run.resume_from is not None:
             checkpointer.load(run.resume_from)
             log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", run.resume_from,
@@ -91,6 +95,8 @@ def fit(task: Task) -> FitResult:
         bar = progress_bar(run.cfg.logging.progress_bar and rt.is_main, run.total_steps, state.step)
         logger = StepLogger(tr.log_every_steps, run.total_steps, engine, meter, tracker, bar)
         evaluator = Evaluator(run.task, engine, tr)
+        profiler = StepProfiler(tr.profile_steps, max(state.step, tr.warmup_steps_excluded), rt.device,
+                                run.run_dir, rt.is_main)
         loader = make_loader(run.splits.train, run.sampler, run.task.collator(), tr.num_workers, tr.seed)
         stream = micro_batch_stream(loader, run.sampler, state.epoch, state.batches_in_epoch)
         results: dict[str, Any] = {}
@@ -103,11 +109,13 @@ def fit(task: Task) -> FitResult:
                 meter.add_data_wait(time.perf_counter() - t0)
                 stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
                 state.advance(stats.loss, *drawn[-1][:2])
-                meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops)
+                meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
+                               sum(run.task.real_tokens(b) for _, _, b in drawn))
                 last = state.step == run.total_steps
                 if logger.should_log(state.step):
                     results.update(logger.log(state))  # keeps the latest val_* next to the latest window
                 bar.update(1)
+                profiler.step(state.step)
                 if evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
                     if run.splits.val is not None:
                         val = evaluator.run(run.splits.val, "val")
@@ -118,6 +126,11 @@ def fit(task: Task) -> FitResult:
                 if not last and checkpointer.should_save(state.step):
                     log.info("checkpoint: %s", checkpointer.save())
                     meter.start()
+                if not last and rt.preemption is not None and rt.preemption.should_stop(rt.device):
+                    folder = checkpointer.save()
+                    log.warning("pre-empted by %s at step %d: checkpoint %s", rt.preemption.name(), state.step, folder)
+                    tracker.close()
+                    raise Preempted(rt.preemption.name(), folder, state.step)
         finally:
             bar.close()
         if state.step == start_step:
@@ -128,13 +141,16 @@ def fit(task: Task) -> FitResult:
         return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
 
 
-def _build(task: Task, rt: Runtime) -> Run:
+def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Run:
     """Data, sampling plan, model and engine; the run folder once all of them were built without error."""
     cfg = copy.deepcopy(task.cfg)
     cfg.strategy.precision = rt.precision  # tasks read it (LoRA loads weights in it); hparams.json shows it
     task = task.with_config(cfg)
     tr = cfg.trainer
-    run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, task.name, cfg.checkpoint.resume, rt.is_main)
+    run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, task.name, cfg.checkpoint.resume, rt.is_main,
+                                          lock, cfg.checkpoint.verify)
+    if resume_from is not None:  # before anything is built or hparams.json rewritten
+        run_on_main(lambda: check_resume_matches(resume_from, task.name, cfg))
 
     # Identical initial weights on every rank, then per-rank randomness (dropout, masking).
     seed_everything(tr.seed)
@@ -148,6 +164,7 @@ def _build(task: Task, rt: Runtime) -> Run:
         raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
                         f"({micro} x {grad_accum} x {rt.world_size}). Add data or lower --trainer.micro_batch_size")
     total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
+    check_warmup(cfg.scheduler.warmup_steps, total_steps)  # epochs: the run's length is known only now
     model = task.build_model()
     # Counted on the whole model, before an engine may shard it.
     flops_per_token = task.flops_per_token(model)
@@ -157,8 +174,16 @@ def _build(task: Task, rt: Runtime) -> Run:
                           task.deepspeed_hints(model))
     seed_everything(tr.seed + 1000 * rt.rank)
 
+    if cfg.strategy.deepspeed_config and engine.ds_config is not None:
+        reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
+    if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
+        check_compatible(resume_from, shape_of(engine, task.name))
+    if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
+        one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
+        run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
+    # On rank 0, with its error shared: a lock held by another run stops every rank.
+    run_on_main(lambda: rundir.write_metadata(run_dir, task.name, cfg.to_dict(), engine.ds_config, lock))
     if rt.is_main:
-        rundir.write_metadata(run_dir, task.name, cfg.to_dict(), engine.ds_config)
         if engine.ds_config is not None and cfg.logging.print_ds_config:
             print(json.dumps(engine.ds_config, indent=2), flush=True)
     log.info("run directory: %s", run_dir)
@@ -166,7 +191,7 @@ def _build(task: Task, rt: Runtime) -> Run:
              n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
     log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
              total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
-    return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, flops_per_token)
+    return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, flops_per_token, n_params)
 
 
 def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: Evaluator, tracker: Tracker,
@@ -180,11 +205,16 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
         results.update(test)
         log.info("test: %s", fmt(test))
     weights = run.engine.consolidated_state_dict()
-    if run.rt.is_main:
-        run.task.export(run.engine.module, weights, run.run_dir / "model")
+    def export() -> None:
+        with rundir.writing("the exported model", run.run_dir / "model"):
+            run.task.export(run.engine.module, weights, run.run_dir / "model")
+
+    run_on_main(export)  # a full disk on rank 0 stops every rank with its one line
     summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},
                **memory_snapshot(run.rt.device), "device": meter.device_name, "world_size": run.rt.world_size,
-               "precision": run.engine.precision, "final_step": state.step}
+               "precision": run.engine.precision, "final_step": state.step, "n_params": run.n_params,
+               "micro_batch_size": run.engine.micro_batch_size, "grad_accum": run.engine.grad_accum,
+               "engine": run.engine.describe()}
     if run.rt.is_main and (state.step > start_step or not (run.run_dir / "summary.json").exists()):
         rundir.write_json(run.run_dir / "summary.json", summary)
     barrier()

@@ -19,6 +19,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import psutil
@@ -84,6 +85,7 @@ class Window:
     steps: int = 0
     micro_batches: int = 0
     samples: int = 0
+    real_tokens: int = 0
     tokens: int = 0
     flops: float = 0.0
     data_wait_s: float = 0.0
@@ -122,9 +124,12 @@ class ThroughputMeter:
     def add_data_wait(self, seconds: float) -> None:
         self.window.data_wait_s += seconds
 
-    def add_step(self, micro_batches: int, samples: int, tokens: int, flops: Optional[float] = None) -> None:
+    def add_step(self, micro_batches: int, samples: int, tokens: int, flops: Optional[float] = None,
+                 real_tokens: Optional[int] = None) -> None:
         """Count one optimizer step's work. Steps in the warm-up restart the clock instead.
 
+        ``tokens`` are the positions the model computed (padding included: they cost FLOPs);
+        ``real_tokens`` the non-padding ones (what a user's data holds; default ``tokens``).
         ``flops``: the step's training FLOPs when the task measured them from the batch shapes;
         otherwise ``flops_per_token`` x ``tokens``.
         """
@@ -137,6 +142,7 @@ class ThroughputMeter:
         w.micro_batches += micro_batches
         w.samples += samples
         w.tokens += tokens
+        w.real_tokens += tokens if real_tokens is None else real_tokens
         w.flops += flops if flops is not None else self.flops_per_token * tokens
 
     def read(self) -> dict[str, float]:
@@ -145,9 +151,11 @@ class ThroughputMeter:
         now = time.perf_counter()
         w = self.window
         ws = self.world_size
-        counts = {"samples": float(w.samples), "tokens": float(w.tokens), "flops": w.flops}
+        counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
+                  "flops": w.flops}
         job = self._sum(counts) if self._sum else {k: v * ws for k, v in counts.items()}
-        w.samples, w.tokens, w.flops = int(job["samples"]), int(job["tokens"]), job["flops"]
+        w.samples, w.tokens, w.real_tokens = int(job["samples"]), int(job["tokens"]), int(job["real_tokens"])
+        w.flops = job["flops"]
         out: dict[str, float] = {}
         if self._t0 is not None and w.steps > 0:
             elapsed = now - self._t0
@@ -156,12 +164,13 @@ class ThroughputMeter:
                 "sec_per_batch": elapsed / w.micro_batches,
                 "samples_per_s": w.samples / elapsed,
                 "tokens_per_s": w.tokens / elapsed,
+                "real_tokens_per_s": w.real_tokens / elapsed,
                 "tflops_per_gpu": w.flops / ws / elapsed / 1e12,
                 "data_wait_frac": min(1.0, w.data_wait_s / elapsed),
             }
             if self.peak:
                 out["mfu"] = out["tflops_per_gpu"] / self.peak
-            for k in ("steps", "micro_batches", "samples", "tokens", "flops"):
+            for k in ("steps", "micro_batches", "samples", "tokens", "real_tokens", "flops"):
                 setattr(self.total, k, getattr(self.total, k) + getattr(w, k))
             self.total.data_wait_s += w.data_wait_s
             self.total_seconds += elapsed
@@ -179,6 +188,7 @@ class ThroughputMeter:
             "sec_per_batch": s / t.micro_batches,
             "samples_per_s": t.samples / s,
             "tokens_per_s": t.tokens / s,
+            "real_tokens_per_s": t.real_tokens / s,
             "tflops_per_gpu": t.flops / self.world_size / s / 1e12,
             "data_wait_frac": t.data_wait_s / s,
             "measured_steps": t.steps,
@@ -190,3 +200,105 @@ class ThroughputMeter:
 
 def memory_snapshot(device: torch.device) -> dict[str, float]:
     return {"host_rss_gib": host_rss_gib(), "host_rss_peak_gib": host_peak_rss_gib(), **gpu_memory_gib(device)}
+
+
+# Kernel families for the profile summary, matched on lower-cased kernel names, first match wins.
+KERNEL_FAMILIES: list[tuple[str, tuple[str, ...]]] = [
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "wgmma")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("norm/elementwise", ("norm", "elementwise", "vectorized", "reduce", "softmax", "gelu", "dropout",
+                          "copy", "fill", "cat", "index", "scatter", "gather", "where", "embedding")),
+]
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((family for family, keys in KERNEL_FAMILIES if any(k in low for k in keys)), "other")
+
+
+class StepProfiler:
+    """torch.profiler over ``steps`` optimizer steps once the warm-up is over; a short summary per run.
+
+    Writes ``<run>/profile.json`` and ``profile.md``: wall, CPU and GPU time per step, the GPU's busy
+    fraction (the rest is the device waiting for the host), host-device synchronisations per step,
+    GPU time per kernel family (matmul, attention, norm/elementwise, optimizer, other) and the top
+    kernels (on a CPU run: the top operators by CPU time).
+    """
+
+    def __init__(self, steps: int, start_after: int, device: torch.device, out_dir: Path, is_main: bool):
+        self.steps, self.start_after, self.device = steps, start_after, device
+        self.out_dir, self.is_main = out_dir, is_main
+        self._prof = None
+        self._t0 = 0.0
+
+    def step(self, step: int) -> None:
+        """Call after each optimizer step."""
+        if not self.steps:
+            return
+        if self._prof is None and step == self.start_after:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._prof = profile(activities=activities)
+            synchronize(self.device)
+            self._prof.__enter__()
+            self._t0 = time.perf_counter()
+        elif self._prof is not None and step == self.start_after + self.steps:
+            synchronize(self.device)
+            wall = time.perf_counter() - self._t0
+            self._prof.__exit__(None, None, None)
+            summary = summarize_profile(self._prof.key_averages(), self.steps, wall)
+            self._prof, self.steps = None, 0
+            if self.is_main:
+                from zerotrain.data.io import atomic_write_text, write_json
+
+                write_json(self.out_dir / "profile.json", summary)
+                atomic_write_text(self.out_dir / "profile.md", profile_markdown(summary))
+
+
+def _device_us(event) -> float:
+    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) or 0.0)
+
+
+def summarize_profile(events, steps: int, wall_s: float) -> dict:
+    """The numbers of :class:`StepProfiler`'s summary from ``profile.key_averages()`` (times in ms per step)."""
+    kernels = [e for e in events if _device_us(e) > 0 and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset"))]
+    gpu_ms = sum(_device_us(e) for e in kernels) / 1e3 / steps
+    families: dict[str, float] = {}
+    for e in kernels:
+        fam = kernel_family(e.key)
+        families[fam] = families.get(fam, 0.0) + _device_us(e) / 1e3 / steps
+    ops = [e for e in events if e.key.startswith("aten::")]
+    top = (sorted(kernels, key=_device_us, reverse=True) if kernels
+           else sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True))[:12]
+    syncs = sum(e.count for e in events if e.key in SYNC_CALLS)
+    reads = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
+    wall_ms = wall_s * 1e3 / steps
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms,
+        "cpu_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
+        "gpu_ms_per_step": gpu_ms,
+        "gpu_busy_frac": gpu_ms / wall_ms if wall_ms else 0.0,
+        "syncs_per_step": syncs / steps,
+        "device_reads_per_step": reads / steps,
+        "gpu_ms_per_step_by_family": dict(sorted(families.items(), key=lambda kv: -kv[1])),
+        "top": [{"name": e.key[:90], "calls_per_step": e.count / steps,
+                 "ms_per_step": (_device_us(e) if kernels else e.self_cpu_time_total) / 1e3 / steps,
+                 "family": kernel_family(e.key) if kernels else "cpu op"} for e in top],
+    }
+
+
+def profile_markdown(s: dict) -> str:
+    lines = [f"Profile of {s['steps']} steps: {s['wall_ms_per_step']:.1f} ms/step wall, "
+             f"{s['cpu_ms_per_step']:.1f} ms CPU, {s['gpu_ms_per_step']:.1f} ms GPU "
+             f"(busy {s['gpu_busy_frac']:.0%}), {s['syncs_per_step']:.1f} host-device syncs and "
+             f"{s['device_reads_per_step']:.1f} device-value reads per step.", ""]
+    if s["gpu_ms_per_step_by_family"]:
+        lines += ["| kernel family | GPU ms/step |", "|---|---|"]
+        lines += [f"| {k} | {v:.2f} |" for k, v in s["gpu_ms_per_step_by_family"].items()] + [""]
+    lines += ["| top | family | calls/step | ms/step |", "|---|---|---|---|"]
+    lines += [f"| `{t['name']}` | {t['family']} | {t['calls_per_step']:.1f} | {t['ms_per_step']:.3f} |" for t in s["top"]]
+    return "\n".join(lines) + "\n"

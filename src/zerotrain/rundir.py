@@ -52,11 +52,14 @@ def create(output_dir: str, name: str) -> Path:
 
 
 def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optional[str],
-            is_main: bool) -> tuple[Path, Optional[Path]]:
+            is_main: bool, lock: Optional[RunLock] = None, verify: bool = True) -> tuple[Path, Optional[Path]]:
     """The run folder every rank agrees on, and the checkpoint to resume from (None: start fresh).
 
     Rank 0 names the run and checks the parent folder is writable; nothing is created yet, so a
     bad flag or data file found later leaves no empty run folder behind (see :func:`write_metadata`).
+    A run folder that exists already is locked first (rank 0's ``lock``), before its checkpoints are
+    read: a run still training there is not raced. ``verify``: check the checkpoint's checksums too
+    (sizes are always checked; see :func:`zerotrain.checkpoint.find_resume_folder`).
     """
     from zerotrain.checkpoint import find_resume_folder
     from zerotrain.distributed import broadcast_object, run_on_main
@@ -64,17 +67,138 @@ def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optio
     name = broadcast_object(run_name or new_run_name(recipe) if is_main else None)
     run_on_main(lambda: check_writable(output_dir))  # its error stops every rank, not rank 0 alone
     run_dir = Path(output_dir).expanduser() / name
-    return run_dir, (find_resume_folder(resume, run_dir) if resume else None)
+    if lock is not None:
+        run_on_main(lambda: lock.take(run_dir) if run_dir.is_dir() else None)
+    return run_dir, (find_resume_folder(resume, run_dir, verify=verify) if resume else None)
 
 
-def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_config: Optional[dict[str, Any]]) -> None:
-    """Create the run folder and write what reruns the run: config, DeepSpeed JSON, environment, code state."""
+def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_config: Optional[dict[str, Any]],
+                   lock: Optional["RunLock"] = None) -> None:
+    """Create the run folder and write what reruns the run: config, DeepSpeed JSON, environment, code state.
+
+    ``lock`` (rank 0's :class:`RunLock`) takes the folder first, so that nothing is rewritten under a
+    run that another process still trains."""
     create(str(run_dir.parent), run_dir.name)
+    if lock is not None:
+        lock.take(run_dir)
     write_json(run_dir / "hparams.json", {"recipe": recipe, **hparams})
     if ds_config is not None:
         write_json(run_dir / "ds_config.json", ds_config)
     write_json(run_dir / "env.json", environment())
     write_code_state(run_dir)
+
+
+# ---- who owns a run folder ----------------------------------------------------------------------
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on ``<run>/.lock``, held by rank 0 for the length of a fit.
+
+    A second fit on the same run folder (a restarted job while the old one still runs, two users
+    with the same --trainer.run_name) stops with one line naming the holder's pid, before it rewrites
+    anything. The kernel drops the lock when its holder dies, even by kill -9, so a stale lock file
+    never blocks a restart; the file itself is left in place (deleting it would race with a new holder).
+    """
+
+    def __init__(self) -> None:
+        self._fd: Optional[int] = None
+        self.path: Optional[Path] = None
+
+    def take(self, run_dir: Path) -> None:
+        """Lock ``run_dir`` (which must exist); a no-op when this object holds it already."""
+        if self._fd is not None:
+            return
+        import fcntl
+
+        path = run_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").split()
+            os.close(fd)
+            who = f"process {holder[0]}" + (f" on {holder[1]}" if len(holder) > 1 else "") if holder else "another process"
+            raise UserError(f"run folder {run_dir} is in use by {who} (it holds {path}). Wait for that run to end "
+                            "or stop it, or pass another --trainer.run_name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._fd, self.path = fd, path
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+# ---- writes that fail for space -------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def free_bytes(folder: Path) -> Optional[int]:
+    """Free space of the disk holding ``folder`` (or its nearest existing parent); None if unknown."""
+    import shutil
+
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def is_space_error(exc: BaseException) -> bool:
+    """A write that failed because the disk (or quota) is full: ENOSPC/EDQUOT, or torch.save's RuntimeError.
+
+    ``torch.save`` reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc:...]
+    ... PytorchStreamWriter failed writing file ...``: no errno survives, so its text is matched.
+    """
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text
+                                              or "file write failed" in text)
+
+
+def space_error(what: str, folder: Path, needed: Optional[int] = None, keep: str = "") -> UserError:
+    """The one line for a write of ``what`` into ``folder`` that did not fit."""
+    free = free_bytes(folder)
+    have = f"{fmt_bytes(free)} free" if free is not None else "free space unknown"
+    need = f", about {fmt_bytes(needed)} needed" if needed else ""
+    return UserError(f"no space left to write {what} in {folder} ({have}{need}). Free disk space or point "
+                     f"--trainer.output_dir at a bigger disk{keep}")
+
+
+class writing:
+    """``with writing("the exported model", folder):`` turns a disk-full error inside into one UserError line.
+
+    Other errors pass through unchanged. ``needed``: the bytes the write needs, when known.
+    """
+
+    def __init__(self, what: str, folder: Path, needed: Optional[int] = None, keep: str = ""):
+        self.what, self.folder, self.needed, self.keep = what, Path(folder), needed, keep
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, UserError) and is_space_error(exc):
+            raise space_error(self.what, self.folder, self.needed, self.keep) from None
+        return False
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -99,6 +223,13 @@ def write_code_state(run: Path) -> None:
     (run / "gitdiff.log").write_text(_git(["diff", "HEAD"], cwd))
 
 
+def commit() -> str | None:
+    """The git commit of the zerotrain code that runs (its source checkout), or ZEROTRAIN_COMMIT for a
+    copy of a checkout without .git (such as the tree a GPU machine receives); None when neither says."""
+    here = Path(__file__).resolve().parent
+    return _git(["rev-parse", "HEAD"], here).strip() or os.environ.get("ZEROTRAIN_COMMIT") or None
+
+
 def _program() -> str:
     """How the command was started: ``zerotrain``, or ``python -m zerotrain`` (also torchrun's workers)."""
     name = Path(sys.argv[0]).name
@@ -117,6 +248,7 @@ def environment() -> dict[str, Any]:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     return {
         "command": " ".join([_program(), *sys.argv[1:]]),
+        "commit": commit(),
         "cwd": str(Path.cwd()),
         "python": sys.version.split()[0],
         "platform": platform.platform(),

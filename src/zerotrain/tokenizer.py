@@ -28,7 +28,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
     if not local:
         hub_offline()
     try:
-        return AutoTokenizer.from_pretrained(str(path) if local else name_or_path)
+        tok = AutoTokenizer.from_pretrained(str(path) if local else name_or_path)
     except (OSError, ValueError) as exc:
         where = f"folder {name_or_path!r}" if local else f"hub name {name_or_path!r}"
         raise UserError(
@@ -37,3 +37,31 @@ def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
             "Offline, pass a local folder with tokenizer.json (or vocab.json + merges.txt), "
             f"e.g. {flag} ../shared/data/roberta-tokenizer"
         ) from None
+    check_encodes_text(tok, name_or_path, flag)
+    return tok
+
+
+PROBE = "The movie was good, and the acting was great."
+"""An English sentence any text tokenizer splits into several ordinary tokens."""
+
+
+def check_encodes_text(tok, name_or_path: str, flag: str) -> None:
+    """Refuse a tokenizer that turns text into special tokens only.
+
+    A folder holding only ``config.json`` loads as a tokenizer of five special tokens: every text
+    becomes ``<s></s>`` (or ``<unk>`` runs) and training "succeeds" on nothing. Two distinct ordinary
+    tokens in :data:`PROBE` is the least a tokenizer that can encode text gives.
+    """
+    try:
+        ids = tok(PROBE, add_special_tokens=False)["input_ids"]
+    except Exception as exc:  # a tokenizer without a vocabulary may raise instead of returning nothing
+        ids, detail = [], f" ({type(exc).__name__})"
+    else:
+        detail = ""
+    ordinary = set(ids) - set(tok.all_special_ids)
+    if len(ordinary) < 2:
+        raise UserError(
+            f"{flag}: the tokenizer in {name_or_path!r} cannot encode text: {PROBE!r} becomes "
+            f"{len(ordinary)} ordinary token(s){detail} (vocabulary of {len(tok)}). Pass a folder with "
+            "tokenizer.json (or vocab.json + merges.txt), e.g. ../shared/data/roberta-tokenizer"
+        )

@@ -38,24 +38,39 @@ def setup_logging(is_main: bool) -> Callable[[], None]:
 
 
 class Tracker:
+    """metrics.jsonl, TensorBoard and W&B, written by rank 0.
+
+    A value that is not finite is written to metrics.jsonl as the string ``"nan"``, ``"inf"`` or
+    ``"-inf"`` (JSON has no such numbers, and dropping it would hide a diverged run); TensorBoard gets
+    the float itself. A write that fails for space is one UserError line naming the file.
+    """
+
     def __init__(self, run_dir: Path, cfg: LoggingConfig, hparams: dict[str, Any], is_main: bool,
                  resumed_at: Optional[int] = None):
         """``resumed_at``: the checkpoint step a resumed run starts from. What a killed run logged after
-        it is hidden from TensorBoard (its ``purge_step``), as the loop removes it from metrics.jsonl."""
+        it is hidden from TensorBoard (its ``purge_step``), as the loop removes it from metrics.jsonl.
+        None: the run starts at step 0, so whatever an earlier attempt of it logged (a run killed before
+        its first checkpoint) is cleared, metrics.jsonl and tb_dir both."""
         self.is_main = is_main
+        self.run_dir = run_dir
         self._jsonl = None
         self._tb = None
         self._wandb = None
         if not is_main:
             return
-        if resumed_at is not None:
-            _drop_rows_after(run_dir / "metrics.jsonl", resumed_at)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        metrics = run_dir / "metrics.jsonl"
+        with rundir_writing("metrics.jsonl", run_dir):
+            if resumed_at is not None:
+                _drop_rows_after(metrics, resumed_at)
+            else:
+                _clear_earlier_attempt(run_dir)
+            self._jsonl = open(metrics, "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = None if resumed_at is None else resumed_at + 1
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb_dir"), purge_step=purge)
+            with rundir_writing("TensorBoard events", run_dir / "tb_dir"):
+                self._tb = SummaryWriter(log_dir=str(run_dir / "tb_dir"), purge_step=purge)
         if cfg.wandb:
             try:
                 import wandb
@@ -69,11 +84,12 @@ class Tracker:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        clean = {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
-        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
-        for key, value in clean.items():
-            if isinstance(value, (int, float)):
-                if self._tb is not None:
+        clean = {k: v for k, v in metrics.items() if v is not None}
+        with rundir_writing("metrics.jsonl", self.run_dir):
+            self._jsonl.write(json.dumps({"step": step, **{k: _json_number(v) for k, v in clean.items()}}) + "\n")
+        with rundir_writing("TensorBoard events", self.run_dir / "tb_dir"):
+            for key, value in clean.items():
+                if isinstance(value, (int, float)) and self._tb is not None:
                     self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
@@ -81,20 +97,65 @@ class Tracker:
     def close(self) -> None:
         if self._jsonl:
             self._jsonl.close()
+            self._jsonl = None
         if self._tb is not None:
-            self._tb.close()
+            with rundir_writing("TensorBoard events", self.run_dir / "tb_dir"):
+                tb, self._tb = self._tb, None
+                tb.close()
         if self._wandb is not None:
             self._wandb.finish()
 
 
+def _json_number(value: Any) -> Any:
+    """``value``, or its name as a string when JSON cannot hold it (nan, inf, -inf)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
 def _drop_rows_after(metrics_file: Path, step: int) -> None:
-    """Forget what a killed run logged after its last checkpoint: the resumed run logs those steps again."""
+    """Forget what a killed run logged after its last checkpoint: the resumed run logs those steps again.
+
+    A line that is not JSON (the half-written last line of a run killed mid-write, or a disk that
+    filled up) is dropped too, with a warning, instead of failing every later resume.
+    """
     if not metrics_file.is_file():
         return
-    lines = metrics_file.read_text().splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
-    if len(kept) != len(lines):
+    lines = metrics_file.read_text(encoding="utf-8", errors="replace").split("\n")
+    kept, broken = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            broken += 1
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line)
+    if broken:
+        log.warning("%s: dropped %d line(s) that were not JSON (half-written when the run stopped)", metrics_file, broken)
+    if len(kept) != sum(1 for line in lines if line.strip()) or not metrics_file.read_bytes().endswith(b"\n"):
         atomic_write_text(metrics_file, "".join(line + "\n" for line in kept))
+
+
+def _clear_earlier_attempt(run_dir: Path) -> None:
+    """A run that starts at step 0 in a folder an earlier attempt logged into: drop that log."""
+    import shutil
+
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        log.warning("%s: clearing what an earlier attempt of this run logged (it left no checkpoint)", metrics)
+        metrics.unlink()
+    tb = run_dir / "tb_dir"
+    if tb.is_dir() and any(tb.iterdir()):
+        shutil.rmtree(tb)
+
+
+def rundir_writing(what: str, folder: Path):
+    from zerotrain.rundir import writing
+
+    return writing(what, folder)
 
 
 class StepLogger:

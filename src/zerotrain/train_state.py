@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -98,3 +99,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_safely(path: Path, map_location: Any = "cpu", allow: Iterable[type] = ()) -> Any:
+    """``torch.load(weights_only=True)``: tensors, plain containers and the classes in ``allow`` only.
+
+    A file that needs more (a crafted pickle whose ``__reduce__`` would run code) or is damaged
+    ends in one :class:`UserError` line naming it; nothing in it runs.
+    """
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError (a damaged zip), EOFError, ...
+        raise unreadable(path, exc) from None
+
+
+def unreadable(path: Path, exc: BaseException) -> UserError:
+    """The one line for a checkpoint file that cannot be loaded safely."""
+    text = " ".join(str(exc).split())
+    if "Weights only load failed" in text or "Unsupported global" in text:
+        why = ("it holds Python objects other than tensors and plain containers, which are refused because loading "
+               "them could run code (was the file replaced?)")
+    else:
+        why = f"it is damaged ({type(exc).__name__}: {text[:200]})"
+    return UserError(f"--checkpoint.resume: {path} cannot be loaded: {why}. Pass an older checkpoint folder")

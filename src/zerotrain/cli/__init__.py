@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "benchmark": "sweep ZeRO stages / offload / DDP and tabulate speed and memory",
     "estimate": "model-state memory of every strategy, and the fastest that fits",
     "predict": "predict with a finished run: IMDB labels, MLM fill-mask, LoRA generation",
+    "export": "write a checkpoint as safetensors (any ZeRO stage, on CPU) or a Hugging Face folder (mlm)",
     "doctor": "report versions, GPUs, compilers and DeepSpeed op readiness",
 }
 
@@ -40,8 +41,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     import importlib
 
     module = importlib.import_module(f"zerotrain.cli.{name}")
+    from zerotrain.preemption import PREEMPTED_EXIT, Preempted
+
     try:
         return module.run(rest) or 0
+    except Preempted as exc:  # SIGTERM/SIGINT/SIGUSR1: the checkpoint is written; ask the scheduler to requeue
+        if _rank() == 0:
+            print(f"zerotrain {name}: {exc} (exit status {PREEMPTED_EXIT})", file=sys.stderr, flush=True)
+        _end_process_group()
+        return PREEMPTED_EXIT
     except UserError as exc:
         # In a job every rank stops on the error (zerotrain.distributed.main_process_first shares one
         # found on a single rank); rank 0 says it once, and all ranks exit 2.

@@ -1,7 +1,8 @@
 """``zerotrain benchmark RECIPE --strategies zero0,zero1,... [--nproc 1,2] --out DIR [fit flags]``.
 
 Runs one ``zerotrain fit`` per strategy and process count and writes ``DIR/benchmark.json`` and
-``DIR/benchmark.md``. Flags it does not know are passed to every fit (e.g. ``--config FILE``).
+``DIR/benchmark.md`` and a plot ``DIR/benchmark.png`` (tokens/s against peak GPU memory); with
+``--profile N``, a profile summary per run. Flags it does not know are passed to every fit (e.g. ``--config FILE``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--strategies", default="zero0,zero1,zero2,zero3",
                         help=f"comma-separated, from: {', '.join(STRATEGIES)}")
     parser.add_argument("--nproc", default="1", help="comma-separated process (GPU) counts, e.g. 1,2")
-    parser.add_argument("--out", default="benchmarks/results/latest", help="folder for benchmark.json/.md and runs/")
+    parser.add_argument("--out", default="benchmarks/results/latest", help="folder for benchmark.json/.md/.png and runs/")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="profile STEPS steps of each run after its warm-up; writes profile_<strategy>_<n>gpu.md")
     args, fit_args = parser.parse_known_args(argv)
     try:
         nprocs = [int(n) for n in args.nproc.split(",")]
     except ValueError:
         raise UserError(f"--nproc must be comma-separated integers, got {args.nproc!r}") from None
-    result = run_sweep(args.recipe, args.strategies.split(","), nprocs, Path(args.out), fit_args)
+    if args.profile < 0:
+        raise UserError(f"--profile must be >= 0 (steps to profile), got {args.profile}")
+    result = run_sweep(args.recipe, args.strategies.split(","), nprocs, Path(args.out), fit_args,
+                       profile_steps=args.profile)
     print((Path(args.out) / "benchmark.md").read_text())
     return 1 if all("error" in r for r in result["rows"]) else 0

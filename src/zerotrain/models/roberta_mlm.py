@@ -173,3 +173,59 @@ class RobertaMLM(nn.Module):
         return (6.0 * self.num_params(non_embedding=True)
                 + 12.0 * self.num_layers * self.h_dim * seq_len
                 + 6.0 * self.h_dim * self.vocab_size * predicted_fraction)
+
+
+# ---- Hugging Face layout -----------------------------------------------------------------------
+# RobertaMLM's tensors under transformers' RobertaForMaskedLM names, for `zerotrain export --format hf`.
+# Both are post-LN encoders with exact-erf GELU, scaled dot-product attention over keys whose mask is 1,
+# and a decoder tied to the token embedding; the differences are handled here:
+# * RoBERTa numbers positions from padding_idx + 1 (rows 0..padding_idx are never used for real tokens),
+#   zerotrain from 0: our table goes into rows padding_idx + 1 onwards. Real tokens of a right-padded or
+#   unpadded input then get the same position vectors in both models.
+# * RoBERTa adds a token-type embedding (one type): a zero row adds nothing.
+# * Our packed qkv projection is split into query, key and value.
+
+def hf_roberta_config(model: "RobertaMLM", num_heads: int, ff_dim: int, dropout: float, pad_token_id: int,
+                      bos_token_id: Optional[int], eos_token_id: Optional[int]) -> dict:
+    """``config.json`` of the RobertaForMaskedLM equal to ``model``."""
+    enc = model.encoder
+    return {
+        "architectures": ["RobertaForMaskedLM"], "model_type": "roberta",
+        "vocab_size": model.vocab_size, "hidden_size": model.h_dim, "num_hidden_layers": model.num_layers,
+        "num_attention_heads": num_heads, "intermediate_size": ff_dim, "hidden_act": "gelu",
+        "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout,
+        "max_position_embeddings": enc.position_embedding.num_embeddings + pad_token_id + 1,
+        "type_vocab_size": 1, "initializer_range": 0.02, "layer_norm_eps": enc.ln_emb.eps,
+        "pad_token_id": pad_token_id, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
+        "tie_word_embeddings": True,
+    }
+
+
+def hf_roberta_state_dict(sd: dict[str, torch.Tensor], num_layers: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``sd`` (a RobertaMLM state dict) renamed and reshaped into RobertaForMaskedLM's."""
+    out: dict[str, torch.Tensor] = {}
+    word = sd["encoder.token_embedding.weight"]  # (V, C)
+    pos = sd["encoder.position_embedding.weight"]  # (T, C)
+    emb = "roberta.embeddings."
+    out[emb + "word_embeddings.weight"] = word
+    table = pos.new_zeros(pos.shape[0] + pad_token_id + 1, pos.shape[1])  # (T + pad + 1, C)
+    table[pad_token_id + 1:] = pos
+    out[emb + "position_embeddings.weight"] = table
+    out[emb + "token_type_embeddings.weight"] = pos.new_zeros(1, pos.shape[1])
+    out[emb + "LayerNorm.weight"], out[emb + "LayerNorm.bias"] = sd["encoder.ln_emb.weight"], sd["encoder.ln_emb.bias"]
+    for i in range(num_layers):
+        src, dst = f"encoder.layers.{i}.", f"roberta.encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            q, k, v = sd[src + f"attn.qkv.{kind}"].chunk(3, dim=0)
+            out[dst + f"attention.self.query.{kind}"] = q
+            out[dst + f"attention.self.key.{kind}"] = k
+            out[dst + f"attention.self.value.{kind}"] = v
+            for ours, theirs in (("attn.out", "attention.output.dense"), ("ln_attn", "attention.output.LayerNorm"),
+                                 ("ff_in", "intermediate.dense"), ("ff_out", "output.dense"),
+                                 ("ln_ff", "output.LayerNorm")):
+                out[dst + f"{theirs}.{kind}"] = sd[src + f"{ours}.{kind}"]
+    for ours, theirs in (("lm_head.dense", "lm_head.dense"), ("lm_head.ln", "lm_head.layer_norm")):
+        for kind in ("weight", "bias"):
+            out[f"{theirs}.{kind}"] = sd[f"{ours}.{kind}"]
+    out["lm_head.bias"] = sd["lm_head.decoder.bias"]  # transformers ties decoder.bias to it; the weight to word_embeddings
+    return {k: v.contiguous() for k, v in out.items()}

@@ -123,6 +123,13 @@ class Task(ABC, Generic[C]):
         """
         return None
 
+    def real_tokens(self, batch: Batch) -> int:
+        """Non-padding tokens of a collated CPU batch, for tokens/s (counted before the batch moves to
+        the device, so it costs no synchronisation). Default: the ``attention_mask`` sum, else one
+        token per example."""
+        mask = batch.get("attention_mask")
+        return int(mask.sum()) if mask is not None else len(next(iter(batch.values())))
+
     def flops_per_token(self, model: nn.Module) -> float:
         """Training FLOPs per token for MFU, from the unsharded ``model`` before any engine exists.
 

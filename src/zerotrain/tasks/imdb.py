@@ -34,7 +34,7 @@ from zerotrain.data.imdb import (
     split_test_in_halves,
     tokenize_reviews,
 )
-from zerotrain.errors import ConfigError, UserError
+from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models.sentiment import SentimentClassifier
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 from zerotrain.tokenizer import load_tokenizer
@@ -213,6 +213,11 @@ class IMDBTask(Task[IMDBConfig]):
     def build_datasets(self) -> Splits:
         d, seed = self.cfg.data, self.cfg.trainer.seed
         train_texts, train_labels = load_split(d.path, "train")
+        if len(set(train_labels)) < 2:
+            # A classifier trained on one class learns the constant answer and reports high accuracy.
+            only = LABEL_NAMES[train_labels[0]] if train_labels else "no"
+            raise DataError(f"--data.path {d.path}: the training split has only {only} reviews "
+                            f"({len(train_labels)} in all). It needs both labels, 0 (negative) and 1 (positive)")
         keep = balanced_subset(train_labels, d.max_train_samples, seed)
         train_texts = [train_texts[i] for i in keep]
         train_labels = [train_labels[i] for i in keep]

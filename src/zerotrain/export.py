@@ -1,0 +1,344 @@
+"""``zerotrain export``: a run's checkpoint as weights other tools load, on a CPU, in bounded memory.
+
+Input: ``RUN_DIR/hparams.json`` and one complete ``RUN_DIR/checkpoints/step*/`` folder, written by
+any engine: the plain engine's ``torch_state.pt``, DeepSpeed ZeRO-0's ``mp_rank_00_model_states.pt``,
+or ZeRO-1/2/3's per-rank ``*_optim_states.pt`` (consolidated by DeepSpeed's own ``zero_to_fp32`` from
+the fp32 master weights, in its lazy mode: ZeRO-3 tensors are gathered one at a time).
+
+Output: a folder that is complete or absent (written beside its final name, renamed at the end):
+
+* ``safetensors`` (every recipe): ``hparams.json`` (the run's) and ``model/`` in the recipe's export
+  layout, so ``zerotrain predict OUT ...`` and :func:`zerotrain.rundir.load_run` read it like a run.
+  For imdb, mlm and custom tasks ``model/`` holds ``model.safetensors``, sharded with Hugging Face's
+  ``model.safetensors.index.json`` past ``max_shard_size``; tensors are written one shard at a time,
+  so host memory holds at most one shard beyond what DeepSpeed's reader maps. For lora it holds
+  peft's ``adapter/`` and the ``merged/`` full model (:meth:`LoRATask.export`).
+* ``hf`` (mlm): a Hugging Face ``RobertaForMaskedLM`` folder (``config.json``, ``model.safetensors``,
+  the tokenizer) that ``AutoModelForMaskedLM.from_pretrained`` loads with zerotrain's logits.
+
+Every folder gets ``export.json``: the checkpoint, its step, dtype and format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Optional
+
+import torch
+
+from zerotrain.errors import UserError
+
+Format = Literal["safetensors", "hf"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+TORCH_STATE = "torch_state.pt"  # zerotrain.engine.TorchEngine.STATE_FILE, without importing the engines
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    step: int
+    checkpoint: Path
+    files: list[str]
+    """Files written, relative to ``out_dir``."""
+
+
+# ---- reading a run ---------------------------------------------------------------------------
+
+def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
+    """(recipe, typed config, raw hparams) of a run folder; one-line errors naming the file."""
+    from zerotrain import recipes
+    from zerotrain.config import from_dict
+
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
+                        "(runs/<recipe>.<date>...)")
+    hparams = run_dir / "hparams.json"
+    if not hparams.is_file():
+        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder. "
+                        "Pass the folder a training run wrote")
+    try:
+        raw = json.loads(hparams.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{hparams} cannot be read as JSON ({exc}); was it edited by hand?") from None
+    recipe = raw.get("recipe") if isinstance(raw, dict) else None
+    known = recipes.all_recipes()
+    if recipe not in known:
+        raise UserError(f"{hparams}: recipe {recipe!r} is not registered here (known: {', '.join(known)}). "
+                        "For a task of your own, import the module that defines it first")
+    cls = known[recipe].config_class
+    fields = {f.name for f in dataclasses.fields(cls)}
+    try:
+        cfg = from_dict(cls, {k: v for k, v in raw.items() if k in fields})
+    except (UserError, TypeError, ValueError) as exc:
+        raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc})") from None
+    return recipe, cfg, raw
+
+
+def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
+    """The newest complete checkpoint, or the one of ``step``."""
+    from zerotrain.checkpoint import complete_checkpoints, is_complete, step_folder
+
+    ckpts = run_dir / "checkpoints"
+    found = complete_checkpoints(ckpts)
+    if step is not None:
+        folder = step_folder(ckpts, step)
+        if is_complete(folder):
+            return folder
+        have = ", ".join(str(_step_of(p)) for p in found) or "none"
+        state = "is incomplete (its save was interrupted)" if folder.is_dir() else "does not exist"
+        raise UserError(f"--step {step}: {folder} {state}. Complete checkpoints of this run are at steps: {have}")
+    if not found:
+        raise UserError(f"{ckpts} holds no complete checkpoint (a step* folder with COMPLETE.json). "
+                        "Train with --checkpoint.save_final true (the default) or --checkpoint.every_steps N")
+    return found[-1]
+
+
+def _step_of(folder: Path) -> int:
+    digits = "".join(ch for ch in folder.name if ch.isdigit())
+    return int(digits) if digits else -1
+
+
+# ---- the consolidated weights, lazily ----------------------------------------------------------
+
+LazyTensor = Callable[[], torch.Tensor]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DeepSpeed's converter prints progress lines and tqdm bars; the command prints its own summary."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype, LazyTensor]]:
+    """name -> (shape, dtype, thunk) of the full model's tensors in ``folder``; a thunk materialises one tensor.
+
+    Names are the unwrapped module's (no ``module.`` prefix). Tensors shared between names (tied
+    weights) are listed under each name.
+    """
+    state_file = folder / TORCH_STATE
+    optim = sorted(folder.glob("*_optim_states.pt"))
+    if state_file.is_file():
+        # Tensors and plain containers only (weights_only): a crafted file cannot run code here; mmap: not read into memory.
+        sd = _torch_load(state_file)
+        module = sd.get("module") if isinstance(sd, dict) else None
+        if not isinstance(module, dict):
+            raise UserError(f"{state_file} holds no 'module' state dict: it was not written by zerotrain")
+        return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
+    if optim:  # ZeRO-1/2/3: the fp32 master weights are partitioned over the ranks' optimizer files
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            with _quiet():
+                lazy = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name, lazy_mode=True)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
+            raise UserError(f"{folder}: DeepSpeed cannot consolidate this checkpoint "
+                            f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}). "
+                            "Export an older step with --step N") from None
+        return {_strip(k): (v.shape, v.dtype, _thunk(v)) for k, v in lazy.items()}
+    model_states = folder / "mp_rank_00_model_states.pt"
+    if model_states.is_file():  # ZeRO-0: every rank holds the whole model; rank 0's file has it
+        sd = _torch_load(model_states)
+        module = sd.get("module") if isinstance(sd, dict) else None
+        if not isinstance(module, dict):
+            raise UserError(f"{model_states} holds no 'module' state dict: it was not written by DeepSpeed")
+        return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
+    raise UserError(f"{folder} holds no model weights ({TORCH_STATE}, mp_rank_00_model_states.pt or "
+                    "*_optim_states.pt). Pass another step with --step N")
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # a truncated or foreign file: pickle, zip and torch each raise their own
+        raise UserError(f"{path} cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): "
+                        "the file is damaged. Export an older step with --step N") from None
+
+
+def _strip(name: str) -> str:
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def _const(t: torch.Tensor) -> LazyTensor:
+    return lambda: t
+
+
+def _thunk(v: Any) -> LazyTensor:
+    # zero_to_fp32's lazy values are GatheredTensor (ZeRO-3, .contiguous() gathers) or plain tensors.
+    return v.contiguous
+
+
+def materialise(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]], dtype: Optional[torch.dtype] = None
+                ) -> dict[str, torch.Tensor]:
+    """The whole state dict in memory (small models, the conversions that need every tensor at once)."""
+    return {k: _cast(thunk(), dtype) for k, (_, _, thunk) in lazy.items()}
+
+
+def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    t = t.detach().cpu()
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]], out_dir: Path,
+                      dtype: torch.dtype, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                      rename: Optional[Callable[[str], str]] = None) -> list[str]:
+    """Write ``model.safetensors`` (or shards and ``model.safetensors.index.json``); return the file names.
+
+    Shards are planned from shapes alone (Hugging Face's splitter on empty tensors) and each is
+    materialised, written and dropped before the next, so memory holds one shard at a time.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    rename = rename or (lambda k: k)
+    names = {rename(k): k for k in lazy}
+    meta = {new: torch.empty(lazy[old][0], dtype=dtype if lazy[old][1].is_floating_point else lazy[old][1],
+                             device="meta") for new, old in names.items()}
+    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, tensors in split.filename_to_tensors.items():
+        # clone(): tied weights share storage, which safetensors refuses to write twice.
+        shard = {n: _cast(lazy[names[n]][2](), dtype).clone().contiguous() for n in tensors}
+        save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
+        written.append(filename)
+        del shard
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append("model.safetensors.index.json")
+    return written
+
+
+def default_out(run_dir: Path, step: int, fmt: Format, dtype: str) -> Path:
+    suffix = "" if fmt == "safetensors" else f"-{fmt}"
+    return run_dir / "export" / f"step{step:08d}{suffix}{'' if dtype == 'fp32' else '-' + dtype}"
+
+
+def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Optional[int] = None,
+               dtype: str = "fp32", fmt: Format = "safetensors",
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> ExportResult:
+    """Export the checkpoint of ``step`` (default: the newest complete one) of ``run_dir``; see the module doc."""
+    from zerotrain import recipes
+
+    run_dir = Path(run_dir).expanduser()
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose fp32 or bf16")
+    if fmt not in ("safetensors", "hf"):
+        raise UserError(f"--format {fmt!r}: choose safetensors or hf")
+    recipe, cfg, raw = read_run(run_dir)
+    if fmt == "hf" and recipe != "mlm":
+        raise UserError(f"--format hf: only the mlm recipe maps onto a Hugging Face architecture (RobertaForMaskedLM); "
+                        f"{run_dir} is a {recipe} run. Use --format safetensors (lora: its merged/ folder is "
+                        "already a Hugging Face model)")
+    folder = pick_checkpoint(run_dir, step)
+    step_n = _step_of(folder)
+    out_dir = Path(out).expanduser() if out is not None else default_out(run_dir, step_n, fmt, dtype)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"--out: {out_dir} already exists and is not an empty folder. Pass a new folder, "
+                        "or delete the old export first")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    except OSError as exc:
+        raise UserError(f"--out: cannot create {out_dir} ({exc.strerror or exc}). Pass a folder you can write to") \
+            from None
+    task = recipes.get(recipe)(cfg)
+    torch_dtype = DTYPES[dtype]
+    try:
+        lazy = checkpoint_tensors(folder)
+        if fmt == "hf":
+            files = _export_hf_roberta(task, lazy, staging, torch_dtype)
+        elif recipe == "lora":
+            files = _export_lora(task, lazy, staging / "model", torch_dtype)
+        else:
+            files = ["model/" + f for f in write_safetensors(lazy, staging / "model", torch_dtype, max_shard_size)]
+        if fmt == "safetensors":
+            # hparams.json beside model/: the folder is a run folder to load_run and zerotrain predict.
+            shutil.copyfile(run_dir / "hparams.json", staging / "hparams.json")
+            files.append("hparams.json")
+        info = {"source_run": str(run_dir.resolve()), "checkpoint": str(folder.resolve()), "step": step_n,
+                "recipe": recipe, "dtype": dtype, "format": fmt}
+        (staging / "export.json").write_text(json.dumps(info, indent=2) + "\n")
+        files.append("export.json")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(out_dir=out_dir, step=step_n, checkpoint=folder, files=sorted(files))
+
+
+def _export_lora(task: Any, lazy: dict, model_dir: Path, dtype: torch.dtype) -> list[str]:
+    """peft adapter + merged model through :meth:`LoRATask.export`, the code a finished fit runs.
+
+    The checkpoint's trainable tensors are the adapter; the frozen base is rebuilt from where the run
+    took it (its ``--model.name_or_path``, or for ``--model.init random`` the run's seeded draw, as
+    :meth:`LoRATask.load_exported` does), so the base weights need not be read from the checkpoint.
+    """
+    cfg = task.cfg
+    cfg.model.merge_on_export = True
+    cfg.strategy.activation_checkpointing = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.trainer.seed)  # the loop seeds --trainer.seed just before build_model
+        model = task.build_model(pretrained=True)
+    own = model.state_dict()
+    adapter = {k: v for k, v in lazy.items() if "lora_" in k}
+    missing = [k for k in own if "lora_" in k and k not in adapter]
+    if not adapter or missing:
+        raise UserError(f"the checkpoint holds {len(adapter)} LoRA tensors, and lacks {len(missing)} the run's "
+                        f"model has (e.g. {(missing or ['?'])[0]}): was hparams.json changed since training?")
+    with torch.no_grad():
+        for k, (_, _, thunk) in adapter.items():
+            if k in own:
+                own[k].copy_(thunk())
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    task.export(model, model.state_dict(), model_dir)
+    return sorted(str(p.relative_to(model_dir.parent)) for p in model_dir.rglob("*") if p.is_file())
+
+
+def _export_hf_roberta(task: Any, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+    """The mlm run as a Hugging Face RobertaForMaskedLM folder: config.json, model.safetensors, tokenizer.
+
+    The conversion holds the (MLM-sized) model in memory once; the names and the position offset are
+    :func:`zerotrain.models.roberta_mlm.hf_roberta_state_dict`'s.
+    """
+    from safetensors.torch import save_file
+
+    from zerotrain.models.roberta_mlm import hf_roberta_config, hf_roberta_state_dict
+
+    m = task.cfg.model
+    with torch.random.fork_rng(devices=[]):
+        model = task.build_model(pretrained=False)  # dims and pad id as training had them; weights replaced below
+    sd = materialise(lazy)
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as exc:
+        raise UserError(f"the checkpoint does not fit the model hparams.json describes "
+                        f"({' '.join(str(exc).split())[:300]})") from None
+    pad = model.encoder.token_embedding.padding_idx
+    tok = task.tokenizer
+    config = hf_roberta_config(model, m.num_heads, m.ff_dim, m.dropout, pad, tok.bos_token_id, tok.eos_token_id)
+    hf = hf_roberta_state_dict(model.state_dict(), m.num_layers, pad)
+    # The tied decoder weight is written once, under the embedding's name, as transformers saves it.
+    save_file({k: _cast(v, dtype).clone() for k, v in hf.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok.save_pretrained(str(out_dir))
+    return sorted(p.name for p in out_dir.iterdir() if p.is_file())
