@@ -108,6 +108,8 @@ class StrategyConfig:
     """ZeRO: elements reduced at once."""
     allgather_bucket_size: int = 500_000_000
     """ZeRO 1/2: elements all-gathered at once."""
+    compile: bool = False
+    """torch.compile the model (forward and backward): fewer, fused kernels; the first steps compile (~1 min), and a new batch shape may compile again."""
     fast_path: bool = True
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     deepspeed_config: Optional[str] = None

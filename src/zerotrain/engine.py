@@ -205,6 +205,8 @@ class DeepSpeedEngine(Engine):
         params = [p for p in model.parameters() if p.requires_grad]
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
+        if cfg.strategy.compile:
+            self.ds.compile()  # DeepSpeed's own entry point: compiles the module it wraps, hooks intact
         self._clip = clip
         self._params = params
         if clip is not None and self.world_size == 1:
@@ -320,6 +322,8 @@ class TorchEngine(Engine):
         self.grad_accum = cfg.strategy.gradient_accumulation_steps
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
+        if cfg.strategy.compile:
+            self._module.compile()  # in place: parameter names (checkpoints, export) stay as they are
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None

@@ -8,6 +8,7 @@ layout (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -29,6 +30,18 @@ from zerotrain.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@contextlib.contextmanager
+def _peft_quiet():
+    """peft (0.21) reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model, and
+    transformers 5 warns (FutureWarning) on every read. The call is peft's, not the user's: ignore that one
+    warning while peft wraps, and nothing else."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        yield
 
 
 @dataclass
@@ -226,7 +239,8 @@ class LoRATask(Task[LoRAConfig]):
             target_modules=list(m.target_modules),
         )
         try:
-            return get_peft_model(base, lora)
+            with _peft_quiet():
+                return get_peft_model(base, lora)
         except ValueError as exc:
             raise ConfigError("--model.target_modules", f"{list(m.target_modules)}: {str(exc).splitlines()[0]}") from None
 
@@ -384,7 +398,8 @@ class LoRATask(Task[LoRAConfig]):
                 raise UserError(f"the base model the adapter in {adapter_dir} was trained on cannot be loaded: "
                                 f"{exc}") from None
         try:
-            loaded = PeftModel.from_pretrained(base, str(adapter_dir))
+            with _peft_quiet():
+                loaded = PeftModel.from_pretrained(base, str(adapter_dir))
             model.load_state_dict(loaded.state_dict())
         except (ValueError, RuntimeError, KeyError, OSError) as exc:
             detail = " ".join(str(exc).split())

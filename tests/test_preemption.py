@@ -1,0 +1,114 @@
+"""Pre-emption: a stop signal becomes a checkpoint at the next step and exit status 75; a second one exits at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, LAUNCHER_VARS
+from test_fit import toy_config, train_log
+
+from zerotrain.checkpoint import MARKER, complete_checkpoints, state_file
+from zerotrain.loop import fit
+from zerotrain.preemption import PREEMPTED_EXIT, SAME_EVENT_S, Preempted, Preemption
+from zerotrain.tasks.toy import ToyTask
+
+
+class SignalledToy(ToyTask):
+    """The toy task, sending itself ``sig`` during its ``at``-th micro-batch (as a scheduler would, mid-step)."""
+
+    sig, at = signal.SIGTERM, 5
+
+    def training_step(self, model, batch):
+        type(self).calls = getattr(type(self), "calls", 0) + 1
+        if type(self).calls == self.at:
+            os.kill(os.getpid(), self.sig)
+        return super().training_step(model, batch)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_signal_saves_at_the_next_step_and_the_resume_is_exact(tmp_path, sig):
+    straight = fit(ToyTask(toy_config(tmp_path, "straight")))
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+
+    SignalledToy.sig, SignalledToy.calls = sig, 0
+    with pytest.raises(Preempted, match=f"stopped by {sig.name} at step 3") as stop:
+        fit(SignalledToy(toy_config(tmp_path, "preempted")))  # 2 micro-batches a step: the 5th is in step 3
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are gone with fit
+    folder = stop.value.folder
+    assert folder.name == "step00000003" and (folder / MARKER).is_file() and state_file(folder, 0).is_file()
+
+    again = toy_config(tmp_path, "preempted")
+    again.checkpoint.resume = "auto"
+    resumed = fit(ToyTask(again))
+    a, b = train_log(straight.run_dir), train_log(resumed.run_dir)
+    assert sorted(b) == list(range(1, 9))
+    assert [b[s]["train_loss"] for s in sorted(b)] == [a[s]["train_loss"] for s in sorted(a)]
+
+
+def test_a_second_signal_exits_at_once_but_a_forwarded_copy_does_not(monkeypatch):
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    p = Preemption()
+    p._handle(signal.SIGTERM, None)
+    assert p.requested and p.name() == "SIGTERM"
+    p._handle(signal.SIGTERM, None)  # the launcher's forwarded copy, milliseconds later
+    assert exits == []
+    p._first_at -= SAME_EVENT_S + 0.1  # later: the user means it
+    p._handle(signal.SIGINT, None)
+    assert exits == [128 + signal.SIGINT]
+
+
+def test_alone_no_collective_is_needed():
+    p = Preemption()
+    assert p.should_stop(None) is False
+    p._handle(signal.SIGUSR1, None)
+    assert p.should_stop(None) is True
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    env.update(PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "zerotrain", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_rows(metrics: Path, proc: subprocess.Popen, rows: int = 3, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
+            return
+        time.sleep(0.1)
+    out, err = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
+    pytest.fail(f"the run logged no steps (exit {proc.poll()}): {err[-2000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_to_the_command_saves_and_exits_75(tmp_path, nproc):
+    """What SLURM/Kubernetes do: SIGTERM to the command (for 2 processes, the launcher, which forwards it)."""
+    args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
+            "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
+            "--trainer.eval_every_steps", "100000", "--launch.nproc_per_node", str(nproc)]
+    proc = _start(args, tmp_path)
+    _wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert "pre-empted by SIGTERM" in err or "stopped by SIGTERM" in err, err[-3000:]
+    (folder,) = complete_checkpoints(tmp_path / "run" / "checkpoints")
+    meta = json.loads((folder / MARKER).read_text())
+    assert meta["world_size"] == nproc and all(state_file(folder, r).is_file() for r in range(nproc))
+    assert 3 <= meta["step"] < 100000
+    # The requeued command continues from that checkpoint.
+    resumed = _start([*args[:3], str(meta["step"] + 2), *args[4:], "--checkpoint.resume", "auto"], tmp_path)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    steps = sorted(train_log(tmp_path / "run"))
+    assert steps == list(range(1, meta["step"] + 3))  # nothing logged twice, nothing missing
