@@ -34,6 +34,17 @@ for part in "$@"; do
       z benchmark mlm --strategies zero0,zero1,zero2 --out "$OUT/fastpath/defaults" "${BERT[@]}" \
         --strategy.fast_path false | tail -n 5
       python3 benchmarks/loss_curves.py "$OUT/fastpath/loss_curves.json" "$OUT/fastpath/fast" "$OUT/fastpath/defaults" ;;
+    fastpath_profile)  # the same model: where ZeRO-1/2's time goes, and torch.compile on the plain engine and ZeRO-0
+      BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz"
+            --data.tokenizer "$TOK" --data.max_train_lines 60000 --data.max_val_lines 2000
+            --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
+            --trainer.micro_batch_size 32 --trainer.max_steps ${STEPS:-120} --trainer.log_every_steps 10
+            --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
+            --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
+            --checkpoint.save_final false)
+      z benchmark mlm --strategies ddp,zero0,zero1,zero2 --profile 5 --out "$OUT/fastpath_profile/eager" "${BERT[@]}" | tail -n 6
+      z benchmark mlm --strategies ddp,zero0 --profile 5 --out "$OUT/fastpath_profile/compiled" "${BERT[@]}" \
+        --strategy.compile true | tail -n 4 ;;
     imdb_b)  # the tutorial's preset (b), full data, 5 epochs, one GPU per run; three seeds spread over the GPUs
       n=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))'); seeds=(42 43 44)
       for g in $(seq 0 $((n - 1))); do
