@@ -45,6 +45,13 @@ for part in "$@"; do
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --profile 5 --out "$OUT/fastpath_profile/eager" "${BERT[@]}" | tail -n 6
       z benchmark mlm --strategies ddp,zero0 --profile 5 --out "$OUT/fastpath_profile/compiled" "${BERT[@]}" \
         --strategy.compile true | tail -n 4 ;;
+    imdb_peer)  # preset (b) as shipped (ZeRO-0, fast path), 5 epochs, seed 42, then the tutorial's Lightning
+      # script (PEER=path, default .data/peers/tutorial_imdb_lightning.py) for one full epoch on the same GPU
+      z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
+        --trainer.output_dir "$OUT/imdb_peer/runs" --trainer.run_name zerotrain_b --logging.progress_bar false \
+        > "$OUT/imdb_peer/zerotrain_b.log" 2>&1; echo "zerotrain rc=$?"; grep -h "test_acc\|test:" "$OUT/imdb_peer/zerotrain_b.log"
+      python3 "${PEER:-$D/peers/tutorial_imdb_lightning.py}" "$D/imdb" "$TOK" auto 1 0 1 > "$OUT/imdb_peer/lightning.log" 2>&1
+      echo "lightning rc=$?"; grep -h "SEED_RESULT" "$OUT/imdb_peer/lightning.log" ;;
     imdb_b)  # the tutorial's preset (b), full data, 5 epochs, one GPU per run; three seeds spread over the GPUs
       n=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))'); seeds=(42 43 44)
       for g in $(seq 0 $((n - 1))); do

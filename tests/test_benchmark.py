@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # every test starts `python -m zerotrain benchmar
 
 def test_sweep_writes_json_and_markdown(tmp_path):
     out = zerotrain_cmd(["benchmark", "toy", "--strategies", "zero0,ddp", "--out", str(tmp_path / "b"),
-                         "--profile", "2", "--trainer.max_steps", "4", "--trainer.num_workers", "0",
+                         "--profile", "2", "--trainer.max_steps", "6", "--trainer.num_workers", "0",
                          "--trainer.warmup_steps_excluded", "1"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "b" / "benchmark.json").read_text())

@@ -216,6 +216,9 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     env = dict(os.environ)
     handlers = list(logging.getLogger("zerotrain").handlers)
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    import signal
+
+    signal_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     cfg = toy_config(tmp_path, f"clean-{backend}", backend=backend)
     cfg.trainer.max_steps = 2
     fit(ToyTask(cfg))
@@ -225,6 +228,7 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     assert logging.getLogger("zerotrain").handlers == handlers
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32
     assert cfg.strategy.precision == "auto"
+    assert {s: signal.getsignal(s) for s in signal_handlers} == signal_handlers  # the pre-emption handlers are gone
     cfg.trainer.run_name = f"again-{backend}"
     assert fit(ToyTask(cfg)).final_step == 2
 

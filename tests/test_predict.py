@@ -185,8 +185,9 @@ def test_a_recipe_without_predictions_says_so(tmp_path):
     run = write_run(tmp_path / "toy.run", task, task.build_model())
     out = zerotrain_cmd(["predict", str(run), "anything"], cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip() == "zerotrain predict: error: recipe toy has no prediction to make " \
-                                 "(zerotrain predict knows the imdb, mlm and lora recipes)"
+    assert out.stderr.strip() == (f"zerotrain predict: error: {run} is a run of the toy recipe, which has nothing to "
+                                  f"predict (zerotrain predict knows imdb, mlm and lora); its weights are in {run}/model, "
+                                  f"or write them with zerotrain export {run}")
 
 
 @pytest.mark.slow  # runs `python -m zerotrain predict`

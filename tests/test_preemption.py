@@ -93,8 +93,10 @@ def _wait_for_rows(metrics: Path, proc: subprocess.Popen, rows: int = 3, timeout
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_to_the_command_saves_and_exits_75(tmp_path, nproc):
     """What SLURM/Kubernetes do: SIGTERM to the command (for 2 processes, the launcher, which forwards it)."""
+    # A data-loader worker process too: torchrun signals the whole process group, and the loader's worker
+    # must not die of it in the middle of the checkpoint.
     args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
-            "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
+            "1", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
             "--trainer.eval_every_steps", "100000", "--launch.nproc_per_node", str(nproc)]
     proc = _start(args, tmp_path)
     _wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc)

@@ -260,7 +260,7 @@ class LaunchConfig:
     """torch.distributed backend: auto is nccl on GPU and gloo on CPU."""
     timeout_minutes: int = 60
     """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights."""
-    rdzv_timeout_minutes: int = 10
+    rdzv_timeout_minutes: float = 10.0
     """Several nodes: how long the launcher on each node waits for all nodes to join at rdzv_endpoint before giving up."""
 
     def validate(self) -> None:
@@ -270,8 +270,8 @@ class LaunchConfig:
             raise ConfigError("--launch.nnodes", f"must be >= 1, got {self.nnodes}")
         if self.timeout_minutes < 1:
             raise ConfigError("--launch.timeout_minutes", f"must be >= 1, got {self.timeout_minutes}")
-        if self.rdzv_timeout_minutes < 1:
-            raise ConfigError("--launch.rdzv_timeout_minutes", f"must be >= 1, got {self.rdzv_timeout_minutes}")
+        if not self.rdzv_timeout_minutes > 0:
+            raise ConfigError("--launch.rdzv_timeout_minutes", f"must be > 0, got {self.rdzv_timeout_minutes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--launch.node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
         host, _, port = self.rdzv_endpoint.rpartition(":")

@@ -74,6 +74,10 @@ def _explain(message: str, argv: list[str], cfg_cls: type) -> str:
     import re
 
     message = re.sub(r'^Parser key "([^"]+)": ', r"--\1: ", message)
+    choice = re.match(r"(--[\w.]+): Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$", message)
+    if choice:
+        flag, options, value = choice.groups()
+        message = f"{flag}: {value!r} is not one of {options.replace(chr(39), '')}"
     configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
     configs += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     unknown = re.match(r"Group '([^']+)' does not accept option '([^']+)'", message)

@@ -129,6 +129,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     owns_group = not torch.distributed.is_initialized()
     restore_logging = None
+    undo_group_timeout = None
     finished = False
     from zerotrain.preemption import Preemption
 
@@ -141,6 +142,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         adopt_slurm_env(cfg.launch)
         device_type = _device_type(cfg.trainer.device)
         backend = comm_backend(cfg.launch.comm_backend, device_type)
+        undo_group_timeout = inherit_group_timeout(cfg.launch.timeout_minutes)
         init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
                            timeout_minutes=cfg.launch.timeout_minutes)
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -165,6 +167,8 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
             if finished and torch.distributed.get_world_size() > 1:
                 torch.distributed.barrier()  # nobody tears down while another rank still talks
             _destroy_process_group()
+        if undo_group_timeout is not None:
+            undo_group_timeout()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
         os.environ.clear()
         os.environ.update(saved_env)
@@ -295,7 +299,9 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     else:
         host, _, port = launch.rdzv_endpoint.rpartition(":")
         args += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}",
-                 f"--master-addr={host}", f"--master-port={port}"]
+                 f"--master-addr={host}", f"--master-port={port}",
+                 # The static rendezvous' TCPStore waits this long for every node (torchrun's default: 600 s).
+                 f"--rdzv-conf=timeout={max(1, round(launch.rdzv_timeout_minutes * 60))}"]
     parser = get_args_parser()
     known = {opt for action in parser._actions for opt in action.option_strings}
     if "--signals-to-handle" in known:  # torch >= 2.8
@@ -304,7 +310,15 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
         args += ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
                  f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}"]
     args += ["-m", "zerotrain", *argv]
+    if launch.nnodes > 1:
+        print(f"zerotrain: node {launch.node_rank} of {launch.nnodes}: waiting up to {launch.rdzv_timeout_minutes:g} min "
+              f"(--launch.rdzv_timeout_minutes) for all {launch.nnodes} nodes to join at {launch.rdzv_endpoint} "
+              "(Ctrl-C stops)", file=sys.stderr, flush=True)
     saved_levels = _silence_torchelastic()
+    # Until the workers start, the launcher sits in TCPStore's C++ wait, where Python's KeyboardInterrupt is
+    # never delivered: Ctrl-C must end the process at once. torchelastic installs its own SIGINT handler
+    # (stop the workers, then raise) when it starts them.
+    saved_sigint = _default_sigint()
     try:
         run(parser.parse_args(args))
     except ChildFailedError as exc:  # lists every failed rank of this node, the ones torchelastic stopped too
@@ -320,11 +334,63 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
         print(f"zerotrain: interrupted ({exc.sigval.name})", file=sys.stderr)
         return 128 + int(exc.sigval)
     except Exception as exc:  # no worker ran: the rendezvous or the start failed
-        print(f"zerotrain: could not start the worker processes: {exc}", file=sys.stderr)
+        if launch.nnodes > 1:
+            print(f"zerotrain: node {launch.node_rank}: not all {launch.nnodes} nodes joined at {launch.rdzv_endpoint} "
+                  f"within {launch.rdzv_timeout_minutes:g} min (--launch.rdzv_timeout_minutes): start the same command "
+                  f"with --launch.node_rank 0..{launch.nnodes - 1} on every node, and check that this node reaches "
+                  f"that address ({type(exc).__name__})", file=sys.stderr)
+        else:
+            print(f"zerotrain: could not start the worker processes: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     finally:
+        _restore_sigint(saved_sigint)
         _restore_levels(saved_levels)
     return 0
+
+
+def _default_sigint():
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _restore_sigint(saved) -> None:
+    import signal
+
+    if saved is not None:
+        signal.signal(signal.SIGINT, saved)
+
+
+def inherit_group_timeout(minutes: float):
+    """Make process groups created without a timeout use ``minutes``; return the undo.
+
+    DeepSpeed builds its own groups (ZeRO's data-parallel and sequence groups) with
+    ``torch.distributed.new_group(ranks)`` and no timeout, so they take torch's default (30 min for
+    Gloo, 10 for NCCL), not ``--launch.timeout_minutes``: a stopped rank held the job 400+ s with a
+    1-minute timeout. The world group already has the timeout (``init_process_group``).
+    """
+    import functools
+
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.new_group
+    timeout = datetime.timedelta(minutes=minutes)
+
+    @functools.wraps(original)
+    def new_group(*args, **kwargs):
+        if len(args) < 2 and kwargs.get("timeout") is None:
+            kwargs["timeout"] = timeout
+        return original(*args, **kwargs)
+
+    c10d.new_group = torch.distributed.new_group = new_group
+
+    def undo() -> None:
+        c10d.new_group = torch.distributed.new_group = original
+
+    return undo
 
 
 _ARCH = re.compile(r"^(\d+\.\d+)[a-z]?(\+PTX)?$")

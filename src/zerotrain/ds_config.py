@@ -292,8 +292,6 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
 def validate_ds_config(ds: dict[str, Any], world_size: int, device: str | None = None) -> None:
     """Check what DeepSpeed would reject late or silently: batch rule, fp16+bf16, offload vs stage; with
     ``device``, precision the device cannot run, an optimizer DeepSpeed does not have, blocks zerotrain ignores."""
-    if device is not None:
-        _validate_for_device(ds, device)
     micro = ds.get("train_micro_batch_size_per_gpu")
     gas = ds.get("gradient_accumulation_steps")
     total = ds.get("train_batch_size")
@@ -318,6 +316,8 @@ def validate_ds_config(ds: dict[str, Any], world_size: int, device: str | None =
         raise ConfigError("zero_optimization.offload_param", f"needs stage 3, but zero_optimization.stage is {stage}")
     if _offload_device(zero.get("offload_optimizer")) not in (None, "none") and stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer", "needs stage 1, 2 or 3, but zero_optimization.stage is 0")
+    if device is not None:
+        _validate_for_device(ds, device)
 
 
 # DeepSpeed's built-in optimizers (deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS, lower case); others need a client optimizer.

@@ -115,7 +115,8 @@ def fit(task: Task) -> FitResult:
                 if logger.should_log(state.step):
                     results.update(logger.log(state))  # keeps the latest val_* next to the latest window
                 bar.update(1)
-                profiler.step(state.step)
+                if profiler.step(state.step):
+                    meter.start()  # profiled steps run slower: they are not part of the throughput figures
                 if evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
                     if run.splits.val is not None:
                         val = evaluator.run(run.splits.val, "val")
@@ -128,7 +129,7 @@ def fit(task: Task) -> FitResult:
                     meter.start()
                 if not last and rt.preemption is not None and rt.preemption.should_stop(rt.device):
                     folder = checkpointer.save()
-                    log.warning("pre-empted by %s at step %d: checkpoint %s", rt.preemption.name(), state.step, folder)
+                    log.info("pre-empted by %s at step %d: checkpoint %s", rt.preemption.name(), state.step, folder)
                     tracker.close()
                     raise Preempted(rt.preemption.name(), folder, state.step)
         finally:

@@ -233,10 +233,11 @@ class StepProfiler:
         self._prof = None
         self._t0 = 0.0
 
-    def step(self, step: int) -> None:
-        """Call after each optimizer step."""
+    def step(self, step: int) -> bool:
+        """Call after each optimizer step. True when profiling started or stopped at this step: the
+        profiler slows the steps it records, so the caller restarts its throughput clock."""
         if not self.steps:
-            return
+            return False
         if self._prof is None and step == self.start_after:
             from torch.profiler import ProfilerActivity, profile
 
@@ -245,7 +246,8 @@ class StepProfiler:
             synchronize(self.device)
             self._prof.__enter__()
             self._t0 = time.perf_counter()
-        elif self._prof is not None and step == self.start_after + self.steps:
+            return True
+        if self._prof is not None and step == self.start_after + self.steps:
             synchronize(self.device)
             wall = time.perf_counter() - self._t0
             self._prof.__exit__(None, None, None)
@@ -256,6 +258,8 @@ class StepProfiler:
 
                 write_json(self.out_dir / "profile.json", summary)
                 atomic_write_text(self.out_dir / "profile.md", profile_markdown(summary))
+            return True
+        return False
 
 
 def _device_us(event) -> float:

@@ -81,8 +81,9 @@ class Preemption:
         now = time.monotonic()
         if self.signum is None:
             self.signum, self._first_at = signum, now
-            os.write(2, f"[zerotrain] {signal.Signals(signum).name}: saving a checkpoint at the next step, "
-                        f"then exiting with status {PREEMPTED_EXIT} (signal again to exit at once)\n".encode())
+            if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
+                os.write(2, f"[zerotrain] {signal.Signals(signum).name}: saving a checkpoint at the next step, "
+                         f"then exiting with status {PREEMPTED_EXIT} (signal again to exit at once)\n".encode())
             return
         if now - self._first_at < SAME_EVENT_S:
             return  # the same request, forwarded by the launcher or sent to every process

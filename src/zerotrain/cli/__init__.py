@@ -36,7 +36,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"zerotrain: error: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"zerotrain: error: unknown subcommand {name!r}: choose one of {', '.join(SUBCOMMANDS)} "
+              "(zerotrain --help describes them)", file=sys.stderr)
         return 2
     import importlib
 
@@ -49,6 +50,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if _rank() == 0:
             print(f"zerotrain {name}: {exc} (exit status {PREEMPTED_EXIT})", file=sys.stderr, flush=True)
         _end_process_group()
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker: no interpreter teardown to abort the exit status
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(PREEMPTED_EXIT)
         return PREEMPTED_EXIT
     except UserError as exc:
         # In a job every rank stops on the error (zerotrain.distributed.main_process_first shares one

@@ -45,6 +45,12 @@ def run(argv: list[str]) -> int:
     from zerotrain.rundir import load_run
 
     loaded = load_run(args.run_dir, {"tokenizer": args.tokenizer} if args.tokenizer else None, device=args.device)
+    from zerotrain.tasks.base import Task
+
+    if type(loaded.task).predict is Task.predict:
+        raise UserError(f"{args.run_dir} is a run of the {loaded.recipe} recipe, which has nothing to predict "
+                        f"(zerotrain predict knows imdb, mlm and lora); its weights are in {args.run_dir}/model, "
+                        f"or write them with zerotrain export {args.run_dir}")
     predictions = loaded.task.predict(loaded.model, texts, top_k=args.top_k, max_new_tokens=args.max_new_tokens)
     for text, prediction in zip(texts, predictions, strict=True):
         print(f"{prediction}\t{snippet(text)}")

@@ -17,7 +17,21 @@ def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], collate: C
         pin_memory=torch.cuda.is_available(), persistent_workers=False,
         # A private generator: worker seeds must not draw from the global RNG that resume restores.
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=_ignore_stop_signals if workers > 0 else None,
     )
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """A loader worker leaves stop signals to the training process (zerotrain.preemption).
+
+    SLURM and torchrun signal the whole process group: a worker killed by that SIGTERM makes the
+    training process raise "DataLoader worker ... is killed by signal" in the middle of its
+    pre-emption checkpoint. The worker ends with its parent anyway (PyTorch's worker watchdog).
+    """
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,

@@ -1,0 +1,362 @@
+"""Every bad input in docs/BAD_INPUTS.md gets exactly the line the table shows, and the exit status it shows.
+
+The doc is the expected output; this module holds the inputs. They cannot drift apart:
+
+* ``test_doc_lists_every_case`` fails when a case has no row or a row no case (same ids, same order);
+* ``test_bad_input[ID]`` runs case ID in-process (``zerotrain.cli.main``) and compares its stderr, with
+  the temporary folder written as ``{tmp}``, with the row's message, character for character;
+* ``python tests/test_bad_inputs.py`` rewrites the table from what the commands print now (run it after
+  changing a message on purpose, and read the diff).
+
+A few cases also run through ``python -m zerotrain`` with 1 and 2 processes (slow) to show that a job
+of two ranks ends with the same single line as one process.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import REPO, make_tokenizer, zerotrain_cmd  # noqa: E402
+
+DOC = REPO / "docs" / "BAD_INPUTS.md"
+
+FIT = ("--trainer.max_steps 1 --trainer.output_dir {tmp}/runs --trainer.num_workers 0 --trainer.device cpu "
+       "--logging.progress_bar false --logging.tensorboard false")
+MLM = ("--data.cache_dir {tmp}/cache --model.num_layers 1 --model.h_dim 16 --model.num_heads 2 --model.ff_dim 16 "
+       "--model.max_seq_length 8")
+IMDB = ("--data.cache_dir {tmp}/cache --model.embed_dim 16 --model.hidden_dim 16 --model.num_heads 2 "
+        "--model.num_layers 1 --model.max_len 16 --data.tokenizer {tok}")
+LORA = "--model.init random --model.config {tmp}/llama.json --model.tokenizer {tok} --data.max_length 16"
+BASES = {"$FIT": FIT, "$MLM": MLM, "$IMDB": IMDB, "$LORA": LORA}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    where: str
+    """What kind of input: flag, yaml, ds-json, data, tokenizer, output, checkpoint, launch, command."""
+    command: str
+    """After ``zerotrain``; ``$FIT`` etc. expand to BASES, ``{tmp}``/``{tok}`` to the fixture's folders."""
+    code: int = 2
+
+
+CASES = [
+    # ---- flags ----
+    Case("unknown-flag", "flag", "fit toy $FIT --no.such.flag 1"),
+    Case("flag-prefix", "flag", "fit toy $FIT --trainer.max_step 5"),
+    Case("flag-wrong-type", "flag", "fit toy $FIT --trainer.max_steps five"),
+    Case("flag-bad-choice", "flag", "fit toy $FIT --optimizer.name sgd"),
+    Case("flag-bad-precision", "flag", "fit toy $FIT --strategy.precision fp8"),
+    Case("no-length", "flag", "fit toy --trainer.output_dir {tmp}/runs"),
+    Case("max-steps-zero", "flag", "fit toy $FIT --trainer.max_steps 0"),
+    Case("epochs-zero", "flag", "fit toy $FIT --trainer.epochs 0"),
+    Case("micro-batch-zero", "flag", "fit toy $FIT --trainer.micro_batch_size 0"),
+    Case("log-every-zero", "flag", "fit toy $FIT --trainer.log_every_steps 0"),
+    Case("eval-every-negative", "flag", "fit toy $FIT --trainer.eval_every_steps -1"),
+    Case("num-workers-negative", "flag", "fit toy $FIT --trainer.num_workers -1"),
+    Case("lr-zero", "flag", "fit toy $FIT --optimizer.lr 0"),
+    Case("eps-negative", "flag", "fit toy $FIT --optimizer.eps -1"),
+    Case("betas-out-of-range", "flag", "fit toy $FIT --optimizer.betas [0.9,1.5]"),
+    Case("betas-one-value", "flag", "fit toy $FIT --optimizer.betas [0.9]"),
+    Case("weight-decay-negative", "flag", "fit toy $FIT --optimizer.weight_decay -0.1"),
+    Case("warmup-negative", "flag", "fit toy $FIT --scheduler.warmup_steps -1"),
+    Case("warmup-longer-than-run", "flag", "fit toy $FIT --scheduler.warmup_steps 100"),
+    Case("warmup-longer-than-epochs", "flag",
+         "fit toy --trainer.epochs 1 --trainer.output_dir {tmp}/runs --trainer.num_workers 0 --trainer.device cpu "
+         "--logging.progress_bar false --logging.tensorboard false --scheduler.warmup_steps 1000"),
+    Case("min-lr-ratio", "flag", "fit toy $FIT --scheduler.min_lr_ratio 2"),
+    Case("gamma-zero", "flag", "fit toy $FIT --scheduler.name step --scheduler.gamma 0"),
+    Case("step-size-zero", "flag", "fit toy $FIT --scheduler.name step --scheduler.step_size 0"),
+    Case("zero-stage-4", "flag", "fit toy $FIT --strategy.zero_stage 4"),
+    Case("offload-param-stage-2", "flag", "fit toy $FIT --strategy.offload_param cpu --strategy.zero_stage 2"),
+    Case("offload-optimizer-stage-0", "flag", "fit toy $FIT --strategy.offload_optimizer cpu"),
+    Case("nvme-without-path", "flag", "fit toy $FIT --strategy.zero_stage 3 --strategy.offload_optimizer nvme"),
+    Case("ddp-with-zero", "flag", "fit toy $FIT --strategy.backend ddp --strategy.zero_stage 2"),
+    Case("ddp-with-json", "flag", "fit toy $FIT --strategy.backend ddp --strategy.deepspeed_config {tmp}/ok.json"),
+    Case("accumulation-zero", "flag", "fit toy $FIT --strategy.gradient_accumulation_steps 0"),
+    Case("clipping-negative", "flag", "fit toy $FIT --strategy.gradient_clipping -1"),
+    Case("reduce-bucket-zero", "flag", "fit toy $FIT --strategy.reduce_bucket_size 0"),
+    Case("allgather-bucket-zero", "flag", "fit toy $FIT --strategy.allgather_bucket_size 0"),
+    Case("fp16-on-cpu", "flag", "fit toy $FIT --strategy.precision fp16"),
+    Case("every-steps-negative", "flag", "fit toy $FIT --checkpoint.every_steps -1"),
+    Case("keep-last-zero", "flag", "fit toy $FIT --checkpoint.keep_last 0"),
+    Case("mlm-heads-do-not-divide", "flag", "fit mlm $FIT $MLM --model.num_heads 3 --data.tokenizer {tok}"),
+    Case("mlm-mask-prob", "flag", "fit mlm $FIT $MLM --data.mask_prob 1.5 --data.tokenizer {tok}"),
+    Case("lora-rank-zero", "flag", "fit lora $FIT $LORA --data.train_path {tmp}/lora.jsonl --model.lora_r 0"),
+    Case("lora-template", "flag", "fit lora $FIT $LORA --data.train_path {tmp}/lora.jsonl --data.template {input}"),
+    Case("unknown-recipe", "command", "fit nosuch $FIT"),
+    Case("unknown-subcommand", "command", "nosuch"),
+    Case("estimate-negative-memory", "command", "estimate toy --gpu_memory_gib -3"),
+    Case("predict-no-texts", "command", "predict {tmp}/runs/toyrun"),
+    Case("predict-missing-run", "command", "predict {tmp}/nope hello"),
+    Case("predict-toy", "command", "predict {tmp}/runs/toyrun hello"),
+    # ---- launch ----
+    Case("nproc-zero", "launch", "fit toy $FIT --launch.nproc_per_node 0"),
+    Case("nnodes-zero", "launch", "fit toy $FIT --launch.nnodes 0"),
+    Case("node-rank-out-of-range", "launch", "fit toy $FIT --launch.nnodes 2 --launch.node_rank 2"),
+    Case("endpoint-without-port", "launch", "fit toy $FIT --launch.rdzv_endpoint localhost"),
+    Case("timeout-zero", "launch", "fit toy $FIT --launch.timeout_minutes 0"),
+    Case("rdzv-timeout-zero", "launch", "fit toy $FIT --launch.rdzv_timeout_minutes 0"),
+    Case("nccl-on-cpu", "launch", "fit toy $FIT --launch.comm_backend nccl"),
+    # ---- YAML ----
+    Case("yaml-missing", "yaml", "fit toy $FIT --config {tmp}/missing.yaml"),
+    Case("yaml-unknown-key", "yaml", "fit toy $FIT --config {tmp}/unknown_key.yaml"),
+    Case("yaml-syntax", "yaml", "fit toy $FIT --config {tmp}/broken.yaml"),
+    Case("yaml-wrong-type", "yaml", "fit toy $FIT --config {tmp}/wrong_type.yaml"),
+    # ---- DeepSpeed JSON ----
+    Case("json-missing", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/missing.json"),
+    Case("json-syntax", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/broken.json"),
+    Case("json-not-object", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/list.json"),
+    Case("json-misspelt-block", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/misspelt.json"),
+    Case("json-misspelt-zero-key", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/zero_key.json"),
+    Case("json-fp16-and-bf16", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/fp16_bf16.json"),
+    Case("json-fp16-on-cpu", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/fp16.json"),
+    Case("json-batch-rule", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/batch.json"),
+    Case("json-activation-checkpointing", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/ac.json"),
+    Case("json-unknown-optimizer", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/optimizer.json"),
+    Case("json-offload-param-stage-2", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/offload.json"),
+    Case("json-stage-5", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/stage5.json"),
+    Case("json-auto-unresolvable", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/auto.json"),
+    # ---- data ----
+    Case("mlm-missing-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/nope.txt --data.tokenizer {tok}"),
+    Case("mlm-empty-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/empty.txt --data.tokenizer {tok}"),
+    Case("mlm-folder-not-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/cfgonly --data.tokenizer {tok}"),
+    Case("imdb-missing-folder", "data", "fit imdb $FIT $IMDB --data.path {tmp}/nope"),
+    Case("imdb-gz-not-gzip", "data", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_notgz"),
+    Case("imdb-binary-garbage", "data", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_garbage"),
+    Case("imdb-one-class", "data", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_oneclass"),
+    Case("imdb-hub-offline", "data", "fit imdb $FIT $IMDB --data.path someone/some-dataset"),
+    Case("lora-no-train-path", "data", "fit lora $FIT $LORA"),
+    Case("lora-missing-field", "data", "fit lora $FIT $LORA --data.train_path {tmp}/lora_nofield.jsonl"),
+    Case("lora-bad-json-line", "data", "fit lora $FIT $LORA --data.train_path {tmp}/lora_broken.jsonl"),
+    Case("too-few-examples", "data", "fit toy $FIT --data.num_examples 4"),
+    # ---- tokenizer ----
+    Case("tokenizer-missing-folder", "tokenizer",
+         "fit mlm $FIT $MLM --data.train_path {tmp}/train.txt --data.tokenizer {tmp}/no_tokenizer"),
+    Case("tokenizer-config-only", "tokenizer",
+         "fit mlm $FIT $MLM --data.train_path {tmp}/train.txt --data.tokenizer {tmp}/cfgonly"),
+    Case("tokenizer-config-only-imdb", "tokenizer",
+         "fit imdb $FIT $IMDB --data.path {tmp}/imdb_ok --data.tokenizer {tmp}/cfgonly"),
+    Case("tokenizer-hub-offline", "tokenizer",
+         "fit mlm $FIT $MLM --data.train_path {tmp}/train.txt --data.tokenizer someone/no-such-tokenizer"),
+    # ---- output folder ----
+    Case("output-under-a-file", "output", "fit toy $FIT --trainer.output_dir {tmp}/train.txt/runs"),
+    Case("export-out-not-empty", "output", "export {tmp}/runs/toyrun --out {tmp}/imdb_oneclass"),
+    # ---- checkpoints ----
+    Case("resume-auto-without-name", "checkpoint", "fit toy $FIT --checkpoint.resume auto"),
+    Case("resume-missing", "checkpoint", "fit toy $FIT --checkpoint.resume {tmp}/nope"),
+    Case("resume-no-checkpoint", "checkpoint", "fit toy $FIT --checkpoint.resume {tmp}/imdb_oneclass"),
+    Case("resume-other-recipe", "checkpoint",
+         "fit mlm $FIT $MLM --data.train_path {tmp}/train.txt --data.tokenizer {tok} "
+         "--checkpoint.resume {tmp}/runs/toyrun"),
+    Case("resume-other-size", "checkpoint",
+         "fit toy $FIT --trainer.run_name toyrun --checkpoint.resume auto --model.width 16"),
+    Case("export-missing-run", "checkpoint", "export {tmp}/nope"),
+    Case("export-no-checkpoint", "checkpoint", "export {tmp}/nockpt"),
+    Case("export-missing-step", "checkpoint", "export {tmp}/runs/toyrun --step 7"),
+    Case("export-hf-not-mlm", "checkpoint", "export {tmp}/runs/toyrun --format hf"),
+]
+
+
+def expand(command: str, tmp: Path, tok: Path) -> list[str]:
+    for name, base in BASES.items():
+        command = command.replace(name, base)
+    return [a.replace("{tmp}", str(tmp)).replace("{tok}", str(tok)) for a in shlex.split(command)]
+
+
+def normalise(text: str, tmp: Path, tok: Path) -> str:
+    return text.replace(str(tok), "{tok}").replace(str(tmp), "{tmp}")
+
+
+def make_inputs(tmp: Path) -> tuple[Path, Path]:
+    """Every file and folder the cases name, under ``tmp``; returns (tmp, tokenizer folder)."""
+    from conftest import WORDS
+
+    tok = tmp / "tok"
+    make_tokenizer(tok)
+    (tmp / "cfgonly").mkdir()
+    (tmp / "cfgonly" / "config.json").write_text('{"model_type": "roberta"}')
+    (tmp / "train.txt").write_text(" ".join(WORDS) + "\n" * 1 + " ".join(reversed(WORDS)) + "\n")
+    (tmp / "empty.txt").write_text("\n\n")
+    files = {
+        "ok.json": {"zero_optimization": {"stage": 1}},
+        "misspelt.json": {"zero_optimisation": {"stage": 2}},
+        "zero_key.json": {"zero_optimization": {"stage": 2, "overlap_com": True}},
+        "fp16_bf16.json": {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+        "fp16.json": {"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}},
+        "batch.json": {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 100},
+        "ac.json": {"activation_checkpointing": {"partition_activations": True}},
+        "optimizer.json": {"optimizer": {"type": "AdamWW", "params": {"lr": 0.001}}},
+        "offload.json": {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+        "stage5.json": {"zero_optimization": {"stage": 5}},
+        "auto.json": {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}},
+        "list.json": [1, 2],
+    }
+    for name, content in files.items():
+        (tmp / name).write_text(json.dumps(content))
+    (tmp / "broken.json").write_text('{"zero_optimization": {"stage": 2}')
+    (tmp / "unknown_key.yaml").write_text("trainer:\n  max_stepz: 3\n")
+    (tmp / "broken.yaml").write_text("trainer: [\n")
+    (tmp / "wrong_type.yaml").write_text("trainer:\n  max_steps: lots\n")
+    one = [{"text": f"{WORDS[i % 20]} {WORDS[(i + 3) % 20]}", "label": 1} for i in range(16)]
+    for folder, write in (("imdb_oneclass", lambda p, rows: p.write_text("\n".join(map(json.dumps, rows)) + "\n")),):
+        (tmp / folder).mkdir()
+        for split in ("train", "test"):
+            write(tmp / folder / f"{split}.jsonl", one)
+    (tmp / "imdb_ok").mkdir()
+    for split in ("train", "test"):
+        rows = [dict(row, label=i % 2) for i, row in enumerate(one)]
+        (tmp / "imdb_ok" / f"{split}.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    (tmp / "imdb_notgz").mkdir()
+    for split in ("train", "test"):
+        (tmp / "imdb_notgz" / f"{split}.jsonl.gz").write_text("\n".join(map(json.dumps, one)) + "\n")
+    (tmp / "imdb_garbage").mkdir()
+    for split in ("train", "test"):
+        (tmp / "imdb_garbage" / f"{split}.jsonl").write_bytes(bytes(range(128, 256)) * 4)
+    llama = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64, "vocab_size": 64,
+             "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2}
+    (tmp / "llama.json").write_text(json.dumps(llama))
+    (tmp / "lora.jsonl").write_text(json.dumps({"input": "the movie", "target": "was good"}) + "\n")
+    (tmp / "lora_nofield.jsonl").write_text(json.dumps({"input": "the movie"}) + "\n")
+    (tmp / "lora_broken.jsonl").write_text(json.dumps({"input": "a", "target": "b"}) + "\n{not json\n")
+    # A finished toy run (checkpoint at step 1) and a run folder without checkpoints.
+    from zerotrain.loop import fit
+    from zerotrain.tasks.toy import ToyConfig, ToyTask
+
+    cfg = ToyConfig()
+    cfg.trainer.max_steps, cfg.trainer.num_workers, cfg.trainer.device = 1, 0, "cpu"
+    cfg.trainer.output_dir, cfg.trainer.run_name = str(tmp / "runs"), "toyrun"
+    cfg.logging.progress_bar, cfg.logging.tensorboard = False, False
+    fit(ToyTask(cfg))
+    (tmp / "nockpt").mkdir()
+    (tmp / "nockpt" / "hparams.json").write_text((tmp / "runs" / "toyrun" / "hparams.json").read_text())
+    return tmp, tok
+
+
+def run_in_process(case: Case, tmp: Path, tok: Path, capsys) -> tuple[int, list[str]]:
+    from zerotrain.cli import main
+
+    capsys.readouterr()
+    code = main(expand(case.command, tmp, tok))
+    err = capsys.readouterr().err
+    return code, [normalise(line, tmp, tok) for line in err.splitlines() if line.strip()]
+
+
+# ---- the doc ----------------------------------------------------------------------------------
+
+HEADER = "| id | input | command (after `zerotrain`) | exit | message (stderr, the whole of it) |"
+_CELL = re.compile(r"(?<!\\)\|")
+
+
+def _md(text: str) -> str:
+    return "`" + text.replace("|", "\\|").replace("`", "'") + "`"
+
+
+def _unmd(cell: str) -> str:
+    cell = cell.strip()
+    assert cell.startswith("`") and cell.endswith("`"), cell
+    return cell[1:-1].replace("\\|", "|")
+
+
+def doc_rows() -> dict[str, tuple[str, int, str]]:
+    """id -> (command, exit status, message) from the table in docs/BAD_INPUTS.md, in order."""
+    lines = DOC.read_text(encoding="utf-8").splitlines()
+    start = lines.index(HEADER) + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = _CELL.split(line)[1:-1]
+        rows[cells[0].strip()] = (_unmd(cells[2]), int(cells[3]), _unmd(cells[4]))
+    return rows
+
+
+def write_doc(results: dict[str, tuple[int, list[str]]]) -> None:
+    text = DOC.read_text(encoding="utf-8") if DOC.is_file() else ""
+    head = text.split(HEADER)[0] if HEADER in text else "# Bad inputs\n\n"
+    rows = [HEADER, "|---|---|---|---|---|"]
+    for case in CASES:
+        code, lines = results[case.id]
+        rows.append(f"| {case.id} | {case.where} | {_md(case.command)} | {code} | {_md(' / '.join(lines))} |")
+    tail = text.split(HEADER, 1)[1].split("\n\n", 1)[1] if HEADER in text and "\n\n" in text.split(HEADER, 1)[1] else ""
+    DOC.write_text(head + "\n".join(rows) + "\n\n" + tail, encoding="utf-8")
+
+
+# ---- tests ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> tuple[Path, Path]:
+    return make_inputs(tmp_path_factory.mktemp("bad"))
+
+
+def test_doc_lists_every_case():
+    rows = doc_rows()
+    assert list(rows) == [c.id for c in CASES]
+    assert [cmd for cmd, _, _ in rows.values()] == [c.command for c in CASES]
+    assert len(rows) >= 60
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case, inputs, capsys):
+    tmp, tok = inputs
+    _, want_code, want = doc_rows()[case.id]
+    code, lines = run_in_process(case, tmp, tok, capsys)
+    assert (code, lines) == (want_code, [want])
+    assert code == case.code
+    # What makes the line useful: which subcommand, and a flag, key or file it names.
+    assert re.match(r"zerotrain( \w+)?: error: ", want)
+    assert re.search(r"--\w|\{tmp\}|\{tok\}|\w+[._]\w+|'nosuch'", want)
+
+
+TWO_RANKS = ["mlm-missing-file", "tokenizer-config-only", "imdb-one-class", "resume-other-size", "json-fp16-on-cpu"]
+"""Errors found inside the workers (after the launcher started them), where two ranks could disagree."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", TWO_RANKS)
+def test_one_and_two_processes_print_the_same_line(case_id, inputs):
+    tmp, tok = inputs
+    case = next(c for c in CASES if c.id == case_id)
+    _, want_code, want = doc_rows()[case_id]
+    for nproc in (1, 2):
+        out = zerotrain_cmd([*expand(case.command, tmp, tok), "--launch.nproc_per_node", str(nproc)], cwd=tmp)
+        lines = [normalise(line, tmp, tok) for line in out.stderr.splitlines() if line.strip()]
+        assert (out.returncode, lines) == (want_code, [want]), (nproc, out.stderr[-2000:])
+
+
+if __name__ == "__main__":  # regenerate the table: python tests/test_bad_inputs.py
+    import tempfile
+
+    class _Capture:
+        def readouterr(self):
+            import io
+
+            out, err = sys.stdout.getvalue(), sys.stderr.getvalue()
+            sys.stdout.seek(0), sys.stdout.truncate(), sys.stderr.seek(0), sys.stderr.truncate()
+            return type("R", (), {"out": out, "err": err})()
+
+    import io
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as d:
+        tmp, tok = make_inputs(Path(d))
+        real_out, real_err = sys.stdout, sys.stderr
+        results = {}
+        for case in CASES:
+            sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+            try:
+                results[case.id] = run_in_process(case, tmp, tok, _Capture())
+            finally:
+                sys.stdout, sys.stderr = real_out, real_err
+            print(case.id, *results[case.id])
+    write_doc(results)
