@@ -317,6 +317,29 @@ def test_bad_input(case, inputs, capsys):
     assert re.search(r"--\w|\{tmp\}|\{tok\}|\w+[._]\w+|'nosuch'", want)
 
 
+def test_hparams_record_what_the_deepspeed_file_set(tmp_path):
+    """A user's DeepSpeed file wins over the flags it overrides; hparams.json must say what the run used."""
+    from zerotrain.loop import fit
+    from zerotrain.tasks.toy import ToyConfig, ToyTask
+
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6,
+                                                   "weight_decay": 0.0, "torch_adam": True}}}))
+    cfg = ToyConfig()
+    cfg.strategy.deepspeed_config = str(tmp_path / "ds.json")
+    cfg.trainer.max_steps, cfg.trainer.num_workers, cfg.trainer.device = 1, 0, "cpu"
+    cfg.trainer.output_dir, cfg.trainer.run_name = str(tmp_path), "r"
+    cfg.logging.progress_bar, cfg.logging.tensorboard = False, False
+    fit(ToyTask(cfg))
+    h = json.loads((tmp_path / "r" / "hparams.json").read_text())
+    assert (h["strategy"]["zero_stage"], h["strategy"]["gradient_accumulation_steps"], h["trainer"]["micro_batch_size"],
+            h["strategy"]["gradient_clipping"], h["strategy"]["reduce_bucket_size"]) == (2, 2, 4, 0.5, 1000)
+    assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0}
+    assert cfg.strategy.zero_stage == 0  # the caller's config is left as it was
+
+
 TWO_RANKS = ["mlm-missing-file", "tokenizer-config-only", "imdb-one-class", "resume-other-size", "json-fp16-on-cpu"]
 """Errors found inside the workers (after the launcher started them), where two ranks could disagree."""
 
@@ -338,8 +361,6 @@ if __name__ == "__main__":  # regenerate the table: python tests/test_bad_inputs
 
     class _Capture:
         def readouterr(self):
-            import io
-
             out, err = sys.stdout.getvalue(), sys.stderr.getvalue()
             sys.stdout.seek(0), sys.stdout.truncate(), sys.stderr.seek(0), sys.stderr.truncate()
             return type("R", (), {"out": out, "err": err})()

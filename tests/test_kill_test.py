@@ -16,6 +16,6 @@ def test_kill_minus_nine_and_resume_loses_and_damages_nothing(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     total = json.loads(out.read_text())["total"]
     assert total["kills"] == 2
-    assert total["resumes_ok"] == total["resumes"] == 3  # two killed restarts and the one that finished
+    assert total["resumes_ok"] == total["resumes"] == 2  # the restart after the first kill, and the one that finished
     assert total["corrupt_checkpoints"] == 0
     assert total["bitwise_equal"] is True

@@ -54,4 +54,6 @@ class Evaluator:
 
 
 def fmt(metrics: dict[str, float], keys: Optional[list[str]] = None) -> str:
-    return ", ".join(f"{k}={v:.4f}" for k, v in metrics.items() if keys is None or k in keys)
+    # Counts (ints, e.g. test_reviews) print as counts, not as 2000.0000.
+    return ", ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}"
+                     for k, v in metrics.items() if keys is None or k in keys)

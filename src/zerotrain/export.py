@@ -134,7 +134,8 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
             raise UserError(f"{state_file} holds no 'module' state dict: it was not written by zerotrain")
         return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
     if optim:  # ZeRO-1/2/3: the fp32 master weights are partitioned over the ranks' optimizer files
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        with _cpu_accelerator():
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:
             with _quiet():
@@ -153,6 +154,20 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
         return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
     raise UserError(f"{folder} holds no model weights ({TORCH_STATE}, mp_rank_00_model_states.pt or "
                     "*_optim_states.pt). Pass another step with --step N")
+
+
+@contextlib.contextmanager
+def _cpu_accelerator() -> Iterator[None]:
+    """Import DeepSpeed as a CPU program: without a GPU it otherwise prints a warning while guessing the
+    accelerator. The converter is plain torch on CPU either way; the environment is restored after."""
+    saved = os.environ.get("DS_ACCELERATOR")
+    if saved is None and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def _torch_load(path: Path) -> Any:

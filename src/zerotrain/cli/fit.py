@@ -39,7 +39,7 @@ def run(argv: list[str]) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     recipe, rest = argv[0], _drop_local_rank(argv[1:])
     if recipe not in recipes.all_recipes():
-        print(f"zerotrain fit: error: unknown recipe {recipe!r}: choose one of {', '.join(recipes.all_recipes())} "
+        print(f"zerotrain fit: error: unknown recipe {recipe!r}: choose one of {', '.join(sorted(recipes.all_recipes()))} "
               "(zerotrain fit --help describes them)", file=sys.stderr)
         return 2
     cfg = parse_config(recipe, rest).validate()

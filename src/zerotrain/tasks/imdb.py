@@ -251,7 +251,7 @@ class IMDBTask(Task[IMDBConfig]):
         count = max(sums.get("count", 0.0), 1.0)
         # "reviews" states the subset the accuracy is measured on (e.g. test_reviews=1000 on CPU).
         return {"loss": sums.get("loss_sum", 0.0) / count, "acc": sums.get("correct", 0.0) / count,
-                "reviews": sums.get("count", 0.0)}
+                "reviews": int(sums.get("count", 0.0))}
 
     def train_lengths(self, train: Dataset) -> Optional[list[int]]:
         if not self.cfg.data.bucket_by_length:
