@@ -28,6 +28,7 @@ the only code that writes or reads either.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -40,7 +41,7 @@ import torch
 
 from zerotrain import rundir
 from zerotrain.config import CheckpointConfig
-from zerotrain.data.io import _fsync_dir, atomic_write_text
+from zerotrain.data.io import atomic_write_text, fsync_dir
 from zerotrain.engine import Engine
 from zerotrain.errors import UserError
 from zerotrain.train_state import TrainState, load_safely
@@ -100,6 +101,40 @@ def shape_of(engine: Engine, recipe: str) -> dict[str, Any]:
         "grad_accum": int(engine.grad_accum),
         "world_size": int(engine.world_size),
     }
+
+
+HARMLESS_MODEL_FIELDS = frozenset({"dropout", "lora_dropout", "merge_on_export", "init_from_mlm"})
+"""Model settings that change no tensor's name or shape: a resume may change them."""
+
+
+def check_same_model(checkpoint: Path, recipe: str, cfg: Any) -> None:
+    """Raise a one-line :class:`UserError` when ``checkpoint`` was written by a run of another recipe or
+    with other model settings than ``cfg`` (the ``--model.*`` flags that change tensors' names or shapes).
+
+    The run that wrote a checkpoint left its config in ``hparams.json`` beside ``checkpoints/``. This
+    runs before anything is built, so a wrong resume is refused at once; :func:`check_compatible`
+    checks how the engine was set up once it exists, also before the run folder is rewritten."""
+    hparams = checkpoint.parent.parent / "hparams.json"
+    try:
+        saved = json.loads(hparams.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # nothing to compare with (a checkpoint copied alone): the engine's loader decides
+    if not isinstance(saved, dict):
+        return
+    theirs = saved.get("recipe")
+    if theirs is not None and theirs != recipe:
+        raise UserError(f"--checkpoint.resume: {checkpoint} was written by a {theirs} run, and this is a {recipe} "
+                        f"run. Resume with zerotrain fit {theirs}, or start a new run (another --trainer.run_name)")
+    model = getattr(cfg, "model", None)
+    old = saved.get("model")
+    if not (dataclasses.is_dataclass(model) and isinstance(old, dict)):
+        return
+    now = json.loads(json.dumps(dataclasses.asdict(model), default=str))  # tuples as lists, as the file has them
+    changed = [f"--model.{k} {now[k]} (the checkpoint's run had {old[k]})" for k in now
+               if k in old and k not in HARMLESS_MODEL_FIELDS and now[k] != old[k]]
+    if changed:
+        raise UserError(f"--checkpoint.resume: {checkpoint} holds another model: {'; '.join(changed)}. Pass the "
+                        "run's own model flags (its hparams.json has them) or start a new run")
 
 
 def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
@@ -189,7 +224,7 @@ def seal(folder: Path, rank: int, world_size: int, checksums: bool) -> dict[str,
     for part in _gather(mine, world_size):
         listing.update(part)
     for root, _, _ in os.walk(folder):
-        _fsync_dir(Path(root))
+        fsync_dir(Path(root))
     return dict(sorted(listing.items()))
 
 

@@ -190,7 +190,7 @@ class TrainerConfig:
         if self.micro_batch_size < 1:
             raise ConfigError("--trainer.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
         if self.max_steps is None and self.epochs is None:
-            raise ConfigError("--trainer.max_steps", "set --trainer.max_steps or --trainer.epochs")
+            raise ConfigError("--trainer.max_steps", "or --trainer.epochs is required: set one (e.g. --trainer.max_steps 1000)")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError("--trainer.max_steps", f"must be >= 1, got {self.max_steps}")
         if self.epochs is not None and self.epochs < 1:

@@ -25,7 +25,12 @@ from torch import nn
 
 from zerotrain.config import RunConfig
 from zerotrain.distributed import all_reduce_max, all_reduce_sum, barrier
-from zerotrain.ds_config import ResolvedPrecision, engine_clips, make_ds_config, precision_of
+from zerotrain.ds_config import (
+    ResolvedPrecision,
+    engine_clips,
+    make_ds_config,
+    precision_of,
+)
 from zerotrain.errors import UserError
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput

@@ -18,7 +18,15 @@ import torch
 from zerotrain import recipes
 from zerotrain.config import RunConfig
 from zerotrain.errors import ConfigError
-from zerotrain.memory import GIB, Buckets, ParamCounts, PlanRow, count_params, gpu_memory_bytes, plan
+from zerotrain.memory import (
+    GIB,
+    Buckets,
+    ParamCounts,
+    PlanRow,
+    count_params,
+    gpu_memory_bytes,
+    plan,
+)
 from zerotrain.strategies import STRATEGIES
 
 

@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import Dataset
 
 from zerotrain.config import TrainerConfig
-from zerotrain.data.sampling import eval_shard
 from zerotrain.data.loader import make_loader
+from zerotrain.data.sampling import eval_shard
 from zerotrain.distributed import all_gather_object
 from zerotrain.engine import Engine, to_device
 from zerotrain.tasks.base import Task

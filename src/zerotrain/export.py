@@ -135,7 +135,9 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
         return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
     if optim:  # ZeRO-1/2/3: the fp32 master weights are partitioned over the ranks' optimizer files
         with _cpu_accelerator():
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+            from deepspeed.utils.zero_to_fp32 import (
+                get_fp32_state_dict_from_zero_checkpoint,
+            )
 
         try:
             with _quiet():

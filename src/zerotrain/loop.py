@@ -20,14 +20,25 @@ import numpy as np
 import torch
 
 from zerotrain import rundir
-from zerotrain.checkpoint import Checkpointer, check_compatible, estimate_bytes, preflight_space, shape_of
-from zerotrain.config import RunConfig
+from zerotrain.checkpoint import (
+    Checkpointer,
+    check_compatible,
+    check_same_model,
+    estimate_bytes,
+    preflight_space,
+    shape_of,
+)
+from zerotrain.config import RunConfig, check_warmup
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
-from zerotrain.config import check_warmup
-from zerotrain.distributed import Runtime, barrier, main_process_first, run_on_main, setup
+from zerotrain.distributed import (
+    Runtime,
+    barrier,
+    main_process_first,
+    run_on_main,
+    setup,
+)
 from zerotrain.ds_config import batch_shape, reflect_ds_config
-from zerotrain.resume_check import check_resume_matches
 from zerotrain.engine import Engine, build_engine
 from zerotrain.errors import DataError
 from zerotrain.evaluate import Evaluator, fmt
@@ -151,7 +162,7 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, task.name, cfg.checkpoint.resume, rt.is_main,
                                           lock, cfg.checkpoint.verify)
     if resume_from is not None:  # before anything is built or hparams.json rewritten
-        run_on_main(lambda: check_resume_matches(resume_from, task.name, cfg))
+        run_on_main(lambda: check_same_model(resume_from, task.name, cfg))
 
     # Identical initial weights on every rank, then per-rank randomness (dropout, masking).
     seed_everything(tr.seed)

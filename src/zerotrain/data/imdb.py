@@ -26,7 +26,14 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from torch.utils.data import Dataset
 
-from zerotrain.data.io import atomic_file, fingerprint, load_hub_dataset, looks_local, open_text, read_jsonl
+from zerotrain.data.io import (
+    atomic_file,
+    fingerprint,
+    load_hub_dataset,
+    looks_local,
+    open_text,
+    read_jsonl,
+)
 from zerotrain.errors import DataError, UserError
 
 LABEL_NAMES = ("negative", "positive")

@@ -342,10 +342,10 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make the rename itself durable (POSIX); a no-op where folders cannot be opened."""
     try:
         fd = os.open(folder, os.O_RDONLY)

@@ -15,7 +15,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from zerotrain.data.io import atomic_file, fingerprint, load_hub_dataset, looks_local, read_jsonl, read_lines
+from zerotrain.data.io import (
+    atomic_file,
+    fingerprint,
+    load_hub_dataset,
+    looks_local,
+    read_jsonl,
+    read_lines,
+)
 from zerotrain.errors import DataError, UserError
 
 TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz", ".txt.bz2", ".raw")

@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-
 def sinusoidal_positions(max_len: int, dim: int) -> torch.Tensor:
     """The fixed sine/cosine table of "Attention Is All You Need", shape (max_len, dim)."""
     position = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)  # (L, 1)
