@@ -52,6 +52,18 @@ for part in "$@"; do
         > "$OUT/imdb_peer/zerotrain_b.log" 2>&1; echo "zerotrain rc=$?"; grep -h "test_acc\|test:" "$OUT/imdb_peer/zerotrain_b.log"
       python3 "${PEER:-$D/peers/tutorial_imdb_lightning.py}" "$D/imdb" "$TOK" auto 1 0 1 > "$OUT/imdb_peer/lightning.log" 2>&1
       echo "lightning rc=$?"; grep -h "SEED_RESULT" "$OUT/imdb_peer/lightning.log" ;;
+    lora_tokens)  # LoRA 1.2B, the tutorial's ZeRO-2+offload JSON: zerotrain with and without length-grouped
+      # batches, and the HF Trainer, in one run on one GPU; non-padding tokens/s counted in both loops
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
+      FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
+             --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
+             --trainer.max_steps 30 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5
+             --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
+             --checkpoint.save_final false --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
+      z benchmark lora --strategies zero2 --out "$OUT/lora_tokens/bucketed" "${FLAGS[@]}" --data.bucket_by_length true | tail -n 3
+      z benchmark lora --strategies zero2 --out "$OUT/lora_tokens/plain" "${FLAGS[@]}" | tail -n 3
+      python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora_tokens/hf_trainer.json" --warmup 5 -- "${FLAGS[@]}" \
+        > "$OUT/lora_tokens/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 20 "$OUT/lora_tokens/hf_trainer.log" ;;
     imdb_b)  # the tutorial's preset (b), full data, 5 epochs, one GPU per run; three seeds spread over the GPUs
       n=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))'); seeds=(42 43 44)
       for g in $(seq 0 $((n - 1))); do

@@ -75,12 +75,14 @@ def main() -> None:
                 self.steps += 1
 
     meter = Meter()
-    tokens_per_micro_batch = []
+    tokens_per_micro_batch, real_tokens_per_micro_batch = [], []
 
     class CountingTrainer(Trainer):
         # Counted here, in the main process: the collate function runs in data-loader workers.
         def training_step(self, model, inputs, *rest, **kw):
             tokens_per_micro_batch.append(inputs["input_ids"].numel())
+            # Still CPU tensors here (the Trainer moves them inside training_step): no device sync.
+            real_tokens_per_micro_batch.append(int(inputs["attention_mask"].sum()))
             return super().training_step(model, inputs, *rest, **kw)
 
     targs = TrainingArguments(
@@ -101,7 +103,9 @@ def main() -> None:
     sync()
     seconds = time.perf_counter() - meter.t0
     gas = st.gradient_accumulation_steps
-    measured_tokens = sum(tokens_per_micro_batch[args.warmup * gas:(args.warmup + meter.steps) * gas])
+    window = slice(args.warmup * gas, (args.warmup + meter.steps) * gas)
+    measured_tokens = sum(tokens_per_micro_batch[window])
+    real_tokens = sum(real_tokens_per_micro_batch[window])
     name = torch.cuda.get_device_name() if cuda else "cpu"
     tflops = flops_per_token * measured_tokens / seconds / 1e12
     peak = peak_tflops(name, precision)
@@ -109,6 +113,7 @@ def main() -> None:
         "strategy": "hf_trainer", "nproc": 1, "world_size": 1, "device": name,
         "deepspeed_config": st.deepspeed_config, "command": " ".join(["python", *sys.argv]),
         "throughput_sec_per_step": seconds / meter.steps, "throughput_tokens_per_s": measured_tokens / seconds,
+        "throughput_real_tokens_per_s": real_tokens / seconds, "tokens_per_s": real_tokens / seconds,
         "throughput_tflops_per_gpu": tflops, "throughput_mfu": tflops / peak if peak else None,
         "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "measured_steps": meter.steps, "measured_tokens": measured_tokens,

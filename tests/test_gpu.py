@@ -66,3 +66,28 @@ def test_zero0_bf16_runs_the_autocast_fast_path(tmp_path):
     norms = [r["grad_norm"] for r in rows if "train_loss" in r]
     assert norms and all(n > 0 for n in norms)
     assert json.loads((tmp_path / "gpu" / "summary.json").read_text())["precision"] == "bf16"
+
+
+def test_sigterm_saves_and_the_zero2_bf16_checkpoint_resumes_on_gpu(tmp_path):
+    """Pre-emption on NCCL (the stop flag is a device tensor read a step later), then DeepSpeed's
+    checkpoint files go through the weights-only loader with GPU tensors in them."""
+    import signal
+
+    from test_preemption import _start, _wait_for_rows
+    from zerotrain.checkpoint import MARKER, complete_checkpoints
+    from zerotrain.preemption import PREEMPTED_EXIT
+
+    args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
+            "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
+            "--trainer.eval_every_steps", "100000", "--strategy.zero_stage", "2", "--strategy.precision", "bf16"]
+    proc = _start(args, tmp_path)
+    _wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc, timeout=600)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    (folder,) = complete_checkpoints(tmp_path / "run" / "checkpoints")
+    step = json.loads((folder / MARKER).read_text())["step"]
+    resumed = _start([*args[:3], str(step + 2), *args[4:], "--checkpoint.resume", "auto"], tmp_path)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_step"] == step + 2
