@@ -91,12 +91,87 @@ def test_missing_train_state_is_refused_not_resumed_inexactly(tmp_path):
         checkpointer(tmp_path).load(folder)
 
 
-def test_another_process_count_is_refused(tmp_path):
-    folder = checkpointer(tmp_path).save()
-    meta = json.loads((folder / MARKER).read_text())
-    (folder / MARKER).write_text(json.dumps({**meta, "world_size": 2}))
-    with pytest.raises(UserError, match="written by 2 processes"):
-        checkpointer(tmp_path).load(folder)
+class ReshardingEngine(FakeEngine):
+    def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
+        self.resharded_from = saved_world_size
+        self.load(folder)
+
+
+SHAPE = {"recipe": "toy", "backend": "deepspeed", "zero_stage": 2, "precision": "fp32", "micro_batch_size": 4,
+         "grad_accum": 2}
+
+
+def two_rank_checkpoint(tmp_path: Path) -> Path:
+    """A checkpoint as 2 processes x micro-batch 4 leave it: rank 1's train state beside rank 0's."""
+    ck = Checkpointer(CheckpointConfig(verify=False), tmp_path, FakeEngine(), TrainState(),
+                      {**SHAPE, "world_size": 2})
+    ck.state.advance(1.0, epoch=1, batches_in_epoch=6)
+    folder = ck.save()
+    rank1 = TrainState(step=1, epoch=1, batches_in_epoch=6, window_loss=3.0, window_steps=1)
+    torch.save(rank1.state_dict(), state_file(folder, 1))
+    return folder
+
+
+def test_another_process_count_keeps_step_and_position_and_reseeds_rng(tmp_path, caplog):
+    folder = two_rank_checkpoint(tmp_path)
+    draws = []
+    for _ in range(2):
+        ck = Checkpointer(CheckpointConfig(), tmp_path, ReshardingEngine(), TrainState(),
+                          {**SHAPE, "micro_batch_size": 8, "world_size": 1})
+        with caplog.at_level("WARNING", logger="zerotrain"):
+            ck.load(folder, seed=7)
+        assert ck.engine.resharded_from == 2
+        assert ck.state.plain() == {"step": 1, "epoch": 1, "batches_in_epoch": 6}
+        assert ck.state.window_loss == 2.0 and ck.state.window_steps == 1  # the mean of the ranks' sums
+        draws.append(torch.rand(3))
+    assert torch.equal(draws[0], draws[1])  # re-seeded from (seed, step, rank): deterministic
+    assert "resumed on 1 process(es) from a checkpoint of 2" in caplog.text
+    assert "not in dropout/masking randomness" in caplog.text
+
+
+def test_ranks_that_disagree_on_the_position_are_refused(tmp_path):
+    folder = two_rank_checkpoint(tmp_path)
+    torch.save(TrainState(step=1, epoch=1, batches_in_epoch=4).state_dict(), state_file(folder, 1))
+    ck = Checkpointer(CheckpointConfig(), tmp_path, ReshardingEngine(), TrainState(),
+                      {**SHAPE, "micro_batch_size": 8, "world_size": 1})
+    with pytest.raises(UserError, match="the checkpoint's ranks disagree on where training stands"):
+        ck.load(folder)
+
+
+def test_another_process_count_needs_the_same_micro_batch_times_processes(tmp_path):
+    from zerotrain.checkpoint import check_compatible
+
+    folder = two_rank_checkpoint(tmp_path)  # 2 processes x micro 4 x accumulation 2: global batch 16
+    check_compatible(folder, {**SHAPE, "micro_batch_size": 8, "world_size": 1})  # 1 x 8: kept, no error
+    check_compatible(folder, {**SHAPE, "micro_batch_size": 2, "world_size": 4})
+    with pytest.raises(UserError, match=r"^--checkpoint.resume: .* was written by 2 processes x micro-batch 4 \(global "
+                                        r"batch 16\), this run has 1 x 4 \(global batch 8\)\. .* keeps micro-batch x "
+                                        r"processes = 8: pass --trainer.micro_batch_size 8, or start it with 2 "
+                                        r"processes$") as err:
+        check_compatible(folder, {**SHAPE, "world_size": 1})
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match=r"this run has 3 x 4 .* use a process count that divides 8"):
+        check_compatible(folder, {**SHAPE, "world_size": 3})
+    # The same global batch through accumulation instead is refused, naming the flag.
+    with pytest.raises(UserError, match=r"grad_accum 2, this run has 4; pass --strategy.gradient_accumulation_steps 2"):
+        check_compatible(folder, {**SHAPE, "grad_accum": 4, "world_size": 1})
+    # The loader applies the same rule (a Checkpointer used without check_compatible).
+    ck = Checkpointer(CheckpointConfig(), tmp_path, ReshardingEngine(), TrainState(), {**SHAPE, "world_size": 1})
+    with pytest.raises(UserError, match="pass --trainer.micro_batch_size 8"):
+        ck.load(folder)
+
+
+def test_an_engine_that_cannot_reshard_is_one_line(tmp_path):
+    from zerotrain.engine import Engine
+
+    folder = two_rank_checkpoint(tmp_path)
+    engine = FakeEngine()
+    engine.load_resharded = lambda folder, n, verify=True: Engine.load_resharded(engine, folder, n, verify)
+    ck = Checkpointer(CheckpointConfig(), tmp_path, engine, TrainState(),
+                      {**SHAPE, "micro_batch_size": 8, "world_size": 1})
+    with pytest.raises(UserError, match=r"written by 2 processes and this engine cannot resume it on 1\. Start it "
+                                        r"with 2 processes"):
+        ck.load(folder)
 
 
 # ---- integrity: sizes and checksums in the marker, fallback to the previous intact checkpoint --------

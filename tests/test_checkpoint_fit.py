@@ -136,3 +136,35 @@ def test_full_disk_at_export_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(ToyTask, "export", full)
     with pytest.raises(UserError, match=r"no space left to write the exported model in .*model \(.* free"):
         finished_run(tmp_path, "full")
+
+
+def test_a_crafted_pickle_in_a_cached_universal_checkpoint_runs_no_code(tmp_path, capsys):
+    """A 1-process ZeRO-2 checkpoint whose marker says 2 processes x micro-batch 4 takes the resharding path in-process:
+    converted once, the cache then reused, and its files loaded weights-only like every other checkpoint file."""
+    import shutil
+
+    run = finished_run(tmp_path, "uc", zero_stage=2)
+    (folder,) = complete_checkpoints(run / "checkpoints")
+    meta = json.loads((folder / MARKER).read_text())
+    (folder / MARKER).write_text(json.dumps({**meta, "world_size": 2, "micro_batch_size": 4}))
+    shutil.copy(folder / "train_state_rank0.pt", folder / "train_state_rank1.pt")
+    capsys.readouterr()
+    assert resume(tmp_path, "uc", zero_stage=2).final_step == 4  # 1 process x micro 8: the same 8 per micro-step
+    assert f"converting {folder} (written by 2 process(es))" in capsys.readouterr().err  # the log goes to stderr
+    cached = folder / "universal"
+    assert (cached / "UNIVERSAL.json").is_file() and not (folder / ".universal.tmp").exists()
+
+    target = cached / "zero" / "0.weight" / "fp32.pt"
+    code_ran = tmp_path / "code-ran"
+    target.write_bytes(pickle.dumps({"param": Evil(code_ran)}))
+    listing = json.loads((cached / "UNIVERSAL.json").read_text())
+    listing["files"]["zero/0.weight/fp32.pt"] = {"bytes": target.stat().st_size}  # an attacker edits the listing too
+    (cached / "UNIVERSAL.json").write_text(json.dumps(listing))
+    cfg = toy_config(tmp_path, "uc-again", zero_stage=2)
+    cfg.checkpoint.resume, cfg.checkpoint.verify, cfg.trainer.max_steps = str(folder), False, 3
+    with pytest.raises(UserError, match=r"fp32.pt cannot be loaded: .*could run code") as err:
+        fit(ToyTask(cfg))
+    logged = capsys.readouterr().err
+    assert f"using the universal checkpoint cached in {cached}" in logged and "converting" not in logged
+    assert "\n" not in str(err.value)
+    assert not code_ran.exists()

@@ -110,3 +110,15 @@ def test_eval_shard_covers_every_index_exactly_once(world, size, batch_size):
     # No rank has more than one batch more than another (no padding, so ranks may differ by one batch).
     counts = [len(shard) for shard in shards]
     assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_the_plan_depends_on_micro_batch_times_processes_only(bucketed):
+    """What a resume on another process count relies on: 2 ranks x 4 and 1 rank x 8 take the same samples, in order."""
+    lengths = [i % 7 for i in range(100)] if bucketed else None
+    two = [EpochBatches(100, 4, r, 2, seed=3, grad_accum=2, lengths=lengths) for r in range(2)]
+    one = EpochBatches(100, 8, 0, 1, seed=3, grad_accum=2, lengths=lengths)
+    for sampler in (*two, one):
+        sampler.set_epoch(1, skip_batches=2)
+    assert one.batches_per_epoch == two[0].batches_per_epoch == 12
+    assert [a + b for a, b in zip(*two)] == list(one)

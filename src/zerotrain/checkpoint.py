@@ -141,11 +141,21 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
     """Refuse, in one line, a resume from ``folder`` by a run of another ``shape`` (see :func:`shape_of`).
 
     Called before anything in the run folder is rewritten. Each difference would continue the run
-    silently wrong or crash in the engine: the data position counts micro-batches of this size per
-    rank (another micro-batch or process count starts at another sample, and the samplers draw by
-    micro-batch, so no exact conversion exists); accumulation sets the global batch the schedule
-    and optimizer state were made for; the engine's files are sharded by stage and backend, and
+    silently wrong or crash in the engine: accumulation sets the global batch the schedule and
+    optimizer state were made for; the engine's files are sharded by stage and backend, and
     precision decides which of them hold the master weights.
+
+    **Another process count** is converted (see :meth:`Checkpointer.load`), under one rule: the
+    global batch and its data order stay exactly as they were, so micro-batch x processes must
+    stay the same (and accumulation, as always). The sampler plans global batches of micro x world
+    examples and cuts one micro-batch per rank, and the data position counts those global
+    micro-steps: with micro x world unchanged the new ranks continue at the same samples, the same
+    optimizer step, the same schedule. 2 processes x micro 8 resume on 1 process with
+    ``--trainer.micro_batch_size 16`` (or on 4 with 4); any other micro-batch is refused with the
+    flag to pass. Changing accumulation instead (2 x 8 x accum 1 -> 1 x 8 x accum 2: the same
+    global batch) is refused too: it would split each step's samples differently (and, with
+    length bucketing, plan other batches), and accumulation stays one of the checked keys. On the
+    same process count the micro-batch must be the checkpoint's (the position counts micro-batches).
     """
     meta = read_marker(folder)
     flag = "--checkpoint.resume"
@@ -156,15 +166,38 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         "precision": "pass --strategy.precision {saved}",
         "micro_batch_size": "pass --trainer.micro_batch_size {saved} (the data position counts micro-batches)",
         "grad_accum": "pass --strategy.gradient_accumulation_steps {saved}",
-        "world_size": "start it with {saved} processes (resuming on another process count is not supported yet)",
     }
+    resharding = "world_size" in meta and meta["world_size"] != shape.get("world_size")
     for key in SHAPE_KEYS:
-        if key not in meta:
-            continue  # a marker of format 1 records the world size only
+        if key not in meta or key == "world_size" or (resharding and key == "micro_batch_size"):
+            continue  # a marker of format 1 records the world size only; another world size: below
         saved, now = meta[key], shape.get(key)
         if saved != now:
             raise UserError(f"{flag}: {folder} was written with {key} {saved}, this run has {now}; "
                             f"{how[key].format(saved=saved)}, or start a new run (another --trainer.run_name)")
+    if resharding:
+        check_global_batch(folder, meta, shape)
+
+
+def check_global_batch(folder: Path, meta: dict[str, Any], shape: dict[str, Any]) -> None:
+    """The rule of :func:`check_compatible` for a resume on another process count, in one line when broken."""
+    flag, world, now_world = "--checkpoint.resume", meta["world_size"], shape.get("world_size")
+    if "micro_batch_size" not in meta:
+        raise UserError(f"{flag}: {folder} was written by {world} processes and does not record its micro-batch "
+                        f"size, so it cannot be resumed on {now_world}. Start it with {world} processes")
+    micro, now_micro = meta["micro_batch_size"], shape.get("micro_batch_size")
+    accum = meta.get("grad_accum", shape.get("grad_accum"))
+    per_step = micro * world  # examples of one micro-step over all ranks
+    if now_micro * now_world == per_step:
+        return
+    if per_step % now_world == 0:
+        fix = f"pass --trainer.micro_batch_size {per_step // now_world}"
+    else:
+        fix = f"use a process count that divides {per_step}"
+    raise UserError(f"{flag}: {folder} was written by {world} processes x micro-batch {micro} (global batch "
+                    f"{per_step * accum}), this run has {now_world} x {now_micro} (global batch "
+                    f"{now_micro * now_world * accum}). A resume on another process count keeps micro-batch x "
+                    f"processes = {per_step}: {fix}, or start it with {world} processes")
 
 
 # ---- integrity -------------------------------------------------------------------------------
@@ -358,14 +391,21 @@ class Checkpointer:
         detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split())[:300]
         return f"could not write checkpoint {folder}: {detail}{keep}"
 
-    def load(self, folder: Path) -> None:
-        """Restore the engine and this rank's train state from ``folder``."""
+    def load(self, folder: Path, seed: int = 0) -> None:
+        """Restore the engine and this rank's train state from ``folder``.
+
+        A checkpoint written by another number of processes (admitted by :func:`check_compatible`)
+        is resharded: the engine loads its state onto this world size
+        (:meth:`~zerotrain.engine.Engine.load_resharded`: the plain engine as it is, ZeRO through
+        a universal checkpoint converted once and cached, see :func:`universal_checkpoint`), and
+        the train state continues at the same step and samples with RNG re-seeded from (``seed``,
+        step, rank) (:meth:`~zerotrain.train_state.TrainState.load_resharded`); one line says so.
+        """
         meta = read_marker(folder)
-        if meta.get("world_size") != self.engine.world_size:
-            raise UserError(
-                f"--checkpoint.resume: {folder} was written by {meta.get('world_size')} processes, this run has "
-                f"{self.engine.world_size}. Resume with the same number of processes for an exact resume"
-            )
+        saved_world = meta.get("world_size")
+        if saved_world != self.engine.world_size:
+            self._load_resharded(folder, meta, seed)
+            return
         mine = state_file(folder, self.engine.rank)
         if not mine.is_file():
             raise UserError(f"--checkpoint.resume: {mine} is missing, so the run cannot continue exactly. "
@@ -373,6 +413,113 @@ class Checkpointer:
         self.engine.load(folder)
         self.state.load_state_dict(load_safely(mine))
         self.last_saved = self.state.step
+
+    def _load_resharded(self, folder: Path, meta: dict[str, Any], seed: int) -> None:
+        saved_world = meta.get("world_size")
+        if not isinstance(saved_world, int) or saved_world < 1:
+            raise UserError(f"--checkpoint.resume: {folder / MARKER} does not record the process count that wrote "
+                            "it. Pass another checkpoint folder")
+        check_global_batch(folder, meta, {**self.shape, "world_size": self.engine.world_size})
+        files = [state_file(folder, r) for r in range(saved_world)]
+        missing = next((f for f in files if not f.is_file()), None)
+        if missing is not None:
+            raise UserError(f"--checkpoint.resume: {missing} is missing, so the run cannot continue exactly. "
+                            "Pass an older checkpoint folder, or start a new run")
+        states = [load_safely(f) for f in files]
+        self.engine.load_resharded(folder, saved_world, self.cfg.verify)
+        self.state.load_resharded(states, seed, self.engine.rank)
+        self.last_saved = self.state.step
+        if self.engine.rank == 0:
+            log.warning("resumed on %d process(es) from a checkpoint of %d: exact in weights, optimizer state, "
+                        "schedule, step and data order, but not in dropout/masking randomness (re-seeded from "
+                        "seed, step and rank)", self.engine.world_size, saved_world)
+
+
+# ---- resuming on another process count: DeepSpeed's universal checkpoint, cached ----------------
+UNIVERSAL = "universal"
+"""Subfolder of a step folder holding its universal checkpoint (DeepSpeed's ``<dir>/<tag>/`` layout, tag ``universal``)."""
+UNIVERSAL_MARKER = "UNIVERSAL.json"
+
+
+def universal_checkpoint(folder: Path, verify: bool = True) -> Path:
+    """``folder``'s ZeRO state as a DeepSpeed universal checkpoint, ``folder/universal``: converted once, then cached.
+
+    Runs on one rank (the caller uses :func:`~zerotrain.distributed.run_on_main`, so a failure
+    reaches every rank as one line); the conversion is CPU-only. It is DeepSpeed's own
+    ``ds_to_universal.main`` (serial workers, strict checks, the universal-checkpoint info that
+    non-Megatron models do not record injected), written into ``folder/.universal.tmp/`` and
+    renamed into place only when complete, with its own marker (:data:`UNIVERSAL_MARKER`: every
+    file's size and, with ``verify``, sha256; fsynced before the rename), so the cache is complete
+    or absent like the checkpoint itself. A cached copy is checked against its marker and
+    reused; a damaged one is converted again. Every ``torch.load`` of the conversion is
+    weights-only with the engine's allow-list (a crafted file runs no code).
+    """
+    import argparse
+    import contextlib
+    import io
+
+    out = folder / UNIVERSAL
+    if (out / UNIVERSAL_MARKER).is_file():
+        damage = _listing_problem(out, UNIVERSAL_MARKER, verify)
+        if damage is None:
+            log.info("using the universal checkpoint cached in %s", out)
+            return out
+        log.warning("the cached universal checkpoint %s is damaged (%s): converting again", out, damage)
+    work = folder / ".universal.tmp"
+    for stale in (out, work):
+        shutil.rmtree(stale, ignore_errors=True)  # no marker (a killed conversion) or damaged
+    meta = read_marker(folder)
+    log.info("converting %s (written by %s process(es)) to a universal checkpoint in %s", folder,
+             meta.get("world_size"), out)
+    from deepspeed.checkpoint import ds_to_universal
+
+    from zerotrain.engine import _ds_safe_globals
+    from zerotrain.train_state import weights_only_torch_load
+
+    args = argparse.Namespace(input_folder=str(folder), output_folder=str(work / UNIVERSAL), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    chatter = io.StringIO()  # the converter prints progress bars and banners
+    try:
+        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), \
+                weights_only_torch_load(_ds_safe_globals()):
+            ds_to_universal.main(args)
+        files = seal(work / UNIVERSAL, 0, 1, verify)
+        atomic_write_text(work / UNIVERSAL / UNIVERSAL_MARKER,
+                          json.dumps({"format": 1, "source": folder.name, "source_world_size": meta.get("world_size"),
+                                      "files": files}, indent=1))
+        fsync_dir(work / UNIVERSAL)
+        os.rename(work / UNIVERSAL, out)
+        fsync_dir(folder)
+    except UserError:
+        raise
+    except Exception as exc:
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        if rundir.is_space_error(exc):
+            raise rundir.space_error("the universal checkpoint", folder, checkpoint_bytes(folder)) from None
+        raise UserError(f"--checkpoint.resume: converting {folder} to a universal checkpoint (to resume on another "
+                        f"process count) failed ({detail}). Start it with {meta.get('world_size')} processes") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _listing_problem(folder: Path, marker: str, checksums: bool) -> Optional[str]:
+    """What is wrong with ``folder`` against the file listing in its ``marker`` (None: nothing). One rank."""
+    try:
+        files = json.loads((folder / marker).read_text()).get("files")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"{folder / marker} cannot be read ({exc})"
+    if not isinstance(files, dict):
+        return f"{folder / marker} lists no files"
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != entry.get("bytes"):
+            return f"{path} has {path.stat().st_size} bytes, {entry.get('bytes')} were written"
+        if checksums and "sha256" in entry and _sha256(path) != entry["sha256"]:
+            return f"{path} does not match its sha256 checksum"
+    return None
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:

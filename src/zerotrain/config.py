@@ -246,6 +246,10 @@ class LoggingConfig:
     """W&B mode; offline writes to <run>/wandb and needs no network (sync later with `wandb sync`)."""
 
 
+MIN_TIMEOUT_MINUTES = 0.05
+"""The shortest collective timeout: 3 s. Less would time out ordinary steps (a checkpoint, an evaluation)."""
+
+
 @dataclass
 class LaunchConfig:
     nproc_per_node: int = 1
@@ -258,8 +262,9 @@ class LaunchConfig:
     """host:port of node 0, where all processes meet (torchrun's --rdzv-endpoint / MASTER_ADDR:MASTER_PORT)."""
     comm_backend: Literal["auto", "nccl", "gloo", "mpi"] = "auto"
     """torch.distributed backend: auto is nccl on GPU and gloo on CPU."""
-    timeout_minutes: int = 60
-    """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights."""
+    timeout_minutes: float = 60.0
+    """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights.
+    A rank that dies or hangs ends the job after this long, with one line naming it (fractions allowed, >= 0.05)."""
     rdzv_timeout_minutes: float = 10.0
     """Several nodes: how long the launcher on each node waits for all nodes to join at rdzv_endpoint before giving up."""
 
@@ -268,8 +273,9 @@ class LaunchConfig:
             raise ConfigError("--launch.nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
             raise ConfigError("--launch.nnodes", f"must be >= 1, got {self.nnodes}")
-        if self.timeout_minutes < 1:
-            raise ConfigError("--launch.timeout_minutes", f"must be >= 1, got {self.timeout_minutes}")
+        if not self.timeout_minutes >= MIN_TIMEOUT_MINUTES:  # `not >=`: NaN is refused too
+            raise ConfigError("--launch.timeout_minutes", f"must be >= {MIN_TIMEOUT_MINUTES} (3 seconds), "
+                              f"got {self.timeout_minutes:g}")
         if not self.rdzv_timeout_minutes > 0:
             raise ConfigError("--launch.rdzv_timeout_minutes", f"must be > 0, got {self.rdzv_timeout_minutes}")
         if not 0 <= self.node_rank < self.nnodes:

@@ -15,6 +15,7 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -76,7 +77,7 @@ def comm_backend(requested: str, device: str) -> str:
     return requested
 
 
-def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", timeout_minutes: int = 60) -> None:
+def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", timeout_minutes: float = 60) -> None:
     """Initialise torch.distributed for this process (a group of one when started alone)."""
     if "RANK" not in os.environ:
         # A single process still gets a process group, so the engine code has one path.
@@ -319,10 +320,13 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     # never delivered: Ctrl-C must end the process at once. torchelastic installs its own SIGINT handler
     # (stop the workers, then raise) when it starts them.
     saved_sigint = _default_sigint()
+    heartbeats, own_heartbeats = _heartbeat_dir()
+    stopped: set[int] = set()
+    undo_close = _continue_stopped_workers(stopped)
     try:
         run(parser.parse_args(args))
     except ChildFailedError as exc:  # lists every failed rank of this node, the ones torchelastic stopped too
-        return _report_worker_failure(exc.failures)
+        return _report_worker_failure(exc.failures, read_heartbeats(heartbeats), launch.timeout_minutes, stopped)
     except SignalException as exc:  # Ctrl-C or a scheduler's SIGTERM; torchelastic has stopped the workers
         from zerotrain.preemption import PREEMPTED_EXIT, SIGNALS
 
@@ -343,8 +347,14 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
             print(f"zerotrain: could not start the worker processes: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     finally:
+        undo_close()
         _restore_sigint(saved_sigint)
         _restore_levels(saved_levels)
+        if own_heartbeats:
+            import shutil
+
+            os.environ.pop(HEARTBEAT_ENV, None)
+            shutil.rmtree(heartbeats, ignore_errors=True)
     return 0
 
 
@@ -612,27 +622,42 @@ def _restore_levels(saved: dict) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def _report_worker_failure(failures: dict) -> int:
-    """Say (at most) one line about the first worker that failed; return its exit status.
+def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] = None,
+                           timeout_minutes: Optional[float] = None, stopped: frozenset[int] | set[int] = frozenset()) -> int:
+    """Say (at most) one line about the worker that ended the job; return the launcher's exit status.
 
     ``failures`` is torchelastic's ``ChildFailedError.failures``: global rank -> ``ProcessFailure``
-    (``exitcode``, ``local_rank``, ``timestamp``, ``message``, ``error_file_data``). It also lists the
-    workers torchelastic stopped with SIGTERM once the first had failed; those are not the cause.
+    (``exitcode``, ``local_rank``, ``pid``, ``timestamp``, ``message``, ``error_file_data``). It also lists the
+    workers torchelastic stopped (SIGTERM, then SIGKILL after 30 s) once the first had failed; those are
+    not the cause. ``progress`` is what :func:`read_heartbeats` found (rank -> step, pid, run folder),
+    ``stopped`` the pids found stopped (SIGSTOP) when torchelastic began to stop the workers.
+
+    In order: an error a worker printed already (a UserError, a diverged loss) adds nothing; all workers
+    pre-empted; a worker that crashed (its traceback is above); a rank that stopped responding (the others'
+    collective timed out: :data:`RANK_LOST_EXIT`); a worker killed by a signal (128 + signal); a rank
+    that lost its connection to a rank on another node (:data:`RANK_LOST_EXIT`).
     """
-    def record(failure) -> dict | None:  # left by zerotrain.cli in the worker's error file for a UserError
+    from zerotrain.errors import DIVERGED_EXIT
+
+    progress = progress or {}
+
+    def record(failure, key: str = ERROR_FILE_KEY) -> dict | None:  # left by zerotrain.cli in the worker's error file
         data = failure.error_file_data
-        found = data.get(ERROR_FILE_KEY) if isinstance(data, dict) else None
+        found = data.get(key) if isinstance(data, dict) else None
         return found if isinstance(found, dict) else None
 
-    user = {r: f for r, f in failures.items() if f.exitcode == USER_ERROR_EXIT or record(f) is not None}
-    if user:
-        printed = any((record(f) or {}).get("printed") or (r == 0 and f.exitcode == USER_ERROR_EXIT)
-                      for r, f in user.items())
+    announced = {r: f for r, f in failures.items()
+                 if f.exitcode in (USER_ERROR_EXIT, DIVERGED_EXIT) or record(f) is not None}
+    if announced:
+        code = next((f.exitcode for f in announced.values() if f.exitcode in (USER_ERROR_EXIT, DIVERGED_EXIT)),
+                    None) or next(int(record(f).get("exit", USER_ERROR_EXIT)) for f in announced.values())
+        printed = any((record(f) or {}).get("printed") or (r == 0 and f.exitcode == code)
+                      for r, f in announced.items())
         if not printed:  # rank 0 runs on another node (or was stopped before it could print): say it here
-            rank = min(user, key=lambda r: (record(user[r]) is None, r))
-            print(user[rank].message if record(user[rank]) else
-                  f"zerotrain: rank {rank} stopped on an error (exit status {USER_ERROR_EXIT})", file=sys.stderr)
-        return USER_ERROR_EXIT
+            rank = min(announced, key=lambda r: (record(announced[r]) is None, r))
+            print(announced[rank].message if record(announced[rank]) else
+                  f"zerotrain: rank {rank} stopped on an error (exit status {code})", file=sys.stderr)
+        return code
     from zerotrain.preemption import PREEMPTED_EXIT
 
     if all(f.exitcode == PREEMPTED_EXIT for f in failures.values()):
@@ -640,13 +665,212 @@ def _report_worker_failure(failures: dict) -> int:
         print(f"zerotrain: pre-empted; the workers saved a checkpoint (exit status {PREEMPTED_EXIT}: "
               "requeue with --checkpoint.resume auto)", file=sys.stderr)
         return PREEMPTED_EXIT
-    crashed = {r: f for r, f in failures.items() if f.exitcode > 0} or failures
-    rank, failure = min(crashed.items(), key=lambda item: (item[1].timestamp, item[0]))
-    if failure.exitcode > 0:
-        print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) failed with exit status {failure.exitcode}; "
-              "its traceback, if any, is above", file=sys.stderr)
+
+    def after(rank: int) -> str:
+        step = progress.get(rank, {}).get("step")
+        return "before its first step" if step is None else f"after step {step}"
+
+    lost = {r: record(f, LOST_FILE_KEY) for r, f in failures.items()
+            if f.exitcode == RANK_LOST_EXIT and record(f, LOST_FILE_KEY) is not None}
+    crashed = {r: f for r, f in failures.items() if f.exitcode > 0 and r not in lost}
+    if crashed:
+        rank, failure = min(crashed.items(), key=lambda item: (item[1].timestamp, item[0]))
+        print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) failed with exit status {failure.exitcode} "
+              f"{after(rank)}; its traceback, if any, is above", file=sys.stderr)
         return failure.exitcode
-    hint = " (out of memory?)" if failure.exitcode == -9 else ""
-    print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()}{hint}",
-          file=sys.stderr)
+    checkpoint = _last_checkpoint_hint(progress)
+    waited = {r for r, rec in lost.items() if rec.get("timed_out")}
+    if waited:
+        # The others timed out waiting for it. It is the local rank that did not time out: first one found
+        # stopped, then one that said nothing (stuck, then stopped by torchelastic), then the lowest step.
+        pid_of = {r: p.get("pid") for r, p in progress.items()}
+        candidates = sorted((set(progress) | set(failures)) - waited,
+                            key=lambda r: (pid_of.get(r) not in stopped, r in lost,
+                                           progress.get(r, {}).get("step") or 0, r))
+        timeout = "" if timeout_minutes is None else f" {timeout_minutes:g}"
+        if candidates:
+            rank = candidates[0]
+            who = f"rank {rank} stopped responding {after(rank)}"
+        else:
+            rank = min(waited)
+            who = (f"a rank on another node stopped responding (rank {rank} waited for it "
+                   f"{after(rank)}; see that node's output)")
+        print(f"zerotrain: {who}; the job stopped after --launch.timeout_minutes{timeout}. {checkpoint}",
+              file=sys.stderr)
+        return RANK_LOST_EXIT
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0 and -f.exitcode not in _STOP_SIGNALS}
+    if killed:
+        rank, failure = min(killed.items(), key=lambda item: (item[1].timestamp, item[0]))
+        hint = " (out of memory?)" if failure.exitcode == -9 else ""
+        print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
+              f"{after(rank)}{hint}; the job stopped. {checkpoint}", file=sys.stderr)
+        return 128 - failure.exitcode
+    if lost:
+        rank = min(lost)
+        print(f"zerotrain: rank {rank} lost its connection to another rank {after(rank)} (a process on another "
+              f"node ended: see that node's output); the job stopped. {checkpoint}", file=sys.stderr)
+        return RANK_LOST_EXIT
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
+          f"{after(rank)}", file=sys.stderr)
     return 128 - failure.exitcode
+
+
+_STOP_SIGNALS = (15, 2)
+"""SIGTERM and SIGINT: what torchelastic (or a user's Ctrl-C) sends to stop the workers, not a cause."""
+
+
+def _last_checkpoint_hint(progress: dict[int, dict]) -> str:
+    """'Last complete checkpoint: FOLDER (resume with ...)' for the run the workers wrote into."""
+    run_dir = next((p["run_dir"] for p in progress.values() if p.get("run_dir")), None)
+    if run_dir is None:
+        return "No checkpoint: the workers had not started training"
+    from zerotrain.checkpoint import complete_checkpoints
+
+    folders = complete_checkpoints(Path(run_dir) / "checkpoints")
+    if not folders:
+        return (f"No complete checkpoint in {run_dir} yet (--checkpoint.every_steps N saves one every N steps)")
+    return (f"Last complete checkpoint: {folders[-1]} (resume with --checkpoint.resume auto "
+            f"--trainer.run_name {Path(run_dir).name})")
+
+
+# --- how the launcher learns where each worker stands: a heartbeat file per rank ---------------------
+#
+# A worker started by spawn_local_workers writes, at every optimizer step, the step it finished into
+# HEARTBEAT_ENV/rank<R> (one pwrite of a few bytes into a file on the node's local disk: no host-device
+# sync, no collective). When the job fails, the launcher reads them to name the step of the rank that
+# died or hung and the run folder whose checkpoints are listed; the workers themselves may be gone.
+
+HEARTBEAT_ENV = "ZEROTRAIN_HEARTBEAT_DIR"
+"""Folder of the per-rank heartbeat files; spawn_local_workers makes a temporary one unless it is set."""
+
+RANK_LOST_EXIT = 4
+"""Exit status of a job ended because a rank stopped responding (the others' collectives timed out after
+``--launch.timeout_minutes``), and of each worker that saw a collective fail. A worker killed by a signal
+ends the job with 128 + signal instead (137: SIGKILL, often the out-of-memory killer)."""
+
+LOST_FILE_KEY = "zerotrain_rank_lost"
+"""Key of the record the CLI leaves in torchelastic's error file of a worker whose collective failed."""
+
+_STEP_WIDTH = 12
+_PROGRESS: dict[str, Any] = {"step": None, "run_dir": None}
+"""This process's last finished step and run folder, for the CLI's line when a collective fails."""
+
+
+class Heartbeat:
+    """This rank's progress, in a file the launcher reads when the job fails (a no-op without a launcher)."""
+
+    def __init__(self, rank: int, run_dir: Path, step: int):
+        _PROGRESS.update(step=step, run_dir=str(run_dir))
+        self._fd: Optional[int] = None
+        folder = os.environ.get(HEARTBEAT_ENV)
+        if not folder:
+            return
+        try:
+            # Fixed-width step first, so that beat() rewrites a few bytes in place (no rename per step).
+            text = f"{step:>{_STEP_WIDTH}d}\n{os.getpid()}\n{run_dir}\n"
+            self._fd = os.open(os.path.join(folder, f"rank{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.write(self._fd, text.encode())
+        except OSError:  # the launcher's folder is gone: its report loses the step, not the run
+            self.close()
+
+    def beat(self, step: int) -> None:
+        _PROGRESS["step"] = step
+        if self._fd is not None:
+            os.pwrite(self._fd, f"{step:>{_STEP_WIDTH}d}".encode(), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_heartbeats(folder: Optional[str]) -> dict[int, dict]:
+    """rank -> {"step", "pid", "run_dir"} from the heartbeat files in ``folder`` (what can be parsed)."""
+    out: dict[int, dict] = {}
+    if not folder or not os.path.isdir(folder):
+        return out
+    for name in os.listdir(folder):
+        if not re.fullmatch(r"rank\d+", name):
+            continue
+        try:
+            step, pid, run_dir = Path(folder, name).read_text().split("\n")[:3]
+            out[int(name[4:])] = {"step": int(step), "pid": int(pid), "run_dir": run_dir or None}
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _heartbeat_dir() -> tuple[str, bool]:
+    """The folder the workers write their heartbeats into (inherited through the environment); whether we made it."""
+    folder = os.environ.get(HEARTBEAT_ENV)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        return folder, False
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="zerotrain-heartbeat-")
+    os.environ[HEARTBEAT_ENV] = folder
+    return folder, True
+
+
+def _continue_stopped_workers(stopped: set[int]):
+    """Make torchelastic's stop signal reach a stopped (SIGSTOP) worker at once; return the undo.
+
+    torchelastic stops the other workers of a failed job with SIGTERM and sends SIGKILL 30 s later.
+    A stopped process keeps SIGTERM pending until it is continued, so the job waited those 30 s: send
+    SIGCONT right after the stop signal, as shells do. The pids found stopped are added to ``stopped``
+    (the report names such a rank as the one that stopped responding).
+    """
+    import signal
+
+    try:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+    except ImportError:
+        return lambda: None
+    original = SubprocessHandler.close
+
+    def close(self, death_sig=None):
+        pid = self.proc.pid
+        if _process_state(pid) in ("T", "t"):
+            stopped.add(pid)
+        original(self, death_sig)
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGCONT)
+
+    SubprocessHandler.close = close
+
+    def undo() -> None:
+        SubprocessHandler.close = original
+
+    return undo
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, D, T for stopped, ...); '' where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+_COLLECTIVE_FAILURE = re.compile(
+    r"Timed out waiting|Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted"
+    r"|collective operation timeout", re.IGNORECASE)
+"""What Gloo and NCCL say when the rank at the other end of a collective is gone or silent."""
+
+
+def collective_failure(exc: BaseException) -> Optional[bool]:
+    """Whether ``exc`` is a collective that failed because another rank is gone: True when it timed out
+    (that rank stopped responding), False when the connection dropped (it ended); None: not one."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not _COLLECTIVE_FAILURE.search(text):  # DistError is a RuntimeError
+        return None
+    return bool(re.search(r"timed out|timeout", text, re.IGNORECASE))
+
+
+def progress() -> dict[str, Any]:
+    """This process's last finished step and run folder (None before training started)."""
+    return dict(_PROGRESS)

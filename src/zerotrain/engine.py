@@ -159,6 +159,12 @@ class Engine(ABC):
     def load(self, folder: Path) -> None:
         """Restore the sharded training state from ``folder``."""
 
+    def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
+        """Restore the sharded training state from ``folder``, written by ``saved_world_size`` processes
+        (another count than this run's). Collective. The plain engine's state is whole; see the subclasses."""
+        raise UserError(f"--checkpoint.resume: {folder} was written by {saved_world_size} processes and this engine "
+                        f"cannot resume it on {self.world_size}. Start it with {saved_world_size} processes")
+
     @abstractmethod
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """Full model weights on rank 0 (gathered under ZeRO-3), None elsewhere. Collective."""
@@ -284,6 +290,52 @@ class DeepSpeedEngine(Engine):
             del ckpt_engine.load  # the class's own method again
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
+
+    def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
+        """Load a ZeRO checkpoint of another process count through DeepSpeed's universal checkpoint.
+
+        ZeRO-1/2/3 files hold one partition of the flat fp32 weights and Adam moments per rank, cut
+        for the world size that wrote them. Rank 0 converts the folder once into per-parameter
+        tensors (:func:`zerotrain.checkpoint.universal_checkpoint`, cached in ``folder/universal``;
+        the other ranks wait in :func:`~zerotrain.distributed.run_on_main`, which hands them its
+        error if it fails), then every rank loads its new partition with DeepSpeed's
+        ``load_universal`` switched on for this call only (it is read at load time, so the JSON
+        in the run folder stays the run's). The scheduler, global step and skipped steps come from
+        the copied model-states file, as in a same-size load. Every ``torch.load`` inside is
+        weights-only with :data:`DS_SAFE_GLOBALS`.
+
+        ZeRO-0 keeps the whole optimizer state in its model-states file: it loads as a same-size
+        checkpoint when no ``*optim_states.pt`` shard exists (fp32), else it is refused.
+        """
+        from zerotrain.checkpoint import universal_checkpoint
+        from zerotrain.distributed import run_on_main
+        from zerotrain.train_state import load_safely, weights_only_torch_load
+
+        if not self.ds.zero_optimization():
+            if any(folder.glob("*optim_states.pt")):
+                raise UserError(f"--checkpoint.resume: {folder} is a ZeRO-0 {self.precision} checkpoint of "
+                                f"{saved_world_size} processes, whose optimizer shards cannot be resumed on "
+                                f"{self.world_size}. Start it with {saved_world_size} processes")
+            self.load(folder)
+            return
+        if self.ds.zero_nvme_offload_optimizer():
+            raise UserError(f"--checkpoint.resume: {folder} cannot be resumed on another process count with the "
+                            f"optimizer offloaded to NVMe. Start it with {saved_world_size} processes")
+        universal = run_on_main(lambda: universal_checkpoint(folder, verify))
+        allow = _ds_safe_globals()
+        ckpt_engine = self.ds.checkpoint_engine
+        ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
+        config = self.ds._config
+        before, config.load_universal_checkpoint = config.load_universal_checkpoint, True
+        try:
+            with weights_only_torch_load(allow):
+                path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = before
+            del ckpt_engine.load
+        if path is None:
+            raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {universal}")
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.ds.zero_optimization_partition_weights():
@@ -418,6 +470,10 @@ class TorchEngine(Engine):
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self._skipped = state.get("skipped_steps", 0)
+
+    def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
+        """Any process count: rank 0 wrote the whole state (DDP replicates it), so every rank loads it as is."""
+        self.load(folder)
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.rank != 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 class UserError(Exception):
     """Something the user can fix: a flag, a file, the environment. The message says what to do."""
@@ -17,3 +19,17 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A data file is missing, empty or malformed. The message names the file (and line)."""
+
+
+DIVERGED_EXIT = 3
+"""Exit status of a run stopped because its loss diverged (:class:`TrainingDiverged`): distinct from a
+user error (2), so a job script can tell "change a setting and resume" from "fix the command"."""
+
+
+class TrainingDiverged(Exception):
+    """The training loss stayed NaN/inf, or fp16's loss scale stuck at its minimum. The message names
+    the step, the last good checkpoint and what to try; the CLI prints it and exits DIVERGED_EXIT."""
+
+    def __init__(self, message: str, step: int, checkpoint: Optional[str] = None):
+        self.step, self.checkpoint = step, checkpoint
+        super().__init__(message)

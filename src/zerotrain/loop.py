@@ -32,6 +32,7 @@ from zerotrain.config import RunConfig, check_warmup
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
 from zerotrain.distributed import (
+    Heartbeat,
     Runtime,
     barrier,
     main_process_first,
@@ -94,7 +95,7 @@ def fit(task: Task) -> FitResult:
         state, engine = TrainState(), run.engine
         checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state, shape_of(engine, run.task.name))
         if run.resume_from is not None:
-            checkpointer.load(run.resume_from)
+            checkpointer.load(run.resume_from, seed=tr.seed)  # the seed re-seeds RNG on another process count
             log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", run.resume_from,
                      state.step, state.epoch, state.batches_in_epoch)
         start_step = state.step
@@ -111,6 +112,7 @@ def fit(task: Task) -> FitResult:
         loader = make_loader(run.splits.train, run.sampler, run.task.collator(), tr.num_workers, tr.seed)
         stream = micro_batch_stream(loader, run.sampler, state.epoch, state.batches_in_epoch)
         results: dict[str, Any] = {}
+        heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
         engine.train()
         meter.start()
         try:
@@ -120,6 +122,7 @@ def fit(task: Task) -> FitResult:
                 meter.add_data_wait(time.perf_counter() - t0)
                 stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
                 state.advance(stats.loss, *drawn[-1][:2])
+                heartbeat.beat(state.step)
                 meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
                                sum(run.task.real_tokens(b) for _, _, b in drawn))
                 last = state.step == run.total_steps
@@ -145,6 +148,7 @@ def fit(task: Task) -> FitResult:
                     raise Preempted(rt.preemption.name(), folder, state.step)
         finally:
             bar.close()
+            heartbeat.close()
         if state.step == start_step:
             log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
         summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)

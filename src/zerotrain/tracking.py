@@ -158,16 +158,30 @@ def rundir_writing(what: str, folder: Path):
     return writing(what, folder)
 
 
+DIVERGED_WINDOWS = 2
+"""Consecutive log windows with a non-finite loss (or fp16's loss scale stuck at its minimum) that stop a run.
+One such window can be a transient (a single overflowing batch); two in a row are a run that diverged."""
+
+
 class StepLogger:
     """The loop's logging component: every ``every`` steps (and at the last), one window of metrics.
 
     The loss is averaged over the window's steps and over ranks; rates come from the meter, memory
     from a snapshot. Reading the loss waits for the device, so it happens only here, on log steps.
+
+    It also stops a run that diverged (:class:`~zerotrain.errors.TrainingDiverged`): a loss that is
+    NaN/inf in :data:`DIVERGED_WINDOWS` consecutive windows, or an fp16 loss scale at its minimum
+    with steps still being skipped in as many windows. The values it decides on are the same on every
+    rank (the loss is all-reduced; DeepSpeed agrees on overflows), so every rank raises at the same step
+    and no collective is left waiting; the check adds no device sync of its own.
     """
 
     def __init__(self, every: int, total_steps: int, engine: Any, meter: Any, tracker: Tracker, bar: Any):
         self.every, self.total_steps = every, total_steps
         self.engine, self.meter, self.tracker, self.bar = engine, meter, tracker, bar
+        self._bad_windows = 0
+        self._last_good_step: Optional[int] = None  # last log step whose window was healthy; None: none yet
+        self._skipped = None  # skipped_steps at the last log step
 
     def should_log(self, step: int) -> bool:
         return step % self.every == 0 or step == self.total_steps
@@ -183,8 +197,56 @@ class StepLogger:
                   **memory_snapshot(e.device)}
         self.tracker.log(state.step, window)
         self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        first_step = state.step - state.window_steps + 1
         state.close_window()
+        self._check_diverged(state.step, first_step, window)
         return window
+
+    def _check_diverged(self, step: int, first_step: int, window: dict[str, Any]) -> None:
+        loss, scale, skipped = window["train_loss"], window["loss_scale"], window["skipped_steps"]
+        min_scale = ((getattr(self.engine, "ds_config", None) or {}).get("fp16") or {}).get("min_loss_scale")
+        skipped_now = self._skipped is not None and skipped > self._skipped
+        self._skipped = skipped
+        scale_stuck = (scale is not None and min_scale is not None and scale <= min_scale and skipped_now)
+        if math.isfinite(loss) and not scale_stuck:
+            self._bad_windows, self._last_good_step = 0, step
+            return
+        self._bad_windows += 1
+        if self._bad_windows < DIVERGED_WINDOWS:
+            return
+        from zerotrain.errors import TrainingDiverged
+
+        since = "the start" if self._last_good_step is None else f"step {self._last_good_step}"
+        if math.isfinite(loss):
+            what = (f"the fp16 loss scale is stuck at its minimum ({scale:g}, --strategy.min_loss_scale) and "
+                    f"steps are still skipped for overflow ({skipped} so far): nothing has trained since {since}")
+            advice = ("bf16 instead of fp16 (--strategy.precision bf16, on GPUs that support it), a lower "
+                      "--optimizer.lr, --strategy.gradient_clipping 1.0, or a lower --strategy.min_loss_scale")
+        else:
+            what = f"the training loss is {_json_number(loss)} at step {step} and has not been finite since {since}"
+            advice = "a lower --optimizer.lr, --strategy.gradient_clipping 1.0 (0 turns clipping off)"
+            if self.engine.precision == "fp16":
+                advice += ", or bf16 instead of fp16 (--strategy.precision bf16)"
+            else:
+                advice += ", or a longer warm-up (--scheduler.warmup_steps)"
+        good = self._good_checkpoint()
+        where = (f"last good checkpoint: {good} (resume from it with --checkpoint.resume {good})" if good else
+                 "no checkpoint was saved before that (--checkpoint.every_steps N saves one every N steps)")
+        self.tracker.close()  # the run ends here: what it logged is flushed, as at the end of a run
+        raise TrainingDiverged(f"training diverged at step {step}: {what}; {where}. Try {advice}", step,
+                               None if good is None else str(good))
+
+    def _good_checkpoint(self) -> Optional[Path]:
+        """The newest complete checkpoint saved at or before the last healthy log step (None: none)."""
+        if self._last_good_step is None:
+            return None
+        from zerotrain.checkpoint import complete_checkpoints
+
+        for folder in reversed(complete_checkpoints(self.tracker.run_dir / "checkpoints")):
+            step = folder.name[len("step"):]  # step{N:08d}, as checkpoint.step_folder names it
+            if step.isdigit() and int(step) <= self._last_good_step:
+                return folder
+        return None
 
 
 def progress_bar(enabled: bool, total: int, initial: int):

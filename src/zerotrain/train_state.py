@@ -12,10 +12,12 @@ The saved form holds only tensors, numbers, strings and lists, so it loads with
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -72,6 +74,37 @@ class TrainState:
         self.window_loss, self.window_steps = float(state["window_loss"]), int(state["window_steps"])
         set_rng_state(state["rng"])
 
+    def load_resharded(self, states: list[dict[str, Any]], seed: int, rank: int) -> None:
+        """Restore from the train states of a checkpoint written by ``len(states)`` processes, on another count.
+
+        Decisions (see also :func:`zerotrain.checkpoint.check_compatible`, which admits such a resume):
+
+        * **Step and data position are exact.** A resume on another process count keeps
+          micro-batch x processes (and accumulation), so the sampler plans the same global batches
+          in the same order (:class:`~zerotrain.data.sampling.EpochBatches` cuts each global batch of
+          micro x world examples into one micro-batch per rank) and the position, counted in those
+          global micro-steps, means the same samples on every rank. Every saved rank holds the same
+          step, epoch and position; a disagreement is refused.
+        * **The open log window** continues with the mean of the saved ranks' sums, so the next
+          logged loss (a mean over ranks) is the one an uninterrupted run logs.
+        * **RNG is re-seeded**, not restored: per-rank generator states cannot be mapped onto
+          another rank count. Every generator is seeded from (``seed``, step, ``rank``)
+          (:func:`reseed`), so the resumed run is deterministic but its dropout/masking draws differ
+          from an uninterrupted run's.
+        """
+        for state in states:
+            if state.get("version") != SCHEMA_VERSION:
+                self.load_state_dict(state)  # raises the version's one line
+        first = states[0]
+        where = [(int(s["step"]), int(s["epoch"]), int(s["batches_in_epoch"])) for s in states]
+        if len(set(where)) != 1:
+            raise UserError(f"--checkpoint.resume: the checkpoint's ranks disagree on where training stands "
+                            f"(step, epoch, micro-batches: {sorted(set(where))}). Pass an older checkpoint folder")
+        self.step, self.epoch, self.batches_in_epoch = where[0]
+        self.window_loss = sum(float(s["window_loss"]) for s in states) / len(states)
+        self.window_steps = int(first["window_steps"])
+        reseed(seed, self.step, rank)
+
     def plain(self) -> dict[str, Any]:
         """The fields alone (no RNG), for the checkpoint's JSON marker and log lines."""
         return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
@@ -101,6 +134,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) from (seed, step, rank): deterministic, distinct per rank and step."""
+    digest = hashlib.sha256(f"zerotrain-reseed:{seed}:{step}:{rank}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") >> 1  # torch.manual_seed takes up to 2**63 - 1
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)  # seeds every CUDA device too
+
+
 def load_safely(path: Path, map_location: Any = "cpu", allow: Iterable[type] = ()) -> Any:
     """``torch.load(weights_only=True)``: tensors, plain containers and the classes in ``allow`` only.
 
@@ -123,3 +165,27 @@ def unreadable(path: Path, exc: BaseException) -> UserError:
     else:
         why = f"it is damaged ({type(exc).__name__}: {text[:200]})"
     return UserError(f"--checkpoint.resume: {path} cannot be loaded: {why}. Pass an older checkpoint folder")
+
+
+@contextlib.contextmanager
+def weights_only_torch_load(allow: Iterable[type] = ()) -> Iterator[None]:
+    """Within the block, every ``torch.load`` call (in third-party code too) is :func:`load_safely`.
+
+    DeepSpeed's universal-checkpoint converter and loader call ``torch.load(weights_only=False)``
+    directly, not through its checkpoint engine; this makes those calls weights-only as well.
+    """
+    original = torch.load
+    allowed = list(allow)
+
+    def safe(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return original(f, map_location=map_location, weights_only=True)
+        except Exception as exc:
+            raise unreadable(Path(str(f)), exc) from None
+
+    torch.load = safe
+    try:
+        yield
+    finally:
+        torch.load = original

@@ -2,6 +2,9 @@
 
 A :class:`~zerotrain.errors.UserError` raised anywhere below is printed as one line naming the
 flag or file, and the command exits with status 2: no traceback for mistakes a user can fix.
+A run whose loss diverged ends in one line and status 3 (:data:`~zerotrain.errors.DIVERGED_EXIT`); a
+collective that failed because another rank died or hung, in status 4
+(:data:`~zerotrain.distributed.RANK_LOST_EXIT`), with the line said by the launcher when there is one.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 import sys
 from typing import Optional
 
-from zerotrain.errors import UserError
+from zerotrain.errors import DIVERGED_EXIT, TrainingDiverged, UserError
 
 SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
@@ -65,10 +68,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         _tell_launcher(line, printed=_rank() == 0)
         _end_process_group()
         return 2
+    except TrainingDiverged as exc:
+        # Every rank raises it at the same log step (it is decided on all-reduced values): rank 0 says it.
+        line = f"zerotrain {name}: error: {exc}"
+        if _rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        _tell_launcher(line, printed=_rank() == 0, code=DIVERGED_EXIT)
+        _end_process_group()
+        return DIVERGED_EXIT
     except KeyboardInterrupt:
         print("zerotrain: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        from zerotrain.distributed import collective_failure
+
+        timed_out = collective_failure(exc)
+        if timed_out is not None:  # another rank died or hung: not this rank's bug, no traceback
+            return _rank_lost(name, timed_out)
         # Another rank's error, raised here too so that every rank stops: its traceback is that
         # rank's (and rank 0's) to print, not this one's.
         origin = getattr(exc, "zerotrain_origin_rank", None)
@@ -90,7 +106,45 @@ def _rank() -> int:
         return 0
 
 
-def _tell_launcher(line: str, printed: bool) -> None:
+def _rank_lost(name: str, timed_out: bool) -> int:
+    """A collective failed because another rank is gone (``timed_out``: it stopped responding).
+
+    Under zerotrain's own launcher (``spawn_local_workers``) the worker says nothing: it leaves what it
+    saw in its error file, and the launcher, which knows which worker died or was stopped and where
+    each stood (heartbeat files), prints the one line. Under another launcher each surviving rank
+    says it in one line. Either way the status is ``RANK_LOST_EXIT``.
+    """
+    import json
+    import time
+
+    from zerotrain.distributed import HEARTBEAT_ENV, LOST_FILE_KEY, RANK_LOST_EXIT, progress
+
+    where = progress()
+    step = "before its first step" if where["step"] is None else f"after step {where['step']}"
+    why = ("timed out (--launch.timeout_minutes): another rank stopped responding" if timed_out else
+           "lost its connection: another rank ended (see its output)")
+    line = f"zerotrain {name}: rank {_rank()}: a collective {why}, {step}; the job stopped"
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and HEARTBEAT_ENV in os.environ:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time()),
+                           LOST_FILE_KEY: {"timed_out": timed_out, "step": where["step"]}}, f)
+        except OSError:
+            pass
+    else:
+        from zerotrain.distributed import _last_checkpoint_hint
+
+        print(f"{line}. {_last_checkpoint_hint({0: where})}", file=sys.stderr, flush=True)
+    _end_process_group()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker: the teardown of a broken group must not hang or abort
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(RANK_LOST_EXIT)
+    return RANK_LOST_EXIT
+
+
+def _tell_launcher(line: str, printed: bool, code: int = 2) -> None:
     """Leave the error in torchelastic's error file of this worker, for ``spawn_local_workers`` to find.
 
     A node whose workers do not include rank 0 then still prints the line. The key is
@@ -106,7 +160,7 @@ def _tell_launcher(line: str, printed: bool) -> None:
     try:
         with open(path, "w") as f:
             json.dump({"message": line, "timestamp": int(time.time()),
-                       "zerotrain_user_error": {"printed": printed}}, f)
+                       "zerotrain_user_error": {"printed": printed, "exit": code}}, f)
     except OSError:
         pass
 

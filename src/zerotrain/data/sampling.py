@@ -4,6 +4,10 @@ The whole plan of an epoch is a pure function of (seed, epoch, dataset size, wor
 resumed run rebuilds it and skips the micro-batches already consumed, instead of iterating
 through them. Each global batch (micro_batch_size x world_size examples) is cut into one
 micro-batch per rank.
+
+The plan depends on micro_batch_size and world_size only through their product, and a position
+(micro-batches consumed per rank) counts those global batches: a run resumed on another process
+count with the same product (see ``checkpoint.check_compatible``) continues at the same samples.
 """
 
 from __future__ import annotations
