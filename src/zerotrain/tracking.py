@@ -224,14 +224,16 @@ class StepLogger:
                       "--optimizer.lr, --strategy.gradient_clipping 1.0, or a lower --strategy.min_loss_scale")
         else:
             what = f"the training loss is {_json_number(loss)} at step {step} and has not been finite since {since}"
-            advice = "a lower --optimizer.lr, --strategy.gradient_clipping 1.0 (0 turns clipping off)"
+            advice = "a lower --optimizer.lr"
+            if not _clip_of(self.engine):
+                advice += ", gradient clipping (--strategy.gradient_clipping 1.0)"
             if self.engine.precision == "fp16":
                 advice += ", or bf16 instead of fp16 (--strategy.precision bf16)"
             else:
                 advice += ", or a longer warm-up (--scheduler.warmup_steps)"
         good = self._good_checkpoint()
         where = (f"last good checkpoint: {good} (resume from it with --checkpoint.resume {good})" if good else
-                 "no checkpoint was saved before that (--checkpoint.every_steps N saves one every N steps)")
+                 "no checkpoint was saved while it was finite (--checkpoint.every_steps N saves one every N steps)")
         self.tracker.close()  # the run ends here: what it logged is flushed, as at the end of a run
         raise TrainingDiverged(f"training diverged at step {step}: {what}; {where}. Try {advice}", step,
                                None if good is None else str(good))
@@ -247,6 +249,15 @@ class StepLogger:
             if step.isdigit() and int(step) <= self._last_good_step:
                 return folder
         return None
+
+
+def _clip_of(engine: Any) -> Optional[float]:
+    """The gradient-clipping norm ``engine`` applies (0 or None: none); the engine clips itself, or DeepSpeed does."""
+    for value in (getattr(engine, "clip", None), getattr(engine, "_clip", None),
+                  (getattr(engine, "ds_config", None) or {}).get("gradient_clipping")):
+        if value:
+            return float(value)
+    return None
 
 
 def progress_bar(enabled: bool, total: int, initial: int):
