@@ -17,6 +17,10 @@ What makes a checkpoint trustworthy:
 * **Of this run's shape.** The marker records recipe, backend, ZeRO stage, precision, micro-batch,
   gradient accumulation and world size; :func:`check_compatible` refuses a resume that would silently
   continue differently, before anything in the run folder is rewritten.
+* **Of any process count.** A resume on another world size keeps micro-batch x processes (the global
+  batch and its data order, see :func:`check_compatible`) and is resharded by :meth:`Checkpointer.load`:
+  ZeRO-1/2/3 through DeepSpeed's universal checkpoint, converted once and cached in
+  ``<step>/universal/`` with its own marker (:func:`universal_checkpoint`).
 * **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
   loads DeepSpeed's through an allow-list (see ``engine.py``). A file that is not what it should be
   ends in one :class:`UserError` line naming it.
