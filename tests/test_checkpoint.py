@@ -308,3 +308,17 @@ def test_shape_is_recorded_and_a_different_micro_batch_is_refused(tmp_path):
         check_compatible(folder, {**shape, "zero_stage": 3})
     with pytest.raises(UserError, match=r"written with backend deepspeed, this run has ddp"):
         check_compatible(folder, {**shape, "backend": "ddp", "zero_stage": None})
+
+
+def test_weights_kept_in_another_dtype_are_refused(tmp_path):
+    """ZeRO-0 bf16: the fast path keeps fp32 weights (autocast), DeepSpeed's bf16 block bf16 ones."""
+    from zerotrain.checkpoint import check_compatible
+
+    folder = two_rank_checkpoint(tmp_path)
+    meta = json.loads((folder / MARKER).read_text())
+    (folder / MARKER).write_text(json.dumps({**meta, "weights_dtype": "bfloat16"}))
+    now = {**SHAPE, "world_size": 2, "weights_dtype": "float32"}
+    with pytest.raises(UserError, match=r"weights_dtype bfloat16, this run has float32; resume with the "
+                                        r"--strategy.fast_path and --strategy.precision of the run that wrote it"):
+        check_compatible(folder, now)
+    check_compatible(folder, {**now, "weights_dtype": "bfloat16"})

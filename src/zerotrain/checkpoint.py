@@ -46,6 +46,7 @@ import torch
 from zerotrain import rundir
 from zerotrain.config import CheckpointConfig
 from zerotrain.data.io import atomic_write_text, fsync_dir
+from zerotrain.distributed import run_on_main
 from zerotrain.engine import Engine
 from zerotrain.errors import UserError
 from zerotrain.train_state import TrainState, load_safely
@@ -56,7 +57,8 @@ MARKER = "COMPLETE.json"
 FORMAT = 2
 """Version of the marker's content. 1: step and world size only (read without file checks)."""
 
-SHAPE_KEYS = ("recipe", "backend", "zero_stage", "precision", "micro_batch_size", "grad_accum", "world_size")
+SHAPE_KEYS = ("recipe", "backend", "zero_stage", "precision", "weights_dtype", "micro_batch_size", "grad_accum",
+              "world_size")
 """What a resume must match (see :func:`check_compatible`)."""
 
 _HASH_CHUNK = 1 << 22
@@ -101,6 +103,9 @@ def shape_of(engine: Engine, recipe: str) -> dict[str, Any]:
         "backend": "deepspeed" if ds is not None else "ddp",
         "zero_stage": int(ds.get("zero_optimization", {}).get("stage", 0)) if ds is not None else None,
         "precision": engine.precision,
+        # bf16 at ZeRO-0 keeps fp32 weights under the fast path's autocast and bf16 ones under DeepSpeed's
+        # bf16 block: the same precision, different files.
+        "weights_dtype": str(next(engine.module.parameters()).dtype).removeprefix("torch."),
         "micro_batch_size": int(engine.micro_batch_size),
         "grad_accum": int(engine.grad_accum),
         "world_size": int(engine.world_size),
@@ -168,6 +173,7 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         "backend": "pass --strategy.backend {saved}",
         "zero_stage": "pass --strategy.zero_stage {saved}",
         "precision": "pass --strategy.precision {saved}",
+        "weights_dtype": "resume with the --strategy.fast_path and --strategy.precision of the run that wrote it",
         "micro_batch_size": "pass --trainer.micro_batch_size {saved} (the data position counts micro-batches)",
         "grad_accum": "pass --strategy.gradient_accumulation_steps {saved}",
     }
@@ -248,21 +254,31 @@ def seal(folder: Path, rank: int, world_size: int, checksums: bool) -> dict[str,
     Each rank takes every world_size-th file, so hashing a large checkpoint is spread over the job.
     """
     names = _files(folder)
-    mine = {}
-    for name in names[rank::world_size]:
-        path = folder / name
-        entry: dict[str, Any] = {"bytes": path.stat().st_size}
-        if checksums:
-            entry["sha256"] = _sha256(path, fsync=True)
-        else:
-            _fsync(path)
-        mine[name] = entry
+    mine: dict[str, Any] = {}
+    try:
+        for name in names[rank::world_size]:
+            path = folder / name
+            entry: dict[str, Any] = {"bytes": path.stat().st_size}
+            if checksums:
+                entry["sha256"] = _sha256(path, fsync=True)
+            else:
+                _fsync(path)
+            mine[name] = entry
+    except OSError as exc:
+        mine = {_FAILED: exc}  # still joins the gather below: every rank raises, none waits
+    parts = _gather(mine, world_size)
+    failed = next((p[_FAILED] for p in parts if _FAILED in p), None)
+    if failed is not None:
+        raise failed
     listing: dict[str, dict[str, Any]] = {}
-    for part in _gather(mine, world_size):
+    for part in parts:
         listing.update(part)
     for root, _, _ in os.walk(folder):
         fsync_dir(Path(root))
     return dict(sorted(listing.items()))
+
+
+_FAILED = "\0failed"  # never a file name
 
 
 def problem(folder: Path, checksums: bool, rank: int = 0, world_size: int = 1) -> Optional[str]:
@@ -358,7 +374,8 @@ class Checkpointer:
             self.last_saved = step
             return folder
         if rank == 0 and folder.exists():
-            shutil.rmtree(folder)  # a leftover from a killed save of the same step
+            # A leftover from a killed save of the same step; what cannot be removed fails the writes below.
+            shutil.rmtree(folder, ignore_errors=True)
         self.engine.barrier()
         error = None
         try:
@@ -376,13 +393,18 @@ class Checkpointer:
         self.engine.barrier()
         try:
             files = seal(folder, rank, self.engine.world_size, self.cfg.verify)
-            if rank == 0:
+        except OSError as exc:  # a full disk met while syncing: seal made every rank raise it
+            raise UserError(self._write_error(folder, exc)) from None
+
+        def mark() -> None:
+            try:
                 meta = {"format": FORMAT, **self.shape, **self.state.plain(), "files": files}
                 atomic_write_text(folder / MARKER, json.dumps(meta, indent=1))
                 _prune(self.dir, self.cfg.keep_last)
-        except OSError as exc:  # rank 0's marker, or a full disk met while syncing
-            raise UserError(self._write_error(folder, exc)) from None
-        self.engine.barrier()
+            except OSError as exc:
+                raise UserError(self._write_error(folder, exc)) from None
+
+        run_on_main(mark)  # rank 0 writes the marker; its error stops every rank, none waits
         self.last_saved = step
         return folder
 

@@ -69,7 +69,20 @@ def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optio
     run_dir = Path(output_dir).expanduser() / name
     if lock is not None:
         run_on_main(lambda: lock.take(run_dir) if run_dir.is_dir() else None)
-    return run_dir, (find_resume_folder(resume, run_dir, verify=verify) if resume else None)
+    resume_from = find_resume_folder(resume, run_dir, verify=verify) if resume else None
+    if resume_from is None:
+        run_on_main(lambda: _refuse_fresh_start_over(run_dir))
+    return run_dir, resume_from
+
+
+def _refuse_fresh_start_over(run_dir: Path) -> None:
+    """A new run would rewrite hparams.json and the logs of a trained one, and pass its checkpoints off as its own."""
+    from zerotrain.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(run_dir / "checkpoints")
+    if found:
+        raise UserError(f"--trainer.run_name {run_dir.name}: {run_dir} already holds a trained run (newest checkpoint "
+                        f"{found[-1].name}). Continue it with --checkpoint.resume auto, or pass another --trainer.run_name")
 
 
 def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_config: Optional[dict[str, Any]],
