@@ -22,7 +22,6 @@ Every folder gets ``export.json``: the checkpoint, its step, dtype and format.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import os
@@ -33,6 +32,7 @@ from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 
+from zerotrain import rundir
 from zerotrain.errors import UserError
 
 Format = Literal["safetensors", "hf"]
@@ -51,36 +51,6 @@ class ExportResult:
 
 
 # ---- reading a run ---------------------------------------------------------------------------
-
-def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
-    """(recipe, typed config, raw hparams) of a run folder; one-line errors naming the file."""
-    from zerotrain import recipes
-    from zerotrain.config import from_dict
-
-    if not run_dir.is_dir():
-        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
-                        "(runs/<recipe>.<date>...)")
-    hparams = run_dir / "hparams.json"
-    if not hparams.is_file():
-        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder. "
-                        "Pass the folder a training run wrote")
-    try:
-        raw = json.loads(hparams.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{hparams} cannot be read as JSON ({exc}); was it edited by hand?") from None
-    recipe = raw.get("recipe") if isinstance(raw, dict) else None
-    known = recipes.all_recipes()
-    if recipe not in known:
-        raise UserError(f"{hparams}: recipe {recipe!r} is not registered here (known: {', '.join(known)}). "
-                        "For a task of your own, import the module that defines it first")
-    cls = known[recipe].config_class
-    fields = {f.name for f in dataclasses.fields(cls)}
-    try:
-        cfg = from_dict(cls, {k: v for k, v in raw.items() if k in fields})
-    except (UserError, TypeError, ValueError) as exc:
-        raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc})") from None
-    return recipe, cfg, raw
-
 
 def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
     """The newest complete checkpoint, or the one of ``step``."""
@@ -254,7 +224,7 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
         raise UserError(f"--dtype {dtype!r}: choose fp32 or bf16")
     if fmt not in ("safetensors", "hf"):
         raise UserError(f"--format {fmt!r}: choose safetensors or hf")
-    recipe, cfg, raw = read_run(run_dir)
+    recipe, cfg, raw = rundir.read_run(run_dir)
     if fmt == "hf" and recipe != "mlm":
         raise UserError(f"--format hf: only the mlm recipe maps onto a Hugging Face architecture (RobertaForMaskedLM); "
                         f"{run_dir} is a {recipe} run. Use --format safetensors (lora: its merged/ folder is "

@@ -329,6 +329,40 @@ def _check_device(device: str) -> torch.device:
     return dev
 
 
+def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
+    """(recipe, typed config, raw hparams.json) of a run folder; one-line errors naming the file."""
+    from zerotrain import recipes
+    from zerotrain.config import from_dict
+
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
+                        "(runs/<recipe>.<date>...)")
+    hparams = run_dir / "hparams.json"
+    if not hparams.is_file():
+        parent = f"; its parent {run_dir.parent} is one: pass that" if (run_dir.parent / "hparams.json").is_file() else ""
+        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder{parent}. "
+                        "Pass the folder a training run wrote")
+    try:
+        raw = json.loads(hparams.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{hparams} cannot be read as JSON ({exc}); was it edited by hand?") from None
+    recipe = raw.get("recipe") if isinstance(raw, dict) else None
+    if not isinstance(recipe, str):
+        raise UserError(f"{hparams} names no recipe (no \"recipe\" key): it was not written by zerotrain fit")
+    known = recipes.all_recipes()
+    if recipe not in known:
+        raise UserError(f"{hparams}: the run is of recipe {recipe!r}, which is not registered here (known: "
+                        f"{', '.join(known)}). For a task of your own, import the module that defines it first")
+    config_class = known[recipe].config_class
+    fields = {f.name for f in _dataclasses.fields(config_class)}
+    try:
+        cfg = from_dict(config_class, {k: v for k, v in raw.items() if k in fields})
+    except (UserError, TypeError, ValueError) as exc:
+        raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc}); "
+                        "was the run made by another zerotrain version?") from None
+    return recipe, cfg, raw
+
+
 def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, device: str = "cpu") -> LoadedRun:
     """Rebuild the model a finished ``zerotrain fit`` run exported, ready for inference.
 
@@ -346,37 +380,12 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     and what to do.
     """
     from zerotrain import recipes
-    from zerotrain.config import from_dict
     from zerotrain.data.io import looks_local
 
     run_dir = Path(run_dir).expanduser()
-    if not run_dir.is_dir():
-        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
-                        "(runs/<recipe>.<date>...)")
-    hparams = run_dir / "hparams.json"
-    if not hparams.is_file():
-        parent = f"; its parent {run_dir.parent} is one: pass that" if (run_dir.parent / "hparams.json").is_file() else ""
-        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder{parent}. "
-                        "Pass the folder a training run wrote")
+    recipe, cfg, _ = read_run(run_dir)
     dev = _check_device(device)
-    try:
-        raw = json.loads(hparams.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{hparams} cannot be read as JSON ({exc}); was it edited by hand?") from None
-    recipe = raw.get("recipe") if isinstance(raw, dict) else None
-    if not isinstance(recipe, str):
-        raise UserError(f"{hparams} names no recipe (no \"recipe\" key): it was not written by zerotrain fit")
-    known = recipes.all_recipes()
-    if recipe not in known:
-        raise UserError(f"{hparams}: the run is of recipe {recipe!r}, which is not registered here (known: "
-                        f"{', '.join(known)}). For a task of your own, import the module that defines it first")
-    task_cls = known[recipe]
-    fields = {f.name for f in _dataclasses.fields(task_cls.config_class)}
-    try:
-        cfg = from_dict(task_cls.config_class, {k: v for k, v in raw.items() if k in fields})
-    except (UserError, TypeError, ValueError) as exc:
-        raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc}); "
-                        "was the run made by another zerotrain version?") from None
+    task_cls = recipes.get(recipe)
     _apply_overrides(cfg, dict(overrides or {}), recipe)
     cfg.strategy.activation_checkpointing = False  # a training setting; inference has no backward pass
 
