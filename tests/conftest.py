@@ -27,6 +27,24 @@ def run_python(argv: list[str], cwd: Path, timeout: int = 600, **env_extra: str)
     import subprocess
     import sys
 
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=_child_env(argv, env_extra), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_zerotrain(args: list[str], cwd: Path, **env_extra: str):
+    """``python -m zerotrain ARGS`` started in the background (a ``subprocess.Popen``), for a test that acts
+    on the job while it runs. Its stdout and stderr go to ``cwd/stdout.txt`` and ``cwd/stderr.txt`` (files,
+    not pipes, which a long run fills while nobody reads them). Same environment as :func:`run_python`."""
+    import subprocess
+    import sys
+
+    argv = ["-m", "zerotrain", *args]
+    with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
+        return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=_child_env(argv, env_extra), stdout=out,
+                                stderr=err)
+
+
+def _child_env(argv: list[str], env_extra: dict) -> dict:
     item = _RUNNING.get("item")
     if item is not None and item.get_closest_marker("slow") is None:
         pytest.fail(f"{item.nodeid} starts `python {' '.join(map(str, argv[:2]))} ...`: mark it @pytest.mark.slow",
@@ -34,7 +52,7 @@ def run_python(argv: list[str], cwd: Path, timeout: int = 600, **env_extra: str)
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     pythonpath = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
     env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", **env_extra)
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
 
 
 def zerotrain_cmd(args: list[str], cwd: Path, timeout: int = 600, **env_extra: str):

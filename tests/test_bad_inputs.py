@@ -104,6 +104,7 @@ CASES = [
     Case("node-rank-out-of-range", "launch", "fit toy $FIT --launch.nnodes 2 --launch.node_rank 2"),
     Case("endpoint-without-port", "launch", "fit toy $FIT --launch.rdzv_endpoint localhost"),
     Case("timeout-zero", "launch", "fit toy $FIT --launch.timeout_minutes 0"),
+    Case("timeout-too-short", "launch", "fit toy $FIT --launch.timeout_minutes 0.01"),
     Case("rdzv-timeout-zero", "launch", "fit toy $FIT --launch.rdzv_timeout_minutes 0"),
     Case("nccl-on-cpu", "launch", "fit toy $FIT --launch.comm_backend nccl"),
     # ---- YAML ----

@@ -203,7 +203,9 @@ def test_a_crash_is_one_line_naming_the_first_rank_that_failed(capsys):
 
 def test_a_killed_worker_returns_128_plus_the_signal(capsys):
     assert _report_worker_failure({0: _failure(-9, 0), 1: _failure(-15, 1)}) == 137
-    assert capsys.readouterr().err == "zerotrain: rank 0 (local rank 0) was killed by SIGKILL (out of memory?)\n"
+    assert capsys.readouterr().err == ("zerotrain: rank 0 (local rank 0) was killed by SIGKILL before its first step "
+                                       "(out of memory?); the job stopped. No checkpoint: the workers had not started "
+                                       "training\n")
 
 
 def test_torchelastic_loggers_are_muted_then_restored():

@@ -135,6 +135,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     from zerotrain.preemption import Preemption
 
     preemption = Preemption()
+    _PROGRESS.update(step=None, run_dir=None)  # an earlier fit in this process does not speak for this one
     saved_death_signal = _die_with_launcher()
     try:
         # Before the first collective: a SIGTERM during the rendezvous is the same request as later.
@@ -633,9 +634,10 @@ def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] =
     ``stopped`` the pids found stopped (SIGSTOP) when torchelastic began to stop the workers.
 
     In order: an error a worker printed already (a UserError, a diverged loss) adds nothing; all workers
-    pre-empted; a worker that crashed (its traceback is above); a rank that stopped responding (the others'
-    collective timed out: :data:`RANK_LOST_EXIT`); a worker killed by a signal (128 + signal); a rank
-    that lost its connection to a rank on another node (:data:`RANK_LOST_EXIT`).
+    pre-empted; a worker that crashed (its traceback is above); a worker killed by a signal before any
+    collective failed (128 + signal); a rank that stopped responding, or the others lost it on another
+    node (:data:`RANK_LOST_EXIT`). Each line names the rank, its last finished step (heartbeat) and the
+    run's last complete checkpoint.
     """
     from zerotrain.errors import DIVERGED_EXIT
 
@@ -679,36 +681,39 @@ def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] =
               f"{after(rank)}; its traceback, if any, is above", file=sys.stderr)
         return failure.exitcode
     checkpoint = _last_checkpoint_hint(progress)
-    waited = {r for r, rec in lost.items() if rec.get("timed_out")}
-    if waited:
-        # The others timed out waiting for it. It is the local rank that did not time out: first one found
-        # stopped, then one that said nothing (stuck, then stopped by torchelastic), then the lowest step.
-        pid_of = {r: p.get("pid") for r, p in progress.items()}
-        candidates = sorted((set(progress) | set(failures)) - waited,
-                            key=lambda r: (pid_of.get(r) not in stopped, r in lost,
-                                           progress.get(r, {}).get("step") or 0, r))
-        timeout = "" if timeout_minutes is None else f" {timeout_minutes:g}"
-        if candidates:
-            rank = candidates[0]
-            who = f"rank {rank} stopped responding {after(rank)}"
-        else:
-            rank = min(waited)
-            who = (f"a rank on another node stopped responding (rank {rank} waited for it "
-                   f"{after(rank)}; see that node's output)")
-        print(f"zerotrain: {who}; the job stopped after --launch.timeout_minutes{timeout}. {checkpoint}",
-              file=sys.stderr)
-        return RANK_LOST_EXIT
+    stopped_ranks = sorted(r for r, p in progress.items() if p.get("pid") in stopped)
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and -f.exitcode not in _STOP_SIGNALS}
-    if killed:
+    if lost:
+        # A kill that came after a rank had reported a failed collective is torchelastic's own SIGKILL of a
+        # worker that ignored its SIGTERM (a hung one), not the cause. Failure timestamps are whole seconds.
+        first_report = min(float(rec.get("time", 0)) for rec in lost.values())
+        killed = {r: f for r, f in killed.items() if f.timestamp <= first_report + 1}
+    if killed and not stopped_ranks:
         rank, failure = min(killed.items(), key=lambda item: (item[1].timestamp, item[0]))
         hint = " (out of memory?)" if failure.exitcode == -9 else ""
         print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
               f"{after(rank)}{hint}; the job stopped. {checkpoint}", file=sys.stderr)
         return 128 - failure.exitcode
-    if lost:
-        rank = min(lost)
-        print(f"zerotrain: rank {rank} lost its connection to another rank {after(rank)} (a process on another "
-              f"node ended: see that node's output); the job stopped. {checkpoint}", file=sys.stderr)
+    if lost or stopped_ranks:
+        # Which rank the others waited for: one found stopped (SIGSTOP) when torchelastic began to stop the
+        # workers, else one of this node that reported nothing (stuck, then killed). What each survivor's
+        # error says cannot tell: Gloo says "timed out" on the late rank too, once it runs again.
+        silent = sorted((set(progress) | set(failures)) - set(lost),
+                        key=lambda r: (progress.get(r, {}).get("step") or 0, r))
+        timeout = "" if timeout_minutes is None else f" {timeout_minutes:g}"
+        stopped_after = f"the job stopped after --launch.timeout_minutes{timeout}"
+        if stopped_ranks or silent:
+            rank = (stopped_ranks or silent)[0]
+            print(f"zerotrain: rank {rank} stopped responding {after(rank)}; {stopped_after}. {checkpoint}",
+                  file=sys.stderr)
+        elif any(rec.get("timed_out") for rec in lost.values()):
+            rank = min(lost)
+            print(f"zerotrain: a rank on another node stopped responding (rank {rank} waited for it {after(rank)}; "
+                  f"see that node's output); {stopped_after}. {checkpoint}", file=sys.stderr)
+        else:
+            rank = min(lost)
+            print(f"zerotrain: rank {rank} lost its connection to another rank {after(rank)} (a process on another "
+                  f"node ended: see that node's output); the job stopped. {checkpoint}", file=sys.stderr)
         return RANK_LOST_EXIT
     rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
     print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
@@ -857,9 +862,13 @@ def _process_state(pid: int) -> str:
 
 
 _COLLECTIVE_FAILURE = re.compile(
-    r"Timed out waiting|Connection (reset|closed) by peer|Broken pipe|NCCL communicator was aborted"
-    r"|collective operation timeout", re.IGNORECASE)
+    r"Timed out waiting|Connection (reset|closed) by peer|Application timeout caused pair closure|Broken pipe"
+    r"|NCCL communicator was aborted|collective operation timeout", re.IGNORECASE)
 """What Gloo and NCCL say when the rank at the other end of a collective is gone or silent."""
+
+_TIMED_OUT = re.compile(r"Timed out waiting|collective operation timeout", re.IGNORECASE)
+"""Of those, what a rank says that waited for another one in vain. Gloo's "Application timeout caused pair
+closure" is the opposite: the other end timed out and closed the connection (this rank was the late one)."""
 
 
 def collective_failure(exc: BaseException) -> Optional[bool]:
@@ -868,7 +877,7 @@ def collective_failure(exc: BaseException) -> Optional[bool]:
     text = str(exc)
     if not isinstance(exc, RuntimeError) or not _COLLECTIVE_FAILURE.search(text):  # DistError is a RuntimeError
         return None
-    return bool(re.search(r"timed out|timeout", text, re.IGNORECASE))
+    return bool(_TIMED_OUT.search(text))
 
 
 def progress() -> dict[str, Any]:

@@ -129,7 +129,7 @@ def _rank_lost(name: str, timed_out: bool) -> int:
         try:
             with open(path, "w") as f:
                 json.dump({"message": line, "timestamp": int(time.time()),
-                           LOST_FILE_KEY: {"timed_out": timed_out, "step": where["step"]}}, f)
+                           LOST_FILE_KEY: {"timed_out": timed_out, "step": where["step"], "time": time.time()}}, f)
         except OSError:
             pass
     else:

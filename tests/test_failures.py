@@ -1,0 +1,394 @@
+"""Failures during training end in one line and a documented exit status.
+
+* A dead (kill -9) or hung (SIGSTOP) rank: the job ends within ``--launch.timeout_minutes`` (plus the
+  start-up) with one line from the launcher naming the rank, its last step and the last complete
+  checkpoint; status 137 (128 + SIGKILL) or ``RANK_LOST_EXIT`` (4).
+* A loss that stays NaN/inf, or fp16's loss scale stuck at its minimum: one line with the step, the last
+  good checkpoint and what to try; status ``DIVERGED_EXIT`` (3).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import start_zerotrain, zerotrain_cmd
+from zerotrain.checkpoint import is_complete
+from zerotrain.config import LaunchConfig
+from zerotrain.distributed import (
+    HEARTBEAT_ENV,
+    LOST_FILE_KEY,
+    RANK_LOST_EXIT,
+    Heartbeat,
+    _report_worker_failure,
+    collective_failure,
+    read_heartbeats,
+)
+from zerotrain.errors import DIVERGED_EXIT, ConfigError, TrainingDiverged
+from zerotrain.tracking import DIVERGED_WINDOWS, StepLogger
+
+# ---- --launch.timeout_minutes takes fractions ----------------------------------------------------
+
+
+def test_timeout_minutes_accepts_fractions_down_to_three_seconds():
+    LaunchConfig(timeout_minutes=0.2).validate()
+    LaunchConfig(timeout_minutes=0.05).validate()
+    for bad in (0.04, 0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match=r"^--launch.timeout_minutes must be >= 0.05 \(3 seconds\)"):
+            LaunchConfig(timeout_minutes=bad).validate()
+
+
+def test_a_fractional_timeout_reaches_the_groups_deepspeed_creates():
+    """DeepSpeed's ZeRO groups come from new_group(ranks) without a timeout: they get ours (seconds, not minutes)."""
+    import datetime
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from zerotrain.distributed import inherit_group_timeout
+
+    seen = {}
+    original = c10d.new_group
+    c10d.new_group = lambda *args, **kwargs: seen.update(kwargs)  # stands in for torch's, under the wrapper
+    try:
+        undo = inherit_group_timeout(0.2)
+        c10d.new_group([0, 1])
+        undo()
+    finally:
+        c10d.new_group = original
+    assert seen["timeout"] == datetime.timedelta(seconds=12)
+
+
+# ---- which rank, which step: heartbeats and the launcher's report --------------------------------
+
+
+def test_heartbeat_records_step_pid_and_run_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(HEARTBEAT_ENV, str(tmp_path))
+    beat = Heartbeat(3, Path("/runs/toy.1"), step=0)
+    for step in range(1, 1001):
+        beat.beat(step)
+    beat.close()
+    assert read_heartbeats(str(tmp_path)) == {3: {"step": 1000, "pid": os.getpid(), "run_dir": "/runs/toy.1"}}
+
+
+def test_without_a_launcher_the_heartbeat_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(HEARTBEAT_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    beat = Heartbeat(0, tmp_path / "run", step=5)
+    beat.beat(6)
+    beat.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("message, timed_out", [
+    ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 12000ms for recv operation "
+     "to complete", True),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:36744: Connection reset by peer",
+     False),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5678", False),
+    ("Application timeout caused pair closure", False),  # the other rank timed out: this one was stopped
+    ("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)", True),
+])
+def test_collective_failures_are_recognised(message, timed_out):
+    assert collective_failure(RuntimeError(message)) is timed_out
+
+
+def test_other_errors_are_not_collective_failures():
+    assert collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    assert collective_failure(ValueError("Connection reset by peer")) is None  # not what torch.distributed raises
+
+
+def _failure(exitcode: int, local_rank: int, timestamp: int = 100, data: dict | None = None):
+    names = {-15: "SIGTERM", -9: "SIGKILL", -19: "SIGSTOP"}
+    return SimpleNamespace(exitcode=exitcode, local_rank=local_rank, timestamp=timestamp, message="",
+                           error_file_data=data or {}, signal_name=lambda: names[exitcode])
+
+
+def _lost(timed_out: bool, step: int, at: float = 100.0) -> dict:
+    return {"message": "...", "timestamp": int(at), LOST_FILE_KEY: {"timed_out": timed_out, "step": step, "time": at}}
+
+
+@pytest.fixture
+def run_with_checkpoints(tmp_path) -> Path:
+    """A run folder with complete checkpoints at steps 5 and 10 and an incomplete one at 15."""
+    run = tmp_path / "toy.run1"
+    for step, complete in ((5, True), (10, True), (15, False)):
+        folder = run / "checkpoints" / f"step{step:08d}"
+        folder.mkdir(parents=True)
+        if complete:
+            (folder / "COMPLETE.json").write_text("{}")
+    return run
+
+
+def test_a_stopped_rank_is_named_with_its_step_and_the_last_checkpoint(run_with_checkpoints, capsys):
+    """Rank 0 timed out waiting; rank 1 was found stopped, then continued and lost its connection."""
+    run = run_with_checkpoints
+    progress = {0: {"step": 12, "pid": 100, "run_dir": str(run)}, 1: {"step": 12, "pid": 101, "run_dir": str(run)}}
+    failures = {0: _failure(RANK_LOST_EXIT, 0, 100, _lost(True, 12)),
+                1: _failure(RANK_LOST_EXIT, 1, 101, _lost(False, 12))}
+    assert _report_worker_failure(failures, progress, 0.2, {101}) == RANK_LOST_EXIT
+    assert capsys.readouterr().err == (
+        "zerotrain: rank 1 stopped responding after step 12; the job stopped after --launch.timeout_minutes 0.2. "
+        f"Last complete checkpoint: {run}/checkpoints/step00000010 (resume with --checkpoint.resume auto "
+        "--trainer.run_name toy.run1)\n")
+
+
+def test_a_hung_rank_that_said_nothing_is_named_before_one_that_lost_its_connection(capsys):
+    """Four ranks: 0 and 2 timed out, 3 lost its connection when they left, 1 never answered (killed at the end)."""
+    progress = {r: {"step": 7, "pid": 100 + r, "run_dir": None} for r in range(4)}
+    failures = {0: _failure(RANK_LOST_EXIT, 0, 100, _lost(True, 7)), 2: _failure(RANK_LOST_EXIT, 2, 100, _lost(True, 7)),
+                3: _failure(RANK_LOST_EXIT, 3, 101, _lost(False, 7)), 1: _failure(-9, 1, 131)}
+    assert _report_worker_failure(failures, progress, 1.0) == RANK_LOST_EXIT
+    assert capsys.readouterr().err.startswith("zerotrain: rank 1 stopped responding after step 7; the job stopped "
+                                              "after --launch.timeout_minutes 1. No checkpoint")
+
+
+def test_a_killed_rank_is_named_with_its_step(run_with_checkpoints, capsys):
+    run = run_with_checkpoints
+    progress = {0: {"step": 31, "pid": 100, "run_dir": str(run)}, 1: {"step": 30, "pid": 101, "run_dir": str(run)}}
+    failures = {1: _failure(-9, 1, 100), 0: _failure(RANK_LOST_EXIT, 0, 100, _lost(False, 31))}
+    assert _report_worker_failure(failures, progress, 0.2) == 137
+    assert capsys.readouterr().err == (
+        "zerotrain: rank 1 (local rank 1) was killed by SIGKILL after step 30 (out of memory?); the job stopped. "
+        f"Last complete checkpoint: {run}/checkpoints/step00000010 (resume with --checkpoint.resume auto "
+        "--trainer.run_name toy.run1)\n")
+
+
+def test_a_rank_lost_on_another_node_is_said_from_this_one(capsys):
+    failures = {2: _failure(RANK_LOST_EXIT, 0, 100, _lost(True, 4)), 3: _failure(RANK_LOST_EXIT, 1, 100, _lost(True, 4))}
+    progress = {2: {"step": 4, "pid": 1, "run_dir": None}, 3: {"step": 4, "pid": 2, "run_dir": None}}
+    assert _report_worker_failure(failures, progress, 5.0) == RANK_LOST_EXIT
+    assert capsys.readouterr().err.startswith("zerotrain: a rank on another node stopped responding (rank 2 waited "
+                                              "for it after step 4; see that node's output)")
+
+
+def test_a_diverged_run_printed_by_rank0_adds_nothing(capsys):
+    record = {"message": "x", "timestamp": 1, "zerotrain_user_error": {"printed": True, "exit": DIVERGED_EXIT}}
+    assert _report_worker_failure({0: _failure(DIVERGED_EXIT, 0, data=record), 1: _failure(-15, 1)}) == DIVERGED_EXIT
+    assert capsys.readouterr().err == ""
+
+
+# ---- a loss that diverged ------------------------------------------------------------------------
+
+
+class _Engine:
+    """What StepLogger reads from an engine, with the loss, loss scale and skipped steps set by the test."""
+
+    world_size, device = 1, None
+
+    def __init__(self, precision: str = "fp32", ds_config: dict | None = None):
+        self.precision, self.ds_config = precision, ds_config
+        self.scale, self.skipped, self.reads = None, 0, 0
+
+    def all_reduce_sum(self, values):
+        self.reads += 1
+        return {k: float(v) for k, v in values.items()}
+
+    def lr(self): return 1e-3
+    def grad_norm(self): return 1.0
+    def loss_scale(self): return self.scale
+    def skipped_steps(self): return self.skipped
+
+
+class _Tracker:
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.rows, self.closed = run_dir, [], False
+
+    def log(self, step, row): self.rows.append((step, row["train_loss"]))
+    def close(self): self.closed = True
+
+
+class _State:
+    def __init__(self):
+        self.step, self.epoch, self.window_loss, self.window_steps = 0, 0, 0.0, 0
+
+    def advance(self, loss):
+        self.step += 1
+        self.window_loss += loss
+        self.window_steps += 1
+
+    def close_window(self):
+        self.window_loss, self.window_steps = 0.0, 0
+
+
+def _logger(tmp_path, engine, every=1):
+    meter = SimpleNamespace(read=lambda: {})
+    bar = SimpleNamespace(set_postfix=lambda **kw: None)
+    return StepLogger(every, 1000, engine, meter, _Tracker(tmp_path), bar)
+
+
+def _train(logger: StepLogger, losses: list[float], state: _State | None = None):
+    state = state or _State()
+    for loss in losses:
+        state.advance(loss)
+        if logger.should_log(state.step):
+            logger.log(state)
+    return state
+
+
+def test_a_single_nonfinite_window_is_a_transient(tmp_path, monkeypatch):
+    monkeypatch.setattr("zerotrain.metrics.memory_snapshot", lambda device: {})
+    logger = _logger(tmp_path, _Engine())
+    _train(logger, [1.0, float("nan"), 0.9, float("inf"), 0.8])
+    assert [round(loss, 1) if loss == loss else "nan" for _, loss in logger.tracker.rows][:3] == [1.0, "nan", 0.9]
+    assert not logger.tracker.closed
+
+
+def test_a_loss_nonfinite_in_consecutive_windows_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr("zerotrain.metrics.memory_snapshot", lambda device: {})
+    for step in (4, 8, 12):  # 12 was saved after the loss went bad: not a good checkpoint
+        (tmp_path / "checkpoints" / f"step{step:08d}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step{step:08d}" / "COMPLETE.json").write_text("{}")
+    engine = _Engine()
+    logger = _logger(tmp_path, engine, every=4)
+    with pytest.raises(TrainingDiverged) as caught:
+        _train(logger, [1.0] * 8 + [1.0, float("nan"), 1.0, 1.0] + [float("inf")] * 4)
+    assert DIVERGED_WINDOWS == 2 and caught.value.step == 16
+    good = tmp_path / "checkpoints" / "step00000008"
+    assert str(caught.value) == (
+        "training diverged at step 16: the training loss is inf at step 16 and has not been finite since step 8; "
+        f"last good checkpoint: {good} (resume from it with --checkpoint.resume {good}). Try a lower "
+        "--optimizer.lr, gradient clipping (--strategy.gradient_clipping 1.0), or a longer warm-up "
+        "(--scheduler.warmup_steps)")
+    assert logger.tracker.closed  # metrics.jsonl keeps the windows that showed it
+    assert engine.reads == 4  # the loss was read on the 4 log steps only
+
+
+def test_fp16_loss_scale_stuck_at_its_minimum_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr("zerotrain.metrics.memory_snapshot", lambda device: {})
+    engine = _Engine("fp16", {"fp16": {"enabled": True, "min_loss_scale": 1.0}, "gradient_clipping": 1.0})
+    logger = _logger(tmp_path, engine, every=2)
+    state = _State()
+    engine.scale = 1.0  # at the minimum, but no step skipped: a run that trains at scale 1 is fine
+    _train(logger, [1.0] * 6, state)
+    with pytest.raises(TrainingDiverged) as caught:
+        for _ in range(3):  # every step skipped from here on, at the minimum scale
+            engine.skipped += 2
+            _train(logger, [1.0, 1.0], state)
+    assert caught.value.step == 10
+    assert str(caught.value).startswith(
+        "training diverged at step 10: the fp16 loss scale is stuck at its minimum (1, --strategy.min_loss_scale) and "
+        "steps are still skipped for overflow (4 so far): nothing has trained since step 6; no checkpoint was saved "
+        "while it was finite (--checkpoint.every_steps N saves one every N steps). Try bf16 instead of fp16")
+
+
+FIT = ["fit", "toy", "--trainer.device", "cpu", "--trainer.num_workers", "0", "--logging.progress_bar", "false",
+       "--logging.tensorboard", "false"]
+
+
+def test_a_learning_rate_far_too_large_stops_with_one_line_and_status_3(tmp_path, capsys):
+    """In-process, as the CLI runs it: the loss is finite at step 1 (the first weights), then inf/NaN."""
+    from zerotrain.cli import main
+
+    code = main([*FIT, "--trainer.max_steps", "50", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "r",
+                 "--optimizer.lr", "1e6", "--trainer.log_every_steps", "1", "--checkpoint.every_steps", "1",
+                 "--checkpoint.keep_last", "100"])
+    err = capsys.readouterr().err
+    assert code == DIVERGED_EXIT
+    lines = [line for line in err.splitlines() if line.startswith("zerotrain")]
+    assert len(lines) == 1, err[-3000:]
+    m = re.fullmatch(r"zerotrain fit: error: training diverged at step (?P<step>\d+): the training loss is (nan|inf) "
+                     r"at step (?P=step) and has not been finite since step (?P<good>\d+); last good checkpoint: "
+                     r"(?P<ckpt>\S+) \(resume from it with --checkpoint.resume (?P=ckpt)\)\. Try a lower "
+                     r"--optimizer.lr, or a longer warm-up \(--scheduler.warmup_steps\)", lines[0])
+    assert m, lines[0]
+    # Checkpoints every step: the good one is that of the last finite loss, two windows before the stop.
+    assert int(m["step"]) == int(m["good"]) + DIVERGED_WINDOWS
+    assert Path(m["ckpt"]) == tmp_path / "r" / "checkpoints" / f"step{int(m['good']):08d}"
+    assert is_complete(Path(m["ckpt"]))
+    assert "Traceback" not in err
+    assert not (tmp_path / "r" / "model").exists()  # no export of diverged weights
+
+
+# ---- end to end: two workers on CPU (Gloo) -------------------------------------------------------
+
+TWO = [*FIT, "--launch.nproc_per_node", "2", "--strategy.zero_stage", "2", "--checkpoint.every_steps", "5",
+       "--trainer.log_every_steps", "5"]
+
+
+def _job_lines(stderr: str) -> list[str]:
+    """The launcher's and the CLI's lines (the log lines start with "[zerotrain]" instead)."""
+    return [line for line in stderr.splitlines() if line.startswith("zerotrain")]
+
+
+@pytest.mark.slow
+def test_two_workers_whose_loss_diverges_stop_with_rank0s_line_only(tmp_path):
+    proc = zerotrain_cmd([*TWO, "--trainer.max_steps", "200", "--trainer.output_dir", str(tmp_path),
+                          "--optimizer.lr", "1e20", "--trainer.log_every_steps", "1"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == DIVERGED_EXIT, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = _job_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("zerotrain fit: error: training diverged at step ")
+
+
+def _start_and_wait_for_step(tmp_path: Path, step: int, timeout_minutes: str):
+    """Start two workers for a long run; return the launcher and the heartbeats once both passed ``step``."""
+    beats = tmp_path / "heartbeats"
+    proc = start_zerotrain([*TWO, "--trainer.max_steps", "100000", "--trainer.output_dir", str(tmp_path / "runs"),
+                            "--trainer.run_name", "job", "--launch.timeout_minutes", timeout_minutes], tmp_path,
+                           **{HEARTBEAT_ENV: str(beats)})
+    deadline = time.monotonic() + 240  # start-up on 2 shared cores: imports, DeepSpeed, the first steps
+    while time.monotonic() < deadline:
+        now = read_heartbeats(str(beats))
+        if len(now) == 2 and min(b["step"] for b in now.values()) >= step:
+            return proc, now
+        assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail("the job did not reach step %d: %s" % (step, (tmp_path / "stderr.txt").read_text()[-3000:]))
+
+
+def _finish(proc, tmp_path: Path, timeout: int) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except BaseException:
+        proc.kill()
+        raise
+    return (tmp_path / "stderr.txt").read_text()
+
+
+LINE = (r"Last complete checkpoint: (?P<ckpt>\S+/runs/job/checkpoints/step\d{8}) \(resume with --checkpoint.resume auto "
+        r"--trainer.run_name job\)")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_training_ends_the_job_with_one_line(tmp_path):
+    proc, beats = _start_and_wait_for_step(tmp_path, 12, "0.2")
+    os.kill(beats[1]["pid"], signal.SIGKILL)
+    err = _finish(proc, tmp_path, timeout=60)  # a death is seen at once: no collective timeout to wait for
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    assert "Traceback" not in err
+    lines = _job_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    m = re.fullmatch(r"zerotrain: rank 1 \(local rank 1\) was killed by SIGKILL after step (?P<step>\d+) \(out of "
+                     r"memory\?\); the job stopped\. " + LINE, lines[0])
+    assert m, lines[0]
+    assert int(m["step"]) >= 12
+    assert is_complete(Path(m["ckpt"]))
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_ends_the_job_after_the_timeout_with_one_line(tmp_path):
+    """SIGSTOP: rank 0 waits in a collective (ZeRO-2: of DeepSpeed's own group) for 0.2 min (12 s), then stops.
+
+    The subprocess timeout below is what asserts that the job does not hang: 12 s, the stopped worker's
+    stop signal and the teardown fit in 90 s; Gloo's default timeout for DeepSpeed's groups (30 min) does not.
+    """
+    proc, beats = _start_and_wait_for_step(tmp_path, 12, "0.2")
+    os.kill(beats[1]["pid"], signal.SIGSTOP)
+    err = _finish(proc, tmp_path, timeout=90)
+    assert proc.returncode == RANK_LOST_EXIT, err[-3000:]
+    assert "Traceback" not in err
+    lines = _job_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    m = re.fullmatch(r"zerotrain: rank 1 stopped responding after step (?P<step>\d+); the job stopped after "
+                     r"--launch.timeout_minutes 0.2\. " + LINE, lines[0])
+    assert m, lines[0]
+    assert int(m["step"]) >= 12
+    assert is_complete(Path(m["ckpt"]))
