@@ -56,20 +56,37 @@ def test_a_second_signal_exits_at_once_but_a_forwarded_copy_does_not(monkeypatch
     exits = []
     monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
     p = Preemption()
-    p._handle(signal.SIGTERM, None)
-    assert p.requested and p.name() == "SIGTERM"
-    p._handle(signal.SIGTERM, None)  # the launcher's forwarded copy, milliseconds later
-    assert exits == []
-    p._first_at -= SAME_EVENT_S + 0.1  # later: the user means it
-    p._handle(signal.SIGINT, None)
+    with p.armed():
+        p._handle(signal.SIGTERM, None)
+        assert p.requested and p.name() == "SIGTERM"
+        p._handle(signal.SIGTERM, None)  # the launcher's forwarded copy, milliseconds later
+        assert exits == []
+        p._first_at -= SAME_EVENT_S + 0.1  # later: the user means it
+        p._handle(signal.SIGINT, None)
     assert exits == [128 + signal.SIGINT]
 
 
 def test_alone_no_collective_is_needed():
     p = Preemption()
     assert p.should_stop(None) is False
-    p._handle(signal.SIGUSR1, None)
+    with p.armed():
+        p._handle(signal.SIGUSR1, None)
     assert p.should_stop(None) is True
+
+
+def test_outside_the_training_loop_a_signal_acts_at_once():
+    """Loading data, building the model, the final test: no step to save at, so no deferral."""
+    p = Preemption()
+    with pytest.raises(KeyboardInterrupt):
+        p._handle(signal.SIGINT, None)
+    with pytest.raises(SystemExit) as stop:
+        p._handle(signal.SIGTERM, None)
+    assert stop.value.code == 128 + signal.SIGTERM and not p.requested
+
+
+def test_the_requeue_hint_names_the_run():
+    err = Preempted("SIGTERM", Path("runs/myrun/checkpoints/step00000012"), 12)
+    assert str(err).endswith("--checkpoint.resume auto --trainer.run_name myrun to continue")
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:

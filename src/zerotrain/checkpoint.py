@@ -408,6 +408,17 @@ class Checkpointer:
         self.last_saved = step
         return folder
 
+    def save_if_preempted(self, preemption: Any) -> None:
+        """At a step boundary: when every rank agrees a stop signal came (zerotrain.preemption), save
+        and raise :class:`~zerotrain.preemption.Preempted`, which ends the run with its exit status."""
+        if preemption is None or not preemption.should_stop(self.engine.device):
+            return
+        from zerotrain.preemption import Preempted
+
+        folder = self.save()
+        log.info("pre-empted by %s at step %d: checkpoint %s", preemption.name(), self.state.step, folder)
+        raise Preempted(preemption.name(), folder, self.state.step)
+
     def _write_error(self, folder: Path, exc: BaseException) -> str:
         previous = complete_checkpoints(self.dir)
         keep = f"; the last complete checkpoint {previous[-1]} is untouched" if previous else ""

@@ -331,11 +331,17 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     except SignalException as exc:  # Ctrl-C or a scheduler's SIGTERM; torchelastic has stopped the workers
         from zerotrain.preemption import PREEMPTED_EXIT, SIGNALS
 
-        if exc.sigval in SIGNALS:
-            # Forwarded to the workers, which saved a checkpoint and exited (zerotrain.preemption): requeue.
-            print(f"zerotrain: stopped by {exc.sigval.name}; the workers saved a checkpoint "
-                  f"(exit status {PREEMPTED_EXIT}: requeue with --checkpoint.resume auto)", file=sys.stderr)
+        progress = read_heartbeats(heartbeats)
+        if exc.sigval in SIGNALS and _saved_at_last_step(progress):
+            # Forwarded to the workers, which saved a checkpoint at the step they stopped and exited
+            # (zerotrain.preemption): requeue. Without that checkpoint a requeue would not resume where it stopped.
+            print(f"zerotrain: stopped by {exc.sigval.name}; the workers saved a checkpoint (exit status "
+                  f"{PREEMPTED_EXIT}: requeue). {_last_checkpoint_hint(progress)}", file=sys.stderr)
             return PREEMPTED_EXIT
+        if exc.sigval in SIGNALS:
+            print(f"zerotrain: stopped by {exc.sigval.name} before the workers saved a checkpoint at their last step. "
+                  f"{_last_checkpoint_hint(progress)}", file=sys.stderr)
+            return 128 + int(exc.sigval)
         print(f"zerotrain: interrupted ({exc.sigval.name})", file=sys.stderr)
         return 128 + int(exc.sigval)
     except Exception as exc:  # no worker ran: the rendezvous or the start failed
@@ -723,6 +729,18 @@ def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] =
 
 _STOP_SIGNALS = (15, 2)
 """SIGTERM and SIGINT: what torchelastic (or a user's Ctrl-C) sends to stop the workers, not a cause."""
+
+
+def _saved_at_last_step(progress: dict[int, dict]) -> bool:
+    """Whether the run's newest complete checkpoint is at the step the workers last finished."""
+    run_dir = next((p["run_dir"] for p in progress.values() if p.get("run_dir")), None)
+    if run_dir is None:
+        return False
+    from zerotrain.checkpoint import complete_checkpoints, read_marker
+
+    folders = complete_checkpoints(Path(run_dir) / "checkpoints")
+    last = max(p["step"] for p in progress.values())
+    return bool(folders) and read_marker(folders[-1]).get("step") == last
 
 
 def _last_checkpoint_hint(progress: dict[int, dict]) -> str:

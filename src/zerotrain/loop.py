@@ -44,7 +44,7 @@ from zerotrain.engine import Engine, build_engine
 from zerotrain.errors import DataError
 from zerotrain.evaluate import Evaluator, fmt
 from zerotrain.metrics import StepProfiler, ThroughputMeter, memory_snapshot
-from zerotrain.preemption import Preempted
+from zerotrain.preemption import armed
 from zerotrain.tasks.base import Splits, Task
 from zerotrain.tracking import StepLogger, Tracker, log, progress_bar
 from zerotrain.train_state import TrainState
@@ -116,43 +116,42 @@ def fit(task: Task) -> FitResult:
         engine.train()
         meter.start()
         try:
-            while state.step < run.total_steps:
-                t0 = time.perf_counter()
-                drawn = [next(stream) for _ in range(engine.grad_accum)]
-                meter.add_data_wait(time.perf_counter() - t0)
-                stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
-                state.advance(stats.loss, *drawn[-1][:2])
-                heartbeat.beat(state.step)
-                meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
-                               sum(run.task.real_tokens(b) for _, _, b in drawn))
-                last = state.step == run.total_steps
-                if logger.should_log(state.step):
-                    results.update(logger.log(state))  # keeps the latest val_* next to the latest window
-                bar.update(1)
-                if profiler.step(state.step):
-                    meter.start()  # profiled steps run slower: they are not part of the throughput figures
-                if evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
-                    if run.splits.val is not None:
-                        val = evaluator.run(run.splits.val, "val")
-                        tracker.log(state.step, val)
-                        results.update(val)
-                        log.info("step %d: %s", state.step, fmt(val))
-                    meter.start()  # evaluation time is not training time
-                if not last and checkpointer.should_save(state.step):
-                    log.info("checkpoint: %s", checkpointer.save())
-                    meter.start()
-                if not last and rt.preemption is not None and rt.preemption.should_stop(rt.device):
-                    folder = checkpointer.save()
-                    log.info("pre-empted by %s at step %d: checkpoint %s", rt.preemption.name(), state.step, folder)
-                    tracker.close()
-                    raise Preempted(rt.preemption.name(), folder, state.step)
-        finally:
+            with armed(rt.preemption):  # a stop signal waits for the checkpoint at the next step boundary
+                while state.step < run.total_steps:
+                    t0 = time.perf_counter()
+                    drawn = [next(stream) for _ in range(engine.grad_accum)]
+                    meter.add_data_wait(time.perf_counter() - t0)
+                    stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
+                    state.advance(stats.loss, *drawn[-1][:2])
+                    heartbeat.beat(state.step)
+                    meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
+                                   sum(run.task.real_tokens(b) for _, _, b in drawn))
+                    last = state.step == run.total_steps
+                    if logger.should_log(state.step):
+                        results.update(logger.log(state))  # keeps the latest val_* next to the latest window
+                    bar.update(1)
+                    if profiler.step(state.step):
+                        meter.start()  # profiled steps run slower: they are not part of the throughput figures
+                    if evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
+                        if run.splits.val is not None:
+                            val = evaluator.run(run.splits.val, "val")
+                            tracker.log(state.step, val)
+                            results.update(val)
+                            log.info("step %d: %s", state.step, fmt(val))
+                        meter.start()  # evaluation time is not training time
+                    if not last and checkpointer.should_save(state.step):
+                        log.info("checkpoint: %s", checkpointer.save())
+                        meter.start()
+                    if not last:
+                        checkpointer.save_if_preempted(rt.preemption)  # raises Preempted once saved
+            bar.close()
+            if state.step == start_step:
+                log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
+            summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
+        finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
             bar.close()
             heartbeat.close()
-        if state.step == start_step:
-            log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
-        summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
-        tracker.close()
+            tracker.close()
         log.info("done: %s", run.run_dir)
         return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
 

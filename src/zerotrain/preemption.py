@@ -20,12 +20,14 @@ the job stops one step after the signal. Alone (one process) there is no collect
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 PREEMPTED_EXIT = 75
 """Exit status of a run stopped by SIGTERM/SIGINT/SIGUSR1 after saving its checkpoint: BSD's
@@ -43,8 +45,18 @@ class Preempted(Exception):
 
     def __init__(self, signame: str, folder: Any, step: int):
         self.signame, self.folder, self.step = signame, folder, step
-        super().__init__(f"stopped by {signame} at step {step}; checkpoint {folder}. "
-                         f"Run the same command with --checkpoint.resume auto to continue")
+        super().__init__(f"stopped by {signame} at step {step}; checkpoint {folder}. Run the same command with "
+                         f"--checkpoint.resume auto --trainer.run_name {Path(folder).parent.parent.name} to continue")
+
+
+@contextlib.contextmanager
+def armed(preemption: Optional["Preemption"]) -> Iterator[None]:
+    """:meth:`Preemption.armed` when there is one (setup() installs it in the main thread)."""
+    if preemption is None:
+        yield
+    else:
+        with preemption.armed():
+            yield
 
 
 class Preemption:
@@ -58,6 +70,19 @@ class Preemption:
         self._installed = False
         self._pending: Optional[tuple[Any, Any]] = None  # NCCL: (pinned host copy, event) of the last step's flag
         self._host: Any = None
+        self._armed = False
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """The training loop: a signal waits for the next step boundary's checkpoint. Outside it (data
+        loading, model building, the final test and export) there is no step to save at, and a signal
+        acts at once as it would without zerotrain: SIGINT raises KeyboardInterrupt, SIGTERM and SIGUSR1
+        raise SystemExit(128 + signal), so every ``finally`` and ``with`` block still cleans up."""
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
 
     # ---- handlers -----------------------------------------------------------------------------
     def install(self) -> "Preemption":
@@ -78,6 +103,10 @@ class Preemption:
         self._installed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if not self._armed and self.signum is None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
         now = time.monotonic()
         if self.signum is None:
             self.signum, self._first_at = signum, now

@@ -103,7 +103,8 @@ class Tracker:
                 tb, self._tb = self._tb, None
                 tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            run, self._wandb = self._wandb, None
+            run.finish()
 
 
 def _json_number(value: Any) -> Any:
