@@ -25,7 +25,8 @@ def main() -> None:
     args, rest = p.parse_known_args()
     fit_flags = rest[1:] if rest[:1] == ["--"] else rest
 
-    from zerotrain.distributed import free_port, sanitize_cuda_arch_list
+    from zerotrain.distributed import free_port
+    from zerotrain.launcher import sanitize_cuda_arch_list
 
     # One process without a launcher: DeepSpeed inside the Trainer still wants torchrun's variables.
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():

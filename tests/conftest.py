@@ -112,7 +112,9 @@ def cpu_adam_built() -> None:
     reason (pytest's -ra summary prints it), not errored. Tests using it must be marked ``slow``.
     """
     try:
-        from deepspeed.ops.op_builder import CPUAdamBuilder  # the import DeepSpeedCPUAdam itself uses
+        from deepspeed.ops.op_builder import (
+            CPUAdamBuilder,  # the import DeepSpeedCPUAdam itself uses
+        )
 
         CPUAdamBuilder().load()
     except Exception as exc:  # no compiler, no headers, an unsupported CPU: skip what needs the op

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotrain.checkpoint import MARKER, Checkpointer, complete_checkpoints, find_resume_folder, state_file, step_folder
+from zerotrain.checkpoint import (
+    MARKER,
+    Checkpointer,
+    complete_checkpoints,
+    find_resume_folder,
+    state_file,
+    step_folder,
+)
 from zerotrain.config import CheckpointConfig
 from zerotrain.errors import UserError
 from zerotrain.train_state import TrainState

@@ -7,7 +7,11 @@ import os
 import pytest
 
 from zerotrain.config import LaunchConfig
-from zerotrain.distributed import adopt_slurm_env, launched_by_a_launcher, sanitize_cuda_arch_list
+from zerotrain.launcher import (
+    adopt_slurm_env,
+    launched_by_a_launcher,
+    sanitize_cuda_arch_list,
+)
 
 CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
          "SLURM_NNODES", "SLURM_LOCALID")

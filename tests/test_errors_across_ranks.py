@@ -15,17 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-
 from conftest import run_python, zerotrain_cmd
-from zerotrain.distributed import (
+
+from zerotrain.distributed import free_port, main_process_first, run_on_main
+from zerotrain.errors import DataError
+from zerotrain.launcher import (
     _report_worker_failure,
     _restore_levels,
     _silence_torchelastic,
-    free_port,
-    main_process_first,
-    run_on_main,
 )
-from zerotrain.errors import DataError
 
 # Two Gloo ranks on CPU: each scenario records, per rank, whether the block ran and what it raised.
 TWO_RANKS = textwrap.dedent('''

@@ -155,10 +155,11 @@ def test_mlm_safetensors_export_predicts_like_the_run(mlm_run, tmp_path, capsys)
 # ---- imdb and lora ---------------------------------------------------------------------------
 
 def test_imdb_export_is_what_predict_reads(tmp_path, tiny_tokenizer_dir, capsys):
+    import random
+
     from test_imdb_fit import _reviews
 
     from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
-    import random
 
     rng = random.Random(0)
     data = tmp_path / "imdb"

@@ -17,11 +17,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import start_zerotrain, zerotrain_cmd
+
 from zerotrain.checkpoint import is_complete
 from zerotrain.config import LaunchConfig
-from zerotrain.distributed import (
+from zerotrain.errors import DIVERGED_EXIT, ConfigError, TrainingDiverged
+from zerotrain.launcher import (
     HEARTBEAT_ENV,
     LOST_FILE_KEY,
     RANK_LOST_EXIT,
@@ -30,7 +31,6 @@ from zerotrain.distributed import (
     collective_failure,
     read_heartbeats,
 )
-from zerotrain.errors import DIVERGED_EXIT, ConfigError, TrainingDiverged
 from zerotrain.tracking import DIVERGED_WINDOWS, StepLogger
 
 # ---- --launch.timeout_minutes takes fractions ----------------------------------------------------

@@ -13,7 +13,6 @@ from zerotrain.loop import fit
 from zerotrain.tasks.toy import ToyConfig, ToyTask
 
 
-
 def toy_config(tmp_path: Path, run_name: str, **strategy) -> ToyConfig:
     cfg = ToyConfig()
     cfg.data.num_examples = 48  # 3 optimizer steps per epoch at 8 x 2: resumes land mid-epoch

@@ -74,6 +74,7 @@ def test_sigterm_saves_and_the_zero2_bf16_checkpoint_resumes_on_gpu(tmp_path):
     import signal
 
     from test_preemption import _start, _wait_for_rows
+
     from zerotrain.checkpoint import MARKER, complete_checkpoints
     from zerotrain.preemption import PREEMPTED_EXIT
 

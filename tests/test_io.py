@@ -34,7 +34,6 @@ from zerotrain.data.sft import load_records
 from zerotrain.data.text import read_text_lines
 from zerotrain.errors import DataError, UserError
 
-
 GOOD = '{"text": "fine", "label": 0, "input": "a", "target": "b"}'
 
 
@@ -215,9 +214,8 @@ def test_rundir_write_json_uses_it(tmp_path):
 
 # ---- fingerprint -----------------------------------------------------------------------------------
 def test_fingerprint_follows_the_tokenizer_vocabulary(tiny_tokenizer_dir, tmp_path):
-    from transformers import AutoTokenizer
-
     from conftest import make_tokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
     same = make_tokenizer(tmp_path / "same")

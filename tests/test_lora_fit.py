@@ -12,7 +12,6 @@ from conftest import REPO, run_python, zerotrain_cmd
 from zerotrain.checkpoint import complete_checkpoints
 from zerotrain.loop import seed_everything
 
-
 LLAMA = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128,

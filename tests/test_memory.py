@@ -7,7 +7,13 @@ import torch
 from torch import nn
 
 from zerotrain.cli import main
-from zerotrain.memory import Buckets, ParamCounts, count_params, model_state_memory, plan
+from zerotrain.memory import (
+    Buckets,
+    ParamCounts,
+    count_params,
+    model_state_memory,
+    plan,
+)
 from zerotrain.strategies import STRATEGIES
 
 GIB = 2**30

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, LAUNCHER_VARS
+from conftest import LAUNCHER_VARS, REPO
 from test_fit import toy_config, train_log
 
 from zerotrain.checkpoint import MARKER, complete_checkpoints, state_file

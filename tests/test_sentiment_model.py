@@ -12,7 +12,12 @@ import torch
 from zerotrain.data.collate import PadCollator
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.models.sentiment import SentimentClassifier
-from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig, init_from_mlm
+from zerotrain.tasks.imdb import (
+    IMDBConfig,
+    IMDBTask,
+    SentimentModelConfig,
+    init_from_mlm,
+)
 
 PAD = 1
 

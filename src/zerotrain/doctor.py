@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from zerotrain.distributed import sanitize_cuda_arch_list
+from zerotrain.launcher import sanitize_cuda_arch_list
 
 # The ops zerotrain's strategies use: FusedAdam (GPU Adam), CPUAdam (optimizer offload),
 # AsyncIO (NVMe offload).

@@ -21,6 +21,12 @@ class DataError(UserError):
     """A data file is missing, empty or malformed. The message names the file (and line)."""
 
 
+USER_ERROR_EXIT = 2
+"""Exit status of a process stopped by a :class:`UserError` (the CLI's)."""
+
+ERROR_FILE_KEY = "zerotrain_user_error"
+"""Key of the record the CLI leaves in torchelastic's error file of a worker stopped by a UserError."""
+
 DIVERGED_EXIT = 3
 """Exit status of a run stopped because its loss diverged (:class:`TrainingDiverged`): distinct from a
 user error (2), so a job script can tell "change a setting and resume" from "fix the command"."""

@@ -32,7 +32,6 @@ from zerotrain.config import RunConfig, check_warmup
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
 from zerotrain.distributed import (
-    Heartbeat,
     Runtime,
     barrier,
     main_process_first,
@@ -43,6 +42,7 @@ from zerotrain.ds_config import batch_shape, reflect_ds_config
 from zerotrain.engine import Engine, build_engine
 from zerotrain.errors import DataError
 from zerotrain.evaluate import Evaluator, fmt
+from zerotrain.launcher import Heartbeat
 from zerotrain.metrics import StepProfiler, ThroughputMeter, memory_snapshot
 from zerotrain.preemption import armed
 from zerotrain.tasks.base import Splits, Task

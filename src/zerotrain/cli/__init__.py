@@ -4,7 +4,7 @@ A :class:`~zerotrain.errors.UserError` raised anywhere below is printed as one l
 flag or file, and the command exits with status 2: no traceback for mistakes a user can fix.
 A run whose loss diverged ends in one line and status 3 (:data:`~zerotrain.errors.DIVERGED_EXIT`); a
 collective that failed because another rank died or hung, in status 4
-(:data:`~zerotrain.distributed.RANK_LOST_EXIT`), with the line said by the launcher when there is one.
+(:data:`~zerotrain.launcher.RANK_LOST_EXIT`), with the line said by the launcher when there is one.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("zerotrain: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        from zerotrain.distributed import collective_failure
+        from zerotrain.launcher import collective_failure
 
         timed_out = collective_failure(exc)
         if timed_out is not None:  # another rank died or hung: not this rank's bug, no traceback
@@ -117,7 +117,12 @@ def _rank_lost(name: str, timed_out: bool) -> int:
     import json
     import time
 
-    from zerotrain.distributed import HEARTBEAT_ENV, LOST_FILE_KEY, RANK_LOST_EXIT, progress
+    from zerotrain.launcher import (
+        HEARTBEAT_ENV,
+        LOST_FILE_KEY,
+        RANK_LOST_EXIT,
+        progress,
+    )
 
     where = progress()
     step = "before its first step" if where["step"] is None else f"after step {where['step']}"
@@ -133,7 +138,7 @@ def _rank_lost(name: str, timed_out: bool) -> int:
         except OSError:
             pass
     else:
-        from zerotrain.distributed import _last_checkpoint_hint
+        from zerotrain.launcher import _last_checkpoint_hint
 
         print(f"{line}. {_last_checkpoint_hint({0: where})}", file=sys.stderr, flush=True)
     _end_process_group()
@@ -148,7 +153,7 @@ def _tell_launcher(line: str, printed: bool, code: int = 2) -> None:
     """Leave the error in torchelastic's error file of this worker, for ``spawn_local_workers`` to find.
 
     A node whose workers do not include rank 0 then still prints the line. The key is
-    ``zerotrain.distributed.ERROR_FILE_KEY``; the format is the one torchelastic reads (a ``message``
+    ``zerotrain.errors.ERROR_FILE_KEY``; the format is the one torchelastic reads (a ``message``
     string and a ``timestamp``).
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")

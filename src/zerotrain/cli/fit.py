@@ -45,7 +45,7 @@ def run(argv: list[str]) -> int:
         return 2
     cfg = parse_config(recipe, rest).validate()
 
-    from zerotrain.distributed import launched_by_a_launcher, spawn_local_workers
+    from zerotrain.launcher import launched_by_a_launcher, spawn_local_workers
 
     launch = cfg.launch
     if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher(launch):
