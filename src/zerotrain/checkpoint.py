@@ -20,7 +20,7 @@ What makes a checkpoint trustworthy:
 * **Of any process count.** A resume on another world size keeps micro-batch x processes (the global
   batch and its data order, see :func:`check_compatible`) and is resharded by :meth:`Checkpointer.load`:
   ZeRO-1/2/3 through DeepSpeed's universal checkpoint, converted once and cached in
-  ``<step>/universal/`` with its own marker (:func:`universal_checkpoint`).
+  ``<step>/universal/`` with its own marker (:func:`zerotrain.universal.universal_checkpoint`).
 * **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
   loads DeepSpeed's through an allow-list (see ``engine.py``). A file that is not what it should be
   ends in one :class:`UserError` line naming it.
@@ -282,11 +282,7 @@ _FAILED = "\0failed"  # never a file name
 
 
 def problem(folder: Path, checksums: bool, rank: int = 0, world_size: int = 1) -> Optional[str]:
-    """What is wrong with the complete checkpoint ``folder`` (None: nothing). Collective when ``world_size > 1``.
-
-    Sizes are compared on every rank (cheap, and every rank sees the same answer); checksums are
-    split as in :func:`seal`, and the problems gathered, so every rank agrees.
-    """
+    """What is wrong with the complete checkpoint ``folder`` (None: nothing). Collective when ``world_size > 1``."""
     try:
         meta = read_marker(folder)
     except UserError as exc:
@@ -294,6 +290,17 @@ def problem(folder: Path, checksums: bool, rank: int = 0, world_size: int = 1) -
     files = meta.get("files")
     if not isinstance(files, dict):
         return None  # format 1: nothing recorded to compare with
+    return listing_problem(folder, files, checksums, rank, world_size)
+
+
+def listing_problem(folder: Path, files: dict[str, dict[str, Any]], checksums: bool, rank: int = 0,
+                    world_size: int = 1) -> Optional[str]:
+    """The first file of ``folder`` that differs from ``files`` (what :func:`seal` returned), or None.
+
+    Sizes are compared on every rank (cheap, and every rank sees the same answer); checksums are
+    split as in :func:`seal`, and the problems gathered, so every rank agrees. Collective when
+    ``world_size > 1`` and ``checksums``.
+    """
     found = None
     for name, entry in files.items():
         path = folder / name
@@ -434,7 +441,7 @@ class Checkpointer:
         A checkpoint written by another number of processes (admitted by :func:`check_compatible`)
         is resharded: the engine loads its state onto this world size
         (:meth:`~zerotrain.engine.Engine.load_resharded`: the plain engine as it is, ZeRO through
-        a universal checkpoint converted once and cached, see :func:`universal_checkpoint`), and
+        a universal checkpoint converted once and cached, see :func:`zerotrain.universal.universal_checkpoint`), and
         the train state continues at the same step and samples with RNG re-seeded from (``seed``,
         step, rank) (:meth:`~zerotrain.train_state.TrainState.load_resharded`); one line says so.
         """
@@ -470,93 +477,6 @@ class Checkpointer:
             log.warning("resumed on %d process(es) from a checkpoint of %d: exact in weights, optimizer state, "
                         "schedule, step and data order, but not in dropout/masking randomness (re-seeded from "
                         "seed, step and rank)", self.engine.world_size, saved_world)
-
-
-# ---- resuming on another process count: DeepSpeed's universal checkpoint, cached ----------------
-UNIVERSAL = "universal"
-"""Subfolder of a step folder holding its universal checkpoint (DeepSpeed's ``<dir>/<tag>/`` layout, tag ``universal``)."""
-UNIVERSAL_MARKER = "UNIVERSAL.json"
-
-
-def universal_checkpoint(folder: Path, verify: bool = True) -> Path:
-    """``folder``'s ZeRO state as a DeepSpeed universal checkpoint, ``folder/universal``: converted once, then cached.
-
-    Runs on one rank (the caller uses :func:`~zerotrain.distributed.run_on_main`, so a failure
-    reaches every rank as one line); the conversion is CPU-only. It is DeepSpeed's own
-    ``ds_to_universal.main`` (serial workers, strict checks, the universal-checkpoint info that
-    non-Megatron models do not record injected), written into ``folder/.universal.tmp/`` and
-    renamed into place only when complete, with its own marker (:data:`UNIVERSAL_MARKER`: every
-    file's size and, with ``verify``, sha256; fsynced before the rename), so the cache is complete
-    or absent like the checkpoint itself. A cached copy is checked against its marker and
-    reused; a damaged one is converted again. Every ``torch.load`` of the conversion is
-    weights-only with the engine's allow-list (a crafted file runs no code).
-    """
-    import argparse
-    import contextlib
-    import io
-
-    out = folder / UNIVERSAL
-    if (out / UNIVERSAL_MARKER).is_file():
-        damage = _listing_problem(out, UNIVERSAL_MARKER, verify)
-        if damage is None:
-            log.info("using the universal checkpoint cached in %s", out)
-            return out
-        log.warning("the cached universal checkpoint %s is damaged (%s): converting again", out, damage)
-    work = folder / ".universal.tmp"
-    for stale in (out, work):
-        shutil.rmtree(stale, ignore_errors=True)  # no marker (a killed conversion) or damaged
-    meta = read_marker(folder)
-    log.info("converting %s (written by %s process(es)) to a universal checkpoint in %s", folder,
-             meta.get("world_size"), out)
-    from deepspeed.checkpoint import ds_to_universal
-
-    from zerotrain.engine import _ds_safe_globals
-    from zerotrain.train_state import weights_only_torch_load
-
-    args = argparse.Namespace(input_folder=str(folder), output_folder=str(work / UNIVERSAL), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    chatter = io.StringIO()  # the converter prints progress bars and banners
-    try:
-        with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), \
-                weights_only_torch_load(_ds_safe_globals()):
-            ds_to_universal.main(args)
-        files = seal(work / UNIVERSAL, 0, 1, verify)
-        atomic_write_text(work / UNIVERSAL / UNIVERSAL_MARKER,
-                          json.dumps({"format": 1, "source": folder.name, "source_world_size": meta.get("world_size"),
-                                      "files": files}, indent=1))
-        fsync_dir(work / UNIVERSAL)
-        os.rename(work / UNIVERSAL, out)
-        fsync_dir(folder)
-    except UserError:
-        raise
-    except Exception as exc:
-        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-        if rundir.is_space_error(exc):
-            raise rundir.space_error("the universal checkpoint", folder, checkpoint_bytes(folder)) from None
-        raise UserError(f"--checkpoint.resume: converting {folder} to a universal checkpoint (to resume on another "
-                        f"process count) failed ({detail}). Start it with {meta.get('world_size')} processes") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return out
-
-
-def _listing_problem(folder: Path, marker: str, checksums: bool) -> Optional[str]:
-    """What is wrong with ``folder`` against the file listing in its ``marker`` (None: nothing). One rank."""
-    try:
-        files = json.loads((folder / marker).read_text()).get("files")
-    except (OSError, ValueError, AttributeError) as exc:
-        return f"{folder / marker} cannot be read ({exc})"
-    if not isinstance(files, dict):
-        return f"{folder / marker} lists no files"
-    for name, entry in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != entry.get("bytes"):
-            return f"{path} has {path.stat().st_size} bytes, {entry.get('bytes')} were written"
-        if checksums and "sha256" in entry and _sha256(path) != entry["sha256"]:
-            return f"{path} does not match its sha256 checksum"
-    return None
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:

@@ -296,7 +296,7 @@ class DeepSpeedEngine(Engine):
 
         ZeRO-1/2/3 files hold one partition of the flat fp32 weights and Adam moments per rank, cut
         for the world size that wrote them. Rank 0 converts the folder once into per-parameter
-        tensors (:func:`zerotrain.checkpoint.universal_checkpoint`, cached in ``folder/universal``;
+        tensors (:func:`zerotrain.universal.universal_checkpoint`, cached in ``folder/universal``;
         the other ranks wait in :func:`~zerotrain.distributed.run_on_main`, which hands them its
         error if it fails), then every rank loads its new partition with DeepSpeed's
         ``load_universal`` switched on for this call only (it is read at load time, so the JSON
@@ -307,9 +307,9 @@ class DeepSpeedEngine(Engine):
         ZeRO-0 keeps the whole optimizer state in its model-states file: it loads as a same-size
         checkpoint when no ``*optim_states.pt`` shard exists (fp32), else it is refused.
         """
-        from zerotrain.checkpoint import universal_checkpoint
         from zerotrain.distributed import run_on_main
         from zerotrain.train_state import load_safely, weights_only_torch_load
+        from zerotrain.universal import universal_checkpoint
 
         if not self.ds.zero_optimization():
             if any(folder.glob("*optim_states.pt")):
