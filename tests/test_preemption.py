@@ -91,7 +91,9 @@ def test_the_requeue_hint_names_the_run():
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    env.update(PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1")
+    # Prepended, as conftest.run_python does: the GPU machine's packages come through PYTHONPATH too.
+    pythonpath = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
+    env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1")
     return subprocess.Popen([sys.executable, "-m", "zerotrain", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
