@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import os
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -57,8 +59,11 @@ def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", t
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=backend == "mpi", verbose=False,
-                                       timeout=timeout)
+            # On CPU it builds its shared-memory op and prints "... built successfully" on stdout, which is
+            # where a user reads the run's own output (the run directory line).
+            with contextlib.redirect_stdout(io.StringIO()):
+                deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=backend == "mpi", verbose=False,
+                                           timeout=timeout)
         else:
             torch.distributed.init_process_group(backend=backend, timeout=timeout)
 
@@ -97,6 +102,11 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     restore_logging = None
     undo_group_timeout = None
     finished = False
+    quiet = warnings.catch_warnings()  # restores the warning filters on exit
+    quiet.__enter__()
+    # DeepSpeed 0.19 calls collectives that torch deprecates, once per call site: noise for a user,
+    # and nothing a user could change.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     from zerotrain.preemption import Preemption
 
     preemption = Preemption()
@@ -141,6 +151,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         os.environ.update(saved_env)
         if restore_logging is not None:
             restore_logging()
+        quiet.__exit__(None, None, None)
 
 
 _PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
