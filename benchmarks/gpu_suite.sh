@@ -7,6 +7,14 @@ OUT=${OUT:-benchmarks/results}
 D=${DATA:-.data}
 TOK=$D/roberta-tokenizer
 z() { python3 -m zerotrain "$@"; }
+# MLM at BERT-base shape (12 layers, 768 wide, 12 heads, FFN 3072, seq 512), micro-batch 32, bf16, Gutenberg text
+BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz"
+      --data.tokenizer "$TOK" --data.max_train_lines 60000 --data.max_val_lines 2000
+      --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
+      --trainer.micro_batch_size 32 --trainer.max_steps ${STEPS:-120} --trainer.log_every_steps 10
+      --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
+      --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
+      --checkpoint.save_final false)
 
 for part in "$@"; do
   [ "$part" = lora_hf ] || mkdir -p "$OUT/$part"  # lora_hf writes into $OUT/lora
@@ -23,25 +31,11 @@ for part in "$@"; do
         --scheduler.name warmup_linear --scheduler.warmup_steps 30 --optimizer.lr 1e-4 | tail -n 12 ;;
     fastpath)  # BERT-base-shaped MLM, micro-batch 32 x 512, bf16, one GPU: the plain engine, ZeRO-0/1/2 with
       # the fast path, and ZeRO-0/1/2 with DeepSpeed's defaults (--strategy.fast_path false), same data and seed
-      BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz"
-            --data.tokenizer "$TOK" --data.max_train_lines 60000 --data.max_val_lines 2000
-            --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
-            --trainer.micro_batch_size 32 --trainer.max_steps ${STEPS:-120} --trainer.log_every_steps 10
-            --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
-            --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
-            --checkpoint.save_final false)
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --out "$OUT/fastpath/fast" "${BERT[@]}" | tail -n 6
       z benchmark mlm --strategies zero0,zero1,zero2 --out "$OUT/fastpath/defaults" "${BERT[@]}" \
         --strategy.fast_path false | tail -n 5
       python3 benchmarks/loss_curves.py "$OUT/fastpath/loss_curves.json" "$OUT/fastpath/fast" "$OUT/fastpath/defaults" ;;
     fastpath_profile)  # the same model: where ZeRO-1/2's time goes, and torch.compile on the plain engine and ZeRO-0
-      BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz"
-            --data.tokenizer "$TOK" --data.max_train_lines 60000 --data.max_val_lines 2000
-            --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
-            --trainer.micro_batch_size 32 --trainer.max_steps ${STEPS:-120} --trainer.log_every_steps 10
-            --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
-            --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
-            --checkpoint.save_final false)
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --profile 5 --out "$OUT/fastpath_profile/eager" "${BERT[@]}" | tail -n 6
       z benchmark mlm --strategies ddp,zero0 --profile 5 --out "$OUT/fastpath_profile/compiled" "${BERT[@]}" \
         --strategy.compile true | tail -n 4 ;;
