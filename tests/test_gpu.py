@@ -69,8 +69,9 @@ def test_zero0_bf16_runs_the_autocast_fast_path(tmp_path):
 
 
 def test_sigterm_saves_and_the_zero2_bf16_checkpoint_resumes_on_gpu(tmp_path):
-    """Pre-emption on NCCL (the stop flag is a device tensor read a step later), then DeepSpeed's
-    checkpoint files go through the weights-only loader with GPU tensors in them."""
+    """Pre-emption of a one-process GPU run (alone, no collective decides; the NCCL agreement of several
+    ranks is not covered here), then DeepSpeed's checkpoint files of a bf16 ZeRO-2 run go through the
+    weights-only loader with GPU tensors in them."""
     import signal
 
     from test_preemption import _start, _wait_for_rows

@@ -316,7 +316,7 @@ def run_on_main(fn):
     if not _collectives_needed():
         return fn()
     if torch.distributed.get_rank() != 0:
-        failed, result = _share_from_main(None)
+        failed, result = broadcast_object(None)
         if failed is not None:
             raise _rebuild_error(failed)
         return result
@@ -324,9 +324,9 @@ def run_on_main(fn):
         result = fn()
         _check_picklable(result)
     except Exception as exc:
-        _share_from_main((_describe_error(exc), None))
+        broadcast_object((_describe_error(exc), None))
         raise
-    _share_from_main((None, result))
+    broadcast_object((None, result))
     return result
 
 
@@ -338,7 +338,7 @@ class _MainProcessFirst:
     def __enter__(self) -> None:
         self.synced = _collectives_needed()
         if self.synced and not self.is_main:
-            failed = _share_from_main(None)  # wait for rank 0's block
+            failed = broadcast_object(None)  # wait for rank 0's block
             if failed is not None:
                 raise _rebuild_error(failed)
 
@@ -347,10 +347,10 @@ class _MainProcessFirst:
             return False  # alone, or Ctrl-C (which reaches every rank anyway): nothing to share
         mine = _describe_error(exc) if exc is not None else None
         if self.is_main:
-            _share_from_main(mine)
+            broadcast_object(mine)
             if mine is not None:
                 return False  # rank 0 raises its own error; the others raise it from __enter__
-        failures = [d for d in _gather(None if self.is_main else mine) if d is not None]
+        failures = [d for d in all_gather_object(None if self.is_main else mine) if d is not None]
         if exc is None and failures:
             raise _rebuild_error(failures[0])
         return False
@@ -359,18 +359,6 @@ class _MainProcessFirst:
 def _collectives_needed() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _share_from_main(obj):
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj) -> list:
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
 
 
 def _check_picklable(value) -> None:

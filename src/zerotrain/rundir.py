@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -277,14 +278,11 @@ def environment() -> dict[str, Any]:
 
 
 # ---- loading a finished run ------------------------------------------------------------------
-# (imported here rather than at the top: this section was appended to the module)
-import dataclasses as _dataclasses  # noqa: E402
-
 TOKENIZER_SETTINGS = ("data.tokenizer", "model.tokenizer")
 """Where recipes keep their tokenizer, in the order :func:`load_run`'s ``"tokenizer"`` override looks."""
 
 
-@_dataclasses.dataclass
+@dataclasses.dataclass
 class LoadedRun:
     """A finished run rebuilt for inference: what :func:`load_run` returns."""
 
@@ -302,7 +300,7 @@ def _tokenizer_setting(cfg: Any) -> Optional[str]:
     for dotted in TOKENIZER_SETTINGS:
         section, _, name = dotted.partition(".")
         value = getattr(cfg, section, None)
-        if _dataclasses.is_dataclass(value) and name in {f.name for f in _dataclasses.fields(value)}:
+        if dataclasses.is_dataclass(value) and name in {f.name for f in dataclasses.fields(value)}:
             return dotted
     return None
 
@@ -313,7 +311,7 @@ def _apply_overrides(cfg: Any, overrides: dict[str, Any], recipe: str) -> None:
             key = _tokenizer_setting(cfg) or key
         section_name, _, name = key.partition(".")
         section = getattr(cfg, section_name, None) if name else None
-        if not (_dataclasses.is_dataclass(section) and name in {f.name for f in _dataclasses.fields(section)}):
+        if not (dataclasses.is_dataclass(section) and name in {f.name for f in dataclasses.fields(section)}):
             raise UserError(f"override {key!r}: the {recipe} recipe's config has no such setting "
                             "(write section.field, e.g. data.tokenizer)")
         setattr(section, name, value)
@@ -354,7 +352,7 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
         raise UserError(f"{hparams}: the run is of recipe {recipe!r}, which is not registered here (known: "
                         f"{', '.join(known)}). For a task of your own, import the module that defines it first")
     config_class = known[recipe].config_class
-    fields = {f.name for f in _dataclasses.fields(config_class)}
+    fields = {f.name for f in dataclasses.fields(config_class)}
     try:
         cfg = from_dict(config_class, {k: v for k, v in raw.items() if k in fields})
     except (UserError, TypeError, ValueError) as exc:
