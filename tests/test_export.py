@@ -157,15 +157,11 @@ def test_mlm_safetensors_export_predicts_like_the_run(mlm_run, tmp_path, capsys)
 def test_imdb_export_is_what_predict_reads(tmp_path, tiny_tokenizer_dir, capsys):
     import random
 
-    from test_imdb_fit import _reviews
+    from test_imdb_fit import write_reviews
 
     from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
 
-    rng = random.Random(0)
-    data = tmp_path / "imdb"
-    data.mkdir()
-    for split, n in (("train", 64), ("test", 32)):
-        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in _reviews(n, rng)) + "\n")
+    data = write_reviews(tmp_path / "imdb", {"train": 64, "test": 32}, random.Random(0))
     cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=16, hidden_dim=32, num_heads=2, num_layers=1, max_len=32))
     cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir = str(data), str(tiny_tokenizer_dir), None
     cfg.strategy.zero_stage = 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 from zerotrain.cli import main as cli_main
 from zerotrain.loop import fit
@@ -25,12 +26,17 @@ def _reviews(n: int, rng: random.Random) -> list[dict]:
     return rows
 
 
+def write_reviews(data: Path, sizes: dict[str, int], rng: random.Random) -> Path:
+    """``data/<split>.jsonl`` of ``_reviews`` for each split; returns ``data``."""
+    data.mkdir()
+    for split, n in sizes.items():
+        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in _reviews(n, rng)) + "\n")
+    return data
+
+
 def test_imdb_learns_a_separable_set_and_predicts(tmp_path, tiny_tokenizer_dir, capsys):
     rng = random.Random(0)
-    data = tmp_path / "imdb"
-    data.mkdir()
-    for split, n in (("train", 384), ("test", 128)):
-        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in _reviews(n, rng)) + "\n")
+    data = write_reviews(tmp_path / "imdb", {"train": 384, "test": 128}, rng)
     cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=32, hidden_dim=64, num_heads=4, num_layers=1,
                                                 max_len=32, dropout=0.0))
     cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir = str(data), str(tiny_tokenizer_dir), None
