@@ -33,6 +33,47 @@ COLUMNS = [
 ]
 
 
+def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, timeout_s: int = 3600,
+            env: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One ``zerotrain fit`` in its own process; its summary plus :func:`_standard_fields` as one row.
+
+    A failed fit is a row too (``status`` oom / failed + its first line), not an exception: an
+    out-of-memory is one of the answers a sweep or a plan is looking for."""
+    env = env or environment()
+    cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, "--trainer.output_dir", str(runs_dir),
+           "--trainer.run_name", run_name, "--logging.progress_bar", "false"]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        returncode, tail = proc.returncode, (proc.stderr or proc.stdout)[-4000:]
+    except subprocess.TimeoutExpired as exc:
+        returncode, tail = -1, f"timed out after {timeout_s} s: {str(exc.stderr or '')[-2000:]}"
+    row: dict[str, Any] = {"wall_s": round(time.perf_counter() - t0, 1), "command": "zerotrain " + shlex.join(cmd[3:])}
+    run_dir = runs_dir / run_name
+    summary = run_dir / "summary.json"
+    if returncode == 0 and summary.is_file():
+        row.update(json.loads(summary.read_text()))
+    else:
+        row["error"] = _failure(tail)
+        print(tail, file=sys.stderr)
+    row["nproc"] = row.get("world_size") or _nproc(fit_args)
+    row.update(_standard_fields(recipe, row, run_dir, env))
+    return row
+
+
+def _nproc(fit_args: list[str]) -> int:
+    """Processes of the job the flags describe (per node x nodes), for a row whose run left no summary."""
+    def flag(name: str) -> int:
+        for i, arg in enumerate(fit_args):
+            if arg == name and i + 1 < len(fit_args):
+                return int(fit_args[i + 1])
+            if arg.startswith(name + "="):
+                return int(arg.split("=", 1)[1])
+        return 1
+
+    return flag("--launch.nproc_per_node") * flag("--launch.nnodes")
+
+
 def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Path, fit_args: list[str],
               timeout_s: int = 3600, profile_steps: int = 0) -> dict[str, Any]:
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -45,23 +86,10 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
     for n in nprocs:
         for name in strategies:
             run_name = f"{recipe}-{name}-{n}gpu"
-            cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, *STRATEGIES[name].flags(), *extra,
-                   "--launch.nproc_per_node", str(n), "--trainer.output_dir", str(out_dir / "runs"),
-                   "--trainer.run_name", run_name, "--logging.progress_bar", "false"]
-            print(f"[benchmark] {name} x {n}: {shlex.join(cmd[1:])}", flush=True)
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            row: dict[str, Any] = {"strategy": name, "nproc": n, "wall_s": round(time.perf_counter() - t0, 1),
-                                   "command": "zerotrain " + shlex.join(cmd[3:])}
+            args = [*fit_args, *STRATEGIES[name].flags(), *extra, "--launch.nproc_per_node", str(n)]
+            print(f"[benchmark] {name} x {n}: zerotrain fit {recipe} {shlex.join(args)}", flush=True)
+            row = {"strategy": name, **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}
             run_dir = out_dir / "runs" / run_name
-            summary = run_dir / "summary.json"
-            if proc.returncode == 0 and summary.is_file():
-                row.update(json.loads(summary.read_text()))
-            else:
-                tail = (proc.stderr or proc.stdout)[-4000:]
-                row["error"] = _failure(tail)
-                print(tail, file=sys.stderr)
-            row.update(_standard_fields(recipe, row, run_dir, env))
             if (run_dir / "profile.md").is_file():
                 row["profile"] = json.loads((run_dir / "profile.json").read_text())
                 (out_dir / f"profile_{name}_{n}gpu.md").write_text((run_dir / "profile.md").read_text())

@@ -112,6 +112,8 @@ class StrategyConfig:
     """torch.compile the model (forward and backward): fewer, fused kernels; the first steps compile (~1 min), and a new batch shape may compile again."""
     fast_path: bool = True
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
+    auto: bool = False
+    """Plan first (as `zerotrain plan` does: measure, predict, try the best few for a few seconds each) and train with the fastest configuration that fits: backend, ZeRO stage, offload, micro-batch and accumulation (same global batch), activation checkpointing. The plan is kept under <output_dir>/.plans and reused on this machine."""
     deepspeed_config: Optional[str] = None
     """A DeepSpeed JSON/HJSON file of your own. Its "auto" values are filled from this config; explicit values win and are checked."""
 
@@ -185,6 +187,10 @@ class TrainerConfig:
     """Optimizer steps left out of the throughput figures at the start (compilation, allocator warm-up)."""
     profile_steps: int = 0
     """Profile this many optimizer steps after the warm-up; writes <run>/profile.json and profile.md (0: off)."""
+    evaluate: bool = True
+    """Evaluate on the validation and test splits; false trains only (the planner's short trials, benchmarks)."""
+    export: bool = True
+    """Write the trained model to <run>/model at the end; false skips it (short trials, benchmarks)."""
 
     def validate(self) -> None:
         if self.micro_batch_size < 1:

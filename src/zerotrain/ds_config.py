@@ -420,3 +420,103 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         ds = build_ds_config(cfg, world_size, device, precision)
     validate_ds_config(ds, world_size, device)
     return ds
+
+
+# --- the DeepSpeed JSON for another trainer ---------------------------------------------------------------------
+
+def portable_ds_config(cfg: RunConfig, world_size: int, precision: ResolvedPrecision, *, for_lightning: bool = False,
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON of ``cfg`` for another trainer: the Hugging Face Trainer
+    (``TrainingArguments(deepspeed=path)``, with :func:`hf_training_arguments`) or Lightning
+    (``DeepSpeedStrategy(config=path)``, with :func:`lightning_trainer_arguments`). Pure.
+
+    It is :func:`make_ds_config` for ``world_size`` GPUs (the configuration zerotrain measured, fast
+    path included), changed only where a file run without zerotrain's engine needs it:
+
+    * ``gradient_clipping`` is the configured clip where zerotrain's engine clips itself (the fast
+      path writes 0 at ZeRO-0, see :func:`engine_clips`): without that engine, DeepSpeed must clip.
+    * Only DeepSpeed's keys are kept (:data:`DS_TOP_LEVEL_KEYS`; ``_comment`` keys are dropped).
+    * ``gradient_clipping`` and both precision blocks are always written (DeepSpeed's defaults where
+      a user's file left them out): Lightning fills a missing ``gradient_clipping`` from
+      ``Trainer(gradient_clip_val)`` and a missing ``fp16``/``bf16`` block from its precision, and
+      accelerate (under the HF Trainer) adds precision blocks the same way; with the keys present
+      both keep them. The explicit ``"bf16": {"enabled": false}`` beside ZeRO-0's ``torch_autocast``
+      is what keeps Lightning's ``bf16-mixed`` from enabling DeepSpeed's bf16 block on top of it.
+    * ZeRO-3 writes ``zero_allow_untested_optimizer`` (DeepSpeed's default, false): Lightning's
+      validate/test/predict path indexes it without a default.
+    * ``gradient_accumulation_steps``: Lightning refuses the key (whatever its value) and sets it from
+      ``Trainer(accumulate_grad_batches)``, while accelerate, under the HF Trainer, writes 1 where the
+      key is missing. So one file serves both only at 1: the key is left out there (DeepSpeed and
+      accelerate default to 1) and written above 1. ``for_lightning`` leaves it out always: that is
+      Lightning's file when accumulating. ``train_batch_size`` stays in both, so DeepSpeed refuses a
+      run whose accumulation or GPU count differs from the plan's instead of training another batch.
+
+    ``extra`` is :func:`make_ds_config`'s (facts that fill a user's file's ``"auto"`` values).
+    """
+    ds = copy.deepcopy(make_ds_config(cfg, world_size, "cuda", precision, extra))
+    if engine_clips(cfg, ds):
+        ds["gradient_clipping"] = cfg.strategy.gradient_clipping
+    ds = {k: _drop_comments(v) for k, v in ds.items() if k in DS_TOP_LEVEL_KEYS}
+    ds.setdefault("gradient_clipping", 0.0)
+    ds.setdefault("fp16", {"enabled": False})
+    ds.setdefault("bf16", {"enabled": False})
+    if ds["zero_optimization"].get("stage") == 3:
+        ds.setdefault("zero_allow_untested_optimizer", False)
+    if for_lightning or ds.get("gradient_accumulation_steps") == 1:
+        ds.pop("gradient_accumulation_steps", None)
+    return ds
+
+
+def _drop_comments(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _drop_comments(v) for k, v in node.items() if not str(k).startswith("_")}
+    if isinstance(node, list):
+        return [_drop_comments(v) for v in node]
+    return node
+
+
+def _accumulation(ds: dict[str, Any], world_size: int) -> int:
+    return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * world_size)
+
+
+def hf_training_arguments(cfg: RunConfig, world_size: int, precision: ResolvedPrecision,
+                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``TrainingArguments`` values that must match :func:`portable_ds_config`'s file.
+
+    The HF Trainer checks these against the file (``HfTrainerDeepSpeedConfig.trainer_config_process``)
+    and refuses a mismatch when training starts. ``bf16`` is false where ZeRO-0 runs bf16 as DeepSpeed's
+    ``torch_autocast``: the file's ``bf16`` block is off there, and DeepSpeed autocasts by itself. The
+    learning-rate schedule is not in the file: the Trainer's own (``lr_scheduler_type``, ``warmup_steps``)
+    drives DeepSpeed's optimizer.
+    """
+    ds = portable_ds_config(cfg, world_size, precision, extra=extra)
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": ds["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": _accumulation(ds, world_size),
+        "bf16": _enabled(ds["bf16"]),
+        "fp16": _enabled(ds["fp16"]),
+    }
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    for key, name in (("lr", "learning_rate"), ("weight_decay", "weight_decay"), ("eps", "adam_epsilon")):
+        if key in params:
+            args[name] = params[key]
+    if isinstance(params.get("betas"), list) and len(params["betas"]) == 2:
+        args["adam_beta1"], args["adam_beta2"] = params["betas"]
+    args["max_grad_norm"] = ds["gradient_clipping"]
+    return args
+
+
+def lightning_trainer_arguments(cfg: RunConfig, world_size: int, precision: ResolvedPrecision,
+                                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``lightning.pytorch.Trainer`` values for :func:`portable_ds_config`'s file (``for_lightning=True``).
+
+    ``accumulate_grad_batches`` becomes the file's ``gradient_accumulation_steps`` (DeepSpeed refuses it
+    if it disagrees with ``train_batch_size``). ``precision`` matches the file's blocks: ZeRO-0 bf16
+    (``torch_autocast``, fp32 weights) is ``32-true``, as zerotrain feeds it fp32 inputs. Clipping is
+    the file's ``gradient_clipping``; ``gradient_clip_val`` is not needed (and ``gradient_clip_algorithm``
+    must stay ``norm``). With the file's ``optimizer`` block Lightning does not call
+    ``configure_optimizers``, so a scheduler returned there is not used: the learning rate stays constant.
+    """
+    ds = portable_ds_config(cfg, world_size, precision, for_lightning=True, extra=extra)
+    mode = "bf16-mixed" if _enabled(ds["bf16"]) else "16-mixed" if _enabled(ds["fp16"]) else "32-true"
+    return {"accumulate_grad_batches": _accumulation(ds, world_size), "precision": mode}

@@ -39,3 +39,14 @@ class TrainingDiverged(Exception):
     def __init__(self, message: str, step: int, checkpoint: Optional[str] = None):
         self.step, self.checkpoint = step, checkpoint
         super().__init__(message)
+
+
+OOM_EXIT = 5
+"""Exit status of a run stopped because a GPU ran out of memory (:class:`OutOfMemory`): distinct from a user
+error (2), a diverged loss (3) and a lost rank (4), so a job script can retry with a smaller configuration."""
+
+
+class OutOfMemory(Exception):
+    """A GPU ran out of memory during training. The message is one line (see :func:`zerotrain.oom.describe_oom`):
+    the step and rank, the sizes involved, and the ``zerotrain fit`` flags of the next smaller configuration to
+    try; the CLI prints it and exits OOM_EXIT."""

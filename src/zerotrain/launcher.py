@@ -230,13 +230,14 @@ def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] =
     not the cause. ``progress`` is what :func:`read_heartbeats` found (rank -> step, pid, run folder),
     ``stopped`` the pids found stopped (SIGSTOP) when torchelastic began to stop the workers.
 
-    In order: an error a worker printed already (a UserError, a diverged loss) adds nothing; all workers
+    In order: an error a worker printed already (a UserError, a diverged loss) adds nothing, and one it left
+    in its error file for this launcher to print (out of GPU memory: the lowest rank's line) is printed; all workers
     pre-empted; a worker that crashed (its traceback is above); a worker killed by a signal before any
     collective failed (128 + signal); a rank that stopped responding, or the others lost it on another
     node (:data:`RANK_LOST_EXIT`). Each line names the rank, its last finished step (heartbeat) and the
     run's last complete checkpoint.
     """
-    from zerotrain.errors import DIVERGED_EXIT
+    from zerotrain.errors import DIVERGED_EXIT, OOM_EXIT
 
     progress = progress or {}
 
@@ -245,12 +246,13 @@ def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] =
         found = data.get(key) if isinstance(data, dict) else None
         return found if isinstance(found, dict) else None
 
-    announced = {r: f for r, f in failures.items()
-                 if f.exitcode in (USER_ERROR_EXIT, DIVERGED_EXIT) or record(f) is not None}
+    own_line = (USER_ERROR_EXIT, DIVERGED_EXIT, OOM_EXIT)  # the CLI's exit statuses of an error said in one line
+    announced = {r: f for r, f in failures.items() if f.exitcode in own_line or record(f) is not None}
     if announced:
-        code = next((f.exitcode for f in announced.values() if f.exitcode in (USER_ERROR_EXIT, DIVERGED_EXIT)),
+        code = next((f.exitcode for f in announced.values() if f.exitcode in own_line),
                     None) or next(int(record(f).get("exit", USER_ERROR_EXIT)) for f in announced.values())
-        printed = any((record(f) or {}).get("printed") or (r == 0 and f.exitcode == code)
+        # Rank 0 prints a user error or a diverged loss itself; an out-of-memory line is left to this launcher.
+        printed = any((record(f) or {}).get("printed") or (r == 0 and f.exitcode == code and code != OOM_EXIT)
                       for r, f in announced.items())
         if not printed:  # rank 0 runs on another node (or was stopped before it could print): say it here
             rank = min(announced, key=lambda r: (record(announced[r]) is None, r))

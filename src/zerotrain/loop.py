@@ -8,6 +8,7 @@ step logger, the evaluator, the checkpointer. Where training stands is one
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -40,11 +41,14 @@ from zerotrain.distributed import (
 )
 from zerotrain.ds_config import batch_shape, reflect_ds_config
 from zerotrain.engine import Engine, build_engine
-from zerotrain.errors import DataError
+from zerotrain.errors import DataError, OutOfMemory
 from zerotrain.evaluate import Evaluator, fmt
 from zerotrain.launcher import Heartbeat
+from zerotrain.memory import Buckets, ParamCounts, count_params, model_state_memory
 from zerotrain.metrics import StepProfiler, ThroughputMeter, memory_snapshot
+from zerotrain.oom import describe_oom, failed_step
 from zerotrain.preemption import armed
+from zerotrain.strategies import Strategy
 from zerotrain.tasks.base import Splits, Task
 from zerotrain.tracking import StepLogger, Tracker, log, progress_bar
 from zerotrain.train_state import TrainState
@@ -75,6 +79,8 @@ class Run:
     engine: Engine
     flops_per_token: float
     n_params: int
+    param_counts: ParamCounts
+    """Of the whole model before the engine (maybe) sharded it: what the out-of-memory line's prediction sizes."""
 
 
 def seed_everything(seed: int) -> None:
@@ -116,7 +122,8 @@ def fit(task: Task) -> FitResult:
         engine.train()
         meter.start()
         try:
-            with armed(rt.preemption):  # a stop signal waits for the checkpoint at the next step boundary
+            # A stop signal waits for the checkpoint at the next step boundary; out of GPU memory ends in one line.
+            with armed(rt.preemption), _out_of_memory_in_one_line(run, state):
                 while state.step < run.total_steps:
                     t0 = time.perf_counter()
                     drawn = [next(stream) for _ in range(engine.grad_accum)]
@@ -132,7 +139,7 @@ def fit(task: Task) -> FitResult:
                     bar.update(1)
                     if profiler.step(state.step):
                         meter.start()  # profiled steps run slower: they are not part of the throughput figures
-                    if evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
+                    if tr.evaluate and evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
                         if run.splits.val is not None:
                             val = evaluator.run(run.splits.val, "val")
                             tracker.log(state.step, val)
@@ -185,6 +192,7 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     flops_per_token = task.flops_per_token(model)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    param_counts = count_params(model)
     engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
                           task.deepspeed_hints(model))
     seed_everything(tr.seed + 1000 * rt.rank)
@@ -206,7 +214,34 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
              n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
     log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
              total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
-    return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, flops_per_token, n_params)
+    return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, flops_per_token, n_params,
+               param_counts)
+
+
+@contextlib.contextmanager
+def _out_of_memory_in_one_line(run: Run, state: TrainState):
+    """Turn torch's out-of-memory error in the training loop into :class:`OutOfMemory`: one line with the
+    sizes and the next smaller configuration to try (:func:`zerotrain.oom.describe_oom`), exit status 5."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        line = describe_oom(exc, failed_step(exc, state.step), run.cfg, run.rt.world_size,
+                            _predicted_gpu_bytes(run), run.rt.device, run.rt.rank)
+        exc.__traceback__ = None  # what is raised next does not keep the failed step's frames (its activations)
+        if run.rt.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the run's closing steps (logs, process group) may need
+        raise OutOfMemory(line) from None
+
+
+def _predicted_gpu_bytes(run: Run) -> Optional[float]:
+    """The memory model's model states per GPU for this run (None if it cannot say: the line goes without)."""
+    s = run.cfg.strategy
+    try:
+        strategy = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
+        return float(model_state_memory(run.param_counts, strategy, run.rt.world_size, run.engine.precision,
+                                        Buckets.from_ds_config(run.engine.ds_config or {})).gpu_bytes)
+    except Exception:  # a figure for the message is not worth hiding the out-of-memory error behind another
+        return None
 
 
 def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: Evaluator, tracker: Tracker,
@@ -214,17 +249,19 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
     """Final checkpoint, test, export and summary.json."""
     if checkpointer.should_save(state.step, last_step=True):
         log.info("checkpoint: %s", checkpointer.save())
-    if run.splits.test is not None:
+    if run.splits.test is not None and run.cfg.trainer.evaluate:
         test = evaluator.run(run.splits.test, "test")
         tracker.log(state.step, test)
         results.update(test)
         log.info("test: %s", fmt(test))
-    weights = run.engine.consolidated_state_dict()
-    def export() -> None:
-        with rundir.writing("the exported model", run.run_dir / "model"):
-            run.task.export(run.engine.module, weights, run.run_dir / "model")
+    if run.cfg.trainer.export:
+        weights = run.engine.consolidated_state_dict()  # a collective under ZeRO-3: every rank calls it
 
-    run_on_main(export)  # a full disk on rank 0 stops every rank with its one line
+        def export() -> None:
+            with rundir.writing("the exported model", run.run_dir / "model"):
+                run.task.export(run.engine.module, weights, run.run_dir / "model")
+
+        run_on_main(export)  # a full disk on rank 0 stops every rank with its one line
     summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},
                **memory_snapshot(run.rt.device), "device": meter.device_name, "world_size": run.rt.world_size,
                "precision": run.engine.precision, "final_step": state.step, "n_params": run.n_params,

@@ -9,12 +9,13 @@ precision                    weights (all Ψ)          gradients (T)            
 bf16/fp16 under DeepSpeed    2                        2                         16: fp32 master, two
                                                                                 moments, fp32 gradient
 fp32 under DeepSpeed         4                        4                         8: two moments
-plain PyTorch DDP (autocast) as built (fp32: 4)       2x as built (DDP's        2x as built: two
-                                                      buckets hold a copy)      moments
+autocast: plain PyTorch, and  as built (fp32: 4)       as built; 2x in DDP on    2x as built: two
+DeepSpeed ZeRO-0's fast path                          several GPUs (its         moments
+(``torch_autocast``)                                  buckets hold a copy)
 ===========================  =======================  ========================  ====================
 
-(DeepSpeed casts the model to 16 bits; plain PyTorch keeps the dtypes the recipe built, e.g. a
-LoRA base model loaded in bf16 with fp32 adapters.)
+(DeepSpeed's bf16/fp16 blocks cast the model to 16 bits; autocast keeps the dtypes the recipe
+built, e.g. a LoRA base model loaded in bf16 with fp32 adapters.)
 
 ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also the gradients,
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
@@ -24,19 +25,25 @@ also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements up fro
 stages 1-2 with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB: the IMDB sweep in
 BENCHMARKS.md shows it as what ZeRO-1/2/3 add over ZeRO-0 on one GPU).
 
-Not counted: activations (they depend on batch and sequence length, not on the ZeRO stage, and
-``--strategy.activation_checkpointing`` cuts them), the CUDA context (~0.5 GiB) and allocator slack.
-``zerotrain benchmark`` measures all of it; this module says what cannot fit before trying.
+Activations depend on the batch, the sequence length and ``--strategy.activation_checkpointing``,
+not on the ZeRO stage: :mod:`zerotrain.probe` measures them on the device, and :func:`predict` adds
+them to the model states (peak GPU memory allocated by PyTorch, rank 0) and sizes the host side
+(the process with its data, the model as built on the CPU before it moves, offloaded states).
+The CUDA context and the allocator's slack are not allocated memory: :func:`fits` keeps room for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from zerotrain.strategies import STRATEGIES, Strategy
+
+if TYPE_CHECKING:
+    from zerotrain.probe import Probe
 
 GIB = 2**30
 
@@ -53,6 +60,8 @@ class ParamCounts:
     """Bytes of all parameters in the dtypes the model was built in."""
     trainable_bytes: int
     """Bytes of the trainable parameters in the dtypes the model was built in."""
+    tensors: int = 0
+    """Trainable parameter tensors: DeepSpeed's ZeRO stages do host-side work per tensor each step."""
 
 
 def count_params(model: nn.Module) -> ParamCounts:
@@ -62,6 +71,7 @@ def count_params(model: nn.Module) -> ParamCounts:
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return ParamCounts(
         total=sum(p.numel() for p in unique), trainable=sum(p.numel() for p in trainable), largest_layer=largest,
+        tensors=len(trainable),
         total_bytes=sum(p.numel() * p.element_size() for p in unique),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
     )
@@ -90,21 +100,26 @@ class StateMemory:
     """Per process, in host memory: offloaded states."""
 
 
-def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str) -> tuple[float, float, float]:
+def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
+                 autocast: bool) -> tuple[float, float, float]:
     """Unpartitioned (weights, gradients, optimizer state) bytes: the module docstring's table."""
     psi, t = counts.total, counts.trainable
-    if strategy.backend == "ddp":
-        return counts.total_bytes, 2 * counts.trainable_bytes, 2 * counts.trainable_bytes
+    if strategy.backend == "ddp" or autocast:
+        ddp_copy = 2 if strategy.backend == "ddp" and world_size > 1 else 1
+        return counts.total_bytes, ddp_copy * counts.trainable_bytes, 2 * counts.trainable_bytes
     if precision == "fp32":
         return 4 * psi, 4 * t, 8 * t
     return 2 * psi, 2 * t, 16 * t
 
 
 def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,
-                       buckets: Buckets = Buckets()) -> StateMemory:
-    """Bytes the model states take per GPU and per process in host memory (see the module docstring)."""
+                       buckets: Buckets = Buckets(), autocast: bool = False) -> StateMemory:
+    """Bytes the model states take per GPU and per process in host memory (see the module docstring).
+
+    ``autocast``: DeepSpeed runs ``torch_autocast`` (ZeRO-0's fast path in bf16, see
+    ``zerotrain.ds_config.fast_path``), keeping the dtypes as built like plain PyTorch does."""
     n = world_size
-    weights, grads, optim = _state_bytes(counts, strategy, precision)
+    weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast)
     stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
     element = 4 if precision == "fp32" else 2  # bytes of a weight/gradient element inside DeepSpeed
     if stage >= 1:
@@ -153,3 +168,52 @@ def gpu_memory_bytes() -> float | None:
     if not torch.cuda.is_available():
         return None
     return float(torch.cuda.get_device_properties(0).total_memory)
+
+
+ALLOCATOR_SLACK = 0.08
+"""Share of the GPU kept free for the caching allocator's fragmentation (reserved above allocated:
+2-8% in the benchmark runs), on top of the CUDA context the probe measured."""
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    gpu_bytes: float
+    """Peak GPU memory allocated by PyTorch on rank 0: model states, DeepSpeed's buffers, activations
+    (0 when training on the CPU: all of it is in ``host_bytes``)."""
+    host_bytes: float
+    """Peak resident memory of the rank-0 process: libraries and data, the model as built, offloaded states."""
+    states_bytes: float
+    activation_bytes: float
+    activations: str
+    """How the activations were obtained (e.g. "measured: cuda allocator, micro-batch 1-8, extrapolated")."""
+
+    def as_row(self) -> dict[str, float]:
+        return {"predicted_gpu_mem_gib": self.gpu_bytes / GIB, "predicted_host_mem_gib": self.host_bytes / GIB}
+
+
+def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, checkpointing: bool, world_size: int,
+            precision: str, probe: "Probe", buckets: Buckets = Buckets(), autocast: bool = False) -> MemoryPrediction:
+    """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
+    activations ``probe`` measured at this micro-batch, plus the host side (module docstring)."""
+    states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast)
+    act = probe.activations["on" if checkpointing and "on" in probe.activations else "off"].at(micro_batch_size)
+    # The recipe builds its model on the CPU in the dtypes as built before the engine moves it.
+    host = probe.host_base_bytes + counts.total_bytes + states.cpu_bytes
+    device = states.gpu_bytes + act
+    if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
+        host, device = host + device, 0.0
+    how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
+    return MemoryPrediction(gpu_bytes=device, host_bytes=host, states_bytes=states.gpu_bytes,
+                            activation_bytes=act, activations=how)
+
+
+def fits(prediction: MemoryPrediction, probe: "Probe", host_bytes: float, procs_per_host: int) -> Optional[str]:
+    """None when ``prediction`` fits this machine, else what is short, in words."""
+    if probe.gpu_total_bytes is not None:
+        room = probe.gpu_total_bytes * (1 - ALLOCATOR_SLACK) - (probe.gpu_context_bytes or 0.0)
+        if prediction.gpu_bytes > room:
+            return f"GPU memory: needs {prediction.gpu_bytes / GIB:.1f} GiB, {room / GIB:.1f} GiB usable"
+    if prediction.host_bytes * procs_per_host > host_bytes:
+        return (f"host memory: {procs_per_host} process(es) x {prediction.host_bytes / GIB:.1f} GiB, "
+                f"{host_bytes / GIB:.1f} GiB on this host")
+    return None

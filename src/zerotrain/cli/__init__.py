@@ -2,7 +2,8 @@
 
 A :class:`~zerotrain.errors.UserError` raised anywhere below is printed as one line naming the
 flag or file, and the command exits with status 2: no traceback for mistakes a user can fix.
-A run whose loss diverged ends in one line and status 3 (:data:`~zerotrain.errors.DIVERGED_EXIT`); a
+A run whose loss diverged ends in one line and status 3 (:data:`~zerotrain.errors.DIVERGED_EXIT`); one
+that ran out of GPU memory, in one line with what to try and status 5 (:data:`~zerotrain.errors.OOM_EXIT`); a
 collective that failed because another rank died or hung, in status 4
 (:data:`~zerotrain.launcher.RANK_LOST_EXIT`), with the line said by the launcher when there is one.
 """
@@ -13,11 +14,12 @@ import os
 import sys
 from typing import Optional
 
-from zerotrain.errors import DIVERGED_EXIT, TrainingDiverged, UserError
+from zerotrain.errors import DIVERGED_EXIT, OOM_EXIT, OutOfMemory, TrainingDiverged, UserError
 
 SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
     "benchmark": "sweep ZeRO stages / offload / DDP and tabulate speed and memory",
+    "plan": "measure, predict and try configurations: the fastest that fits this machine",
     "estimate": "model-state memory of every strategy, and the fastest that fits",
     "predict": "predict with a finished run: IMDB labels, MLM fill-mask, LoRA generation",
     "export": "write a checkpoint as safetensors (any ZeRO stage, on CPU) or a Hugging Face folder (mlm)",
@@ -76,6 +78,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         _tell_launcher(line, printed=_rank() == 0, code=DIVERGED_EXIT)
         _end_process_group()
         return DIVERGED_EXIT
+    except OutOfMemory as exc:
+        # Raised by the rank(s) that ran out, maybe not rank 0. Under zerotrain's own launcher the workers
+        # leave the line in their error file and the launcher prints the lowest rank's, once, however many
+        # ran out at the same step; started otherwise (alone, torchrun, srun) the rank that ran out says it.
+        line = f"zerotrain {name}: error: {exc}"
+        to_launcher = "TORCHELASTIC_ERROR_FILE" in os.environ and _under_own_launcher()
+        if not to_launcher:
+            print(line, file=sys.stderr, flush=True)
+        _tell_launcher(line, printed=not to_launcher, code=OOM_EXIT)
+        _end_process_group()
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker: the other ranks' broken collectives must not hang it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(OOM_EXIT)
+        return OOM_EXIT
     except KeyboardInterrupt:
         print("zerotrain: interrupted", file=sys.stderr)
         return 130
@@ -104,6 +121,13 @@ def _rank() -> int:
         return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
     except ValueError:
         return 0
+
+
+def _under_own_launcher() -> bool:
+    """Whether this process is a worker of ``spawn_local_workers`` (which reads the workers' error files)."""
+    from zerotrain.launcher import HEARTBEAT_ENV
+
+    return HEARTBEAT_ENV in os.environ
 
 
 def _rank_lost(name: str, timed_out: bool) -> int:

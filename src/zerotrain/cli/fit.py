@@ -48,6 +48,18 @@ def run(argv: list[str]) -> int:
     from zerotrain.launcher import launched_by_a_launcher, spawn_local_workers
 
     launch = cfg.launch
+    if cfg.strategy.auto:
+        if launched_by_a_launcher(launch):
+            from zerotrain.errors import ConfigError
+
+            raise ConfigError("--strategy.auto", "plans before the processes start, which another launcher (torchrun, "
+                              "srun, deepspeed) has already done: run `zerotrain plan RECIPE ...` once and start the "
+                              "job with --config <plan folder>/plan.yaml, or launch with zerotrain itself")
+        from zerotrain.planner import plan_for_fit
+
+        rest = [*rest, *plan_for_fit(recipe, cfg, rest)]  # later flags win: the plan's choice, auto off
+        argv = [recipe, *rest]
+        cfg = parse_config(recipe, rest).validate()
     if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher(launch):
         return spawn_local_workers(launch, ["fit", *argv])
 

@@ -1,0 +1,45 @@
+"""``zerotrain plan RECIPE [fit flags] [--out DIR] [--trials K] [--trial_steps N] [--strategies a,b]``.
+
+Measures the recipe's model on this machine, predicts the memory and speed of every configuration
+(backend, ZeRO stage, offload, micro-batch with accumulation for the same global batch, activation
+checkpointing) for the GPUs of the launch flags, tries the fastest few that fit in short runs of
+their own, and writes the choice: DIR/plan.md (the table), plan.json, plan.yaml (train with
+``zerotrain fit RECIPE --config DIR/plan.yaml``) and ds_config.json (for the Hugging Face Trainer or
+Lightning). Flags it does not know are the run's own (e.g. ``--config FILE``, ``--launch.nproc_per_node``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from zerotrain import recipes
+from zerotrain.config_cli import parse_config
+from zerotrain.errors import UserError
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="zerotrain plan", description=__doc__.split("\n\n")[1])
+    parser.add_argument("recipe", choices=list(recipes.all_recipes()))
+    parser.add_argument("--out", default=None, help="plan folder (default: <output_dir>/plans/<recipe>)")
+    parser.add_argument("--trials", type=int, default=3, help="short runs of the best predicted candidates")
+    parser.add_argument("--trial_steps", type=int, default=8, help="measured optimizer steps per trial (after the warm-up)")
+    parser.add_argument("--strategies", default=None, help="consider only these (comma-separated strategy names)")
+    parser.add_argument("--compare_strategies", action="store_true",
+                        help="also run every strategy at the configured micro-batch (what a benchmark sweep measures)")
+    parser.add_argument("--host_memory_gib", type=float, default=None, help="memory of one host (default: this one's)")
+    args, fit_args = parser.parse_known_args(argv)
+    if args.trial_steps < 1:
+        raise UserError(f"--trial_steps must be >= 1, got {args.trial_steps}")
+    if args.host_memory_gib is not None and not args.host_memory_gib > 0:
+        raise UserError(f"--host_memory_gib must be > 0, got {args.host_memory_gib}")
+    cfg = parse_config(args.recipe, fit_args)
+    out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "plans" / args.recipe
+
+    from zerotrain.planner import plan
+
+    result = plan(args.recipe, cfg, fit_args, out, trials=args.trials, trial_steps=args.trial_steps,
+                  strategies=args.strategies.split(",") if args.strategies else None,
+                  compare_strategies=args.compare_strategies, host_memory_gib=args.host_memory_gib)
+    print((out / "plan.md").read_text())
+    return 0 if result.choice else 1

@@ -1,0 +1,386 @@
+"""``zerotrain plan``: the fastest configuration that fits, predicted and then confirmed by short trials.
+
+1. **Probe** (:mod:`zerotrain.probe`, its own process): activation memory and step time of the real
+   model on its longest batches, on this device.
+2. **Candidates**: every backend/ZeRO stage/offload (:data:`~zerotrain.strategies.STRATEGIES`) x
+   micro-batch (powers of two dividing the per-rank batch; accumulation keeps the global batch) x
+   activation checkpointing, for the GPUs the launch flags name. Precision, global batch, optimizer
+   and everything else stay as configured.
+3. **Memory model** (:func:`zerotrain.memory.predict`) drops what does not fit; the **speed model**
+   (:mod:`zerotrain.speed`) ranks the rest.
+4. **Trials**: the best few (``trials``, at most two per strategy) run as short ``zerotrain fit``
+   processes, each its own process so an out-of-memory is a recorded row, not the end of the plan.
+   The fastest measured wins.
+
+Files in the plan folder: ``plan.json`` (probe, every candidate with predicted memory, predicted
+and measured speed, why dropped; the choice), ``plan.md`` (the table), ``plan.yaml`` (the whole
+zerotrain config with the choice: ``zerotrain fit RECIPE --config plan.yaml``) and ``ds_config.json``
+(the fastest DeepSpeed candidate as a JSON the Hugging Face Trainer and Lightning accept, see
+:func:`zerotrain.ds_config.portable_ds_config`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from zerotrain import recipes
+from zerotrain.config import RunConfig
+from zerotrain.errors import ConfigError, UserError
+from zerotrain.memory import GIB, Buckets, MemoryPrediction, count_params, fits, predict
+from zerotrain.probe import Probe, run_probe
+from zerotrain.speed import StepTime, step_time
+from zerotrain.strategies import STRATEGIES
+
+TRIAL_FLAGS = ["--trainer.evaluate", "false", "--trainer.export", "false", "--checkpoint.save_final", "false",
+               "--checkpoint.every_steps", "0", "--logging.tensorboard", "false", "--logging.progress_bar", "false",
+               "--scheduler.warmup_steps", "0", "--strategy.auto", "false"]
+"""What makes a fit a trial: train only, write nothing but the run folder's logs and summary."""
+
+SHOWN_UNTRIED = 6
+"""Candidates that fit but were not trialled, shown in plan.md below the trials."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    """A key of :data:`~zerotrain.strategies.STRATEGIES`."""
+    micro_batch_size: int
+    grad_accum: int
+    checkpointing: bool
+
+    def flags(self) -> list[str]:
+        return [*STRATEGIES[self.strategy].flags(), "--trainer.micro_batch_size", str(self.micro_batch_size),
+                "--strategy.gradient_accumulation_steps", str(self.grad_accum),
+                "--strategy.activation_checkpointing", str(self.checkpointing).lower()]
+
+    @property
+    def label(self) -> str:
+        return (f"{self.strategy} micro {self.micro_batch_size} x {self.grad_accum}"
+                + (" +ckpt" if self.checkpointing else ""))
+
+    def apply(self, cfg: RunConfig) -> RunConfig:
+        """A copy of ``cfg`` set to this candidate."""
+        cfg = copy.deepcopy(cfg)
+        s, chosen = cfg.strategy, STRATEGIES[self.strategy]
+        s.backend, s.zero_stage = chosen.backend, chosen.zero_stage
+        s.offload_optimizer, s.offload_param = chosen.offload_optimizer, chosen.offload_param
+        s.gradient_accumulation_steps, s.activation_checkpointing = self.grad_accum, self.checkpointing
+        s.auto = False
+        cfg.trainer.micro_batch_size = self.micro_batch_size
+        return cfg
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    memory: MemoryPrediction
+    time: StepTime
+    dropped: Optional[str] = None
+    """Why the candidate is out (memory, or a trial that failed); None while it is in."""
+    measured: dict[str, Any] = field(default_factory=dict)
+    """The trial's figures: status, tokens_per_s, samples_per_s, peak_gpu_mem_gib, peak_host_mem_gib."""
+
+    def to_dict(self, global_batch: int) -> dict[str, Any]:
+        return {"candidate": self.candidate.label, "strategy": self.candidate.strategy,
+                "micro_batch_size": self.candidate.micro_batch_size, "grad_accum": self.candidate.grad_accum,
+                "activation_checkpointing": self.candidate.checkpointing, **self.memory.as_row(),
+                "predicted_step_s": self.time.total, "predicted_samples_per_s": global_batch / self.time.total,
+                "predicted_step_parts_s": {"compute": self.time.compute, "optimizer": self.time.optimizer,
+                                           "communication": self.time.communication, "zero_host": self.time.zero_host},
+                "dropped": self.dropped, "measured": self.measured or None}
+
+
+@dataclass
+class Plan:
+    recipe: str
+    world_size: int
+    global_batch: int
+    probe: Probe
+    rows: list[Row]
+    trialled: list[Row]
+    choice: Row
+    planned: Row
+    """The fastest of the trials the planner itself chose (the top of its ranking); ``choice`` is the
+    fastest of every trial run, which differs only with ``compare_strategies``."""
+    out_dir: Path
+
+
+def _world(cfg: RunConfig) -> int:
+    return cfg.launch.nproc_per_node * cfg.launch.nnodes
+
+
+def candidates(cfg: RunConfig, device: str, strategies: Optional[list[str]] = None,
+               checkpointing: bool = True) -> list[Candidate]:
+    """Every configuration the planner considers for ``cfg``'s global batch (module docstring)."""
+    per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
+    micros = sorted({m for m in (2**i for i in range(per_rank.bit_length())) if per_rank % m == 0} | {per_rank})
+    names = strategies or [name for name, s in STRATEGIES.items()
+                           if device == "cuda" or s.offload_optimizer == "none"]  # offload needs a GPU to offload from
+    return [Candidate(name, m, per_rank // m, ckpt) for name in names for m in micros
+            for ckpt in ((False, True) if checkpointing else (False,))]
+
+
+def _meta_counts(recipe: str, cfg: RunConfig):
+    with torch.device("meta"):
+        model = recipes.get(recipe)(cfg).build_model(pretrained=False)
+    return count_params(model)
+
+
+def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], host_bytes: float) -> list[Row]:
+    """Predicted memory and step time of every candidate, and why each dropped one is out."""
+    from zerotrain.ds_config import _enabled, make_ds_config
+
+    counts = _meta_counts(recipe, cfg)
+    world = _world(cfg)
+    device = probe.device
+    saves = probe.activations["on"].per_sample < 0.9 * probe.activations["off"].per_sample \
+        if "on" in probe.activations else False
+    rows = []
+    for cand in cands:
+        run_cfg = cand.apply(cfg)
+        try:
+            run_cfg.validate()
+        except ConfigError as exc:
+            raise UserError(f"the plan's candidate {cand.label} is not a valid configuration: {exc}") from None
+        buckets, autocast = Buckets(), False
+        if run_cfg.strategy.backend == "deepspeed":
+            ds = make_ds_config(run_cfg, world, device, probe.precision)  # type: ignore[arg-type]
+            buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
+        strategy = STRATEGIES[cand.strategy]
+        mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
+                      buckets, autocast)
+        time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
+                         cfg.launch.nnodes, autocast)
+        dropped = fits(mem, probe, host_bytes, cfg.launch.nproc_per_node)
+        if dropped is None and cand.checkpointing and not saves:
+            dropped = "activation checkpointing saves no memory for this model (probe)"
+        rows.append(Row(cand, mem, time, dropped))
+    return rows
+
+
+def _nothing_fits(rows: list[Row], cfg: RunConfig) -> UserError:
+    """Say what is missing for the configuration that needs the least."""
+    least = min(rows, key=lambda r: (r.memory.gpu_bytes, r.memory.host_bytes))
+    return UserError(f"nothing fits this machine: the smallest configuration ({least.candidate.label}) is short of "
+                     f"{least.dropped}. Add GPUs (--launch.nproc_per_node, --launch.nnodes) or host memory, or train "
+                     "fewer parameters (a smaller model, or the lora recipe)")
+
+
+def _disk_problem(recipe: str, cfg: RunConfig, precision: str) -> Optional[str]:
+    """Whether one checkpoint of the run fits the disk of ``--trainer.output_dir``."""
+    from zerotrain.checkpoint import estimate_bytes
+
+    if not (cfg.checkpoint.save_final or cfg.checkpoint.every_steps):
+        return None
+    counts = _meta_counts(recipe, cfg)
+    need = estimate_bytes(counts.total, counts.trainable, precision, cfg.strategy.backend)
+    folder = Path(cfg.trainer.output_dir).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        return (f"disk: one checkpoint needs {need / GIB:.1f} GiB, {free / GIB:.1f} GiB free under {folder} "
+                "(--trainer.output_dir)")
+    return None
+
+
+def pick_trials(rows: list[Row], trials: int, per_strategy: int = 2) -> list[Row]:
+    """The fastest predicted candidates that fit, at most ``per_strategy`` of each strategy, so one
+    wrong speed constant cannot fill every trial with one strategy."""
+    ranked = sorted((r for r in rows if r.dropped is None), key=lambda r: r.time.total)
+    chosen: list[Row] = []
+    for row in ranked:
+        if len(chosen) == trials:
+            break
+        if sum(r.candidate.strategy == row.candidate.strategy for r in chosen) < per_strategy:
+            chosen.append(row)
+    return chosen
+
+
+def _trial(recipe: str, fit_args: list[str], row: Row, out_dir: Path, trial_steps: int, warmup: int,
+           timeout_s: int) -> None:
+    from zerotrain.benchmark import run_one
+
+    steps = warmup + trial_steps
+    args = [*fit_args, *row.candidate.flags(), *TRIAL_FLAGS, "--trainer.max_steps", str(steps),
+            "--trainer.log_every_steps", str(steps)]
+    name = row.candidate.label.replace(" ", "_").replace("+", "")
+    result = run_one(recipe, args, out_dir / "trials", name, timeout_s)
+    row.measured = {k: result.get(k) for k in ("status", "tokens_per_s", "peak_gpu_mem_gib", "peak_host_mem_gib",
+                                               "command")}
+    row.measured["samples_per_s"] = result.get("throughput_samples_per_s")
+    if result["status"] != "ok":
+        row.dropped = f"trial {result['status']}"
+
+
+def _speed(row: Row) -> float:
+    return (row.measured.get("tokens_per_s") or 0.0) if row.dropped is None else -1.0
+
+
+def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials: int = 3, trial_steps: int = 8,
+         strategies: Optional[list[str]] = None, compare_strategies: bool = False,
+         host_memory_gib: Optional[float] = None, timeout_s: int = 900) -> Plan:
+    """Probe, rank, trial and choose (module docstring); writes the plan folder ``out_dir``."""
+    import psutil
+
+    from zerotrain.tracking import log
+
+    cfg = copy.deepcopy(cfg)
+    if cfg.trainer.max_steps is None and cfg.trainer.epochs is None:
+        cfg.trainer.max_steps = 1  # the run's length changes nothing in the plan; validate() needs one
+    cfg.validate()
+    if trials < 1:
+        raise UserError(f"--trials must be >= 1, got {trials}")
+    unknown = [s for s in strategies or [] if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
+    world = _world(cfg)
+    print(f"[plan] probing {recipe} on this machine (micro-batch up to {per_rank})", flush=True)
+    probe = run_probe(recipe, fit_args, out_dir / "probe.json", per_rank)
+    host = host_memory_gib * GIB if host_memory_gib else float(psutil.virtual_memory().total)
+    rows = assess(recipe, cfg, probe, candidates(cfg, probe.device, strategies), host)
+    if all(r.dropped for r in rows):
+        raise _nothing_fits(rows, cfg)
+    disk = _disk_problem(recipe, cfg, probe.precision)
+    if disk:
+        raise UserError(f"nothing fits this machine: {disk}. Free space or point --trainer.output_dir at a larger disk")
+    to_run = pick_trials(rows, trials)
+    planned_set = list(to_run)
+    if compare_strategies:  # every strategy at the configured micro-batch too: what a benchmark sweep measures
+        same = [r for r in rows if r.dropped is None and r.candidate.micro_batch_size == cfg.trainer.micro_batch_size
+                and r.candidate.checkpointing == cfg.strategy.activation_checkpointing]
+        to_run += [r for r in same if r not in to_run]
+    fallback = iter(r for r in sorted(rows, key=lambda r: r.time.total) if r.dropped is None and r not in to_run)
+    done: list[Row] = []
+    while to_run:
+        row = to_run.pop(0)
+        print(f"[plan] trial {len(done) + 1}: {row.candidate.label}", flush=True)
+        _trial(recipe, fit_args, row, out_dir, trial_steps, cfg.trainer.warmup_steps_excluded, timeout_s)
+        print(f"[plan]   {row.measured.get('status')}, {row.measured.get('tokens_per_s') or 0:,.0f} tokens/s", flush=True)
+        done.append(row)
+        if row.dropped and row in planned_set and not to_run:
+            nxt = next(fallback, None)  # every planned trial failed so far: try the next in the ranking
+            if nxt is not None and not any(r.dropped is None for r in planned_set):
+                planned_set.append(nxt)
+                to_run.append(nxt)
+    ok = [r for r in done if r.dropped is None]
+    if not ok:
+        raise UserError(f"every trial failed ({'; '.join(f'{r.candidate.label}: {r.dropped}' for r in done)}); "
+                        f"see {out_dir / 'trials'}")
+    choice = max(ok, key=_speed)
+    planned = max((r for r in planned_set if r.dropped is None), key=_speed, default=choice)
+    result = Plan(recipe, world, per_rank * world, probe, rows, done, choice, planned, out_dir)
+    write(result, cfg, fit_args)
+    log.info("plan: %s (%s)", choice.candidate.label, out_dir)
+    return result
+
+
+def write(p: Plan, cfg: RunConfig, fit_args: list[str]) -> None:
+    """plan.json, plan.md, plan.yaml and ds_config.json in the plan folder."""
+    import yaml
+
+    from zerotrain.ds_config import portable_ds_config
+    from zerotrain.rundir import environment, write_json
+
+    chosen_cfg = p.choice.candidate.apply(cfg)
+    deepspeed_rows = [r for r in p.trialled if r.dropped is None and STRATEGIES[r.candidate.strategy].backend == "deepspeed"]
+    best_ds = max(deepspeed_rows, key=_speed, default=None)
+    data = {"recipe": p.recipe, "world_size": p.world_size, "global_batch": p.global_batch, "fit_args": fit_args,
+            "environment": environment(), "probe": p.probe.to_dict(),
+            "choice": p.choice.to_dict(p.global_batch), "planned": p.planned.to_dict(p.global_batch),
+            "command": f"zerotrain fit {p.recipe} --config {p.out_dir / 'plan.yaml'}",
+            "rows": [r.to_dict(p.global_batch) for r in p.rows]}
+    write_json(p.out_dir / "plan.json", data)
+    plain = json.loads(json.dumps(chosen_cfg.to_dict()))  # tuples as lists: YAML that --config reads back
+    (p.out_dir / "plan.yaml").write_text(f"# zerotrain plan for {p.recipe}: {p.choice.candidate.label}\n"
+                                         + yaml.safe_dump(plain, sort_keys=False))
+    if best_ds is not None:
+        ds_cfg = best_ds.candidate.apply(cfg)
+        write_json(p.out_dir / "ds_config.json", portable_ds_config(ds_cfg, p.world_size, p.probe.precision))
+    (p.out_dir / "plan.md").write_text(markdown(p, best_ds))
+
+
+def markdown(p: Plan, best_ds: Optional[Row]) -> str:
+    pr = p.probe
+    lines = [f"### Plan for `{p.recipe}` on {p.world_size} x {pr.device_name}, global batch {p.global_batch}, "
+             f"{pr.precision}", "",
+             f"Activations {p.rows[0].memory.activations}; speed: the probe's step times and `zerotrain.speed`'s "
+             "constants; trials: short `zerotrain fit` runs.", "",
+             "| candidate | predicted GPU GiB | predicted host GiB | predicted samples/s | measured tokens/s "
+             "| measured GPU GiB | status |", "|---|---|---|---|---|---|---|"]
+    # Trialled first, then the best of the rest; the others are counted by why they are out.
+    trialled = sorted(p.trialled, key=lambda r: -_speed(r))
+    rest = sorted((r for r in p.rows if r not in p.trialled), key=lambda r: (r.dropped is not None, r.time.total))
+    shown, hidden = trialled + [r for r in rest if r.dropped is None][:SHOWN_UNTRIED], rest
+    for r in shown:
+        m = r.measured
+        measured = f"{m['tokens_per_s']:,.0f}" if m.get("tokens_per_s") else "-"
+        gpu = f"{m['peak_gpu_mem_gib']:.2f}" if m.get("peak_gpu_mem_gib") is not None else "-"
+        status = r.dropped or ("chosen" if r is p.choice else "ok" if m else "fits, not trialled")
+        predicted_gpu = f"{r.memory.gpu_bytes / GIB:.2f}" if pr.device == "cuda" else "-"
+        lines.append(f"| {r.candidate.label} | {predicted_gpu} | {r.memory.host_bytes / GIB:.2f} | "
+                     f"{p.global_batch / r.time.total:,.1f} | {measured} | {gpu} | {status} |")
+    reasons: dict[str, int] = {}
+    for r in hidden:
+        if r not in shown:
+            why = (r.dropped or "fits, slower than the rows above").split(":")[0]
+            reasons[why] = reasons.get(why, 0) + 1
+    if reasons:
+        lines.append("")
+        lines.append("Not shown (plan.json has them): " + "; ".join(f"{n} {why}" for why, n in reasons.items()) + ".")
+    lines += ["", f"Choice: **{p.choice.candidate.label}** -> `zerotrain fit {p.recipe} --config "
+              f"{p.out_dir / 'plan.yaml'}`"]
+    if best_ds is not None:
+        lines.append(f"DeepSpeed JSON for the Hugging Face Trainer / Lightning ({best_ds.candidate.label}): "
+                     f"`{p.out_dir / 'ds_config.json'}`")
+    return "\n".join(lines) + "\n"
+
+
+def plan_key(recipe: str, fit_args: list[str], cfg: RunConfig, device_name: str) -> str:
+    """What a cached plan is valid for: the recipe, the flags that are not the plan's own, the GPUs,
+    and the versions that set the speed."""
+    import deepspeed
+
+    ours = {"--strategy.auto", "--trainer.max_steps", "--trainer.epochs", "--trainer.run_name",
+            "--checkpoint.resume", "--trainer.output_dir"}
+    kept, skip = [], False
+    for arg in fit_args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in ours:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    text = json.dumps([recipe, kept, _world(cfg), device_name, torch.__version__, deepspeed.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def plan_for_fit(recipe: str, cfg: RunConfig, fit_args: list[str]) -> list[str]:
+    """``--strategy.auto``: the flags of the plan for this run, made now or reused from the cache
+    ``<output_dir>/.plans/<key>/`` (a plan depends on the machine, the recipe and its flags, not the run)."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "cpu"
+    folder = Path(cfg.trainer.output_dir) / ".plans" / plan_key(recipe, fit_args, cfg, device)
+    cached = folder / "plan.json"
+    if cached.is_file():
+        choice = json.loads(cached.read_text())["choice"]
+        print(f"[plan] --strategy.auto: {choice['candidate']}, the plan made for this machine and these flags "
+              f"({folder}; delete it to plan again)", flush=True)
+    else:
+        print(f"[plan] --strategy.auto: planning before training (once per machine and flags; {folder})", flush=True)
+        choice = plan(recipe, cfg, fit_args, folder).choice.to_dict(1)
+        print(f"[plan] --strategy.auto: {choice['candidate']}", flush=True)
+    cand = Candidate(choice["strategy"], choice["micro_batch_size"], choice["grad_accum"],
+                     choice["activation_checkpointing"])
+    return [*cand.flags(), "--strategy.auto", "false"]

@@ -1,0 +1,314 @@
+"""Measure, on this machine, what the memory and speed models cannot know from the config alone.
+
+One short trace of the recipe's real model on its real (longest) batches, plain PyTorch, no engine:
+
+* **activation memory** of one forward and backward at micro-batch 1, 2, 4, ... until the peak
+  grows with the batch, fitted through the last two as ``intercept + per_sample * micro_batch_size``
+  (never below the smallest batch's peak) and extrapolated. On CUDA it is the caching
+  allocator's peak over what the weights and gradients hold (``max_memory_allocated``, what the
+  benchmarks report); on CPU, PyTorch's ``MemTracker`` counts the live tensor storages.
+  With ``activation_checkpointing`` both ways are traced, each on its own model.
+* **time** of that forward and backward at the same sizes (same fit), and of one optimizer step
+  over the trainable parameters, on this device;
+* the **host**: resident memory once the data and libraries are loaded, host-to-device copy speed;
+* the **GPU**: total memory and what the CUDA context and other processes already hold.
+
+The batches are the longest examples of the training split (by ``Task.train_lengths``): the peak of
+a run is set by its longest batch, whatever the order. The probe runs in its own process
+(``python -m zerotrain.probe``) so that the planner's parent process never holds GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from zerotrain.tasks.base import Task
+
+LINEAR_REGIME = 1.6
+"""Peak growth from one probe size to twice it above which the peak scales with the batch. Below it a
+constant (e.g. the embedding's gradient, materialised whole in the backward pass) sets the peak, and
+two such points say nothing about larger batches: the probe doubles the batch until it sees the ratio."""
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``max(floor, intercept + per_sample * micro_batch_size)``, fitted through the two largest
+    measured sizes; ``floor`` is the smallest size's value (constant costs that set small batches' peak)."""
+
+    intercept: float
+    per_sample: float
+    floor: float = 0.0
+
+    def at(self, micro_batch_size: int) -> float:
+        return max(self.floor, self.intercept + self.per_sample * micro_batch_size, 0.0)
+
+    @classmethod
+    def through(cls, points: dict[int, float]) -> "Linear":
+        if len(points) == 1:
+            ((b, y),) = points.items()
+            return cls(intercept=0.0, per_sample=y / b, floor=y)
+        (b1, y1), (b2, y2) = sorted(points.items())[-2:]
+        slope = max(0.0, (y2 - y1) / (b2 - b1))  # noise must not make more samples cost less
+        return cls(intercept=y2 - slope * b2, per_sample=slope, floor=min(points.values()))
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`measure` found; JSON-serialisable (``to_dict``/``from_dict``)."""
+
+    device: str
+    """``cuda`` or ``cpu``."""
+    device_name: str
+    precision: str
+    method: str
+    """How activations were measured: ``cuda allocator`` or ``torch MemTracker``."""
+    seq_len: int
+    """Padded length of the probe's batches: the longest in the training split."""
+    activations: dict[str, Linear]
+    """Activation bytes by ``"off"``/``"on"`` (activation checkpointing)."""
+    forward_backward_s: dict[str, Linear]
+    """Seconds of one forward and backward, by ``"off"``/``"on"``."""
+    optimizer_step_s: float
+    """One Adam step over the trainable parameters on this device (fused on CUDA)."""
+    host_base_bytes: float
+    """This process's resident memory with the libraries and the data loaded, before the model."""
+    gpu_total_bytes: Optional[float] = None
+    gpu_context_bytes: Optional[float] = None
+    """GPU memory held before any tensor: the CUDA context, other processes."""
+    h2d_bytes_per_s: Optional[float] = None
+    """Pinned host-to-device copy speed (what optimizer offload moves each step)."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Probe":
+        data = dict(data)
+        for key in ("activations", "forward_backward_s"):
+            data[key] = {k: Linear(**v) for k, v in data[key].items()}
+        return cls(**data)
+
+
+def _rss() -> float:
+    import psutil
+
+    return float(psutil.Process().memory_info().rss)
+
+
+def _longest_batch(task: Task, train: Any, n: int) -> dict[str, torch.Tensor]:
+    """The ``n`` longest training examples, collated: the largest batch a run of this micro-batch meets."""
+    lengths = task.train_lengths(train)
+    data = getattr(task.cfg, "data", None)
+    if lengths is None and data is not None and hasattr(data, "bucket_by_length"):
+        # Lengths are only reported when bucketing is on; a run without it still meets its longest example.
+        bucketing = copy.deepcopy(task.cfg)
+        bucketing.data.bucket_by_length = True
+        lengths = task.with_config(bucketing).train_lengths(train)
+    order = sorted(range(len(train)), key=lambda i: -lengths[i]) if lengths is not None else range(len(train))
+    picked = [train[i] for i in list(order)[:n]]
+    return task.collator()(picked)
+
+
+def _autocast(device: torch.device, precision: str):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    if dtype is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _peak_activation_bytes(run: Callable[[], None], model: nn.Module, device: torch.device) -> float:
+    """Peak bytes above what the weights and (already allocated) gradients hold, over one ``run()``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - base)
+    # PyTorch's own tensor-storage accounting (torch.distributed._tools), device-agnostic.
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        base = tracker.get_tracker_snapshot("current")[device]["Total"]
+        run()
+        peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
+    return float(peak - base)
+
+
+def _timed(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / repeats
+
+
+def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, torch.Tensor]], max_micro: int,
+           device: torch.device, precision: str) -> tuple[Linear, Linear]:
+    """Activation bytes and forward/backward seconds of ``model``, micro-batch 1, 2, 4, ... until the
+    peak grows with the batch (:data:`LINEAR_REGIME`) or ``max_micro`` is reached; fitted."""
+    from zerotrain.engine import to_device
+
+    memory: dict[int, float] = {}
+    seconds: dict[int, float] = {}
+    size = 1
+    while True:
+        batch = to_device(batch_of(size), device)
+
+        def step() -> None:
+            with _autocast(device, precision):
+                loss = task.training_step(model, batch).loss
+            loss.backward()
+
+        try:
+            step()  # allocates the gradients (and warms kernels): the baseline then holds them
+            memory[size] = _peak_activation_bytes(step, model, device)
+            seconds[size] = _timed(step, device)
+        except torch.OutOfMemoryError:
+            if not memory:
+                raise
+            break  # the sizes measured so far are the ones that fit a plain-PyTorch step
+        finally:
+            del batch
+        previous = memory.get(size // 2)
+        if size >= max_micro or (previous and memory[size] >= LINEAR_REGIME * previous):
+            break
+        size = min(2 * size, max_micro)
+    return Linear.through(memory), Linear.through(seconds)
+
+
+def _optimizer_step_s(model: nn.Module, device: torch.device, lr: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    if not params:
+        return 0.0
+    opt = torch.optim.AdamW(params, lr=lr, **({"fused": True} if device.type == "cuda" else {}))
+    opt.step()  # allocates the moments
+    return _timed(opt.step, device)
+
+
+def _h2d_bytes_per_s(device: torch.device) -> Optional[float]:
+    if device.type != "cuda":
+        return None
+    n = 64 * 2**20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    return n / _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5)
+
+
+def measure(task: Task, device: torch.device, precision: str, max_micro: int,
+            checkpointing: tuple[bool, ...] = (False, True)) -> Probe:
+    """Trace ``task``'s model on ``device`` at micro-batches up to ``max_micro`` (see the module
+    docstring). ``task.cfg`` is not changed."""
+    from zerotrain.loop import seed_everything
+
+    cfg = copy.deepcopy(task.cfg)
+    cfg.strategy.precision = precision  # tasks read it (LoRA loads its base weights in it)
+    seed_everything(cfg.trainer.seed)
+    gpu_total = context = None
+    if device.type == "cuda":
+        torch.cuda.init()
+        free, total = torch.cuda.mem_get_info(device)
+        gpu_total, context = float(total), float(total - free)
+    import deepspeed  # noqa: F401  (its libraries are part of every DeepSpeed run's host memory)
+
+    splits = task.with_config(cfg).build_datasets()
+    host_base = _rss()
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    def batch_of(n: int) -> dict[str, torch.Tensor]:
+        if n not in cache:
+            cache[n] = _longest_batch(task.with_config(cfg), splits.train, n)
+        return cache[n]
+
+    seq_len = int(next(iter(batch_of(1).values())).shape[-1])
+    activations, seconds, notes, opt_s = {}, {}, [], 0.0
+    for ckpt in checkpointing:
+        variant = copy.deepcopy(cfg)
+        variant.strategy.activation_checkpointing = ckpt
+        model = task.with_config(variant).build_model().to(device)
+        model.train()
+        key = "on" if ckpt else "off"
+        activations[key], seconds[key] = _trace(task.with_config(variant), model, batch_of, max_micro, device,
+                                                precision)
+        if not ckpt or not opt_s:
+            opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return Probe(device=device.type, device_name=name, precision=precision,
+                 method="cuda allocator" if device.type == "cuda" else "torch MemTracker", seq_len=seq_len,
+                 activations=activations, forward_backward_s=seconds, optimizer_step_s=opt_s,
+                 host_base_bytes=host_base, gpu_total_bytes=gpu_total, gpu_context_bytes=context,
+                 h2d_bytes_per_s=_h2d_bytes_per_s(device), notes=notes)
+
+
+def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800) -> Probe:
+    """:func:`measure` in a fresh process (``python -m zerotrain.probe``); raises UserError with its last line."""
+    import subprocess
+    import sys
+
+    from zerotrain.errors import UserError
+
+    cmd = [sys.executable, "-m", "zerotrain.probe", recipe, "--out", str(out), "--max_micro", str(max_micro), *fit_args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0 or not out.is_file():
+        lines = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
+        ours = [line for line in lines if line.startswith("zerotrain")]
+        raise UserError(f"the memory probe of {recipe} failed: {(ours or lines or ['no output'])[-1][:300]}")
+    return Probe.from_dict(json.loads(out.read_text()))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import sys
+
+    from zerotrain import recipes
+    from zerotrain.cli import main as cli_main  # noqa: F401  (same environment defaults as the CLI)
+    from zerotrain.config_cli import parse_config
+    from zerotrain.ds_config import resolve_precision
+    from zerotrain.errors import UserError
+    from zerotrain.rundir import write_json
+
+    parser = argparse.ArgumentParser(prog="python -m zerotrain.probe")
+    parser.add_argument("recipe")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no_checkpointing", action="store_true", help="trace without activation checkpointing only")
+    parser.add_argument("--max_micro", type=int, default=None, help="largest micro-batch to trace (default: the config's)")
+    args, fit_args = parser.parse_known_args(argv)
+    try:
+        cfg = parse_config(args.recipe, fit_args)
+        want = cfg.trainer.device
+        device = torch.device("cuda" if want != "cpu" and torch.cuda.is_available() else "cpu")
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = resolve_precision(cfg.strategy.precision, device.type, bf16)
+        ckpt = (False,) if args.no_checkpointing else (False, True)
+        max_micro = args.max_micro or cfg.trainer.micro_batch_size
+        probe = measure(recipes.get(args.recipe)(cfg), device, precision, max_micro, ckpt)
+    except UserError as exc:
+        print(f"zerotrain probe: error: {exc}", file=sys.stderr)
+        return 2
+    write_json(Path(args.out), probe.to_dict())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
