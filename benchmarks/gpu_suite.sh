@@ -16,9 +16,24 @@ BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenber
       --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
       --checkpoint.save_final false)
 
+# zerotrain plan with --compare_strategies: the planner's own pick (its top 3 predicted, trialled) against every
+# strategy at the configured micro-batch, all measured in one session; plan.json -> plan_<workload>.json
+plan() {
+  local name=$1; shift
+  z plan "$@" --out "$OUT/plan/$name" --compare_strategies --trials 3 > "$OUT/plan/$name.log" 2>&1
+  echo "plan $name rc=$?"; tail -n 4 "$OUT/plan/$name.log"
+  [ -f "$OUT/plan/$name/plan.json" ] && cp "$OUT/plan/$name/plan.json" "$OUT/plan/plan_$name.json"
+}
+
 for part in "$@"; do
   [ "$part" = lora_hf ] || mkdir -p "$OUT/$part"  # lora_hf writes into $OUT/lora
   case $part in
+    plan_imdb_b)
+      plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 ;;
+    plan_bert)
+      plan bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 ;;
+    plan_bert_2gpu)
+      plan bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

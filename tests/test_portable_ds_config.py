@@ -42,14 +42,14 @@ def make_cfg(micro: int, gas: int, **strategy: Any) -> ToyConfig:
 
 # (id, micro-batch, accumulation, world size, precision, strategy fields)
 CASES = [
-    ("zero0-bf16-fast-path", 8, 1, 1, "bf16", dict(zero_stage=0)),
-    ("zero0-bf16-accum4", 8, 4, 1, "bf16", dict(zero_stage=0)),
-    ("zero2-bf16", 4, 1, 1, "bf16", dict(zero_stage=2)),
-    ("zero3-cpu-offload", 2, 1, 1, "bf16", dict(zero_stage=3, offload_optimizer="cpu", offload_param="cpu")),
-    ("zero1-fp32", 4, 1, 1, "fp32", dict(zero_stage=1)),
-    ("zero2-fp16", 4, 1, 1, "fp16", dict(zero_stage=2)),
-    ("zero2-bf16-accum4", 4, 4, 1, "bf16", dict(zero_stage=2)),
-    ("zero2-bf16-2gpus-accum2", 4, 2, 2, "bf16", dict(zero_stage=2)),
+    ("zero0-bf16-fast-path", 8, 1, 1, "bf16", {"zero_stage": 0}),
+    ("zero0-bf16-accum4", 8, 4, 1, "bf16", {"zero_stage": 0}),
+    ("zero2-bf16", 4, 1, 1, "bf16", {"zero_stage": 2}),
+    ("zero3-cpu-offload", 2, 1, 1, "bf16", {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
+    ("zero1-fp32", 4, 1, 1, "fp32", {"zero_stage": 1}),
+    ("zero2-fp16", 4, 1, 1, "fp16", {"zero_stage": 2}),
+    ("zero2-bf16-accum4", 4, 4, 1, "bf16", {"zero_stage": 2}),
+    ("zero2-bf16-2gpus-accum2", 4, 2, 2, "bf16", {"zero_stage": 2}),
 ]
 IDS = [c[0] for c in CASES]
 
@@ -145,8 +145,8 @@ def hf(monkeypatch):
     """``make(path, world, **kwargs)`` -> ``TrainingArguments(deepspeed=path, ...)`` as on ``world`` GPUs."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    import transformers.training_args as training_args
     from accelerate.state import AcceleratorState
+    from transformers import training_args
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     # TrainingArguments refuses bf16 on a machine without a bf16 GPU (use_cpu would change its device set-up).
@@ -203,7 +203,8 @@ def test_hf_trainer_takes_the_file_unchanged(case, tmp_path, hf):
 ])
 def test_hf_trainer_refuses_mismatched_arguments(change, tmp_path, hf):
     cfg = make_cfg(4, 4, zero_stage=2)
-    args = hf(write(tmp_path, portable_ds_config(cfg, 1, "bf16")), **{**hf_training_arguments(cfg, 1, "bf16"), **change})
+    path = write(tmp_path, portable_ds_config(cfg, 1, "bf16"))
+    args = hf(path, **{**hf_training_arguments(cfg, 1, "bf16"), **change})
     with pytest.raises(ValueError, match="mismatch TrainingArguments"):
         hf_finalize(args)
 

@@ -10,6 +10,9 @@ Two ways in, one way out:
 Either result goes through :func:`validate_ds_config` (batch-size rule, fp16 with bf16, parameter
 offload below stage 3), and the run directory gets the resolved JSON. Keys are DeepSpeed's own, so
 what zerotrain writes can be read next to the DeepSpeed documentation.
+
+:func:`portable_ds_config` gives the same configuration as a file for the Hugging Face Trainer or Lightning
+(with :func:`hf_training_arguments` / :func:`lightning_trainer_arguments`, the arguments that must match it).
 """
 
 from __future__ import annotations
@@ -440,7 +443,7 @@ def portable_ds_config(cfg: RunConfig, world_size: int, precision: ResolvedPreci
       a user's file left them out): Lightning fills a missing ``gradient_clipping`` from
       ``Trainer(gradient_clip_val)`` and a missing ``fp16``/``bf16`` block from its precision, and
       accelerate (under the HF Trainer) adds precision blocks the same way; with the keys present
-      both keep them. The explicit ``"bf16": {"enabled": false}`` beside ZeRO-0's ``torch_autocast``
+      both keep them (``zero_optimization`` too, which accelerate requires). The explicit ``"bf16": {"enabled": false}`` beside ZeRO-0's ``torch_autocast``
       is what keeps Lightning's ``bf16-mixed`` from enabling DeepSpeed's bf16 block on top of it.
     * ZeRO-3 writes ``zero_allow_untested_optimizer`` (DeepSpeed's default, false): Lightning's
       validate/test/predict path indexes it without a default.
@@ -460,6 +463,7 @@ def portable_ds_config(cfg: RunConfig, world_size: int, precision: ResolvedPreci
     ds.setdefault("gradient_clipping", 0.0)
     ds.setdefault("fp16", {"enabled": False})
     ds.setdefault("bf16", {"enabled": False})
+    ds.setdefault("zero_optimization", {"stage": 0})  # accelerate refuses a file without the block
     if ds["zero_optimization"].get("stage") == 3:
         ds.setdefault("zero_allow_untested_optimizer", False)
     if for_lightning or ds.get("gradient_accumulation_steps") == 1:

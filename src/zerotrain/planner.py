@@ -289,7 +289,7 @@ def write(p: Plan, cfg: RunConfig, fit_args: list[str]) -> None:
     """plan.json, plan.md, plan.yaml and ds_config.json in the plan folder."""
     import yaml
 
-    from zerotrain.ds_config import portable_ds_config
+    from zerotrain.ds_config import hf_training_arguments, lightning_trainer_arguments, portable_ds_config
     from zerotrain.rundir import environment, write_json
 
     chosen_cfg = p.choice.candidate.apply(cfg)
@@ -299,18 +299,42 @@ def write(p: Plan, cfg: RunConfig, fit_args: list[str]) -> None:
             "environment": environment(), "probe": p.probe.to_dict(),
             "choice": p.choice.to_dict(p.global_batch), "planned": p.planned.to_dict(p.global_batch),
             "command": f"zerotrain fit {p.recipe} --config {p.out_dir / 'plan.yaml'}",
+            "summary": summary(p),
             "rows": [r.to_dict(p.global_batch) for r in p.rows]}
     write_json(p.out_dir / "plan.json", data)
     plain = json.loads(json.dumps(chosen_cfg.to_dict()))  # tuples as lists: YAML that --config reads back
     (p.out_dir / "plan.yaml").write_text(f"# zerotrain plan for {p.recipe}: {p.choice.candidate.label}\n"
                                          + yaml.safe_dump(plain, sort_keys=False))
+    others = ""
     if best_ds is not None:
-        ds_cfg = best_ds.candidate.apply(cfg)
-        write_json(p.out_dir / "ds_config.json", portable_ds_config(ds_cfg, p.world_size, p.probe.precision))
-    (p.out_dir / "plan.md").write_text(markdown(p, best_ds))
+        ds_cfg, precision = best_ds.candidate.apply(cfg), p.probe.precision
+        hf_file = p.out_dir / "ds_config.json"
+        write_json(hf_file, portable_ds_config(ds_cfg, p.world_size, precision))
+        # Lightning refuses a file that sets gradient_accumulation_steps; the HF Trainer needs it above 1.
+        pl_file = hf_file if best_ds.candidate.grad_accum == 1 else p.out_dir / "ds_config_lightning.json"
+        if pl_file != hf_file:
+            write_json(pl_file, portable_ds_config(ds_cfg, p.world_size, precision, for_lightning=True))
+        hf = ", ".join(f"{k}={v!r}" for k, v in hf_training_arguments(ds_cfg, p.world_size, precision).items())
+        pl = ", ".join(f"{k}={v!r}" for k, v in lightning_trainer_arguments(ds_cfg, p.world_size, precision).items())
+        others = (f"\nThe fastest DeepSpeed candidate ({best_ds.candidate.label}) for other trainers, on "
+                  f"{p.world_size} GPU(s):\n\n"
+                  f"- Hugging Face: `TrainingArguments(deepspeed=\"{hf_file}\", {hf})`\n"
+                  f"- Lightning: `Trainer(strategy=DeepSpeedStrategy(config=\"{pl_file}\"), {pl})`\n")
+    (p.out_dir / "plan.md").write_text(markdown(p) + others)
 
 
-def markdown(p: Plan, best_ds: Optional[Row]) -> str:
+def summary(p: Plan) -> dict[str, Any]:
+    """The plan's result as one row: what the planner picked against the fastest of everything
+    measured (all trials ran on this machine, one after another)."""
+    fastest = max((r for r in p.trialled if r.dropped is None), key=_speed)
+    return {"workload": p.recipe, "gpu": p.probe.device_name, "n_gpus": p.world_size,
+            "planned_strategy": p.planned.candidate.label, "planned_tokens_per_s": _speed(p.planned),
+            "best_strategy": fastest.candidate.label, "best_tokens_per_s": _speed(fastest),
+            "planned_vs_best": _speed(p.planned) / _speed(fastest),
+            "trials": len(p.trialled), "ooms": sum(1 for r in p.trialled if "oom" in (r.dropped or ""))}
+
+
+def markdown(p: Plan) -> str:
     pr = p.probe
     lines = [f"### Plan for `{p.recipe}` on {p.world_size} x {pr.device_name}, global batch {p.global_batch}, "
              f"{pr.precision}", "",
@@ -340,9 +364,6 @@ def markdown(p: Plan, best_ds: Optional[Row]) -> str:
         lines.append("Not shown (plan.json has them): " + "; ".join(f"{n} {why}" for why, n in reasons.items()) + ".")
     lines += ["", f"Choice: **{p.choice.candidate.label}** -> `zerotrain fit {p.recipe} --config "
               f"{p.out_dir / 'plan.yaml'}`"]
-    if best_ds is not None:
-        lines.append(f"DeepSpeed JSON for the Hugging Face Trainer / Lightning ({best_ds.candidate.label}): "
-                     f"`{p.out_dir / 'ds_config.json'}`")
     return "\n".join(lines) + "\n"
 
 

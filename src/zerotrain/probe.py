@@ -244,11 +244,11 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     for ckpt in checkpointing:
         variant = copy.deepcopy(cfg)
         variant.strategy.activation_checkpointing = ckpt
-        model = task.with_config(variant).build_model().to(device)
+        variant_task = task.with_config(variant)  # one clone builds and steps: a task may keep facts of its model
+        model = variant_task.build_model().to(device)
         model.train()
         key = "on" if ckpt else "off"
-        activations[key], seconds[key] = _trace(task.with_config(variant), model, batch_of, max_micro, device,
-                                                precision)
+        activations[key], seconds[key] = _trace(variant_task, model, batch_of, max_micro, device, precision)
         if not ckpt or not opt_s:
             opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
         del model
