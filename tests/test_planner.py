@@ -1,0 +1,214 @@
+"""``zerotrain plan`` and ``--strategy.auto``: the probe, the memory and speed models, the trials, the files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from conftest import zerotrain_cmd
+from zerotrain.config_cli import parse_config
+from zerotrain.errors import UserError
+from zerotrain.memory import GIB, Buckets, ParamCounts, fits, predict
+from zerotrain.planner import Candidate, Row, assess, candidates, pick_trials
+from zerotrain.probe import Linear, Probe
+from zerotrain.speed import StepTime, step_time
+from zerotrain.strategies import STRATEGIES
+
+TOY = ["--trainer.num_workers", "0", "--trainer.micro_batch_size", "16", "--trainer.max_steps", "6",
+       "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+
+
+def fake_probe(device: str = "cuda", act_per_sample: float = 1 * GIB, ckpt_per_sample: float = 0.25 * GIB,
+               gpu_total: float = 80 * GIB) -> Probe:
+    return Probe(device=device, device_name="test", precision="bf16", method="test", seq_len=512,
+                 activations={"off": Linear(0.5 * GIB, act_per_sample), "on": Linear(0.5 * GIB, ckpt_per_sample)},
+                 forward_backward_s={"off": Linear(0.01, 0.002), "on": Linear(0.013, 0.0027)},
+                 optimizer_step_s=0.003, host_base_bytes=2 * GIB,
+                 gpu_total_bytes=gpu_total if device == "cuda" else None, gpu_context_bytes=0.5 * GIB,
+                 h2d_bytes_per_s=20e9 if device == "cuda" else None)
+
+
+def test_linear_fit_uses_the_two_largest_sizes_and_keeps_the_small_batch_floor():
+    fit = Linear.through({1: 100.0, 2: 100.0, 4: 180.0, 8: 340.0})  # a constant sets the peak up to ~2
+    assert fit.per_sample == pytest.approx(40.0) and fit.intercept == pytest.approx(20.0)
+    assert fit.at(16) == pytest.approx(660.0)
+    assert fit.at(1) == pytest.approx(100.0)  # never below the measured floor
+    assert Linear.through({2: 50.0, 4: 40.0}).per_sample == 0.0  # noise cannot make a bigger batch cheaper
+
+
+def test_candidates_keep_the_global_batch_and_leave_offload_out_on_cpu():
+    cfg = parse_config("toy", ["--trainer.micro_batch_size", "12", "--strategy.gradient_accumulation_steps", "2",
+                               "--trainer.max_steps", "1"])
+    gpu = candidates(cfg, "cuda")
+    assert {(c.micro_batch_size, c.grad_accum) for c in gpu} == {(1, 24), (2, 12), (4, 6), (8, 3), (24, 1)}
+    assert {c.strategy for c in gpu} == set(STRATEGIES)
+    assert {c.checkpointing for c in gpu} == {False, True}
+    cpu = candidates(cfg, "cpu")
+    assert all(STRATEGIES[c.strategy].offload_optimizer == "none" for c in cpu)
+    chosen = Candidate("zero2_offload", 4, 6, True).apply(cfg)
+    s = chosen.strategy
+    assert (s.backend, s.zero_stage, s.offload_optimizer, s.gradient_accumulation_steps, s.activation_checkpointing,
+            s.auto, chosen.trainer.micro_batch_size) == ("deepspeed", 2, "cpu", 6, True, False, 4)
+    assert cfg.strategy.zero_stage == 0  # apply() copies
+
+
+def test_memory_prediction_adds_measured_activations_to_the_model_states():
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                         trainable_bytes=4 * 10**9, tensors=200)
+    probe = fake_probe()
+    # ZeRO-0 under the fast path runs torch_autocast: fp32 weights, fp32 gradients, two fp32 moments.
+    zero0 = predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", probe, Buckets(), autocast=True)
+    assert zero0.states_bytes == 16 * 10**9
+    assert zero0.activation_bytes == pytest.approx(8.5 * GIB)
+    assert zero0.gpu_bytes == pytest.approx(16e9 + 8.5 * GIB)
+    assert zero0.host_bytes == pytest.approx(2 * GIB + 4e9)  # libraries + data, then the model built on the CPU
+    ckpt = predict(counts, STRATEGIES["zero0"], 8, True, 1, "bf16", probe, Buckets(), autocast=True)
+    assert ckpt.activation_bytes == pytest.approx(2.5 * GIB)
+    offload = predict(counts, STRATEGIES["zero2_offload"], 8, False, 1, "bf16", probe, Buckets(10))
+    assert offload.host_bytes == pytest.approx(2 * GIB + 4e9 + 16e9)
+    # On the CPU all of it is host memory.
+    cpu = predict(counts, STRATEGIES["ddp"], 8, False, 1, "fp32", fake_probe("cpu"))
+    assert cpu.gpu_bytes == 0 and cpu.host_bytes == pytest.approx(2 * GIB + 4e9 + 16e9 + 8.5 * GIB)
+
+
+def test_fits_names_what_is_short():
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                         trainable_bytes=4 * 10**9)
+    probe = fake_probe(gpu_total=24 * GIB)
+    big = predict(counts, STRATEGIES["ddp"], 16, False, 1, "bf16", probe)
+    assert "GPU memory: needs" in fits(big, probe, 512 * GIB, 1)
+    small = predict(counts, STRATEGIES["zero2_offload"], 1, True, 1, "bf16", probe, Buckets(10))
+    assert fits(small, probe, 512 * GIB, 1) is None
+    assert "host memory: 4 process(es)" in fits(small, probe, 40 * GIB, 4)
+
+
+def test_speed_model_charges_offload_zero_bookkeeping_and_communication():
+    counts = ParamCounts(total=10**8, trainable=10**8, largest_layer=10**6, total_bytes=4 * 10**8,
+                         trainable_bytes=4 * 10**8, tensors=200)
+    probe = fake_probe()
+
+    def total(name: str, world: int = 1) -> float:
+        return step_time(STRATEGIES[name], 8, 1, False, counts, probe, world, 1, autocast=name == "zero0").total
+
+    assert total("ddp") == pytest.approx(total("zero0"))  # one GPU: the same work
+    assert total("zero0") < total("zero1") < total("zero2") < total("zero2_offload")
+    assert total("ddp", 2) > total("ddp", 1)  # the all-reduce
+    checkpointed = step_time(STRATEGIES["ddp"], 8, 1, True, counts, probe, 1, 1, False)
+    assert checkpointed.compute > step_time(STRATEGIES["ddp"], 8, 1, False, counts, probe, 1, 1, False).compute
+
+
+def test_trials_are_the_fastest_that_fit_two_per_strategy_at_most():
+    counts = ParamCounts(total=10**6, trainable=10**6, largest_layer=10**5, total_bytes=4 * 10**6,
+                         trainable_bytes=4 * 10**6)
+    probe = fake_probe()
+    rows = []
+    for i, (name, dropped) in enumerate([("ddp", None), ("ddp", None), ("ddp", None), ("zero0", "GPU memory"),
+                                         ("zero1", None), ("zero2", None)]):
+        cand = Candidate(name, 2**i, 1, False)
+        rows.append(Row(cand, predict(counts, STRATEGIES[name], 1, False, 1, "bf16", probe), _time(i), dropped))
+    chosen = pick_trials(rows, 3)
+    assert [r.candidate.strategy for r in chosen] == ["ddp", "ddp", "zero1"]
+
+
+def _time(seconds: float) -> StepTime:
+    return StepTime(compute=1.0 + seconds, optimizer=0.0, communication=0.0, zero_host=0.0)
+
+
+def test_assess_drops_checkpointing_that_saves_nothing(tmp_path):
+    cfg = parse_config("toy", [*TOY, "--trainer.output_dir", str(tmp_path)])
+    probe = fake_probe("cpu", act_per_sample=1000.0, ckpt_per_sample=1000.0)
+    rows = assess("toy", cfg, probe, candidates(cfg, "cpu", ["ddp"]), 64 * GIB)
+    assert all(r.dropped for r in rows if r.candidate.checkpointing)
+    assert all(r.dropped is None for r in rows if not r.candidate.checkpointing)
+
+
+def test_nothing_fits_says_what_is_missing(tmp_path):
+    from zerotrain.planner import _nothing_fits
+
+    cfg = parse_config("toy", [*TOY, "--trainer.output_dir", str(tmp_path)])
+    probe = fake_probe(gpu_total=1.0 * GIB, act_per_sample=2 * GIB, ckpt_per_sample=2 * GIB)
+    rows = assess("toy", cfg, probe, candidates(cfg, "cuda"), 64 * GIB)
+    assert all(r.dropped for r in rows)
+    err = _nothing_fits(rows, cfg)
+    assert isinstance(err, UserError) and "GPU memory: needs" in str(err) and "--launch.nproc_per_node" in str(err)
+
+
+@pytest.mark.slow
+def test_plan_picks_the_fastest_trial_and_writes_files_a_fit_reads(tmp_path):
+    out = tmp_path / "plan"
+    r = zerotrain_cmd(["plan", "toy", *TOY, "--trainer.output_dir", str(tmp_path / "runs"), "--out", str(out),
+                       "--strategies", "ddp,zero0", "--trials", "3", "--trial_steps", "4"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((out / "plan.json").read_text())
+    tried = [row for row in data["rows"] if row["measured"]]
+    assert len(tried) == 3
+    assert all(row["measured"]["status"] == "ok" and row["measured"]["tokens_per_s"] > 0 for row in tried)
+    fastest = max(tried, key=lambda row: row["measured"]["tokens_per_s"])
+    assert data["choice"]["candidate"] == fastest["candidate"]
+    assert data["summary"]["best_strategy"] == fastest["candidate"] and data["summary"]["planned_vs_best"] == 1.0
+    assert data["probe"]["method"] == "torch MemTracker" and data["probe"]["activations"]["off"]["floor"] > 0
+    assert (out / "plan.md").read_text().count("| chosen |") == 1
+    # The YAML is the whole config with the choice: a fit reads it back as is.
+    planned = yaml.safe_load((out / "plan.yaml").read_text())
+    assert planned["strategy"]["auto"] is False
+    assert planned["trainer"]["micro_batch_size"] == data["choice"]["micro_batch_size"]
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 1.0
+    fit = zerotrain_cmd(["fit", "toy", "--config", str(out / "plan.yaml"), "--trainer.output_dir",
+                         str(tmp_path / "runs"), "--trainer.run_name", "planned"], tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    hparams = json.loads((tmp_path / "runs" / "planned" / "hparams.json").read_text())
+    assert hparams["strategy"]["backend"] == STRATEGIES[data["choice"]["strategy"]].backend
+
+
+@pytest.mark.slow
+def test_plan_with_two_processes(tmp_path):
+    out = tmp_path / "plan"
+    r = zerotrain_cmd(["plan", "toy", *TOY, "--launch.nproc_per_node", "2", "--trainer.output_dir",
+                       str(tmp_path / "runs"), "--out", str(out), "--strategies", "ddp,zero2", "--trials", "2",
+                       "--trial_steps", "3"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((out / "plan.json").read_text())
+    assert data["world_size"] == 2 and data["global_batch"] == 32
+    tried = [row for row in data["rows"] if row["measured"]]
+    assert {row["strategy"] for row in tried} <= {"ddp", "zero2"} and len(tried) == 2
+    assert all(row["measured"]["status"] == "ok" for row in tried)
+
+
+@pytest.mark.slow
+def test_impossible_request_exits_with_what_is_missing(tmp_path):
+    r = zerotrain_cmd(["plan", "toy", *TOY, "--trainer.output_dir", str(tmp_path / "runs"), "--out",
+                       str(tmp_path / "plan"), "--host_memory_gib", "0.01"], tmp_path)
+    assert r.returncode == 2
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("zerotrain plan: error:")]
+    assert len(line) == 1 and "nothing fits this machine" in line[0] and "host memory" in line[0], r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_auto_plans_once_then_reuses_the_plan(tmp_path):
+    args = ["fit", "toy", *TOY, "--strategy.auto", "true", "--trainer.output_dir", str(tmp_path / "runs")]
+    first = zerotrain_cmd([*args, "--trainer.run_name", "a"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "planning before training" in first.stdout + first.stderr
+    plans = list((tmp_path / "runs" / ".plans").glob("*/plan.json"))
+    assert len(plans) == 1
+    choice = json.loads(plans[0].read_text())["choice"]
+    second = zerotrain_cmd([*args, "--trainer.run_name", "b"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "the plan made for this machine" in second.stdout + second.stderr
+    for name in ("a", "b"):
+        hparams = json.loads((tmp_path / "runs" / name / "hparams.json").read_text())
+        assert hparams["trainer"]["micro_batch_size"] == choice["micro_batch_size"]
+        assert hparams["strategy"]["auto"] is False
+
+
+def test_auto_refuses_another_launcher(monkeypatch):
+    from zerotrain.cli import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["fit", "toy", "--strategy.auto", "true", "--trainer.max_steps", "1",
+                 "--launch.nproc_per_node", "2"]) == 2
