@@ -20,6 +20,7 @@ BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenber
 # strategy at the configured micro-batch, all measured in one session; plan.json -> plan_<workload>.json
 plan() {
   local name=$1; shift
+  mkdir -p "$OUT/plan"
   z plan "$@" --out "$OUT/plan/$name" --compare_strategies --trials 3 > "$OUT/plan/$name.log" 2>&1
   echo "plan $name rc=$?"; tail -n 4 "$OUT/plan/$name.log"
   [ -f "$OUT/plan/$name/plan.json" ] && cp "$OUT/plan/$name/plan.json" "$OUT/plan/plan_$name.json"

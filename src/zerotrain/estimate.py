@@ -3,7 +3,10 @@
 The recipe's model is built on PyTorch's meta device (no memory, no weights read: ``build_model(
 pretrained=False)``), its parameters are counted, and :func:`zerotrain.memory.plan` sizes every
 strategy for the GPUs of the config (``launch.nproc_per_node`` per host x ``launch.nnodes``).
-Activations are not included: :func:`estimate` keeps ``reserve_gib`` of each GPU for them.
+Activations: with a :class:`~zerotrain.probe.Probe` (``zerotrain estimate --measure``) they are
+measured on this machine and added (:func:`zerotrain.memory.predict`, at the config's micro-batch
+and activation checkpointing); without one, :func:`estimate` keeps ``reserve_gib`` of each GPU for them.
+The pick is the first strategy that fits in a fixed order; ``zerotrain plan`` finds the fastest.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -21,13 +24,19 @@ from zerotrain.errors import ConfigError
 from zerotrain.memory import (
     GIB,
     Buckets,
+    MemoryPrediction,
     ParamCounts,
     PlanRow,
     count_params,
+    fits,
     gpu_memory_bytes,
     plan,
+    predict,
 )
 from zerotrain.strategies import STRATEGIES
+
+if TYPE_CHECKING:
+    from zerotrain.probe import Probe
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,10 @@ class EstimateReport:
     reserve_bytes: float
     rows: list[PlanRow]
     """Every strategy in :data:`~zerotrain.strategies.STRATEGIES` order, with its memory and whether it fits."""
+    predictions: Optional[dict[str, MemoryPrediction]] = None
+    """With a probe: each strategy's peak GPU and host memory, activations included."""
+    micro_batch_size: int = 0
+    activation_checkpointing: bool = False
 
     @property
     def pick(self) -> Optional[str]:
@@ -61,7 +74,8 @@ def _check_gib(flag: str, value: Optional[float], minimum_exclusive: bool) -> No
 
 
 def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None,
-             host_memory_gib: Optional[float] = None, reserve_gib: float = 0.0) -> EstimateReport:
+             host_memory_gib: Optional[float] = None, reserve_gib: float = 0.0,
+             probe: Optional["Probe"] = None) -> EstimateReport:
     """Size ``recipe``'s model states under every strategy for the run ``cfg`` describes.
 
     ``gpu_memory_gib`` defaults to GPU 0's memory (None without a GPU: nothing is judged to fit or
@@ -71,7 +85,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     """
     import psutil
 
-    from zerotrain.ds_config import make_ds_config
+    from zerotrain.ds_config import _enabled, make_ds_config
 
     _check_gib("--gpu_memory_gib", gpu_memory_gib, minimum_exclusive=True)
     _check_gib("--host_memory_gib", host_memory_gib, minimum_exclusive=True)
@@ -96,8 +110,23 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     host = host_memory_gib * GIB if host_memory_gib is not None else float(psutil.virtual_memory().total)
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
                 procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets)
+    predictions = None
+    if probe is not None:
+        predictions, judged = {}, []
+        for row in rows:
+            strategy = STRATEGIES[row.name]
+            run_cfg = copy.deepcopy(cfg)
+            run_cfg.strategy.backend, run_cfg.strategy.zero_stage = strategy.backend, strategy.zero_stage
+            ds = make_ds_config(run_cfg, world, probe.device, precision) if strategy.backend == "deepspeed" else {}
+            pred = predict(counts, strategy, cfg.trainer.micro_batch_size, cfg.strategy.activation_checkpointing,
+                           world, precision, probe, Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast")))
+            predictions[row.name] = pred
+            judged.append(PlanRow(row.name, row.memory, fits(pred, probe, host, per_node) is None))
+        rows = judged
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
-                          host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows)
+                          host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
+                          micro_batch_size=cfg.trainer.micro_batch_size,
+                          activation_checkpointing=cfg.strategy.activation_checkpointing)
 
 
 def format_report(report: EstimateReport) -> str:
@@ -109,11 +138,24 @@ def format_report(report: EstimateReport) -> str:
         f"{gpu / GIB:.1f} GiB per GPU" if gpu is not None else "GPU memory unknown (no GPU here: pass --gpu_memory_gib)",
     ]
     lines[-1] += f", {report.host_bytes / GIB:.1f} GiB host memory, {report.reserve_bytes / GIB:g} GiB reserved for activations"
-    lines += ["", "| strategy | model states per GPU (GiB) | offloaded per process (GiB) | fits |", "|---|---|---|---|"]
+    preds = report.predictions
+    extra = " peak GPU with activations (GiB) | peak host (GiB) |" if preds else ""
+    lines += ["", f"| strategy | model states per GPU (GiB) | offloaded per process (GiB) |{extra} fits |",
+              "|---|---|---|" + ("---|---|" if preds else "") + "---|"]
     for row in report.rows:
-        fits = ("yes" if row.fits else "no") if gpu is not None else "?"
-        lines.append(f"| {row.name} | {row.memory.gpu_bytes / GIB:.2f} | {row.memory.cpu_bytes / GIB:.2f} | {fits} |")
-    lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket); activations come on top."]
+        ok = ("yes" if row.fits else "no") if gpu is not None else "?"
+        cells = ""
+        if preds:
+            cells = f" {preds[row.name].gpu_bytes / GIB:.2f} | {preds[row.name].host_bytes / GIB:.2f} |"
+        lines.append(f"| {row.name} | {row.memory.gpu_bytes / GIB:.2f} | {row.memory.cpu_bytes / GIB:.2f} |{cells} {ok} |")
+    if preds:
+        first = next(iter(preds.values()))
+        lines += ["", f"Activations at micro-batch {report.micro_batch_size}"
+                  f"{' with activation checkpointing' if report.activation_checkpointing else ''}: "
+                  f"{first.activation_bytes / GIB:.2f} GiB, {first.activations}."]
+    else:
+        lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket); activations come "
+                  "on top (--measure measures them on this machine)."]
     if gpu is None:
         return "\n".join(lines)
     pick = report.pick
@@ -122,5 +164,5 @@ def format_report(report: EstimateReport) -> str:
                      "(the lora recipe), or lower --reserve_gib.")
     else:
         lines.append(f"Pick: {pick}   ->   zerotrain fit {report.recipe} ... {' '.join(STRATEGIES[pick].flags())}")
-        lines.append(f"Check it: zerotrain benchmark {report.recipe} --strategies {pick} ... (measures activations too)")
+        lines.append(f"The first that fits, not the fastest: zerotrain plan {report.recipe} ... measures and tries them")
     return "\n".join(lines)

@@ -235,11 +235,12 @@ def _out_of_memory_in_one_line(run: Run, state: TrainState):
 
 def _predicted_gpu_bytes(run: Run) -> Optional[float]:
     """The memory model's model states per GPU for this run (None if it cannot say: the line goes without)."""
-    s = run.cfg.strategy
+    s, ds = run.cfg.strategy, run.engine.ds_config or {}
     try:
         strategy = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
+        autocast = bool((ds.get("torch_autocast") or {}).get("enabled"))  # ZeRO-0's bf16 fast path keeps fp32 weights
         return float(model_state_memory(run.param_counts, strategy, run.rt.world_size, run.engine.precision,
-                                        Buckets.from_ds_config(run.engine.ds_config or {})).gpu_bytes)
+                                        Buckets.from_ds_config(ds), autocast=autocast).gpu_bytes)
     except Exception:  # a figure for the message is not worth hiding the out-of-memory error behind another
         return None
 

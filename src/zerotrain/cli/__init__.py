@@ -83,7 +83,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         # leave the line in their error file and the launcher prints the lowest rank's, once, however many
         # ran out at the same step; started otherwise (alone, torchrun, srun) the rank that ran out says it.
         line = f"zerotrain {name}: error: {exc}"
-        to_launcher = "TORCHELASTIC_ERROR_FILE" in os.environ and _under_own_launcher()
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        to_launcher = bool(error_file) and not os.path.exists(error_file) and _under_own_launcher()
         if not to_launcher:
             print(line, file=sys.stderr, flush=True)
         _tell_launcher(line, printed=not to_launcher, code=OOM_EXIT)

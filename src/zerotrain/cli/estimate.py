@@ -2,9 +2,9 @@
 
 Builds the recipe's model on PyTorch's meta device (no memory, no weights read), counts its
 parameters and prints the model-state memory of every strategy per GPU and per process in host
-memory, and the fastest strategy whose states fit. The GPUs are those of the fit flags
-(``--launch.nproc_per_node`` per host x ``--launch.nnodes``). Activations are not included: keep room
-for them with --reserve_gib, and confirm the pick with ``zerotrain benchmark``.
+memory, and the first strategy (in a fixed order) whose states fit; ``zerotrain plan`` finds the fastest. The GPUs are those of the fit flags
+(``--launch.nproc_per_node`` per host x ``--launch.nnodes``). With --measure the activations are measured
+on this machine and added; without it keep room for them with --reserve_gib.
 """
 
 from __future__ import annotations
@@ -23,9 +23,20 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--host_memory_gib", type=float, default=None, help="memory of one host (default: this one's)")
     parser.add_argument("--reserve_gib", type=float, default=0.0,
                         help="GPU memory kept for activations and the CUDA context when judging what fits")
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the activations on this machine (the real model and data, a few seconds) and add them")
     args, fit_args = parser.parse_known_args(argv)
     cfg = parse_config(args.recipe, fit_args)
+    probe = None
+    if args.measure:
+        import tempfile
+        from pathlib import Path
+
+        from zerotrain.probe import run_probe
+
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = run_probe(args.recipe, fit_args, Path(tmp) / "probe.json", cfg.trainer.micro_batch_size)
     report = estimate(args.recipe, cfg, gpu_memory_gib=args.gpu_memory_gib, host_memory_gib=args.host_memory_gib,
-                      reserve_gib=args.reserve_gib)
+                      reserve_gib=args.reserve_gib, probe=probe)
     print(format_report(report))
     return 1 if report.gpu_bytes is not None and report.pick is None else 0
