@@ -196,7 +196,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring)."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast)
-    act = probe.activations["on" if checkpointing and "on" in probe.activations else "off"].at(micro_batch_size)
+    act = probe.activations[probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))].at(micro_batch_size)
     # The recipe builds its model on the CPU in the dtypes as built before the engine moves it.
     host = probe.host_base_bytes + counts.total_bytes + states.cpu_bytes
     device = states.gpu_bytes + act
@@ -205,6 +205,12 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
     return MemoryPrediction(gpu_bytes=device, host_bytes=host, states_bytes=states.gpu_bytes,
                             activation_bytes=act, activations=how)
+
+
+def sixteen_bit(strategy: Strategy, precision: str, autocast: bool) -> bool:
+    """Whether the engine holds the weights in 16 bits (DeepSpeed's bf16/fp16 blocks) rather than
+    running autocast over the weights as built (plain PyTorch, ZeRO-0's fast path)."""
+    return strategy.backend == "deepspeed" and not autocast and precision in ("bf16", "fp16")
 
 
 def fits(prediction: MemoryPrediction, probe: "Probe", host_bytes: float, procs_per_host: int) -> Optional[str]:

@@ -141,8 +141,9 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
     counts = _meta_counts(recipe, cfg)
     world = _world(cfg)
     device = probe.device
-    saves = probe.activations["on"].per_sample < 0.9 * probe.activations["off"].per_sample \
-        if "on" in probe.activations else False
+    # Checkpointing is worth trying only where it cuts the activations at the largest batch.
+    saves = "on" in probe.activations and probe.activations["on"].at(max(c.micro_batch_size for c in cands)) < \
+        0.9 * probe.activations["off"].at(max(c.micro_batch_size for c in cands))
     rows = []
     for cand in cands:
         run_cfg = cand.apply(cfg)
@@ -215,7 +216,7 @@ def _trial(recipe: str, fit_args: list[str], row: Row, out_dir: Path, trial_step
     name = row.candidate.label.replace(" ", "_").replace("+", "")
     result = run_one(recipe, args, out_dir / "trials", name, timeout_s)
     row.measured = {k: result.get(k) for k in ("status", "tokens_per_s", "peak_gpu_mem_gib", "peak_host_mem_gib",
-                                               "command")}
+                                               "wall_s", "command")}
     row.measured["samples_per_s"] = result.get("throughput_samples_per_s")
     if result["status"] != "ok":
         row.dropped = f"trial {result['status']}"

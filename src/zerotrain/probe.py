@@ -10,7 +10,8 @@ One short trace of the recipe's real model on its real (longest) batches, plain 
   With ``activation_checkpointing`` both ways are traced, each on its own model.
 * **time** of that forward and backward at the same sizes (same fit), and of one optimizer step
   over the trainable parameters, on this device;
-* the **host**: resident memory once the data and libraries are loaded, host-to-device copy speed;
+* the **host**: resident memory once the data, the libraries and the kernels of a step are loaded
+  (the model freed), host-to-device copy speed;
 * the **GPU**: total memory and what the CUDA context and other processes already hold.
 
 The batches are the longest examples of the training split (by ``Task.train_lengths``): the peak of
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import dataclasses
 import json
 import time
@@ -75,13 +77,13 @@ class Probe:
     seq_len: int
     """Padded length of the probe's batches: the longest in the training split."""
     activations: dict[str, Linear]
-    """Activation bytes by ``"off"``/``"on"`` (activation checkpointing)."""
+    """Activation bytes by :func:`variant` (activation checkpointing off/on; autocast or 16-bit weights)."""
     forward_backward_s: dict[str, Linear]
-    """Seconds of one forward and backward, by ``"off"``/``"on"``."""
+    """Seconds of one forward and backward, by :func:`variant`."""
     optimizer_step_s: float
     """One Adam step over the trainable parameters on this device (fused on CUDA)."""
     host_base_bytes: float
-    """This process's resident memory with the libraries and the data loaded, before the model."""
+    """This process's resident memory with the libraries, the data and a step's kernels loaded, without the model."""
     gpu_total_bytes: Optional[float] = None
     gpu_context_bytes: Optional[float] = None
     """GPU memory held before any tensor: the CUDA context, other processes."""
@@ -92,12 +94,28 @@ class Probe:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def key(self, checkpointing: bool, sixteen_bit: bool) -> str:
+        """The traced variant that stands for a run: the closest one measured."""
+        wanted = variant(checkpointing, sixteen_bit)
+        for candidate in (wanted, variant(checkpointing, False), variant(False, sixteen_bit), variant(False, False)):
+            if candidate in self.activations:
+                return candidate
+        raise KeyError(wanted)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Probe":
         data = dict(data)
         for key in ("activations", "forward_backward_s"):
             data[key] = {k: Linear(**v) for k, v in data[key].items()}
         return cls(**data)
+
+
+def variant(checkpointing: bool, sixteen_bit: bool) -> str:
+    """``off``/``on`` (activation checkpointing) under autocast with the weights as built, as plain
+    PyTorch and DeepSpeed's ZeRO-0 fast path run; ``off16``/``on16`` with the weights in 16 bits and no
+    autocast, as DeepSpeed's bf16/fp16 blocks run (ZeRO-1/2/3). The two store different activations:
+    under autocast, layer norms and softmaxes keep fp32 outputs."""
+    return ("on" if checkpointing else "off") + ("16" if sixteen_bit else "")
 
 
 def _rss() -> float:
@@ -120,8 +138,8 @@ def _longest_batch(task: Task, train: Any, n: int) -> dict[str, torch.Tensor]:
     return task.collator()(picked)
 
 
-def _autocast(device: torch.device, precision: str):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+def _autocast(device: torch.device, precision: Optional[str]):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "")
     if dtype is None:
         import contextlib
 
@@ -162,9 +180,10 @@ def _timed(run: Callable[[], None], device: torch.device, repeats: int = 3) -> f
 
 
 def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, torch.Tensor]], max_micro: int,
-           device: torch.device, precision: str) -> tuple[Linear, Linear]:
-    """Activation bytes and forward/backward seconds of ``model``, micro-batch 1, 2, 4, ... until the
-    peak grows with the batch (:data:`LINEAR_REGIME`) or ``max_micro`` is reached; fitted."""
+           device: torch.device, precision: Optional[str]) -> tuple[Linear, Linear]:
+    """Activation bytes and forward/backward seconds of ``model``, micro-batch 1, 2, 4, ... until both
+    grow with the batch (:data:`LINEAR_REGIME`) or ``max_micro`` is reached; fitted. ``precision``
+    None runs without autocast (a model already in 16 bits, as DeepSpeed's bf16/fp16 blocks hold it)."""
     from zerotrain.engine import to_device
 
     memory: dict[int, float] = {}
@@ -188,8 +207,9 @@ def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, tor
             break  # the sizes measured so far are the ones that fit a plain-PyTorch step
         finally:
             del batch
-        previous = memory.get(size // 2)
-        if size >= max_micro or (previous and memory[size] >= LINEAR_REGIME * previous):
+        half = size // 2
+        if size >= max_micro or (half in memory and memory[size] >= LINEAR_REGIME * memory[half]
+                                 and seconds[size] >= LINEAR_REGIME * seconds[half]):
             break
         size = min(2 * size, max_micro)
     return Linear.through(memory), Linear.through(seconds)
@@ -231,7 +251,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     import deepspeed  # noqa: F401  (its libraries are part of every DeepSpeed run's host memory)
 
     splits = task.with_config(cfg).build_datasets()
-    host_base = _rss()
+    host_base = _rss()  # on CUDA, measured again once a step has loaded its kernels (below)
     cache: dict[int, dict[str, torch.Tensor]] = {}
 
     def batch_of(n: int) -> dict[str, torch.Tensor]:
@@ -242,18 +262,30 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     seq_len = int(next(iter(batch_of(1).values())).shape[-1])
     activations, seconds, notes, opt_s = {}, {}, [], 0.0
     for ckpt in checkpointing:
-        variant = copy.deepcopy(cfg)
-        variant.strategy.activation_checkpointing = ckpt
-        variant_task = task.with_config(variant)  # one clone builds and steps: a task may keep facts of its model
+        variant_cfg = copy.deepcopy(cfg)
+        variant_cfg.strategy.activation_checkpointing = ckpt
+        variant_task = task.with_config(variant_cfg)  # one clone builds and steps: a task may keep facts of its model
         model = variant_task.build_model().to(device)
         model.train()
-        key = "on" if ckpt else "off"
+        key = variant(ckpt, False)
         activations[key], seconds[key] = _trace(variant_task, model, batch_of, max_micro, device, precision)
         if not ckpt or not opt_s:
             opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        if half is not None:  # the same model as DeepSpeed's bf16/fp16 blocks hold it
+            model.zero_grad(set_to_none=True)
+            model.to(half)
+            key = variant(ckpt, True)
+            activations[key], seconds[key] = _trace(variant_task, model, batch_of, max_micro, device, None)
         del model
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if device.type == "cuda" and not ckpt:
+            # Libraries, data and the CUDA kernels a step loads (cuBLAS and the like: hundreds of MB),
+            # without the model. On the CPU the freed activations stay in the process (the C
+            # allocator keeps them), so there the figure before the model is the one that holds.
+            host_base = _rss()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Probe(device=device.type, device_name=name, precision=precision,
                  method="cuda allocator" if device.type == "cuda" else "torch MemTracker", seq_len=seq_len,

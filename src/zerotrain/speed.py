@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerotrain.memory import ParamCounts
+from zerotrain.memory import ParamCounts, sixteen_bit
 from zerotrain.probe import Probe
 from zerotrain.strategies import Strategy
 
@@ -61,8 +61,8 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
               probe: Probe, world_size: int, nnodes: int, autocast: bool) -> StepTime:
     """Predicted seconds of one optimizer step (module docstring)."""
     n = world_size
-    ckpt = "on" if checkpointing and "on" in probe.forward_backward_s else "off"
-    compute = grad_accum * probe.forward_backward_s[ckpt].at(micro_batch_size)
+    traced = probe.key(checkpointing, sixteen_bit(strategy, probe.precision, autocast))
+    compute = grad_accum * probe.forward_backward_s[traced].at(micro_batch_size)
     stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
     share = 1 / n if stage >= 1 else 1.0
     if strategy.offload_optimizer != "none":
