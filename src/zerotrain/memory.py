@@ -98,6 +98,8 @@ class StateMemory:
     """Per GPU: model states plus DeepSpeed's reduce bucket."""
     cpu_bytes: int
     """Per process, in host memory: offloaded states."""
+    grad_bytes: int = 0
+    """The gradients' share of ``gpu_bytes``."""
 
 
 def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
@@ -139,7 +141,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         weights = 0
     n_buckets = 0 if stage == 0 or not buckets.contiguous_gradients else 2 if buckets.overlap_comm and stage < 3 else 1
     bucket = n_buckets * element * buckets.reduce_bucket_size  # allocated whole, however small the model
-    return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket), cpu_bytes=int(cpu))
+    return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket), cpu_bytes=int(cpu),
+                       grad_bytes=int(grads))
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,10 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     # The recipe builds its model on the CPU in the dtypes as built before the engine moves it.
     host = probe.host_base_bytes + counts.total_bytes + states.cpu_bytes
     device = states.gpu_bytes + act
+    if strategy.backend == "ddp" or autocast:
+        # These engines free the gradients after each step (zero_grad to None): the activations peak
+        # before backward makes them, and the step's own peak (all gradients, no activations) is lower.
+        device = max(states.gpu_bytes - states.grad_bytes + act, states.gpu_bytes)
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
