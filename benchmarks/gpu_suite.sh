@@ -33,8 +33,12 @@ for part in "$@"; do
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 ;;
     plan_bert)
       plan bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 ;;
-    plan_bert_2gpu)
-      plan bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 ;;
+    plan_bert_2gpu)  # offload left out: BERT-base fits each GPU many times over
+      plan bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 \
+        --strategies ddp,zero0,zero1,zero2,zero3 ;;
+    scaling)  # BERT-base, micro-batch 32 per GPU: the fastest one-GPU engines, then ZeRO-1/2 and DDP on two GPUs
+      z benchmark mlm --strategies ddp,zero0 --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" | tail -n 4
+      z benchmark mlm --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" | tail -n 5 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;
