@@ -79,3 +79,32 @@ def test_ctrl_c_stops_a_node_waiting_for_the_others(tmp_path):
     # Killed by the signal during the wait (SIG_DFL), or, when it lands while Python still starts up, the
     # CLI's own KeyboardInterrupt exit (130): either way the launcher has stopped.
     assert node.wait(timeout=60) in (-signal.SIGINT, 130)
+
+
+def test_launcher_passes_only_the_torchrun_flags_this_torch_has(monkeypatch):
+    """torch 2.11's torchrun has --signals-to-handle but not --shutdown-timeout: a flag it lacks would
+    stop every multi-process launch with "unrecognized arguments"."""
+    import argparse
+
+    import torch.distributed.run as torchrun
+
+    from zerotrain.config import LaunchConfig
+    from zerotrain.launcher import spawn_local_workers
+
+    real = torchrun.get_args_parser
+
+    def without_shutdown_timeout() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser()
+        for action in real()._actions:
+            if action.option_strings and "--shutdown-timeout" not in action.option_strings and action.dest != "help":
+                parser._add_action(action)
+            elif not action.option_strings:
+                parser._add_action(action)
+        return parser
+
+    seen = {}
+    monkeypatch.setattr(torchrun, "get_args_parser", without_shutdown_timeout)
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.update(vars(args)))
+    assert spawn_local_workers(LaunchConfig(nproc_per_node=2), ["fit", "toy"]) == 0
+    assert seen["nproc_per_node"] == "2" and "shutdown_timeout" not in seen
+    assert "SIGUSR1" in seen["signals_to_handle"]

@@ -85,11 +85,13 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
                  f"--rdzv-conf=timeout={max(1, round(launch.rdzv_timeout_minutes * 60))}"]
     parser = get_args_parser()
     known = {opt for action in parser._actions for opt in action.option_strings}
-    if "--signals-to-handle" in known:  # torch >= 2.8
-        # Forward SLURM's --signal=USR1 too (by default it would kill this launcher and orphan the workers),
-        # and give the workers time to save their pre-emption checkpoint before torchelastic's SIGKILL.
-        args += ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                 f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}"]
+    # Each flag only where this torch's torchrun has it (torch 2.11 has the first, not the second):
+    # forward SLURM's --signal=USR1 too (by default it would kill this launcher and orphan the workers),
+    # and give the workers time to save their pre-emption checkpoint before torchelastic's SIGKILL.
+    if "--signals-to-handle" in known:
+        args.append("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    if "--shutdown-timeout" in known:
+        args.append(f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}")
     args += ["-m", "zerotrain", *argv]
     if launch.nnodes > 1:
         print(f"zerotrain: node {launch.node_rank} of {launch.nnodes}: waiting up to {launch.rdzv_timeout_minutes:g} min "
