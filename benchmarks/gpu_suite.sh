@@ -36,6 +36,15 @@ for part in "$@"; do
     plan_bert_2gpu)  # offload left out: BERT-base fits each GPU many times over
       plan bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 \
         --strategies ddp,zero0,zero1,zero2,zero3 ;;
+    plan_imdb_lora)  # IMDB (b) again with the 16-bit probe and longer trials; LoRA 1.2B (random weights, the
+      # tutorial's model shape) among the strategies that make sense for a 1.2B frozen base on one GPU
+      plan imdb_b_v2 imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
+        --strategies ddp,zero0,zero1,zero2
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
+      plan lora_1b lora --model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK" \
+        --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4 \
+        --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false \
+        --strategies ddp,zero0,zero2,zero2_offload --trials 2 --trial_steps 5 ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: the fastest one-GPU engines, then ZeRO-1/2 and DDP on two GPUs
       z benchmark mlm --strategies ddp,zero0 --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" | tail -n 4
       z benchmark mlm --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" | tail -n 5 ;;

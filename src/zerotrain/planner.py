@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ TRIAL_FLAGS = ["--trainer.evaluate", "false", "--trainer.export", "false", "--ch
                "--checkpoint.every_steps", "0", "--logging.tensorboard", "false", "--logging.progress_bar", "false",
                "--scheduler.warmup_steps", "0", "--strategy.auto", "false"]
 """What makes a fit a trial: train only, write nothing but the run folder's logs and summary."""
+
+MAX_TRIAL_STEPS = 200
+"""At most this many measured steps per trial, whatever the predicted step time."""
 
 SHOWN_UNTRIED = 6
 """Candidates that fit but were not trialled, shown in plan.md below the trials."""
@@ -207,10 +211,13 @@ def pick_trials(rows: list[Row], trials: int, per_strategy: int = 2) -> list[Row
 
 
 def _trial(recipe: str, fit_args: list[str], row: Row, out_dir: Path, trial_steps: int, warmup: int,
-           timeout_s: int) -> None:
+           timeout_s: int, trial_seconds: float) -> None:
     from zerotrain.benchmark import run_one
 
-    steps = warmup + trial_steps
+    # Enough steps for ~trial_seconds of predicted training: ten 50 ms steps measured start-up noise
+    # (a 2-GPU BERT-base plan ranked ZeRO-1 over DDP on them; 100 steps ranked them the other way).
+    wanted = math.ceil(trial_seconds / max(row.time.total, 1e-3))
+    steps = warmup + min(MAX_TRIAL_STEPS, max(trial_steps, wanted))
     args = [*fit_args, *row.candidate.flags(), *TRIAL_FLAGS, "--trainer.max_steps", str(steps),
             "--trainer.log_every_steps", str(steps)]
     name = row.candidate.label.replace(" ", "_").replace("+", "")
@@ -228,7 +235,7 @@ def _speed(row: Row) -> float:
 
 def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials: int = 3, trial_steps: int = 8,
          strategies: Optional[list[str]] = None, compare_strategies: bool = False,
-         host_memory_gib: Optional[float] = None, timeout_s: int = 900) -> Plan:
+         host_memory_gib: Optional[float] = None, timeout_s: int = 900, trial_seconds: float = 4.0) -> Plan:
     """Probe, rank, trial and choose (module docstring); writes the plan folder ``out_dir``."""
     import psutil
 
@@ -238,6 +245,9 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     if cfg.trainer.max_steps is None and cfg.trainer.epochs is None:
         cfg.trainer.max_steps = 1  # the run's length changes nothing in the plan; validate() needs one
     cfg.validate()
+    if cfg.strategy.deepspeed_config:
+        raise ConfigError("--strategy.deepspeed_config", "sets the strategy itself, and the planner chooses it: drop "
+                          "the file to plan (the plan writes its own ds_config.json), or train with the file as is")
     if trials < 1:
         raise UserError(f"--trials must be >= 1, got {trials}")
     unknown = [s for s in strategies or [] if s not in STRATEGIES]
@@ -266,7 +276,8 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     while to_run:
         row = to_run.pop(0)
         print(f"[plan] trial {len(done) + 1}: {row.candidate.label}", flush=True)
-        _trial(recipe, fit_args, row, out_dir, trial_steps, cfg.trainer.warmup_steps_excluded, timeout_s)
+        _trial(recipe, fit_args, row, out_dir, trial_steps, cfg.trainer.warmup_steps_excluded, timeout_s,
+               trial_seconds)
         print(f"[plan]   {row.measured.get('status')}, {row.measured.get('tokens_per_s') or 0:,.0f} tokens/s", flush=True)
         done.append(row)
         if row.dropped and row in planned_set and not to_run:

@@ -159,6 +159,11 @@ def _peak_activation_bytes(run: Callable[[], None], model: nn.Module, device: to
     # PyTorch's own tensor-storage accounting (torch.distributed._tools), device-agnostic.
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    if any(not p.requires_grad for p in model.parameters()):
+        # MemTracker hooks every parameter of every module it sees run, and a frozen one (LoRA's base)
+        # refuses a gradient hook (torch 2.13): not measured on the CPU, and the probe says so.
+        run()
+        return float("nan")
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
@@ -207,6 +212,9 @@ def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, tor
             break  # the sizes measured so far are the ones that fit a plain-PyTorch step
         finally:
             del batch
+        if memory[size] != memory[size]:  # NaN: not measurable here (see _peak_activation_bytes)
+            memory = {1: 0.0}
+            break
         half = size // 2
         if size >= max_micro or (half in memory and memory[size] >= LINEAR_REGIME * memory[half]
                                  and seconds[size] >= LINEAR_REGIME * seconds[half]):
@@ -287,6 +295,8 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
             # allocator keeps them), so there the figure before the model is the one that holds.
             host_base = _rss()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if all(fit.floor == 0 and fit.per_sample == 0 for fit in activations.values()):
+        notes.append("activations not measured: PyTorch's MemTracker cannot trace frozen parameters on the CPU")
     return Probe(device=device.type, device_name=name, precision=precision,
                  method="cuda allocator" if device.type == "cuda" else "torch MemTracker", seq_len=seq_len,
                  activations=activations, forward_backward_s=seconds, optimizer_step_s=opt_s,

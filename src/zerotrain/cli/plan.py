@@ -23,7 +23,10 @@ def run(argv: list[str]) -> int:
     parser.add_argument("recipe", choices=list(recipes.all_recipes()))
     parser.add_argument("--out", default=None, help="plan folder (default: <output_dir>/plans/<recipe>)")
     parser.add_argument("--trials", type=int, default=3, help="short runs of the best predicted candidates")
-    parser.add_argument("--trial_steps", type=int, default=8, help="measured optimizer steps per trial (after the warm-up)")
+    parser.add_argument("--trial_steps", type=int, default=8,
+                        help="measured optimizer steps per trial at least (after the warm-up)")
+    parser.add_argument("--trial_seconds", type=float, default=4.0,
+                        help="measured training time per trial: more steps where the predicted step is short")
     parser.add_argument("--strategies", default=None, help="consider only these (comma-separated strategy names)")
     parser.add_argument("--compare_strategies", action="store_true",
                         help="also run every strategy at the configured micro-batch (what a benchmark sweep measures)")
@@ -31,6 +34,8 @@ def run(argv: list[str]) -> int:
     args, fit_args = parser.parse_known_args(argv)
     if args.trial_steps < 1:
         raise UserError(f"--trial_steps must be >= 1, got {args.trial_steps}")
+    if not args.trial_seconds >= 0:
+        raise UserError(f"--trial_seconds must be >= 0, got {args.trial_seconds}")
     if args.host_memory_gib is not None and not args.host_memory_gib > 0:
         raise UserError(f"--host_memory_gib must be > 0, got {args.host_memory_gib}")
     cfg = parse_config(args.recipe, fit_args)
@@ -40,6 +45,7 @@ def run(argv: list[str]) -> int:
 
     result = plan(args.recipe, cfg, fit_args, out, trials=args.trials, trial_steps=args.trial_steps,
                   strategies=args.strategies.split(",") if args.strategies else None,
-                  compare_strategies=args.compare_strategies, host_memory_gib=args.host_memory_gib)
+                  compare_strategies=args.compare_strategies, host_memory_gib=args.host_memory_gib,
+                  trial_seconds=args.trial_seconds)
     print((out / "plan.md").read_text())
     return 0 if result.choice else 1
