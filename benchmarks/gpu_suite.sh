@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf   (lora_hf: the Trainer row alone)
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_bert_2gpu|plan_imdb_lora|scaling
+#   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 D=${DATA:-.data}

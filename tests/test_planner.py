@@ -156,7 +156,7 @@ def test_plan_picks_the_fastest_trial_and_writes_files_a_fit_reads(tmp_path):
     assert (out / "plan.md").read_text().count("| chosen |") == 1
     # The YAML is the whole config with the choice: a fit reads it back as is.
     planned = yaml.safe_load((out / "plan.yaml").read_text())
-    assert planned["strategy"]["auto"] is False
+    assert planned["strategy"]["auto"] is False and planned["trainer"]["max_steps"] == 6  # the run as given
     assert planned["trainer"]["micro_batch_size"] == data["choice"]["micro_batch_size"]
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 1.0
@@ -216,3 +216,26 @@ def test_auto_refuses_another_launcher(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert main(["fit", "toy", "--strategy.auto", "true", "--trainer.max_steps", "1",
                  "--launch.nproc_per_node", "2"]) == 2
+
+
+def test_plan_refuses_several_nodes_and_a_users_deepspeed_json(tmp_path):
+    from zerotrain.errors import ConfigError
+    from zerotrain.planner import plan
+
+    nodes = parse_config("toy", [*TOY, "--launch.nnodes", "2"])
+    with pytest.raises(ConfigError, match="--launch.nnodes"):
+        plan("toy", nodes, [], tmp_path / "plan")
+    user_json = parse_config("toy", [*TOY, "--strategy.deepspeed_config", "x.json"])
+    with pytest.raises(ConfigError, match="--strategy.deepspeed_config"):
+        plan("toy", user_json, [], tmp_path / "plan")
+
+
+def test_the_plan_cache_key_follows_the_config_not_the_run():
+    from zerotrain.planner import plan_key
+
+    base = parse_config("toy", TOY)
+    renamed = parse_config("toy", [*TOY, "--trainer.run_name", "other", "--trainer.max_steps", "99"])
+    bigger = parse_config("toy", [*TOY, "--trainer.micro_batch_size", "32"])
+    assert plan_key("toy", base, "gpu") == plan_key("toy", renamed, "gpu")
+    assert plan_key("toy", base, "gpu") != plan_key("toy", bigger, "gpu")
+    assert plan_key("toy", base, "gpu") != plan_key("toy", base, "another gpu")

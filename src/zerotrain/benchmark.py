@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from zerotrain.errors import UserError
+from zerotrain.errors import OOM_EXIT, UserError
 from zerotrain.rundir import environment, write_json
 from zerotrain.strategies import STRATEGIES
 
@@ -47,14 +47,15 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         returncode, tail = proc.returncode, (proc.stderr or proc.stdout)[-4000:]
     except subprocess.TimeoutExpired as exc:
-        returncode, tail = -1, f"timed out after {timeout_s} s: {str(exc.stderr or '')[-2000:]}"
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        returncode, tail = -1, f"timed out after {timeout_s} s: {err[-2000:]}"
     row: dict[str, Any] = {"wall_s": round(time.perf_counter() - t0, 1), "command": "zerotrain " + shlex.join(cmd[3:])}
     run_dir = runs_dir / run_name
     summary = run_dir / "summary.json"
     if returncode == 0 and summary.is_file():
         row.update(json.loads(summary.read_text()))
     else:
-        row["error"] = _failure(tail)
+        row["error"] = "out of memory" if returncode == OOM_EXIT else _failure(tail)
         print(tail, file=sys.stderr)
     row["nproc"] = row.get("world_size") or _nproc(fit_args)
     row.update(_standard_fields(recipe, row, run_dir, env))
@@ -153,7 +154,7 @@ def plot(result: dict[str, Any], path: Path) -> Optional[Path]:
 
 def _failure(log_tail: str) -> str:
     """One line saying why a fit failed: OOM, else zerotrain's own error line, else the last line."""
-    if "out of memory" in log_tail.lower():
+    if "out of memory" in log_tail.lower() or "out of gpu memory" in log_tail.lower():
         return "out of memory"
     lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
     ours = [line for line in lines if line.startswith("zerotrain")]

@@ -206,7 +206,8 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     if strategy.backend == "ddp" or autocast:
         # These engines free the gradients after each step (zero_grad to None): the activations peak
         # before backward makes them, and the step's own peak (all gradients, no activations) is lower.
-        device = max(states.gpu_bytes - states.grad_bytes + act, states.gpu_bytes)
+        # (DDP's bucket copy of the gradients stays allocated between steps: only the .grad share goes.)
+        device = max(states.gpu_bytes - min(states.grad_bytes, counts.trainable_bytes) + act, states.gpu_bytes)
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"

@@ -41,6 +41,7 @@ from zerotrain.speed import StepTime, step_time
 from zerotrain.strategies import STRATEGIES
 
 TRIAL_FLAGS = ["--trainer.evaluate", "false", "--trainer.export", "false", "--checkpoint.save_final", "false",
+               "--checkpoint.resume", "null",
                "--checkpoint.every_steps", "0", "--logging.tensorboard", "false", "--logging.progress_bar", "false",
                "--scheduler.warmup_steps", "0", "--strategy.auto", "false"]
 """What makes a fit a trial: train only, write nothing but the run folder's logs and summary."""
@@ -111,9 +112,9 @@ class Plan:
     rows: list[Row]
     trialled: list[Row]
     choice: Row
-    planned: Row
-    """The fastest of the trials the planner itself chose (the top of its ranking); ``choice`` is the
-    fastest of every trial run, which differs only with ``compare_strategies``."""
+    planned: Optional[Row]
+    """The fastest of the trials the planner itself chose (the top of its ranking; None when all of
+    them failed); ``choice`` is the fastest of every trial run, which differs only with ``compare_strategies``."""
     out_dir: Path
 
 
@@ -241,10 +242,13 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
 
     from zerotrain.tracking import log
 
-    cfg = copy.deepcopy(cfg)
-    if cfg.trainer.max_steps is None and cfg.trainer.epochs is None:
-        cfg.trainer.max_steps = 1  # the run's length changes nothing in the plan; validate() needs one
-    cfg.validate()
+    checked = copy.deepcopy(cfg)
+    if checked.trainer.max_steps is None and checked.trainer.epochs is None:
+        checked.trainer.max_steps = 1  # the run's length changes nothing in the plan; validate() needs one
+    checked.validate()  # plan.yaml keeps the config as given: no placeholder length in it
+    if cfg.launch.nnodes > 1:
+        raise ConfigError("--launch.nnodes", "the plan's trials run on this node only: plan with one node's GPUs "
+                          "(--launch.nnodes 1) and start every node with --config <plan folder>/plan.yaml")
     if cfg.strategy.deepspeed_config:
         raise ConfigError("--strategy.deepspeed_config", "sets the strategy itself, and the planner chooses it: drop "
                           "the file to plan (the plan writes its own ds_config.json), or train with the file as is")
@@ -259,7 +263,7 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     print(f"[plan] probing {recipe} on this machine (micro-batch up to {per_rank})", flush=True)
     probe = run_probe(recipe, fit_args, out_dir / "probe.json", per_rank)
     host = host_memory_gib * GIB if host_memory_gib else float(psutil.virtual_memory().total)
-    rows = assess(recipe, cfg, probe, candidates(cfg, probe.device, strategies), host)
+    rows = assess(recipe, checked, probe, candidates(cfg, probe.device, strategies), host)
     if all(r.dropped for r in rows):
         raise _nothing_fits(rows, cfg)
     disk = _disk_problem(recipe, cfg, probe.precision)
@@ -271,7 +275,9 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
         same = [r for r in rows if r.dropped is None and r.candidate.micro_batch_size == cfg.trainer.micro_batch_size
                 and r.candidate.checkpointing == cfg.strategy.activation_checkpointing]
         to_run += [r for r in same if r not in to_run]
-    fallback = iter(r for r in sorted(rows, key=lambda r: r.time.total) if r.dropped is None and r not in to_run)
+    # Out of memory in every trial of the planner's own: the memory model was wrong for this model;
+    # try the next candidates in the ranking, at most as many again. Other failures end the plan.
+    ranked_rest = [r for r in sorted(rows, key=lambda r: r.time.total) if r.dropped is None and r not in to_run]
     done: list[Row] = []
     while to_run:
         row = to_run.pop(0)
@@ -280,17 +286,19 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
                trial_seconds)
         print(f"[plan]   {row.measured.get('status')}, {row.measured.get('tokens_per_s') or 0:,.0f} tokens/s", flush=True)
         done.append(row)
-        if row.dropped and row in planned_set and not to_run:
-            nxt = next(fallback, None)  # every planned trial failed so far: try the next in the ranking
-            if nxt is not None and not any(r.dropped is None for r in planned_set):
-                planned_set.append(nxt)
-                to_run.append(nxt)
+        planned_done = [r for r in planned_set if r in done]
+        if (row in planned_set and len(planned_done) == len(planned_set) and ranked_rest
+                and all(r.measured.get("status") == "oom" for r in planned_done)
+                and len(planned_set) < 2 * trials):
+            nxt = ranked_rest.pop(0)
+            planned_set.append(nxt)
+            to_run.insert(0, nxt)
     ok = [r for r in done if r.dropped is None]
     if not ok:
         raise UserError(f"every trial failed ({'; '.join(f'{r.candidate.label}: {r.dropped}' for r in done)}); "
                         f"see {out_dir / 'trials'}")
     choice = max(ok, key=_speed)
-    planned = max((r for r in planned_set if r.dropped is None), key=_speed, default=choice)
+    planned = max((r for r in planned_set if r.dropped is None), key=_speed, default=None)
     result = Plan(recipe, world, per_rank * world, probe, rows, done, choice, planned, out_dir)
     write(result, cfg, fit_args)
     log.info("plan: %s (%s)", choice.candidate.label, out_dir)
@@ -309,7 +317,8 @@ def write(p: Plan, cfg: RunConfig, fit_args: list[str]) -> None:
     best_ds = max(deepspeed_rows, key=_speed, default=None)
     data = {"recipe": p.recipe, "world_size": p.world_size, "global_batch": p.global_batch, "fit_args": fit_args,
             "environment": environment(), "probe": p.probe.to_dict(),
-            "choice": p.choice.to_dict(p.global_batch), "planned": p.planned.to_dict(p.global_batch),
+            "choice": p.choice.to_dict(p.global_batch),
+            "planned": p.planned.to_dict(p.global_batch) if p.planned else None,
             "command": f"zerotrain fit {p.recipe} --config {p.out_dir / 'plan.yaml'}",
             "summary": summary(p),
             "rows": [r.to_dict(p.global_batch) for r in p.rows]}
@@ -340,10 +349,11 @@ def summary(p: Plan) -> dict[str, Any]:
     measured (all trials ran on this machine, one after another)."""
     fastest = max((r for r in p.trialled if r.dropped is None), key=_speed)
     return {"workload": p.recipe, "gpu": p.probe.device_name, "n_gpus": p.world_size,
-            "planned_strategy": p.planned.candidate.label, "planned_tokens_per_s": _speed(p.planned),
+            "planned_strategy": p.planned.candidate.label if p.planned else None,
+            "planned_tokens_per_s": _speed(p.planned) if p.planned else None,
             "best_strategy": fastest.candidate.label, "best_tokens_per_s": _speed(fastest),
-            "planned_vs_best": _speed(p.planned) / _speed(fastest),
-            "trials": len(p.trialled), "ooms": sum(1 for r in p.trialled if "oom" in (r.dropped or ""))}
+            "planned_vs_best": _speed(p.planned) / _speed(fastest) if p.planned else 0.0,
+            "trials": len(p.trialled), "ooms": sum(1 for r in p.trialled if r.measured.get("status") == "oom")}
 
 
 def markdown(p: Plan) -> str:
@@ -379,24 +389,16 @@ def markdown(p: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plan_key(recipe: str, fit_args: list[str], cfg: RunConfig, device_name: str) -> str:
-    """What a cached plan is valid for: the recipe, the flags that are not the plan's own, the GPUs,
-    and the versions that set the speed."""
+def plan_key(recipe: str, cfg: RunConfig, device_name: str) -> str:
+    """What a cached plan is valid for: the recipe's resolved config (a ``--config`` file's contents,
+    not its name) without what names or lengthens the run, the GPUs, and the versions that set the speed."""
     import deepspeed
 
-    ours = {"--strategy.auto", "--trainer.max_steps", "--trainer.epochs", "--trainer.run_name",
-            "--checkpoint.resume", "--trainer.output_dir"}
-    kept, skip = [], False
-    for arg in fit_args:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in ours:
-            skip = "=" not in arg
-            continue
-        kept.append(arg)
-    text = json.dumps([recipe, kept, _world(cfg), device_name, torch.__version__, deepspeed.__version__])
+    tree = cfg.to_dict()
+    for section, key in (("trainer", "run_name"), ("trainer", "output_dir"), ("trainer", "max_steps"),
+                         ("trainer", "epochs"), ("checkpoint", "resume"), ("strategy", "auto")):
+        tree[section].pop(key, None)
+    text = json.dumps([recipe, tree, device_name, torch.__version__, deepspeed.__version__], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -404,7 +406,7 @@ def plan_for_fit(recipe: str, cfg: RunConfig, fit_args: list[str]) -> list[str]:
     """``--strategy.auto``: the flags of the plan for this run, made now or reused from the cache
     ``<output_dir>/.plans/<key>/`` (a plan depends on the machine, the recipe and its flags, not the run)."""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and cfg.trainer.device != "cpu" else "cpu"
-    folder = Path(cfg.trainer.output_dir) / ".plans" / plan_key(recipe, fit_args, cfg, device)
+    folder = Path(cfg.trainer.output_dir) / ".plans" / plan_key(recipe, cfg, device)
     cached = folder / "plan.json"
     if cached.is_file():
         choice = json.loads(cached.read_text())["choice"]

@@ -138,8 +138,11 @@ def _longest_batch(task: Task, train: Any, n: int) -> dict[str, torch.Tensor]:
     return task.collator()(picked)
 
 
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _autocast(device: torch.device, precision: Optional[str]):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision or "")
+    dtype = HALF.get(precision or "")
     if dtype is None:
         import contextlib
 
@@ -279,7 +282,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
         activations[key], seconds[key] = _trace(variant_task, model, batch_of, max_micro, device, precision)
         if not ckpt or not opt_s:
             opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
-        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        half = HALF.get(precision)
         if half is not None:  # the same model as DeepSpeed's bf16/fp16 blocks hold it
             model.zero_grad(set_to_none=True)
             model.to(half)
@@ -312,7 +315,10 @@ def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeo
     from zerotrain.errors import UserError
 
     cmd = [sys.executable, "-m", "zerotrain.probe", recipe, "--out", str(out), "--max_micro", str(max_micro), *fit_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"the memory probe of {recipe} did not finish within {timeout_s} s") from None
     if proc.returncode != 0 or not out.is_file():
         lines = [line for line in (proc.stderr or proc.stdout).splitlines() if line.strip()]
         ours = [line for line in lines if line.startswith("zerotrain")]
@@ -347,6 +353,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         probe = measure(recipes.get(args.recipe)(cfg), device, precision, max_micro, ckpt)
     except UserError as exc:
         print(f"zerotrain probe: error: {exc}", file=sys.stderr)
+        return 2
+    except torch.OutOfMemoryError:
+        print("zerotrain probe: error: one sample's step does not fit this GPU in plain PyTorch (weights as built, "
+              "gradients, Adam): the probe cannot measure this model here. Train with --strategy.zero_stage 3 "
+              "--strategy.offload_optimizer cpu --strategy.offload_param cpu, or more GPUs", file=sys.stderr)
         return 2
     write_json(Path(args.out), probe.to_dict())
     return 0

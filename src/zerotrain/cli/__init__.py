@@ -20,7 +20,7 @@ SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
     "benchmark": "sweep ZeRO stages / offload / DDP and tabulate speed and memory",
     "plan": "measure, predict and try configurations: the fastest that fits this machine",
-    "estimate": "model-state memory of every strategy, and the fastest that fits",
+    "estimate": "memory of every strategy (activations with --measure), and the first that fits",
     "predict": "predict with a finished run: IMDB labels, MLM fill-mask, LoRA generation",
     "export": "write a checkpoint as safetensors (any ZeRO stage, on CPU) or a Hugging Face folder (mlm)",
     "doctor": "report versions, GPUs, compilers and DeepSpeed op readiness",
