@@ -247,11 +247,12 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
         checked.trainer.max_steps = 1  # the run's length changes nothing in the plan; validate() needs one
     checked.validate()  # plan.yaml keeps the config as given: no placeholder length in it
     if cfg.launch.nnodes > 1:
-        raise ConfigError("--launch.nnodes", "the plan's trials run on this node only: plan with one node's GPUs "
-                          "(--launch.nnodes 1) and start every node with --config <plan folder>/plan.yaml")
+        raise ConfigError("--launch.nnodes", "must be 1 to plan: the trials run on this node only. Plan with one "
+                          "node's GPUs and start every node with --config <plan folder>/plan.yaml")
     if cfg.strategy.deepspeed_config:
-        raise ConfigError("--strategy.deepspeed_config", "sets the strategy itself, and the planner chooses it: drop "
-                          "the file to plan (the plan writes its own ds_config.json), or train with the file as is")
+        raise ConfigError("--strategy.deepspeed_config", "cannot be planned: the file sets the strategy, and the "
+                          "planner chooses it. Drop the file to plan (the plan writes its own ds_config.json), or "
+                          "train with the file as is")
     if trials < 1:
         raise UserError(f"--trials must be >= 1, got {trials}")
     unknown = [s for s in strategies or [] if s not in STRATEGIES]
