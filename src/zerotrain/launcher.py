@@ -93,15 +93,16 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     if "--shutdown-timeout" in known:
         args.append(f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}")
     args += ["-m", "zerotrain", *argv]
+    # Until the workers start, the launcher sits in TCPStore's C++ wait, where Python's KeyboardInterrupt is
+    # never delivered: Ctrl-C must end the process at once. torchelastic installs its own SIGINT handler
+    # (stop the workers, then raise) when it starts them. Set before the line that promises "Ctrl-C stops":
+    # a process started with SIGINT ignored (inherited from its parent) would otherwise lose an early Ctrl-C.
+    saved_sigint = _default_sigint()
     if launch.nnodes > 1:
         print(f"zerotrain: node {launch.node_rank} of {launch.nnodes}: waiting up to {launch.rdzv_timeout_minutes:g} min "
               f"(--launch.rdzv_timeout_minutes) for all {launch.nnodes} nodes to join at {launch.rdzv_endpoint} "
               "(Ctrl-C stops)", file=sys.stderr, flush=True)
     saved_levels = _silence_torchelastic()
-    # Until the workers start, the launcher sits in TCPStore's C++ wait, where Python's KeyboardInterrupt is
-    # never delivered: Ctrl-C must end the process at once. torchelastic installs its own SIGINT handler
-    # (stop the workers, then raise) when it starts them.
-    saved_sigint = _default_sigint()
     heartbeats, own_heartbeats = _heartbeat_dir()
     stopped: set[int] = set()
     undo_close = _continue_stopped_workers(stopped)
