@@ -116,7 +116,10 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         for row in rows:
             strategy = STRATEGIES[row.name]
             run_cfg = copy.deepcopy(cfg)
-            run_cfg.strategy.backend, run_cfg.strategy.zero_stage = strategy.backend, strategy.zero_stage
+            # The row's whole strategy, offloads included: a user's --strategy.offload_param would not fit ZeRO-1.
+            rs = run_cfg.strategy
+            rs.backend, rs.zero_stage = strategy.backend, strategy.zero_stage
+            rs.offload_optimizer, rs.offload_param = strategy.offload_optimizer, strategy.offload_param
             ds = make_ds_config(run_cfg, world, probe.device, precision) if strategy.backend == "deepspeed" else {}
             pred = predict(counts, strategy, cfg.trainer.micro_batch_size, cfg.strategy.activation_checkpointing,
                            world, precision, probe, Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast")))
