@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -72,9 +73,64 @@ def test_memory_prediction_adds_measured_activations_to_the_model_states():
     # On the CPU all of it is host memory.
     cpu = predict(counts, STRATEGIES["ddp"], 8, False, 1, "fp32", fake_probe("cpu"))
     assert cpu.gpu_bytes == 0 and cpu.host_bytes == pytest.approx(2 * GIB + 4e9 + 12e9 + 8.5 * GIB)
-    # DeepSpeed's bf16 block keeps its gradient buffers: states and activations add up.
+    # DeepSpeed's bf16 block at ZeRO-1 holds 16-bit weights, fp32 master weights and moments (14 bytes a
+    # parameter) throughout; its gradients and bucket come with the backward pass. Without a measure
+    # of what the backward pass holds at its first gradient, the bucket adds to the whole peak.
     zero1 = predict(counts, STRATEGIES["zero1"], 8, False, 1, "bf16", probe, Buckets(10))
-    assert zero1.gpu_bytes == pytest.approx(20e9 + 20 + 8.5 * GIB)
+    assert zero1.states_bytes == 20e9 + 20
+    assert zero1.gpu_bytes == pytest.approx(14e9 + 20 + 8.5 * GIB)
+
+
+def test_zero12_bucket_adds_to_what_the_backward_pass_holds_at_its_first_gradient():
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                         trainable_bytes=4 * 10**9, tensors=200)
+    probe = dataclasses.replace(fake_probe(), at_first_gradient={"off": Linear(0.0, 0.5 * GIB)})
+    big_bucket = Buckets(reduce_bucket_size=10**9)  # 2e9 bytes in bf16
+    # Large activations (8.5 GiB at micro 8, 4 GiB left at the first gradient): the forward's end is the peak.
+    wide = predict(counts, STRATEGIES["zero2"], 8, False, 1, "bf16", probe, big_bucket)
+    assert wide.gpu_bytes == pytest.approx(14e9 + 8.5 * GIB)
+    # Small ones (1 GiB, micro 1): the first gradient's moment, then the step's (all gradients and the
+    # bucket, 2 + 4 + 2 bytes a parameter), set the peak.
+    small = predict(counts, STRATEGIES["zero2"], 1, False, 1, "bf16", probe, big_bucket)
+    assert small.gpu_bytes == pytest.approx(14e9 + 8e9)
+    tiny_bucket = predict(counts, STRATEGIES["zero2"], 8, False, 1, "bf16",
+                          dataclasses.replace(probe, at_first_gradient={"off": Linear(0.0, 1.0 * GIB)}),
+                          Buckets(reduce_bucket_size=10**9))
+    assert tiny_bucket.gpu_bytes == pytest.approx(14e9 + 8 * GIB + 2e9)  # 8 GiB held + the bucket > 8.5 GiB
+
+
+def test_a_model_whose_fp32_adam_states_do_not_fit_is_probed_in_16_bits(monkeypatch):
+    """The offload case: the probe cannot hold fp32 weights with Adam, so it traces the 16-bit model
+    DeepSpeed's bf16 block would hold, and every run (autocast ones too) reads that trace."""
+    import torch
+
+    from zerotrain import probe as probe_mod
+    from zerotrain import recipes
+
+    monkeypatch.setattr(probe_mod, "_fp32_adam_fits", lambda model, room: False)
+    cfg = parse_config("toy", TOY)
+    found = probe_mod.measure(recipes.get("toy")(cfg), torch.device("cpu"), "bf16", max_micro=2, checkpointing=(False,))
+    assert set(found.activations) == {"off16"} and found.activations["off16"].floor > 0
+    assert found.optimizer_step_s > 0 and any("16-bit weights only" in note for note in found.notes)
+    assert found.key(False, False) == "off16" and found.key(True, False) == "off16"
+
+
+def test_fp32_adam_fit_counts_weights_gradients_and_two_moments():
+    from torch import nn
+
+    from zerotrain.probe import _fp32_adam_fits
+
+    model = nn.Linear(1000, 1000)  # 1,001,000 fp32 parameters: 16 bytes each with gradients and Adam
+    assert _fp32_adam_fits(model, 20e6) and not _fp32_adam_fits(model, 16e6)
+    assert _fp32_adam_fits(model, None)  # on the CPU the host is the limit
+
+
+def test_gpu_memory_cap_must_be_positive():
+    from zerotrain.errors import ConfigError
+
+    assert parse_config("toy", [*TOY, "--trainer.gpu_memory_gib", "12.5"]).trainer.gpu_memory_gib == 12.5
+    with pytest.raises(ConfigError, match="--trainer.gpu_memory_gib"):
+        parse_config("toy", [*TOY, "--trainer.gpu_memory_gib", "0"]).validate()
 
 
 def test_fits_names_what_is_short():

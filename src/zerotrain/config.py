@@ -179,6 +179,9 @@ class TrainerConfig:
     """Where to train: auto picks cuda when a GPU is visible."""
     num_workers: int = 2
     """DataLoader worker processes per rank."""
+    gpu_memory_gib: Optional[float] = None
+    """Use at most this much memory of each GPU (``torch.cuda.set_per_process_memory_fraction``): a GPU
+    shared with other work, or a run planned for a smaller card. Past it, allocations fail as out of memory."""
     output_dir: str = "runs"
     """Parent folder of the run directory."""
     run_name: Optional[str] = None
@@ -195,6 +198,8 @@ class TrainerConfig:
     def validate(self) -> None:
         if self.micro_batch_size < 1:
             raise ConfigError("--trainer.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError("--trainer.gpu_memory_gib", f"must be > 0 (GiB of each GPU to use), got {self.gpu_memory_gib}")
         if self.max_steps is None and self.epochs is None:
             raise ConfigError("--trainer.max_steps", "or --trainer.epochs is required: set one (e.g. --trainer.max_steps 1000)")
         if self.max_steps is not None and self.max_steps < 1:

@@ -129,6 +129,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)
             device = torch.device("cuda", local_rank)
+            cap_gpu_memory(device, cfg.trainer.gpu_memory_gib)
         precision = resolve_precision(cfg.strategy.precision, device.type,
                                       device.type == "cuda" and torch.cuda.is_bf16_supported())
         if device.type == "cuda" and precision == "fp32":
@@ -152,6 +153,16 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         if restore_logging is not None:
             restore_logging()
         quiet.__exit__(None, None, None)
+
+
+def cap_gpu_memory(device: torch.device, gib: Optional[float]) -> Optional[float]:
+    """Limit this process's caching allocator on ``device`` to ``gib`` GiB (``--trainer.gpu_memory_gib``);
+    returns the cap in bytes (None: no cap). The CUDA context is outside the allocator and the cap."""
+    if gib is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+    return min(float(total), gib * 2**30)
 
 
 _PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2

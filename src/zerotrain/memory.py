@@ -21,9 +21,18 @@ ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also 
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
 memory, where each process holds its partition. With ``contiguous_gradients`` DeepSpeed's ZeRO stages
-also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements up front, two of them for
-stages 1-2 with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB: the IMDB sweep in
-BENCHMARKS.md shows it as what ZeRO-1/2/3 add over ZeRO-0 on one GPU).
+also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements, two of them for stages 1-2
+with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB, however small the model).
+
+Not all of it is held at once. Stages 1-2 allocate the bucket when the backward pass writes its
+first gradient, and their gradients (16-bit, then the fp32 partition the optimizer reads) live from
+the backward pass to the end of the step; all of these are freed after it (DeepSpeed 0.19's
+``stage_1_and_2.py``: ``setup_buckets``, ``independent_gradient_partition_epilogue``, ``step``).
+Plain PyTorch and the autocast engines free their gradients after each step too. So a step's peak is
+the largest of three moments: the forward's end (the states that persist plus all activations), the
+first gradient (plus what the backward pass still holds then, and the bucket) and the step (plus all
+gradients, no activations). Measured on one H100 at BERT-base shape (BENCHMARKS.md), the bucket
+is under the forward's peak there; on IMDB's small model it adds on top.
 
 Activations depend on the batch, the sequence length and ``--strategy.activation_checkpointing``,
 not on the ZeRO stage: :mod:`zerotrain.probe` measures them on the device, and :func:`predict` adds
@@ -100,6 +109,12 @@ class StateMemory:
     """Per process, in host memory: offloaded states."""
     grad_bytes: int = 0
     """The gradients' share of ``gpu_bytes``."""
+    transient_bytes: int = 0
+    """The share of ``gpu_bytes`` allocated only from the backward pass to the end of the step
+    (gradients the engine frees after each step, DeepSpeed's stage 1-2 bucket): not there at the forward's peak."""
+    bucket_bytes: int = 0
+    """DeepSpeed's reduce bucket(s), allocated when the first gradient is written (part of ``transient_bytes``
+    for stages 1-2)."""
 
 
 def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
@@ -141,8 +156,18 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         weights = 0
     n_buckets = 0 if stage == 0 or not buckets.contiguous_gradients else 2 if buckets.overlap_comm and stage < 3 else 1
     bucket = n_buckets * element * buckets.reduce_bucket_size  # allocated whole, however small the model
+    transient = 0.0
+    if strategy.backend == "ddp" or autocast:
+        # zero_grad(set_to_none) frees the .grad share each step; DDP's bucket copy stays allocated.
+        transient = min(grads, counts.trainable_bytes)
+    elif stage in (1, 2):
+        # The 16-bit gradients, the fp32 gradient partition inside the optimizer's 16 bytes (unless
+        # offloaded with it) and the bucket: allocated in the backward pass, freed after the step.
+        fp32_grad = 4 * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
+        transient = grads + fp32_grad + bucket
     return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket), cpu_bytes=int(cpu),
-                       grad_bytes=int(grads))
+                       grad_bytes=int(grads), transient_bytes=int(transient),
+                       bucket_bytes=int(bucket if stage in (1, 2) and not (strategy.backend == "ddp" or autocast) else 0))
 
 
 @dataclass(frozen=True)
@@ -199,15 +224,15 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring)."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast)
-    act = probe.activations[probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))].at(micro_batch_size)
+    key = probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))
+    act = probe.activations[key].at(micro_batch_size)
+    # What the backward pass still holds at its first gradient; unmeasured, the peak stands for it.
+    first = probe.at_first_gradient[key].at(micro_batch_size) if key in probe.at_first_gradient else act
     # The recipe builds its model on the CPU in the dtypes as built before the engine moves it.
     host = probe.host_base_bytes + counts.total_bytes + states.cpu_bytes
-    device = states.gpu_bytes + act
-    if strategy.backend == "ddp" or autocast:
-        # These engines free the gradients after each step (zero_grad to None): the activations peak
-        # before backward makes them, and the step's own peak (all gradients, no activations) is lower.
-        # (DDP's bucket copy of the gradients stays allocated between steps: only the .grad share goes.)
-        device = max(states.gpu_bytes - min(states.grad_bytes, counts.trainable_bytes) + act, states.gpu_bytes)
+    # The three moments of a step (module docstring): the forward's end, the first gradient, the step.
+    persistent = states.gpu_bytes - states.transient_bytes
+    device = persistent + max(act, min(first, act) + states.bucket_bytes, states.transient_bytes)
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"

@@ -7,9 +7,14 @@ One short trace of the recipe's real model on its real (longest) batches, plain 
   (never below the smallest batch's peak) and extrapolated. On CUDA it is the caching
   allocator's peak over what the weights and gradients hold (``max_memory_allocated``, what the
   benchmarks report); on CPU, PyTorch's ``MemTracker`` counts the live tensor storages.
-  With ``activation_checkpointing`` both ways are traced, each on its own model.
+  With ``activation_checkpointing`` both ways are traced, each on its own model. On CUDA it also
+  records what is still allocated when the first gradient lands: DeepSpeed's ZeRO-1/2 allocate their
+  reduce bucket at that moment, so the bucket adds to that figure, not to the forward's peak.
 * **time** of that forward and backward at the same sizes (same fit), and of one optimizer step
   over the trainable parameters, on this device;
+* a model whose fp32 weights, gradients and Adam moments do not fit the GPU (the case for offload)
+  is traced with 16-bit weights only, as DeepSpeed's bf16/fp16 blocks hold it, and its Adam step is
+  timed on a slice of the parameters and scaled;
 * the **host**: resident memory once the data, the libraries and the kernels of a step are loaded
   (the model freed), host-to-device copy speed;
 * the **GPU**: total memory and what the CUDA context and other processes already hold.
@@ -84,6 +89,9 @@ class Probe:
     """One Adam step over the trainable parameters on this device (fused on CUDA)."""
     host_base_bytes: float
     """This process's resident memory with the libraries, the data and a step's kernels loaded, without the model."""
+    at_first_gradient: dict[str, Linear] = field(default_factory=dict)
+    """Activation bytes still held when the backward pass writes its first gradient, by :func:`variant`
+    (CUDA only). Empty where not measured: the peak stands for it."""
     gpu_total_bytes: Optional[float] = None
     gpu_context_bytes: Optional[float] = None
     """GPU memory held before any tensor: the CUDA context, other processes."""
@@ -97,7 +105,8 @@ class Probe:
     def key(self, checkpointing: bool, sixteen_bit: bool) -> str:
         """The traced variant that stands for a run: the closest one measured."""
         wanted = variant(checkpointing, sixteen_bit)
-        for candidate in (wanted, variant(checkpointing, False), variant(False, sixteen_bit), variant(False, False)):
+        for candidate in (wanted, variant(checkpointing, not sixteen_bit), variant(False, sixteen_bit),
+                          variant(False, not sixteen_bit)):
             if candidate in self.activations:
                 return candidate
         raise KeyError(wanted)
@@ -105,8 +114,8 @@ class Probe:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Probe":
         data = dict(data)
-        for key in ("activations", "forward_backward_s"):
-            data[key] = {k: Linear(**v) for k, v in data[key].items()}
+        for key in ("activations", "forward_backward_s", "at_first_gradient"):
+            data[key] = {k: Linear(**v) for k, v in data.get(key, {}).items()}
         return cls(**data)
 
 
@@ -150,15 +159,28 @@ def _autocast(device: torch.device, precision: Optional[str]):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def _peak_activation_bytes(run: Callable[[], None], model: nn.Module, device: torch.device) -> float:
-    """Peak bytes above what the weights and (already allocated) gradients hold, over one ``run()``."""
+def _peak_activation_bytes(run: Callable[[], None], model: nn.Module, device: torch.device) -> tuple[float, float]:
+    """Bytes above what the weights and (already allocated) gradients hold, over one ``run()``: the
+    peak, and what is allocated when the first gradient is written (NaN where not measured)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
+        first: list[int] = []
+
+        def record(_: torch.Tensor) -> None:
+            if not first:  # the allocator's count is host-side bookkeeping: no synchronisation
+                first.append(torch.cuda.memory_allocated(device))
+
+        hooks = [p.register_post_accumulate_grad_hook(record) for p in model.parameters() if p.requires_grad]
         torch.cuda.reset_peak_memory_stats(device)
-        run()
+        try:
+            run()
+        finally:
+            for hook in hooks:
+                hook.remove()
         torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device) - base)
+        at_first = float(first[0] - base) if first else float("nan")
+        return float(torch.cuda.max_memory_allocated(device) - base), at_first
     # PyTorch's own tensor-storage accounting (torch.distributed._tools), device-agnostic.
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -166,14 +188,14 @@ def _peak_activation_bytes(run: Callable[[], None], model: nn.Module, device: to
         # MemTracker hooks every parameter of every module it sees run, and a frozen one (LoRA's base)
         # refuses a gradient hook (torch 2.13): not measured on the CPU, and the probe says so.
         run()
-        return float("nan")
+        return float("nan"), float("nan")
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
         base = tracker.get_tracker_snapshot("current")[device]["Total"]
         run()
         peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
-    return float(peak - base)
+    return float(peak - base), float("nan")
 
 
 def _timed(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
@@ -188,14 +210,16 @@ def _timed(run: Callable[[], None], device: torch.device, repeats: int = 3) -> f
 
 
 def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, torch.Tensor]], max_micro: int,
-           device: torch.device, precision: Optional[str]) -> tuple[Linear, Linear]:
-    """Activation bytes and forward/backward seconds of ``model``, micro-batch 1, 2, 4, ... until both
+           device: torch.device, precision: Optional[str]) -> tuple[Linear, Linear, Optional[Linear]]:
+    """Activation bytes, forward/backward seconds and the bytes held at the first gradient (None where
+    not measured) of ``model``, micro-batch 1, 2, 4, ... until both
     grow with the batch (:data:`LINEAR_REGIME`) or ``max_micro`` is reached; fitted. ``precision``
     None runs without autocast (a model already in 16 bits, as DeepSpeed's bf16/fp16 blocks hold it)."""
     from zerotrain.engine import to_device
 
     memory: dict[int, float] = {}
     seconds: dict[int, float] = {}
+    first: dict[int, float] = {}
     size = 1
     while True:
         batch = to_device(batch_of(size), device)
@@ -207,7 +231,7 @@ def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, tor
 
         try:
             step()  # allocates the gradients (and warms kernels): the baseline then holds them
-            memory[size] = _peak_activation_bytes(step, model, device)
+            memory[size], first[size] = _peak_activation_bytes(step, model, device)
             seconds[size] = _timed(step, device)
         except torch.OutOfMemoryError:
             if not memory:
@@ -223,7 +247,8 @@ def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, tor
                                  and seconds[size] >= LINEAR_REGIME * seconds[half]):
             break
         size = min(2 * size, max_micro)
-    return Linear.through(memory), Linear.through(seconds)
+    measured = {b: y for b, y in first.items() if y == y and b in memory}
+    return Linear.through(memory), Linear.through(seconds), (Linear.through(measured) if measured else None)
 
 
 def _optimizer_step_s(model: nn.Module, device: torch.device, lr: float) -> float:
@@ -233,6 +258,34 @@ def _optimizer_step_s(model: nn.Module, device: torch.device, lr: float) -> floa
     opt = torch.optim.AdamW(params, lr=lr, **({"fused": True} if device.type == "cuda" else {}))
     opt.step()  # allocates the moments
     return _timed(opt.step, device)
+
+
+ADAM_SAMPLE = 2**26
+"""fp32 elements of the stand-in Adam step timed when the model's own fp32 states do not fit the GPU."""
+
+
+def _sampled_optimizer_step_s(trainable: int, device: torch.device, lr: float) -> float:
+    """One fused fp32 AdamW step over ``trainable`` parameters, timed on a slice and scaled: the step is
+    bandwidth-bound, linear in the elements (what ZeRO-1/2's optimizer does to its fp32 partition)."""
+    n = max(1, min(trainable, ADAM_SAMPLE))
+    weight = torch.zeros(n, device=device, requires_grad=True)
+    weight.grad = torch.zeros_like(weight)
+    opt = torch.optim.AdamW([weight], lr=lr, **({"fused": True} if device.type == "cuda" else {}))
+    opt.step()
+    seconds = _timed(opt.step, device)
+    del opt, weight
+    return seconds * trainable / n
+
+
+def _fp32_adam_fits(model: nn.Module, room: Optional[float]) -> bool:
+    """Whether the model as built, its gradients and two Adam moments fit in ``room`` bytes of the GPU
+    with a tenth to spare for activations (``room`` None: on the CPU, where the host is the limit)."""
+    from zerotrain.memory import count_params
+
+    if room is None:
+        return True
+    counts = count_params(model)
+    return counts.total_bytes + 3 * counts.trainable_bytes < 0.9 * room
 
 
 def _h2d_bytes_per_s(device: torch.device) -> Optional[float]:
@@ -254,11 +307,17 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     cfg = copy.deepcopy(task.cfg)
     cfg.strategy.precision = precision  # tasks read it (LoRA loads its base weights in it)
     seed_everything(cfg.trainer.seed)
-    gpu_total = context = None
+    gpu_total = context = room = None
     if device.type == "cuda":
+        from zerotrain.distributed import cap_gpu_memory
+
         torch.cuda.init()
         free, total = torch.cuda.mem_get_info(device)
         gpu_total, context = float(total), float(total - free)
+        cap = cap_gpu_memory(device, cfg.trainer.gpu_memory_gib)
+        if cap is not None:  # --trainer.gpu_memory_gib bounds the caching allocator; the context is outside it
+            gpu_total, context = cap, 0.0
+        room = min(float(free), gpu_total)
     import deepspeed  # noqa: F401  (its libraries are part of every DeepSpeed run's host memory)
 
     splits = task.with_config(cfg).build_datasets()
@@ -271,23 +330,38 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
         return cache[n]
 
     seq_len = int(next(iter(batch_of(1).values())).shape[-1])
-    activations, seconds, notes, opt_s = {}, {}, [], 0.0
+    activations, seconds, at_first, notes, opt_s = {}, {}, {}, [], 0.0
+    half = HALF.get(precision)
+
+    def trace(key: str, model: nn.Module, autocast_precision: Optional[str]) -> None:
+        activations[key], seconds[key], first = _trace(variant_task, model, batch_of, max_micro, device,
+                                                       autocast_precision)
+        if first is not None:
+            at_first[key] = first
+
     for ckpt in checkpointing:
         variant_cfg = copy.deepcopy(cfg)
         variant_cfg.strategy.activation_checkpointing = ckpt
         variant_task = task.with_config(variant_cfg)  # one clone builds and steps: a task may keep facts of its model
-        model = variant_task.build_model().to(device)
+        model = variant_task.build_model()
         model.train()
-        key = variant(ckpt, False)
-        activations[key], seconds[key] = _trace(variant_task, model, batch_of, max_micro, device, precision)
-        if not ckpt or not opt_s:
-            opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
-        half = HALF.get(precision)
-        if half is not None:  # the same model as DeepSpeed's bf16/fp16 blocks hold it
+        # A model whose fp32 weights and Adam states do not fit is traced only as DeepSpeed's bf16/fp16
+        # blocks hold it (16-bit weights, the fp32 states partitioned or offloaded), built on the CPU.
+        whole = half is None or _fp32_adam_fits(model, room)
+        if whole:
+            model.to(device)
+            trace(variant(ckpt, False), model, precision)
+            if not ckpt or not opt_s:
+                opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
             model.zero_grad(set_to_none=True)
-            model.to(half)
-            key = variant(ckpt, True)
-            activations[key], seconds[key] = _trace(variant_task, model, batch_of, max_micro, device, None)
+        if half is not None:  # the same model as DeepSpeed's bf16/fp16 blocks hold it
+            model.to(half).to(device)
+            trace(variant(ckpt, True), model, None)
+            if not whole and not opt_s:
+                trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                opt_s = _sampled_optimizer_step_s(trainable, device, cfg.optimizer.lr)
+                notes.append("fp32 weights with Adam do not fit this GPU: traced with 16-bit weights only; "
+                             "the Adam step timed on a slice and scaled")
         del model
         gc.collect()
         if device.type == "cuda":
@@ -302,7 +376,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
         notes.append("activations not measured: PyTorch's MemTracker cannot trace frozen parameters on the CPU")
     return Probe(device=device.type, device_name=name, precision=precision,
                  method="cuda allocator" if device.type == "cuda" else "torch MemTracker", seq_len=seq_len,
-                 activations=activations, forward_backward_s=seconds, optimizer_step_s=opt_s,
+                 activations=activations, forward_backward_s=seconds, at_first_gradient=at_first, optimizer_step_s=opt_s,
                  host_base_bytes=host_base, gpu_total_bytes=gpu_total, gpu_context_bytes=context,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device), notes=notes)
 
@@ -355,8 +429,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"zerotrain probe: error: {exc}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError:
-        print("zerotrain probe: error: one sample's step does not fit this GPU in plain PyTorch (weights as built, "
-              "gradients, Adam): the probe cannot measure this model here. Train with --strategy.zero_stage 3 "
+        print("zerotrain probe: error: a step of one sample does not fit this GPU even with 16-bit weights and "
+              "gradients: the probe cannot measure this model here. Train with --strategy.zero_stage 3 "
               "--strategy.offload_optimizer cpu --strategy.offload_param cpu, or more GPUs", file=sys.stderr)
         return 2
     write_json(Path(args.out), probe.to_dict())
