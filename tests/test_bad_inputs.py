@@ -59,6 +59,7 @@ CASES = [
     Case("max-steps-zero", "flag", "fit toy $FIT --trainer.max_steps 0"),
     Case("epochs-zero", "flag", "fit toy $FIT --trainer.epochs 0"),
     Case("micro-batch-zero", "flag", "fit toy $FIT --trainer.micro_batch_size 0"),
+    Case("gpu-memory-zero", "flag", "fit toy $FIT --trainer.gpu_memory_gib 0"),
     Case("log-every-zero", "flag", "fit toy $FIT --trainer.log_every_steps 0"),
     Case("eval-every-negative", "flag", "fit toy $FIT --trainer.eval_every_steps -1"),
     Case("num-workers-negative", "flag", "fit toy $FIT --trainer.num_workers -1"),
