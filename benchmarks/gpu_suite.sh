@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_bert_2gpu|plan_imdb_lora|scaling
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_bert_2gpu|plan_imdb_lora|plan_offload|imdb_compile|scaling
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -46,6 +46,21 @@ for part in "$@"; do
         --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4 \
         --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false \
         --strategies ddp,zero0,zero2,zero2_offload --trials 2 --trial_steps 5 ;;
+    plan_offload)  # a model too large for plain training on the GPU it gets: MLM 0.93B (16 layers x 2048, FFN 8192),
+      # micro-batch 8, on a GPU capped at 12 GiB (--trainer.gpu_memory_gib, as a 12 GB card): fp32 weights with
+      # Adam need ~15 GB, so only the offloads fit
+      plan mlm_0b9_12gib mlm "${BERT[@]}" --model.num_layers 16 --model.num_heads 16 --model.h_dim 2048 \
+        --model.ff_dim 8192 --trainer.micro_batch_size 8 --trainer.gpu_memory_gib 12 --trial_steps 3 \
+        --strategies ddp,zero2,zero1_offload,zero2_offload,zero3_offload ;;
+    imdb_compile)  # preset (b), 2 epochs, training only: eager (as shipped) against --strategy.compile true
+      for c in false true; do
+        z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
+          --trainer.evaluate false --trainer.export false --checkpoint.save_final false --strategy.compile $c \
+          --trainer.output_dir "$OUT/imdb_compile/runs" --trainer.run_name "compile_$c" --logging.progress_bar false \
+          > "$OUT/imdb_compile/compile_$c.log" 2>&1
+        echo "imdb compile=$c rc=$?"; cp "$OUT/imdb_compile/runs/compile_$c/summary.json" "$OUT/imdb_compile/compile_${c}_summary.json"
+        cp "$OUT/imdb_compile/runs/compile_$c/metrics.jsonl" "$OUT/imdb_compile/compile_${c}_metrics.jsonl"
+      done ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: the fastest one-GPU engines, then ZeRO-1/2 and DDP on two GPUs
       z benchmark mlm --strategies ddp,zero0 --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" | tail -n 4
       z benchmark mlm --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" | tail -n 5 ;;
