@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_bert_2gpu|plan_imdb_lora|plan_offload|imdb_compile|scaling
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_bert_2gpu|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -33,7 +33,7 @@ for part in "$@"; do
     plan_imdb_b)
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 ;;
     plan_bert)
-      plan bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 ;;
+      plan bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 --strategies ddp,zero0,zero1,zero2,zero2_offload,zero3 ;;
     plan_bert_2gpu)  # offload left out: BERT-base fits each GPU many times over
       plan bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 \
         --strategies ddp,zero0,zero1,zero2,zero3 ;;
@@ -46,6 +46,13 @@ for part in "$@"; do
         --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4 \
         --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false \
         --strategies ddp,zero0,zero2,zero2_offload --trials 2 --trial_steps 5 ;;
+    plan_lora)  # LoRA 1.2B alone (random weights, the tutorial's model shape), the strategies that make sense for
+      # a frozen 1.2B base on one GPU
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
+      plan lora_1b lora --model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK" \
+        --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4 \
+        --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false \
+        --strategies ddp,zero0,zero2_offload --trials 2 --trial_steps 5 ;;
     plan_offload)  # a model too large for plain training on the GPU it gets: MLM 0.93B (16 layers x 2048, FFN 8192),
       # micro-batch 8, on a GPU capped at 12 GiB (--trainer.gpu_memory_gib, as a 12 GB card): fp32 weights with
       # Adam need ~15 GB, so only the offloads fit
