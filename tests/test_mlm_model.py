@@ -84,3 +84,15 @@ def test_flops_formula_matches_a_hand_count():
     assert m.num_params(non_embedding=False) == non_embedding + V * C + T * C
     assert m.flops_per_token(T) == 6 * non_embedding + 12 * L * C * T + 6 * C * V
     assert m.flops_per_token(T, predicted_fraction=0.15) == 6 * non_embedding + 12 * L * C * T + 6 * C * V * 0.15
+
+
+def test_no_mask_is_the_same_as_a_mask_of_ones():
+    """Packed blocks pass no mask (SDPA may then take its flash kernel): the same function as an all-ones mask."""
+    torch.manual_seed(0)
+    model = RobertaMLM(vocab_size=50, num_layers=2, num_heads=2, h_dim=16, ff_dim=32, dropout=0.0,
+                       max_seq_length=12, pad_token_id=1).eval()
+    ids = torch.randint(3, 50, (3, 12))
+    with torch.no_grad():
+        masked = model(ids, torch.ones_like(ids))["logits"]
+        unmasked = model(ids, None)["logits"]
+    torch.testing.assert_close(unmasked, masked)

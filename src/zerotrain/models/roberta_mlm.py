@@ -27,11 +27,12 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(h_dim, h_dim)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        # attn_mask is boolean (B, 1, 1, T), True where the key is a real token: padded keys get no weight.
+        # attn_mask is boolean (B, 1, 1, T), True where the key is a real token: padded keys get no weight
+        # (None: every key is real).
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0
         )  # (B, H, T, D)
@@ -51,7 +52,7 @@ class EncoderLayer(nn.Module):
         self.ln_ff = nn.LayerNorm(h_dim)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         x = self.ln_attn(x + self.drop(self.attn(x, attn_mask)))  # (B, T, C)
         h = self.ff_out(F.gelu(self.ff_in(x)))  # (B, T, C)
         return self.ln_ff(x + self.drop(h))  # (B, T, C)
@@ -70,14 +71,16 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(h_dim, num_heads, ff_dim, dropout) for _ in range(num_layers))
         self.activation_checkpointing = activation_checkpointing
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
         B, T = input_ids.shape
         if T > self.position_embedding.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_seq_length {self.position_embedding.num_embeddings}")
         pos = torch.arange(T, device=input_ids.device)  # (T,)
         x = self.token_embedding(input_ids) + self.position_embedding(pos)  # (B, T, C)
         x = self.drop(self.ln_emb(x))
-        attn_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
+        # None when no position is padding (packed blocks): without a mask SDPA can pick its flash
+        # kernel, which a mask (even an all-True one) rules out.
+        attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]  # (B, 1, 1, T)
         for layer in self.layers:
             if self.activation_checkpointing and self.training:
                 # Non-reentrant checkpointing works with kwargs, inputs that need no grad, and
@@ -131,9 +134,10 @@ class RobertaMLM(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None) -> dict[str, Optional[torch.Tensor]]:
-        """Without ``labels``: logits for every position, (B, T, V).
+        """Without ``labels``: logits for every position, (B, T, V). ``attention_mask`` (B, T) is 1 for
+        real tokens; None when there is no padding.
 
         With ``labels``: the head runs on the masked positions only (labels != -100) and ``logits``
         is (M, V) for those M positions, in row-major order. The vocabulary projection is the
