@@ -93,3 +93,17 @@ def test_sigterm_saves_and_the_zero2_bf16_checkpoint_resumes_on_gpu(tmp_path):
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_step"] == step + 2
+
+
+def test_gpu_memory_cap_holds_on_an_unindexed_device():
+    """--trainer.gpu_memory_gib: the probe passes torch.device("cuda"), which has no index."""
+    import torch
+
+    from zerotrain.distributed import cap_gpu_memory
+
+    try:
+        assert cap_gpu_memory(torch.device("cuda"), 1.0) == 2**30
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

@@ -160,8 +160,9 @@ def cap_gpu_memory(device: torch.device, gib: Optional[float]) -> Optional[float
     returns the cap in bytes (None: no cap). The CUDA context is outside the allocator and the cap."""
     if gib is None or device.type != "cuda":
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the call wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
     return min(float(total), gib * 2**30)
 
 
