@@ -71,7 +71,10 @@ for part in "$@"; do
     scaling)  # BERT-base, micro-batch 32 per GPU: every one-GPU engine (the engine-tax target too), then ZeRO-1/2
       # and DDP on two GPUs
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" | tail -n 6
-      z benchmark mlm --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" | tail -n 5 ;;
+      z benchmark mlm --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" | tail -n 5
+      # the same ZeRO-1/2 with the gradient all-reduce overlapped with the backward pass, in 5e7-element buckets
+      z benchmark mlm --strategies zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu_overlap" "${BERT[@]}" \
+        --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 4 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;
