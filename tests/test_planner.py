@@ -63,8 +63,16 @@ def test_memory_prediction_adds_measured_activations_to_the_model_states():
     zero0 = predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", probe, Buckets(), autocast=True)
     assert zero0.states_bytes == 16 * 10**9
     assert zero0.activation_bytes == pytest.approx(8.5 * GIB)
-    # The gradients are freed after each step: the activations peak before backward makes them.
-    assert zero0.gpu_bytes == pytest.approx(12e9 + 8.5 * GIB)
+    # The gradients are freed after each step and built again in the backward pass. Unmeasured, what that
+    # pass still holds at its first gradient is taken as all the activations: the gradients add on top.
+    assert zero0.gpu_bytes == pytest.approx(16e9 + 8.5 * GIB)
+    # Measured (half of them left), the forward's end is the peak: the gradients come as activations go.
+    halved = dataclasses.replace(probe, at_first_gradient={"off": Linear(0.25 * GIB, 0.5 * GIB)})
+    assert predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", halved, Buckets(),
+                   autocast=True).gpu_bytes == pytest.approx(12e9 + 8.5 * GIB)
+    # With accumulation they also stay through the next micro-batches' forward passes.
+    assert predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", halved, Buckets(), autocast=True,
+                   grad_accum=2).gpu_bytes == pytest.approx(16e9 + 8.5 * GIB)
     assert zero0.host_bytes == pytest.approx(2 * GIB + 4e9)  # libraries + data, then the model built on the CPU
     ckpt = predict(counts, STRATEGIES["zero0"], 8, True, 1, "bf16", probe, Buckets(), autocast=True)
     assert ckpt.activation_bytes == pytest.approx(2.5 * GIB)
@@ -72,13 +80,13 @@ def test_memory_prediction_adds_measured_activations_to_the_model_states():
     assert offload.host_bytes == pytest.approx(2 * GIB + 4e9 + 16e9)
     # On the CPU all of it is host memory.
     cpu = predict(counts, STRATEGIES["ddp"], 8, False, 1, "fp32", fake_probe("cpu"))
-    assert cpu.gpu_bytes == 0 and cpu.host_bytes == pytest.approx(2 * GIB + 4e9 + 12e9 + 8.5 * GIB)
+    assert cpu.gpu_bytes == 0 and cpu.host_bytes == pytest.approx(2 * GIB + 4e9 + 16e9 + 8.5 * GIB)
     # DeepSpeed's bf16 block at ZeRO-1 holds 16-bit weights, fp32 master weights and moments (14 bytes a
     # parameter) throughout; its gradients and bucket come with the backward pass. Without a measure
     # of what the backward pass holds at its first gradient, the bucket adds to the whole peak.
     zero1 = predict(counts, STRATEGIES["zero1"], 8, False, 1, "bf16", probe, Buckets(10))
     assert zero1.states_bytes == 20e9 + 20
-    assert zero1.gpu_bytes == pytest.approx(14e9 + 20 + 8.5 * GIB)
+    assert zero1.gpu_bytes == pytest.approx(14e9 + 20 + 8.5 * GIB + 2e9 + 20)
 
 
 def test_zero12_bucket_adds_to_what_the_backward_pass_holds_at_its_first_gradient():
@@ -96,7 +104,8 @@ def test_zero12_bucket_adds_to_what_the_backward_pass_holds_at_its_first_gradien
     tiny_bucket = predict(counts, STRATEGIES["zero2"], 8, False, 1, "bf16",
                           dataclasses.replace(probe, at_first_gradient={"off": Linear(0.0, 1.0 * GIB)}),
                           Buckets(reduce_bucket_size=10**9))
-    assert tiny_bucket.gpu_bytes == pytest.approx(14e9 + 8 * GIB + 2e9)  # 8 GiB held + the bucket > 8.5 GiB
+    # 8 GiB held at the first gradient, then the 16-bit gradients and the bucket: more than the forward's 8.5 GiB
+    assert tiny_bucket.gpu_bytes == pytest.approx(14e9 + 8 * GIB + 2e9 + 2e9)
 
 
 def test_a_model_whose_fp32_adam_states_do_not_fit_is_probed_in_16_bits(monkeypatch):

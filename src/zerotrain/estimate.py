@@ -122,7 +122,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             rs.offload_optimizer, rs.offload_param = strategy.offload_optimizer, strategy.offload_param
             ds = make_ds_config(run_cfg, world, probe.device, precision) if strategy.backend == "deepspeed" else {}
             pred = predict(counts, strategy, cfg.trainer.micro_batch_size, cfg.strategy.activation_checkpointing,
-                           world, precision, probe, Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast")))
+                           world, precision, probe, Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast")),
+                           cfg.strategy.gradient_accumulation_steps)
             predictions[row.name] = pred
             judged.append(PlanRow(row.name, row.memory, fits(pred, probe, host, per_node) is None))
         rows = judged

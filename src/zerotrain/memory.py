@@ -29,9 +29,10 @@ first gradient, and their gradients (16-bit, then the fp32 partition the optimiz
 the backward pass to the end of the step; all of these are freed after it (DeepSpeed 0.19's
 ``stage_1_and_2.py``: ``setup_buckets``, ``independent_gradient_partition_epilogue``, ``step``).
 Plain PyTorch and the autocast engines free their gradients after each step too. So a step's peak is
-the largest of three moments: the forward's end (the states that persist plus all activations), the
-first gradient (plus what the backward pass still holds then, and the bucket) and the step (plus all
-gradients, no activations). Measured on one H100 at BERT-base shape (BENCHMARKS.md), the bucket
+the largest of three moments: the forward's end (the states that persist plus all activations, plus
+the gradients when they accumulate over micro-batches), the backward pass (what it still holds at
+its first gradient, as the probe measured, plus the gradients it builds and the bucket) and the step
+(all gradients, no activations). Measured on one H100 at BERT-base shape (BENCHMARKS.md), the bucket
 is under the forward's peak there; on IMDB's small model it adds on top.
 
 Activations depend on the batch, the sequence length and ``--strategy.activation_checkpointing``,
@@ -220,7 +221,8 @@ class MemoryPrediction:
 
 
 def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, checkpointing: bool, world_size: int,
-            precision: str, probe: "Probe", buckets: Buckets = Buckets(), autocast: bool = False) -> MemoryPrediction:
+            precision: str, probe: "Probe", buckets: Buckets = Buckets(), autocast: bool = False,
+            grad_accum: int = 1) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring)."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast)
@@ -230,9 +232,15 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     first = probe.at_first_gradient[key].at(micro_batch_size) if key in probe.at_first_gradient else act
     # The recipe builds its model on the CPU in the dtypes as built before the engine moves it.
     host = probe.host_base_bytes + counts.total_bytes + states.cpu_bytes
-    # The three moments of a step (module docstring): the forward's end, the first gradient, the step.
+    # The three moments of a step (module docstring). Gradients the engine frees after each step build
+    # up through the backward pass while the activations still held at its first gradient are freed
+    # (all of them counted: an upper bound), and with accumulation they are there through the next
+    # micro-batches' forward passes too.
     persistent = states.gpu_bytes - states.transient_bytes
-    device = persistent + max(act, min(first, act) + states.bucket_bytes, states.transient_bytes)
+    grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
+    forward_end = act + (grads if grad_accum > 1 else 0)
+    backward = min(first, act) + grads + states.bucket_bytes
+    device = persistent + max(forward_end, backward, states.transient_bytes)
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
