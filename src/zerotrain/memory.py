@@ -157,7 +157,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         weights = 0
     n_buckets = 0 if stage == 0 or not buckets.contiguous_gradients else 2 if buckets.overlap_comm and stage < 3 else 1
     bucket = n_buckets * element * buckets.reduce_bucket_size  # allocated whole, however small the model
-    transient = 0.0
+    transient = late_bucket = 0.0
     if strategy.backend == "ddp" or autocast:
         # zero_grad(set_to_none) frees the .grad share each step; DDP's bucket copy stays allocated.
         transient = min(grads, counts.trainable_bytes)
@@ -165,10 +165,10 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         # The 16-bit gradients, the fp32 gradient partition inside the optimizer's 16 bytes (unless
         # offloaded with it) and the bucket: allocated in the backward pass, freed after the step.
         fp32_grad = 4 * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
+        late_bucket = bucket
         transient = grads + fp32_grad + bucket
     return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket), cpu_bytes=int(cpu),
-                       grad_bytes=int(grads), transient_bytes=int(transient),
-                       bucket_bytes=int(bucket if stage in (1, 2) and not (strategy.backend == "ddp" or autocast) else 0))
+                       grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket))
 
 
 @dataclass(frozen=True)
