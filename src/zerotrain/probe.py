@@ -8,8 +8,9 @@ One short trace of the recipe's real model on its real (longest) batches, plain 
   allocator's peak over what the weights and gradients hold (``max_memory_allocated``, what the
   benchmarks report); on CPU, PyTorch's ``MemTracker`` counts the live tensor storages.
   With ``activation_checkpointing`` both ways are traced, each on its own model. On CUDA it also
-  records what is still allocated when the first gradient lands: DeepSpeed's ZeRO-1/2 allocate their
-  reduce bucket at that moment, so the bucket adds to that figure, not to the forward's peak.
+  records what is still allocated when the first gradient lands: gradients an engine frees between
+  steps, and DeepSpeed's ZeRO-1/2 reduce bucket, are allocated from then on, so they add to that
+  figure rather than to the forward's peak (:func:`zerotrain.memory.predict`).
 * **time** of that forward and backward at the same sizes (same fit), and of one optimizer step
   over the trainable parameters, on this device;
 * a model whose fp32 weights, gradients and Adam moments do not fit the GPU (the case for offload)
