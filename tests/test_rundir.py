@@ -169,3 +169,14 @@ def test_commit_outside_git_comes_from_zerotrain_commit(monkeypatch):
     assert rundir.commit() is None
     monkeypatch.setenv("ZEROTRAIN_COMMIT", "249f40d")
     assert rundir.commit() == "249f40d" and rundir.environment()["commit"] == "249f40d"
+
+
+def test_zerotrain_commit_wins_over_a_stale_git_head(monkeypatch):
+    """A copied tree may carry an old .git: whoever set ZEROTRAIN_COMMIT said which code this is."""
+    from zerotrain import rundir
+
+    monkeypatch.setattr(rundir, "_git", lambda args, cwd: "f3e8638\n")
+    monkeypatch.setenv("ZEROTRAIN_COMMIT", "2a7768a")
+    assert rundir.commit() == "2a7768a"
+    monkeypatch.delenv("ZEROTRAIN_COMMIT")
+    assert rundir.commit() == "f3e8638"

@@ -238,10 +238,11 @@ def write_code_state(run: Path) -> None:
 
 
 def commit() -> str | None:
-    """The git commit of the zerotrain code that runs (its source checkout), or ZEROTRAIN_COMMIT for a
-    copy of a checkout without .git (such as the tree a GPU machine receives); None when neither says."""
+    """The git commit of the zerotrain code that runs: ZEROTRAIN_COMMIT when set (a copied tree, such
+    as the one a GPU machine receives, may carry a stale .git whose HEAD is not the code), else its
+    source checkout's HEAD; None when neither says."""
     here = Path(__file__).resolve().parent
-    return _git(["rev-parse", "HEAD"], here).strip() or os.environ.get("ZEROTRAIN_COMMIT") or None
+    return os.environ.get("ZEROTRAIN_COMMIT") or _git(["rev-parse", "HEAD"], here).strip() or None
 
 
 def _program() -> str:
