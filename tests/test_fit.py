@@ -247,3 +247,22 @@ def test_fast_path_follows_deepspeeds_default_path(tmp_path):
         assert row["train_loss"] == pytest.approx(logs[False][step]["train_loss"], rel=1e-5, abs=1e-7), step
     assert logs[True][200]["train_loss"] < 0.5 * logs[True][10]["train_loss"]  # it did learn
     assert logs[True][200]["grad_norm"] > 0.05  # clipping was active all along
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero12_fast_path_follows_deepspeeds_default_path(tmp_path, stage):
+    """ZeRO-1/2 without contiguous_gradients (the fast path) reduce the same gradients: the loss curve of
+    DeepSpeed's own path within fp32 rounding, with clipping that bites."""
+    logs = {}
+    for fast in (True, False):
+        cfg = toy_config(tmp_path, f"fast-{fast}", zero_stage=stage, fast_path=fast, gradient_clipping=0.05)
+        cfg.trainer.max_steps, cfg.trainer.log_every_steps, cfg.trainer.eval_every_steps = 60, 10, 60
+        cfg.scheduler.name = "constant"
+        fit(ToyTask(cfg))
+        logs[fast] = train_log(tmp_path / f"fast-{fast}")
+    ds = json.loads((tmp_path / "fast-True" / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["contiguous_gradients"] is False
+    assert sorted(logs[True]) == sorted(logs[False]) == list(range(10, 61, 10))
+    for step, row in logs[True].items():
+        assert row["train_loss"] == pytest.approx(logs[False][step]["train_loss"], rel=1e-5, abs=1e-7), step
+        assert row["grad_norm"] == pytest.approx(logs[False][step]["grad_norm"], rel=1e-5), step
