@@ -126,6 +126,13 @@ def test_fast_path_rewrites(stage, precision):
     assert fast["fp16"] == slow["fp16"]
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fast_path_keeps_contiguous_gradients_under_optimizer_offload(stage):
+    """DeepSpeed turns them back on there: the JSON says what runs."""
+    ds = build_ds_config(make_cfg(zero_stage=stage, offload_optimizer="cpu"), 1, "cuda", "bf16")
+    assert ds["zero_optimization"]["contiguous_gradients"] is True
+
+
 def test_fast_path_leaves_a_user_file_alone(tmp_path):
     path = write(tmp_path, json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 2.0,
                                        "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}))

@@ -58,6 +58,10 @@ def test_reduce_buckets_follow_the_deepspeed_config():
     assert model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", overlap).gpu_bytes == plain + 2 * 10
     assert model_state_memory(c, STRATEGIES["zero3"], 1, "bf16", overlap).gpu_bytes == (
         model_state_memory(c, STRATEGIES["zero3"], 1, "bf16", Buckets(10)).gpu_bytes)
+    # DeepSpeed's ZeRO-1/2 keep contiguous gradients (and their bucket) under optimizer offload, whatever the JSON says.
+    offloaded = {"zero_optimization": {"stage": 2, "contiguous_gradients": False, "offload_optimizer": {"device": "cpu"}}}
+    assert Buckets.from_ds_config(offloaded).contiguous_gradients
+    assert not Buckets.from_ds_config({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}).contiguous_gradients
     no_buffer = Buckets(10, contiguous_gradients=False)
     assert model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", no_buffer).gpu_bytes == plain - 2 * 10
 

@@ -103,7 +103,8 @@ class StrategyConfig:
     overlap_comm: bool = False
     """ZeRO: overlap gradient reduction with the backward pass (uses more memory for buckets)."""
     contiguous_gradients: bool = True
-    """ZeRO: copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    """ZeRO: copy gradients into one contiguous buffer as they are produced (less fragmentation). The fast
+    path turns it off at stages 1-2 without optimizer offload (same results, less host time a step)."""
     reduce_bucket_size: int = 500_000_000
     """ZeRO: elements reduced at once."""
     allgather_bucket_size: int = 500_000_000

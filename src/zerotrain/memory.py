@@ -25,14 +25,15 @@ also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements, two o
 with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB, however small the model).
 
 Not all of it is held at once. Stages 1-2 allocate the bucket when the backward pass writes its
-first gradient, and their gradients (16-bit, then the fp32 partition the optimizer reads) live from
-the backward pass to the end of the step; all of these are freed after it (DeepSpeed 0.19's
-``stage_1_and_2.py``: ``setup_buckets``, ``independent_gradient_partition_epilogue``, ``step``).
+first gradient (the gradients are copied into it as they arrive) and free it when that pass ends;
+their gradients (16-bit, then the fp32 partition the optimizer reads) live from the backward pass
+to the end of the step (DeepSpeed 0.19's ``stage_1_and_2.py``: ``setup_buckets``,
+``independent_gradient_partition_epilogue``, ``step``).
 Plain PyTorch and the autocast engines free their gradients after each step too. So a step's peak is
 the largest of three moments: the forward's end (the states that persist plus all activations, plus
 the gradients when they accumulate over micro-batches), the backward pass (what it still holds at
-its first gradient, as the probe measured, plus the gradients it builds and the bucket) and the step
-(all gradients, no activations). Measured on one H100 at BERT-base shape (BENCHMARKS.md), the bucket
+its first gradient, as the probe measured, plus the gradients it builds or the bucket they are copied
+into, whichever is larger) and the step (all gradients, no activations, no bucket). Measured on one H100 at BERT-base shape (BENCHMARKS.md), the bucket
 is under the forward's peak there; on IMDB's small model it adds on top.
 
 Activations depend on the batch, the sequence length and ``--strategy.activation_checkpointing``,
@@ -98,8 +99,10 @@ class Buckets:
     @classmethod
     def from_ds_config(cls, ds: dict) -> "Buckets":
         zero = ds.get("zero_optimization", {})
+        # DeepSpeed 0.19's ZeRO-1/2 turn contiguous gradients back on under optimizer offload.
+        offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
-                   bool(zero.get("contiguous_gradients", True)))
+                   bool(zero.get("contiguous_gradients", True)) or offload)
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,11 @@ class StateMemory:
     grad_bytes: int = 0
     """The gradients' share of ``gpu_bytes``."""
     transient_bytes: int = 0
-    """The share of ``gpu_bytes`` allocated only from the backward pass to the end of the step
-    (gradients the engine frees after each step, DeepSpeed's stage 1-2 bucket): not there at the forward's peak."""
+    """The share of ``gpu_bytes`` allocated only in the backward pass and the step (gradients the engine
+    frees after each step, DeepSpeed's stage 1-2 bucket): not there at the forward's peak."""
     bucket_bytes: int = 0
-    """DeepSpeed's reduce bucket(s), allocated when the first gradient is written (part of ``transient_bytes``
-    for stages 1-2)."""
+    """DeepSpeed's stage 1-2 reduce bucket(s), part of ``transient_bytes``: allocated at the first
+    gradient, freed when the backward pass ends."""
 
 
 def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
@@ -163,7 +166,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         transient = min(grads, counts.trainable_bytes)
     elif stage in (1, 2):
         # The 16-bit gradients, the fp32 gradient partition inside the optimizer's 16 bytes (unless
-        # offloaded with it) and the bucket: allocated in the backward pass, freed after the step.
+        # offloaded with it) and the bucket: allocated in the backward pass, freed by the step's end.
         fp32_grad = 4 * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
         late_bucket = bucket
         transient = grads + fp32_grad + bucket
@@ -233,14 +236,15 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     # The recipe builds its model on the CPU in the dtypes as built before the engine moves it.
     host = probe.host_base_bytes + counts.total_bytes + states.cpu_bytes
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
-    # up through the backward pass while the activations still held at its first gradient are freed
-    # (all of them counted: an upper bound), and with accumulation they are there through the next
-    # micro-batches' forward passes too.
+    # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations
+    # still held at its first gradient are freed (all of them counted: an upper bound); with
+    # accumulation they are there through the next micro-batches' forward passes too.
     persistent = states.gpu_bytes - states.transient_bytes
     grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
     forward_end = act + (grads if grad_accum > 1 else 0)
-    backward = min(first, act) + grads + states.bucket_bytes
-    device = persistent + max(forward_end, backward, states.transient_bytes)
+    backward = min(first, act) + max(grads, states.bucket_bytes)
+    step = states.transient_bytes - states.bucket_bytes
+    device = persistent + max(forward_end, backward, step)
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"

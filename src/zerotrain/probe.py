@@ -316,8 +316,9 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
         free, total = torch.cuda.mem_get_info(device)
         gpu_total, context = float(total), float(total - free)
         cap = cap_gpu_memory(device, cfg.trainer.gpu_memory_gib)
-        if cap is not None:  # --trainer.gpu_memory_gib bounds the caching allocator; the context is outside it
-            gpu_total, context = cap, 0.0
+        if cap is not None:  # --trainer.gpu_memory_gib bounds the caching allocator; the context is outside it,
+            # unless other processes leave less than the cap free
+            gpu_total, context = cap, max(0.0, cap - float(free))
         room = min(float(free), gpu_total)
     import deepspeed  # noqa: F401  (its libraries are part of every DeepSpeed run's host memory)
 
@@ -359,6 +360,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
             model.to(half).to(device)
             trace(variant(ckpt, True), model, None)
             if not whole and not opt_s:
+                model.zero_grad(set_to_none=True)  # room for the stand-in step's fp32 tensors
                 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
                 opt_s = _sampled_optimizer_step_s(trainable, device, cfg.optimizer.lr)
                 notes.append("fp32 weights with Adam do not fit this GPU: traced with 16-bit weights only; "
