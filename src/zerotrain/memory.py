@@ -238,10 +238,12 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations
     # still held at its first gradient are freed (all of them counted: an upper bound); with
-    # accumulation they are there through the next micro-batches' forward passes too.
+    # accumulation they, and the bucket, are there through the next micro-batches' forward passes too
+    # (ZeRO-1 with optimizer offload measured 1.1 GiB over activations and gradients at 4 x 2 on one
+    # H100, BENCHMARKS.md: the 0.93 GiB bucket).
     persistent = states.gpu_bytes - states.transient_bytes
     grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
-    forward_end = act + (grads if grad_accum > 1 else 0)
+    forward_end = act + (grads + states.bucket_bytes if grad_accum > 1 else 0)
     backward = min(first, act) + max(grads, states.bucket_bytes)
     step = states.transient_bytes - states.bucket_bytes
     device = persistent + max(forward_end, backward, step)
