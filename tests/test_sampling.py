@@ -99,6 +99,20 @@ def test_length_bucketing_reduces_padding_over_the_same_examples():
     assert flat(plans(size, micro, world, epoch=2, lengths=lengths)) != bucketed
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_batch_with_the_longest_example_comes_first_in_every_epoch(shuffle):
+    """An out-of-memory shows at step 1, and a short planner trial meets the epoch's peak."""
+    rng = random.Random(1)
+    size, micro, world = 3200, 8, 2
+    lengths = [rng.randint(5, 500) for _ in range(size)]
+    lengths[rng.randrange(size)] = 1000  # one outlier, wherever the shuffle puts it
+    for epoch in (0, 1, 2):
+        per_rank = plans(size, micro, world, epoch=epoch, lengths=lengths, shuffle=shuffle)
+        global_batches = [flat(step) for step in zip(*per_rank)]  # each step's micro-batches of all ranks
+        assert max(lengths[i] for i in global_batches[0]) == 1000
+        assert sorted(flat(global_batches)) == list(range(size))  # moved, not duplicated
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("size", [0, 1, 5, 17, 64])
 @pytest.mark.parametrize("batch_size", [1, 4])

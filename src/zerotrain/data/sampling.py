@@ -44,9 +44,16 @@ class EpochBatches(Sampler[list[int]]):
             order = [i for s in range(0, len(order), window)
                      for i in sorted(order[s:s + window], key=lambda j: self.lengths[j])]
         batches = [order[s:s + gb] for s in range(0, self.batches_per_epoch * gb, gb)]
-        if self.lengths is not None and self.shuffle:
-            perm = torch.randperm(len(batches), generator=g).tolist()
-            batches = [batches[i] for i in perm]
+        if self.lengths is not None:
+            if self.shuffle:
+                perm = torch.randperm(len(batches), generator=g).tolist()
+                batches = [batches[i] for i in perm]
+            # The batch holding the longest example goes first (as Hugging Face's length-grouped
+            # sampler does): a run that will run out of memory does so at its first step, and a
+            # short planner trial meets the epoch's peak memory.
+            if batches:
+                longest = max(range(len(batches)), key=lambda b: max(self.lengths[i] for i in batches[b]))
+                batches[0], batches[longest] = batches[longest], batches[0]
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
