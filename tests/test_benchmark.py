@@ -27,10 +27,15 @@ def test_sweep_writes_json_and_markdown(tmp_path):
         assert row["tokens_per_s"] > 0 and row["peak_host_mem_gib"] > 0 and row["status"] == "ok"
         assert row["commit"] == result["environment"]["commit"] and len(row["commit"]) >= 7
         assert row["profile"]["steps"] == 2 and row["profile"]["cpu_ms_per_step"] > 0
+        # The memory model's peaks next to the measured ones, from one probe of the sweep's workload
+        # (on a CPU the device's memory is the host's: all of it is predicted as host memory).
+        assert row["predicted_gpu_mem_gib"] == 0.0 and row["predicted_host_mem_gib"] > 0.1
+        assert row["predicted_activations"].startswith("measured")
         assert (tmp_path / "b" / f"profile_{row['strategy']}_1gpu.md").read_text().startswith("Profile of 2 steps")
     assert (tmp_path / "b" / "benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (tmp_path / "b" / "benchmark.md").read_text()
     assert "| zero0 | 1 |" in table and "| ddp | 1 |" in table and result["environment"]["versions"]["torch"] in table
+    assert "predicted host (GiB)" in table and json.loads((tmp_path / "b" / "probe.json").read_text())["device"] == "cpu"
 
 
 def test_a_failed_fit_is_a_row_with_its_reason(tmp_path):
@@ -39,6 +44,8 @@ def test_a_failed_fit_is_a_row_with_its_reason(tmp_path):
     assert out.returncode == 1
     row = json.loads((tmp_path / "b" / "benchmark.json").read_text())["rows"][0]
     assert "--trainer.max_steps" in row["error"]
+    # The probe cannot run such a config either: no prediction, and the row says why.
+    assert row["predicted_gpu_mem_gib"] is None and "--trainer.max_steps" in row["predicted_activations"]
 
 
 def test_unknown_strategy_names_the_flag(tmp_path):

@@ -13,11 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from zerotrain.errors import OOM_EXIT, UserError
 from zerotrain.rundir import environment, write_json
 from zerotrain.strategies import STRATEGIES
+
+if TYPE_CHECKING:
+    from zerotrain.probe import Probe
 
 COLUMNS = [
     ("strategy", "strategy", "{}"),
@@ -30,6 +33,8 @@ COLUMNS = [
     ("data wait", "throughput_data_wait_frac", "{:.1%}"),
     ("peak GPU mem (GiB, rank 0)", "gpu_mem_peak_gib", "{:.2f}"),
     ("peak host RSS (GiB, rank 0)", "host_rss_peak_gib", "{:.2f}"),
+    ("predicted GPU (GiB)", "predicted_gpu_mem_gib", "{:.2f}"),
+    ("predicted host (GiB)", "predicted_host_mem_gib", "{:.2f}"),
 ]
 
 
@@ -75,13 +80,53 @@ def _nproc(fit_args: list[str]) -> int:
     return flag("--launch.nproc_per_node") * flag("--launch.nnodes")
 
 
+def _probe(recipe: str, fit_args: list[str], out_dir: Path) -> tuple[Optional["Probe"], Optional[str]]:
+    """The memory model's measurements for this sweep's workload (one probe serves every row), or why not."""
+    from zerotrain.config_cli import parse_config
+    from zerotrain.probe import run_probe
+
+    cfg = parse_config(recipe, fit_args)
+    per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
+    try:
+        return run_probe(recipe, fit_args, out_dir / "probe.json", per_rank,
+                         checkpointing=cfg.strategy.activation_checkpointing), None
+    except UserError as exc:
+        return None, str(exc)
+
+
+def predicted(recipe: str, fit_args: list[str], strategy: str, probe: "Probe") -> dict[str, Any]:
+    """The memory model's peak GPU and host memory (rank 0) for the run ``fit_args`` describe, whose
+    strategy flags are those of ``strategy``."""
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate
+
+    cfg = parse_config(recipe, fit_args)
+    pred = estimate(recipe, cfg, probe=probe).predictions[strategy]  # type: ignore[index]
+    return {**pred.as_row(), "predicted_activations": pred.activations}
+
+
+def _predicted_or_why(recipe: str, fit_args: list[str], strategy: str, probe: Optional["Probe"],
+                      no_probe: Optional[str]) -> dict[str, Any]:
+    if probe is not None:
+        try:
+            return predicted(recipe, fit_args, strategy, probe)
+        except UserError as exc:
+            no_probe = str(exc)
+    return {"predicted_gpu_mem_gib": None, "predicted_host_mem_gib": None, "predicted_activations": no_probe}
+
+
 def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Path, fit_args: list[str],
-              timeout_s: int = 3600, profile_steps: int = 0) -> dict[str, Any]:
+              timeout_s: int = 3600, profile_steps: int = 0, predict: bool = True) -> dict[str, Any]:
+    """One fit per strategy and process count. With ``predict`` the memory model's peaks go next to the
+    measured ones in each row: one probe (:mod:`zerotrain.probe`, a few seconds) before the first fit."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
+    probe, no_probe = _probe(recipe, fit_args, out_dir) if predict else (None, "not asked (--predict false)")
+    if no_probe:
+        print(f"[benchmark] no memory predictions: {no_probe}", flush=True)
     extra = ["--trainer.profile_steps", str(profile_steps)] if profile_steps else []
     rows = []
     for n in nprocs:
@@ -90,6 +135,7 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
             args = [*fit_args, *STRATEGIES[name].flags(), *extra, "--launch.nproc_per_node", str(n)]
             print(f"[benchmark] {name} x {n}: zerotrain fit {recipe} {shlex.join(args)}", flush=True)
             row = {"strategy": name, **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}
+            row.update(_predicted_or_why(recipe, args, name, probe, no_probe))
             run_dir = out_dir / "runs" / run_name
             if (run_dir / "profile.md").is_file():
                 row["profile"] = json.loads((run_dir / "profile.json").read_text())

@@ -96,7 +96,9 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     cfg.validate()
     per_node = cfg.launch.nproc_per_node
     world = per_node * cfg.launch.nnodes
-    if cfg.strategy.precision == "auto":
+    if probe is not None:
+        cfg.strategy.precision = probe.precision  # what the run resolves to on the probed device (fp32 on a CPU)
+    elif cfg.strategy.precision == "auto":
         cfg.strategy.precision = "bf16"  # what auto resolves to on any GPU since Ampere; the model is built in it
     precision = cfg.strategy.precision
     # Bucket sizes as DeepSpeed would get them: from the flags, or from --strategy.deepspeed_config.

@@ -384,14 +384,17 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device), notes=notes)
 
 
-def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800) -> Probe:
-    """:func:`measure` in a fresh process (``python -m zerotrain.probe``); raises UserError with its last line."""
+def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,
+              checkpointing: bool = True) -> Probe:
+    """:func:`measure` in a fresh process (``python -m zerotrain.probe``); raises UserError with its last line.
+    ``checkpointing`` False traces without activation checkpointing only (half the time)."""
     import subprocess
     import sys
 
     from zerotrain.errors import UserError
 
-    cmd = [sys.executable, "-m", "zerotrain.probe", recipe, "--out", str(out), "--max_micro", str(max_micro), *fit_args]
+    cmd = [sys.executable, "-m", "zerotrain.probe", recipe, "--out", str(out), "--max_micro", str(max_micro),
+           *([] if checkpointing else ["--no_checkpointing"]), *fit_args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
