@@ -1,9 +1,10 @@
-"""The BENCHMARKS.md tables of `zerotrain plan` results, regenerated from the plan_*.json files.
+"""The BENCHMARKS.md tables of `zerotrain plan` results, regenerated from the plan_*.json files
+(and from `zerotrain benchmark` files, whose rows carry predicted memory too).
 
     python benchmarks/plan_tables.py benchmarks/results/h100/plan/plan_*.json benchmarks/results/h200x2/plan/plan_*.json
 
 Prints two Markdown tables: the plan's pick against the fastest configuration measured in the same
-session, and the predicted peak memory of every trial against what that trial measured.
+session, and the predicted peak memory of every trial (or benchmark row) against what it measured.
 """
 
 from __future__ import annotations
@@ -17,8 +18,20 @@ def _pct(predicted: float, measured: float | None) -> str:
     return f"{100 * (predicted / measured - 1):+.0f}%" if measured else "-"
 
 
+def _measured_rows(path: Path, result: dict) -> list[tuple[str, float, float | None, float, float | None]]:
+    """(label, predicted GPU, measured GPU, predicted host, measured host) of every run that finished."""
+    if "summary" in result:  # a plan: its trials
+        return [(row["candidate"], row["predicted_gpu_mem_gib"], row["measured"].get("peak_gpu_mem_gib"),
+                 row["predicted_host_mem_gib"], row["measured"].get("peak_host_mem_gib"))
+                for row in result["rows"] if (row.get("measured") or {}).get("status") == "ok"]
+    return [(f"{row['strategy']} x{row['n_gpus']} micro {row['micro_batch_size']}", row["predicted_gpu_mem_gib"],
+             row.get("peak_gpu_mem_gib"), row["predicted_host_mem_gib"], row.get("peak_host_mem_gib"))
+            for row in result["rows"] if row.get("status") == "ok" and row.get("predicted_gpu_mem_gib") is not None]
+
+
 def tables(paths: list[Path]) -> str:
-    plans = [(p, json.loads(p.read_text())) for p in paths]
+    results = [(p, json.loads(p.read_text())) for p in paths]
+    plans = [(p, r) for p, r in results if "summary" in r]
     out = ["| workload | file | GPU | GPUs | planned | planned tokens/s | best measured | best tokens/s | planned / best |",
            "|---|---|---|---|---|---|---|---|---|"]
     for path, plan in plans:
@@ -28,15 +41,11 @@ def tables(paths: list[Path]) -> str:
                    f"{s['best_tokens_per_s']:,.0f} | {s['planned_vs_best']:.2f} |")
     out += ["", "| workload | trial | predicted GPU GiB | measured GPU GiB | error | predicted host GiB "
             "| measured host GiB | error |", "|---|---|---|---|---|---|---|---|"]
-    for path, plan in plans:
-        for row in plan["rows"]:
-            m = row.get("measured") or {}
-            if m.get("status") != "ok":
-                continue
-            gpu, host = m.get("peak_gpu_mem_gib"), m.get("peak_host_mem_gib")
-            out.append(f"| {path.stem.removeprefix('plan_')} | {row['candidate']} | {row['predicted_gpu_mem_gib']:.2f} | "
-                       f"{gpu:.2f} | {_pct(row['predicted_gpu_mem_gib'], gpu)} | {row['predicted_host_mem_gib']:.2f} | "
-                       f"{host:.2f} | {_pct(row['predicted_host_mem_gib'], host)} |")
+    for path, result in results:
+        name = path.stem.removeprefix("plan_") if "summary" in result else f"{result['recipe']} ({path.parent.name})"
+        for label, p_gpu, gpu, p_host, host in _measured_rows(path, result):
+            out.append(f"| {name} | {label} | {p_gpu:.2f} | {gpu or 0:.2f} | {_pct(p_gpu, gpu)} | {p_host:.2f} | "
+                       f"{host or 0:.2f} | {_pct(p_host, host)} |")
     return "\n".join(out) + "\n"
 
 
