@@ -123,6 +123,28 @@ def test_a_model_whose_fp32_adam_states_do_not_fit_is_probed_in_16_bits(monkeypa
     assert found.key(False, False) == "off16" and found.key(True, False) == "off16"
 
 
+def test_a_probe_that_runs_out_of_memory_in_fp32_falls_back_to_16_bits(monkeypatch):
+    """The weights and Adam states fit on paper but a one-sample fp32 step does not: the probe goes on
+    with the 16-bit trace (what the offload strategies run) instead of failing."""
+    import torch
+
+    from zerotrain import probe as probe_mod
+    from zerotrain import recipes
+
+    real_trace = probe_mod._trace
+
+    def fp32_runs_out(task, model, batch_of, max_micro, device, autocast_precision):
+        if autocast_precision is not None:  # the fp32-weight (autocast) trace
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_trace(task, model, batch_of, max_micro, device, autocast_precision)
+
+    monkeypatch.setattr(probe_mod, "_trace", fp32_runs_out)
+    cfg = parse_config("toy", TOY)
+    found = probe_mod.measure(recipes.get("toy")(cfg), torch.device("cpu"), "bf16", max_micro=2, checkpointing=(False,))
+    assert set(found.activations) == {"off16"} and found.activations["off16"].floor > 0
+    assert found.optimizer_step_s > 0 and any("16-bit weights only" in note for note in found.notes)
+
+
 def test_fp32_adam_fit_counts_weights_gradients_and_two_moments():
     from torch import nn
 

@@ -351,10 +351,21 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
         # blocks hold it (16-bit weights, the fp32 states partitioned or offloaded), built on the CPU.
         whole = half is None or _fp32_adam_fits(model, room)
         if whole:
-            model.to(device)
-            trace(variant(ckpt, False), model, precision)
-            if not ckpt or not opt_s:
-                opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
+            try:
+                model.to(device)
+                trace(variant(ckpt, False), model, precision)
+                if not ckpt or not opt_s:
+                    opt_s = _optimizer_step_s(model, device, cfg.optimizer.lr)
+            except torch.OutOfMemoryError:
+                if half is None:
+                    raise
+                # The weights fit but one sample's step with fp32 weights does not: trace the 16-bit
+                # model only (below), from the CPU, so that the conversion needs no room on the GPU.
+                whole = False
+                model.zero_grad(set_to_none=True)
+                model.to("cpu")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             model.zero_grad(set_to_none=True)
         if half is not None:  # the same model as DeepSpeed's bf16/fp16 blocks hold it
             model.to(half).to(device)
