@@ -148,6 +148,19 @@ def test_estimate_is_a_library_call_with_rows_and_a_pick():
     assert text.splitlines()[0].startswith("toy: ") and "| zero3_offload |" in text and "Pick: ddp" in text
 
 
+def test_estimate_sizes_each_strategy_from_the_deepspeed_json_it_would_run_with():
+    """ZeRO-0 in bf16 runs under DeepSpeed's autocast (fp32 weights, as the plain engine) and ZeRO-1 gets
+    with optimizer offload keeps its reduce bucket (contiguous gradients), whatever strategy the flags name."""
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate
+
+    cfg = parse_config("toy", ["--strategy.precision", "bf16", "--strategy.zero_stage", "3",
+                               "--strategy.reduce_bucket_size", "1000000"])
+    rows = {row.name: row.memory for row in estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64).rows}
+    assert rows["zero0"].gpu_bytes == rows["ddp"].gpu_bytes
+    assert rows["zero1_offload"].bucket_bytes == 2 * 1_000_000 and rows["zero0"].bucket_bytes == 0
+
+
 def test_estimate_without_known_gpu_memory_judges_nothing(monkeypatch, capsys):
     import zerotrain.estimate
 

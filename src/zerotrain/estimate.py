@@ -101,8 +101,14 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     elif cfg.strategy.precision == "auto":
         cfg.strategy.precision = "bf16"  # what auto resolves to on any GPU since Ampere; the model is built in it
     precision = cfg.strategy.precision
-    # Bucket sizes as DeepSpeed would get them: from the flags, or from --strategy.deepspeed_config.
-    buckets = Buckets.from_ds_config(make_ds_config(cfg, world, "cuda", precision))
+    device = probe.device if probe is not None else "cuda"
+    # Each strategy's DeepSpeed JSON as its run would get it (from the flags, or from
+    # --strategy.deepspeed_config): its bucket sizes, and whether it keeps fp32 weights under autocast.
+    row_cfgs = {name: _with_strategy(cfg, name) for name in STRATEGIES}
+    ds_jsons = {name: make_ds_config(row_cfg, world, device, precision)  # type: ignore[arg-type]
+                for name, row_cfg in row_cfgs.items() if STRATEGIES[name].backend == "deepspeed"}
+    buckets = {name: Buckets.from_ds_config(ds) for name, ds in ds_jsons.items()}
+    autocast = {name: _enabled(ds.get("torch_autocast")) for name, ds in ds_jsons.items()}
 
     with torch.device("meta"):
         model = recipes.get(recipe)(cfg).build_model(pretrained=False)
@@ -111,20 +117,14 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     gpu = gpu_memory_gib * GIB if gpu_memory_gib is not None else gpu_memory_bytes()
     host = host_memory_gib * GIB if host_memory_gib is not None else float(psutil.virtual_memory().total)
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
-                procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets)
+                procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast)
     predictions = None
     if probe is not None:
         predictions, judged = {}, []
         for row in rows:
-            strategy = STRATEGIES[row.name]
-            run_cfg = copy.deepcopy(cfg)
-            # The row's whole strategy, offloads included: a user's --strategy.offload_param would not fit ZeRO-1.
-            rs = run_cfg.strategy
-            rs.backend, rs.zero_stage = strategy.backend, strategy.zero_stage
-            rs.offload_optimizer, rs.offload_param = strategy.offload_optimizer, strategy.offload_param
-            ds = make_ds_config(run_cfg, world, probe.device, precision) if strategy.backend == "deepspeed" else {}
-            pred = predict(counts, strategy, cfg.trainer.micro_batch_size, cfg.strategy.activation_checkpointing,
-                           world, precision, probe, Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast")),
+            pred = predict(counts, STRATEGIES[row.name], cfg.trainer.micro_batch_size,
+                           cfg.strategy.activation_checkpointing, world, precision, probe,
+                           buckets.get(row.name, Buckets()), autocast.get(row.name, False),
                            cfg.strategy.gradient_accumulation_steps)
             predictions[row.name] = pred
             judged.append(PlanRow(row.name, row.memory, fits(pred, probe, host, per_node) is None))
@@ -133,6 +133,16 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
                           activation_checkpointing=cfg.strategy.activation_checkpointing)
+
+
+def _with_strategy(cfg: RunConfig, name: str) -> RunConfig:
+    """A copy of ``cfg`` running strategy ``name``, offloads included: a user's
+    --strategy.offload_param would not fit ZeRO-1."""
+    run_cfg, strategy = copy.deepcopy(cfg), STRATEGIES[name]
+    rs = run_cfg.strategy
+    rs.backend, rs.zero_stage = strategy.backend, strategy.zero_stage
+    rs.offload_optimizer, rs.offload_param = strategy.offload_optimizer, strategy.offload_param
+    return run_cfg
 
 
 def format_report(report: EstimateReport) -> str:

@@ -46,7 +46,7 @@ The CUDA context and the allocator's slack are not allocated memory: :func:`fits
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 from torch import nn
@@ -182,14 +182,17 @@ class PlanRow:
 
 
 def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float, host_bytes: float,
-         procs_per_host: int, reserve_bytes: float = 0.0, buckets: Buckets = Buckets()) -> list[PlanRow]:
+         procs_per_host: int, reserve_bytes: float = 0.0, buckets: Mapping[str, Buckets] = {},
+         autocast: Mapping[str, bool] = {}) -> list[PlanRow]:
     """Every strategy with its model-state memory and whether it fits: GPU states within ``gpu_bytes``
     minus ``reserve_bytes`` (kept for activations), and the offloaded states of the processes of one
-    host within ``host_bytes``. In :data:`~zerotrain.strategies.STRATEGIES` order: the first that fits
-    is the planner's pick."""
+    host within ``host_bytes``. ``buckets`` and ``autocast`` are per strategy name, from the DeepSpeed
+    JSON each would run with (absent: no bucket, no autocast). In :data:`~zerotrain.strategies.STRATEGIES`
+    order: the first that fits is the planner's pick."""
     rows = []
     for name, strategy in STRATEGIES.items():
-        mem = model_state_memory(counts, strategy, world_size, precision, buckets)
+        mem = model_state_memory(counts, strategy, world_size, precision, buckets.get(name, Buckets()),
+                                 autocast.get(name, False))
         fits = mem.gpu_bytes <= gpu_bytes - reserve_bytes and mem.cpu_bytes * procs_per_host <= host_bytes
         rows.append(PlanRow(name, mem, fits))
     return rows
