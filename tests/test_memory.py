@@ -149,7 +149,7 @@ def test_estimate_is_a_library_call_with_rows_and_a_pick():
 
 
 def test_estimate_sizes_each_strategy_from_the_deepspeed_json_it_would_run_with():
-    """ZeRO-0 in bf16 runs under DeepSpeed's autocast (fp32 weights, as the plain engine) and ZeRO-1 gets
+    """ZeRO-0 in bf16 runs under DeepSpeed's autocast (fp32 weights, as the plain engine) and ZeRO-1
     with optimizer offload keeps its reduce bucket (contiguous gradients), whatever strategy the flags name."""
     from zerotrain.config_cli import parse_config
     from zerotrain.estimate import estimate
