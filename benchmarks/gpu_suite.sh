@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -30,8 +30,9 @@ plan() {
 for part in "$@"; do
   [ "$part" = lora_hf ] || mkdir -p "$OUT/$part"  # lora_hf writes into $OUT/lora
   case $part in
-    plan_imdb_b)
-      plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 ;;
+    plan_imdb_b)  # offloads left out (a 17.9M-parameter model fits many times over); epochs start at their longest batch
+      plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
+        --strategies ddp,zero0,zero1,zero2,zero3 ;;
     plan_bert)  # offload left out: ~3x slower at this size on one GPU (earlier sweeps), and the call has 10 minutes
       plan bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 --strategies ddp,zero0,zero1,zero2,zero3 ;;
     plan_hello)  # MLM at HelloDeepSpeed's dims (6 layers, 8 heads, h 256, ff 512, seq 512), micro-batch 8, bf16
@@ -62,6 +63,13 @@ for part in "$@"; do
       plan mlm_0b9_12gib mlm "${BERT[@]}" --model.num_layers 16 --model.num_heads 16 --model.h_dim 2048 \
         --model.ff_dim 8192 --trainer.micro_batch_size 8 --trainer.gpu_memory_gib 12 --trial_steps 3 \
         --strategies ddp,zero2,zero1_offload,zero2_offload,zero3_offload ;;
+    imdb_tax)  # preset (b), 2 epochs per engine, only the second timed (every padded length has been seen once):
+      # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row
+      z benchmark imdb --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/imdb_tax" --config configs/imdb_b.yaml \
+        --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 --trainer.warmup_steps_excluded 781 \
+        --trainer.evaluate false --trainer.export false --checkpoint.save_final false | tail -n 6 ;;
+    profile_bert)  # where BERT-base's step time goes now: the plain engine and ZeRO-0, 5 profiled steps each
+      z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert" "${BERT[@]}" | tail -n 4 ;;
     imdb_compile)  # preset (b), 2 epochs, training only: eager (as shipped) against --strategy.compile true
       for c in false true; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
