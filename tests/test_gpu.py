@@ -108,3 +108,20 @@ def test_gpu_memory_cap_holds_on_an_unindexed_device():
             torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_the_probe_measures_the_workspace_a_step_keeps_on_the_gpu():
+    """cuBLAS keeps a workspace per stream and thread (forward, and autograd's backward thread): the
+    probe reports it beyond the weights and gradients, so predictions count it."""
+    import torch
+    from torch import nn
+
+    from zerotrain.probe import _held_beyond_model
+
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 8)).to(device)
+    before = _held_beyond_model(model, device)
+    model(torch.randn(64, 1024, device=device)).square().mean().backward()
+    held = _held_beyond_model(model, device)
+    assert held > before and held < 1024**3

@@ -73,6 +73,10 @@ def test_memory_prediction_adds_measured_activations_to_the_model_states():
     # With accumulation they also stay through the next micro-batches' forward passes.
     assert predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", halved, Buckets(), autocast=True,
                    grad_accum=2).gpu_bytes == pytest.approx(16e9 + 8.5 * GIB)
+    # What a step's kernels keep allocated (cuBLAS workspaces, measured by the probe) is there at every moment.
+    with_workspace = dataclasses.replace(halved, kernel_workspace_bytes=0.1 * GIB)
+    assert predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", with_workspace, Buckets(),
+                   autocast=True).gpu_bytes == pytest.approx(12e9 + 8.6 * GIB)
     assert zero0.host_bytes == pytest.approx(2 * GIB + 4e9)  # libraries + data, then the model built on the CPU
     ckpt = predict(counts, STRATEGIES["zero0"], 8, True, 1, "bf16", probe, Buckets(), autocast=True)
     assert ckpt.activation_bytes == pytest.approx(2.5 * GIB)

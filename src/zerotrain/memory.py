@@ -38,7 +38,9 @@ is under the forward's peak there; on IMDB's small model it adds on top.
 
 Activations depend on the batch, the sequence length and ``--strategy.activation_checkpointing``,
 not on the ZeRO stage: :mod:`zerotrain.probe` measures them on the device, and :func:`predict` adds
-them to the model states (peak GPU memory allocated by PyTorch, rank 0) and sizes the host side
+them to the model states (peak GPU memory allocated by PyTorch, rank 0), with what a step's kernels
+keep allocated (cuBLAS workspaces, ~0.1 GiB on an H100: the predictions of BERT-base, HelloDeepSpeed's
+MLM and LoRA 1.2B trials were 0.06-0.11 GiB short without it), and sizes the host side
 (the process with its data, the model as built on the CPU before it moves, offloaded states).
 The CUDA context and the allocator's slack are not allocated memory: :func:`fits` keeps room for them.
 """
@@ -249,7 +251,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     forward_end = act + (grads + states.bucket_bytes if grad_accum > 1 else 0)
     backward = min(first, act) + max(grads, states.bucket_bytes)
     step = states.transient_bytes - states.bucket_bytes
-    device = persistent + max(forward_end, backward, step)
+    device = persistent + probe.kernel_workspace_bytes + max(forward_end, backward, step)
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"

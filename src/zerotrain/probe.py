@@ -98,6 +98,10 @@ class Probe:
     """GPU memory held before any tensor: the CUDA context, other processes."""
     h2d_bytes_per_s: Optional[float] = None
     """Pinned host-to-device copy speed (what optimizer offload moves each step)."""
+    kernel_workspace_bytes: float = 0.0
+    """GPU memory a step's kernels keep allocated after it, beyond weights and gradients: cuBLAS's
+    workspaces, one per stream and thread (the backward pass runs on autograd's own thread). The
+    activation traces start from a warm step, so they leave it out; a run holds it from its first step."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -197,6 +201,16 @@ def _peak_activation_bytes(run: Callable[[], None], model: nn.Module, device: to
         run()
         peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
     return float(peak - base), float("nan")
+
+
+def _held_beyond_model(model: nn.Module, device: torch.device) -> float:
+    """CUDA memory allocated beyond ``model``'s weights and gradients after its steps (0 on the CPU)."""
+    if device.type != "cuda":
+        return 0.0
+    tensors = {id(t): t for p in model.parameters() for t in (p, p.grad) if t is not None and t.is_cuda}
+    torch.cuda.synchronize(device)
+    held = torch.cuda.memory_allocated(device) - sum(t.numel() * t.element_size() for t in tensors.values())
+    return float(max(0, held))
 
 
 def _timed(run: Callable[[], None], device: torch.device, repeats: int = 3) -> float:
@@ -335,11 +349,15 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     activations, seconds, at_first, notes, opt_s = {}, {}, {}, [], 0.0
     half = HALF.get(precision)
 
+    workspace = 0.0
+
     def trace(key: str, model: nn.Module, autocast_precision: Optional[str]) -> None:
+        nonlocal workspace
         activations[key], seconds[key], first = _trace(variant_task, model, batch_of, max_micro, device,
                                                        autocast_precision)
         if first is not None:
             at_first[key] = first
+        workspace = max(workspace, _held_beyond_model(model, device))
 
     for ckpt in checkpointing:
         variant_cfg = copy.deepcopy(cfg)
@@ -392,7 +410,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  method="cuda allocator" if device.type == "cuda" else "torch MemTracker", seq_len=seq_len,
                  activations=activations, forward_backward_s=seconds, at_first_gradient=at_first, optimizer_step_s=opt_s,
                  host_base_bytes=host_base, gpu_total_bytes=gpu_total, gpu_context_bytes=context,
-                 h2d_bytes_per_s=_h2d_bytes_per_s(device), notes=notes)
+                 h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace, notes=notes)
 
 
 def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,
