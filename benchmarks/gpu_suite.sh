@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|probe_mlm|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -63,6 +63,11 @@ for part in "$@"; do
       plan mlm_0b9_12gib mlm "${BERT[@]}" --model.num_layers 16 --model.num_heads 16 --model.h_dim 2048 \
         --model.ff_dim 8192 --trainer.micro_batch_size 8 --trainer.gpu_memory_gib 12 --trial_steps 3 \
         --strategies ddp,zero2,zero1_offload,zero2_offload,zero3_offload ;;
+    probe_mlm)  # the probe alone at BERT-base (micro 32) and HelloDeepSpeed's dims (micro 8): a plan's
+      # predictions recomputed from it (benchmarks/repredict.py) against trials measured earlier on the same GPU kind
+      python3 -m zerotrain.probe mlm --out "$OUT/probe_mlm/bert_base.json" --max_micro 32 "${BERT[@]}"; echo "probe bert rc=$?"
+      python3 -m zerotrain.probe mlm --out "$OUT/probe_mlm/hello.json" --max_micro 8 "${BERT[@]}" --model.num_layers 6 \
+        --model.num_heads 8 --model.h_dim 256 --model.ff_dim 512 --trainer.micro_batch_size 8; echo "probe hello rc=$?" ;;
     imdb_tax)  # preset (b), 2 epochs per engine, only the second timed (every padded length has been seen once):
       # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row
       z benchmark imdb --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/imdb_tax" --config configs/imdb_b.yaml \
