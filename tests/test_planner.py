@@ -78,6 +78,15 @@ def test_memory_prediction_adds_measured_activations_to_the_model_states():
     assert predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", with_workspace, Buckets(),
                    autocast=True).gpu_bytes == pytest.approx(12e9 + 8.6 * GIB)
     assert zero0.host_bytes == pytest.approx(2 * GIB + 4e9)  # libraries + data, then the model built on the CPU
+    # Measured before the model too: the host peaks while the model is built on the CPU (before it
+    # moves and is freed), or in training's steady state (the communicator and kernels loaded), whichever is larger.
+    staged = dataclasses.replace(probe, host_before_model_bytes=1 * GIB)
+    assert predict(counts, STRATEGIES["zero0"], 8, False, 1, "bf16", staged, Buckets(),
+                   autocast=True).host_bytes == pytest.approx(1 * GIB + 4e9)
+    small = ParamCounts(total=10**6, trainable=10**6, largest_layer=10**6, total_bytes=4 * 10**6,
+                        trainable_bytes=4 * 10**6, tensors=2)
+    assert predict(small, STRATEGIES["zero0"], 8, False, 1, "bf16", staged, Buckets(),
+                   autocast=True).host_bytes == pytest.approx(2 * GIB)
     ckpt = predict(counts, STRATEGIES["zero0"], 8, True, 1, "bf16", probe, Buckets(), autocast=True)
     assert ckpt.activation_bytes == pytest.approx(2.5 * GIB)
     offload = predict(counts, STRATEGIES["zero2_offload"], 8, False, 1, "bf16", probe, Buckets(10))

@@ -238,8 +238,12 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     act = probe.activations[key].at(micro_batch_size)
     # What the backward pass still holds at its first gradient; unmeasured, the peak stands for it.
     first = probe.at_first_gradient[key].at(micro_batch_size) if key in probe.at_first_gradient else act
-    # The recipe builds its model on the CPU in the dtypes as built before the engine moves it.
-    host = probe.host_base_bytes + counts.total_bytes + states.cpu_bytes
+    # The recipe builds its model on the CPU in the dtypes as built before the engine moves it (and
+    # frees it): the host's peak is then, or in the steady state of training, whichever is larger.
+    before_model = probe.host_before_model_bytes
+    if before_model is None:  # a probe file from before that was measured: the sum, an upper bound
+        before_model = probe.host_base_bytes
+    host = max(before_model + counts.total_bytes, probe.host_base_bytes) + states.cpu_bytes
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations
     # still held at its first gradient are freed (all of them counted: an upper bound); with

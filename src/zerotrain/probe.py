@@ -89,7 +89,8 @@ class Probe:
     optimizer_step_s: float
     """One Adam step over the trainable parameters on this device (fused on CUDA)."""
     host_base_bytes: float
-    """This process's resident memory with the libraries, the data and a step's kernels loaded, without the model."""
+    """This process's resident memory with the libraries, the data, a step's kernels and the process
+    group's communicator loaded, without the model."""
     at_first_gradient: dict[str, Linear] = field(default_factory=dict)
     """Activation bytes still held when the backward pass writes its first gradient, by :func:`variant`
     (CUDA only). Empty where not measured: the peak stands for it."""
@@ -98,6 +99,8 @@ class Probe:
     """GPU memory held before any tensor: the CUDA context, other processes."""
     h2d_bytes_per_s: Optional[float] = None
     """Pinned host-to-device copy speed (what optimizer offload moves each step)."""
+    host_before_model_bytes: Optional[float] = None
+    """Resident memory once the data is loaded, before any model is built (None in older probe files)."""
     kernel_workspace_bytes: float = 0.0
     """GPU memory a step's kernels keep allocated after it, beyond weights and gradients: cuBLAS's
     workspaces, one per stream and thread (the backward pass runs on autograd's own thread). The
@@ -337,7 +340,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     import deepspeed  # noqa: F401  (its libraries are part of every DeepSpeed run's host memory)
 
     splits = task.with_config(cfg).build_datasets()
-    host_base = _rss()  # on CUDA, measured again once a step has loaded its kernels (below)
+    host_base = before_model = _rss()  # on CUDA, measured again once a step has loaded its kernels (below)
     cache: dict[int, dict[str, torch.Tensor]] = {}
 
     def batch_of(n: int) -> dict[str, torch.Tensor]:
@@ -402,6 +405,10 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
             # Libraries, data and the CUDA kernels a step loads (cuBLAS and the like: hundreds of MB),
             # without the model. On the CPU the freed activations stay in the process (the C
             # allocator keeps them), so there the figure before the model is the one that holds.
+            # A run's process group sets up its communicator at the first collective (NCCL's host
+            # buffers and code: part of every run's steady state); the probe's group of one does it here.
+            if torch.distributed.is_initialized():
+                torch.distributed.all_reduce(torch.zeros(1, device=device))
             host_base = _rss()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if all(fit.floor == 0 and fit.per_sample == 0 for fit in activations.values()):
@@ -409,7 +416,8 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     return Probe(device=device.type, device_name=name, precision=precision,
                  method="cuda allocator" if device.type == "cuda" else "torch MemTracker", seq_len=seq_len,
                  activations=activations, forward_backward_s=seconds, at_first_gradient=at_first, optimizer_step_s=opt_s,
-                 host_base_bytes=host_base, gpu_total_bytes=gpu_total, gpu_context_bytes=context,
+                 host_base_bytes=host_base, host_before_model_bytes=before_model, gpu_total_bytes=gpu_total,
+                 gpu_context_bytes=context,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace, notes=notes)
 
 
@@ -438,7 +446,7 @@ def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeo
 def main(argv: Optional[list[str]] = None) -> int:
     import sys
 
-    from zerotrain import recipes
+    from zerotrain import distributed, recipes
     from zerotrain.cli import main as cli_main  # noqa: F401  (same environment defaults as the CLI)
     from zerotrain.config_cli import parse_config
     from zerotrain.ds_config import resolve_precision
@@ -459,7 +467,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         precision = resolve_precision(cfg.strategy.precision, device.type, bf16)
         ckpt = (False,) if args.no_checkpointing else (False, True)
         max_micro = args.max_micro or cfg.trainer.micro_batch_size
-        probe = measure(recipes.get(args.recipe)(cfg), device, precision, max_micro, ckpt)
+        # In a process group of one, as a run of one process is: its communicator is part of the host memory.
+        with distributed.setup(cfg):
+            probe = measure(recipes.get(args.recipe)(cfg), device, precision, max_micro, ckpt)
     except UserError as exc:
         print(f"zerotrain probe: error: {exc}", file=sys.stderr)
         return 2

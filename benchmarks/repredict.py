@@ -1,0 +1,61 @@
+"""A plan's trials against the memory model of today's code, from a probe of the same workload.
+
+    python benchmarks/repredict.py PLAN.json PROBE.json [OUT.json]
+
+The plan file keeps what each trial measured; the probe file (``python -m zerotrain.probe``, or a plan
+folder's probe.json) holds what the memory model reads. Every trial's peak GPU and host memory is
+predicted again with the current :func:`zerotrain.planner.assess`, so a change to the memory model can
+be checked against trials already run. Use a probe taken on the same GPU kind as the trials (the
+file names the GPU); the paths in the plan's ``fit_args`` must exist here (the tokenizer sets the
+vocabulary). Prints a Markdown table; writes it as JSON too when OUT is given.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from zerotrain.config_cli import parse_config
+from zerotrain.memory import GIB
+from zerotrain.planner import Candidate, assess
+from zerotrain.probe import Probe
+
+
+def _pct(predicted: float, measured: float | None) -> str:
+    return f"{100 * (predicted / measured - 1):+.0f}%" if measured else "-"
+
+
+def repredict(plan_path: Path, probe_path: Path) -> list[dict]:
+    plan = json.loads(plan_path.read_text())
+    probe = Probe.from_dict(json.loads(probe_path.read_text()))
+    if probe.device_name != plan["summary"]["gpu"]:
+        raise SystemExit(f"{probe_path} was taken on {probe.device_name}, the trials on {plan['summary']['gpu']}")
+    cfg = parse_config(plan["recipe"], plan["fit_args"])
+    trialled = [row for row in plan["rows"] if (row.get("measured") or {}).get("status") == "ok"]
+    cands = [Candidate(row["strategy"], row["micro_batch_size"], row["grad_accum"], row["activation_checkpointing"])
+             for row in trialled]
+    assessed = assess(plan["recipe"], cfg, probe, cands, host_bytes=float("inf"))
+    return [{"trial": row["candidate"], "predicted_then_gpu_gib": row["predicted_gpu_mem_gib"],
+             "predicted_now_gpu_gib": new.memory.gpu_bytes / GIB, "measured_gpu_gib": row["measured"]["peak_gpu_mem_gib"],
+             "predicted_now_host_gib": new.memory.host_bytes / GIB,
+             "measured_host_gib": row["measured"]["peak_host_mem_gib"]}
+            for row, new in zip(trialled, assessed)]
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| trial | predicted then (GiB) | predicted now (GiB) | measured (GiB) | error now | predicted host now "
+           "| measured host | error |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['trial']} | {r['predicted_then_gpu_gib']:.2f} ({_pct(r['predicted_then_gpu_gib'], r['measured_gpu_gib'])}) "
+                   f"| {r['predicted_now_gpu_gib']:.2f} | {r['measured_gpu_gib']:.2f} "
+                   f"| {_pct(r['predicted_now_gpu_gib'], r['measured_gpu_gib'])} | {r['predicted_now_host_gib']:.2f} "
+                   f"| {r['measured_host_gib']:.2f} | {_pct(r['predicted_now_host_gib'], r['measured_host_gib'])} |")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    found = repredict(Path(sys.argv[1]), Path(sys.argv[2]))
+    print(markdown(found))
+    if len(sys.argv) > 3:
+        Path(sys.argv[3]).write_text(json.dumps({"plan": sys.argv[1], "probe": sys.argv[2], "rows": found}, indent=1))
