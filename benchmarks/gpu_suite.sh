@@ -73,8 +73,11 @@ for part in "$@"; do
       z benchmark imdb --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/imdb_tax" --config configs/imdb_b.yaml \
         --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 --trainer.warmup_steps_excluded 781 \
         --trainer.evaluate false --trainer.export false --checkpoint.save_final false | tail -n 6 ;;
-    profile_bert)  # where BERT-base's step time goes now: the plain engine and ZeRO-0, 5 profiled steps each
-      z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert" "${BERT[@]}" | tail -n 4 ;;
+    profile_bert)  # where BERT-base's step time goes now: the plain engine and ZeRO-0, 5 profiled steps each,
+      # eager and under torch.compile
+      z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/eager" "${BERT[@]}" | tail -n 4
+      z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/compiled" "${BERT[@]}" \
+        --strategy.compile true | tail -n 4 ;;
     imdb_compile)  # preset (b), 2 epochs, training only: eager (as shipped) against --strategy.compile true
       for c in false true; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
