@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|probe_mlm|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -78,6 +78,13 @@ for part in "$@"; do
       z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/eager" "${BERT[@]}" | tail -n 4
       z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/compiled" "${BERT[@]}" \
         --strategy.compile true | tail -n 4 ;;
+    profile_lora)  # LoRA 1.2B at micro-batch 4, ZeRO-0 (the plan's pick): where a ~190 ms step goes
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
+      z benchmark lora --strategies zero0 --profile 5 --predict false --out "$OUT/profile_lora" --model.init random \
+        --model.config configs/llama_1b_config.json --model.tokenizer "$TOK" --data.train_path /tmp/sft.jsonl \
+        --data.max_length 512 --trainer.micro_batch_size 4 --trainer.max_steps 30 --trainer.log_every_steps 5 \
+        --trainer.warmup_steps_excluded 5 --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 \
+        --trainer.num_workers 2 --checkpoint.save_final false | tail -n 3 ;;
     imdb_compile)  # preset (b), 2 epochs, training only: eager (as shipped) against --strategy.compile true
       for c in false true; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
