@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -85,6 +85,20 @@ for part in "$@"; do
         --data.max_length 512 --trainer.micro_batch_size 4 --trainer.max_steps 30 --trainer.log_every_steps 5 \
         --trainer.warmup_steps_excluded 5 --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 \
         --trainer.num_workers 2 --checkpoint.save_final false | tail -n 3 ;;
+    lora_vs_hf)  # the fast-path issue's target 6: LoRA 1.2B, the tutorial's ZeRO-2 + CPU-offload JSON for every row,
+      # 120 steps with the first 40 untimed (compilation is in them): zerotrain eager, zerotrain with
+      # torch.compile and length-grouped batches, and the Hugging Face Trainer; non-padding tokens/s in all three
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
+      FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
+             --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
+             --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
+             --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
+             --checkpoint.save_final false --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
+      z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/compiled" "${FLAGS[@]}" \
+        --strategy.compile true --data.bucket_by_length true | tail -n 3
+      z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/eager" "${FLAGS[@]}" | tail -n 3
+      python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora_vs_hf/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
+        > "$OUT/lora_vs_hf/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora_vs_hf/hf_trainer.log" ;;
     imdb_compile)  # preset (b), 2 epochs, training only: eager (as shipped) against --strategy.compile true
       for c in false true; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
