@@ -17,6 +17,13 @@ BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenber
       --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
       --checkpoint.save_final false)
 
+# LoRA 1.2B: the Llama-style model from configs/llama_1b_config.json (random init), LoRA r=8 on q/v, 2,000 IMDB
+# prompts of up to 512 tokens (benchmarks/make_sft_data.py writes them to /tmp/sft.jsonl), micro-batch 4, bf16
+LORA=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
+      --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
+      --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false)
+sft() { python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000; }
+
 # zerotrain plan with --compare_strategies: the planner's own pick (its top 3 predicted, trialled) against every
 # strategy at the configured micro-batch, all measured in one session; plan.json -> plan_<workload>.json
 plan() {
@@ -45,18 +52,10 @@ for part in "$@"; do
       # tutorial's model shape) among the strategies that make sense for a 1.2B frozen base on one GPU
       plan imdb_b_v2 imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
         --strategies ddp,zero0,zero1,zero2
-      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
-      plan lora_1b lora --model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK" \
-        --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4 \
-        --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false \
-        --strategies ddp,zero0,zero2,zero2_offload --trials 2 --trial_steps 5 ;;
+      sft; plan lora_1b lora "${LORA[@]}" --strategies ddp,zero0,zero2,zero2_offload --trials 2 --trial_steps 5 ;;
     plan_lora)  # LoRA 1.2B alone (random weights, the tutorial's model shape), the strategies that make sense for
       # a frozen 1.2B base on one GPU
-      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
-      plan lora_1b lora --model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK" \
-        --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4 \
-        --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false \
-        --strategies ddp,zero0,zero2_offload --trials 2 --trial_steps 5 ;;
+      sft; plan lora_1b lora "${LORA[@]}" --strategies ddp,zero0,zero2_offload --trials 2 --trial_steps 5 ;;
     plan_offload)  # a model too large for plain training on the GPU it gets: MLM 0.93B (16 layers x 2048, FFN 8192),
       # micro-batch 8, on a GPU capped at 12 GiB (--trainer.gpu_memory_gib, as a 12 GB card): fp32 weights with
       # Adam need ~15 GB, so only the offloads fit
@@ -79,21 +78,14 @@ for part in "$@"; do
       z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/compiled" "${BERT[@]}" \
         --strategy.compile true | tail -n 4 ;;
     profile_lora)  # LoRA 1.2B at micro-batch 4, ZeRO-0 (the plan's pick): where a ~190 ms step goes
-      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
-      z benchmark lora --strategies zero0 --profile 5 --predict false --out "$OUT/profile_lora" --model.init random \
-        --model.config configs/llama_1b_config.json --model.tokenizer "$TOK" --data.train_path /tmp/sft.jsonl \
-        --data.max_length 512 --trainer.micro_batch_size 4 --trainer.max_steps 30 --trainer.log_every_steps 5 \
-        --trainer.warmup_steps_excluded 5 --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 \
-        --trainer.num_workers 2 --checkpoint.save_final false | tail -n 3 ;;
+      sft; z benchmark lora --strategies zero0 --profile 5 --predict false --out "$OUT/profile_lora" "${LORA[@]}" \
+        --trainer.max_steps 30 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5 \
+        --scheduler.warmup_steps 5 | tail -n 3 ;;
     lora_vs_hf)  # the fast-path issue's target 6: LoRA 1.2B, the tutorial's ZeRO-2 + CPU-offload JSON for every row,
       # 120 steps with the first 40 untimed (compilation is in them): zerotrain eager, zerotrain with
       # torch.compile and length-grouped batches, and the Hugging Face Trainer; non-padding tokens/s in all three
-      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
-      FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
-             --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
-             --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
-             --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
-             --checkpoint.save_final false --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
+      sft; FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
+                 --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/compiled" "${FLAGS[@]}" \
         --strategy.compile true --data.bucket_by_length true | tail -n 3
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/eager" "${FLAGS[@]}" | tail -n 3
@@ -141,12 +133,8 @@ for part in "$@"; do
       echo "lightning rc=$?"; grep -h "SEED_RESULT" "$OUT/imdb_peer/lightning.log" ;;
     lora_tokens)  # LoRA 1.2B, the tutorial's ZeRO-2+offload JSON: zerotrain with and without length-grouped
       # batches, and the HF Trainer, in one run on one GPU; non-padding tokens/s counted in both loops
-      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
-      FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
-             --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
-             --trainer.max_steps 30 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5
-             --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
-             --checkpoint.save_final false --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
+      sft; FLAGS=("${LORA[@]}" --trainer.max_steps 30 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5
+                 --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --out "$OUT/lora_tokens/bucketed" "${FLAGS[@]}" --data.bucket_by_length true | tail -n 3
       z benchmark lora --strategies zero2 --out "$OUT/lora_tokens/plain" "${FLAGS[@]}" | tail -n 3
       python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora_tokens/hf_trainer.json" --warmup 5 -- "${FLAGS[@]}" \
@@ -173,12 +161,7 @@ for part in "$@"; do
           --trainer.warmup_steps_excluded 100 --trainer.eval_max_batches 20 | tail -n 6
       fi ;;
     lora|lora_hf)  # ~1.2B Llama from a config, LoRA r=8 on q/v, bf16, 512-token IMDB prompts
-      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000
-      FLAGS=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
-             --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
-             --trainer.max_steps 25 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5
-             --strategy.precision bf16 --optimizer.lr 2e-4 --scheduler.warmup_steps 5 --trainer.num_workers 2
-             --checkpoint.save_final false)
+      sft; FLAGS=("${LORA[@]}" --trainer.max_steps 25 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5 --scheduler.warmup_steps 5)
       mkdir -p "$OUT/lora"
       [ $part = lora ] && z benchmark lora --strategies zero2,zero3 --out "$OUT/lora" "${FLAGS[@]}" | tail -n 6
       [ $part = lora ] && z benchmark lora --strategies zero2 --out "$OUT/lora_offload" "${FLAGS[@]}" \
