@@ -32,6 +32,8 @@ def repredict(plan_path: Path, probe_path: Path) -> list[dict]:
     if probe.device_name != plan["summary"]["gpu"]:
         raise SystemExit(f"{probe_path} was taken on {probe.device_name}, the trials on {plan['summary']['gpu']}")
     cfg = parse_config(plan["recipe"], plan["fit_args"])
+    if cfg.trainer.max_steps is None and cfg.trainer.epochs is None:
+        cfg.trainer.max_steps = 1  # the run's length changes no prediction; validate() wants one (as plan() does)
     trialled = [row for row in plan["rows"] if (row.get("measured") or {}).get("status") == "ok"]
     cands = [Candidate(row["strategy"], row["micro_batch_size"], row["grad_accum"], row["activation_checkpointing"])
              for row in trialled]

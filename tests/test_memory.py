@@ -161,6 +161,22 @@ def test_estimate_sizes_each_strategy_from_the_deepspeed_json_it_would_run_with(
     assert rows["zero1_offload"].bucket_bytes == 2 * 1_000_000 and rows["zero0"].bucket_bytes == 0
 
 
+def test_estimate_sizes_every_row_when_a_users_json_pins_what_a_strategy_would_change(tmp_path):
+    """"stage": "auto" next to an optimizer offload is valid for the user's ZeRO-2 but not for the ZeRO-0
+    row: that row is sized from the user's JSON rather than failing the whole estimate."""
+    import json
+
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}}))
+    cfg = parse_config("toy", ["--strategy.backend", "deepspeed", "--strategy.zero_stage", "2",
+                               "--strategy.deepspeed_config", str(ds)])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    assert [row.name for row in report.rows] == list(STRATEGIES) and report.pick is not None
+
+
 def test_estimate_without_known_gpu_memory_judges_nothing(monkeypatch, capsys):
     import zerotrain.estimate
 

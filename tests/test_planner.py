@@ -158,6 +158,17 @@ def test_a_probe_that_runs_out_of_memory_in_fp32_falls_back_to_16_bits(monkeypat
     assert found.optimizer_step_s > 0 and any("16-bit weights only" in note for note in found.notes)
 
 
+def test_the_probe_runs_alone_whatever_launcher_variables_its_caller_has(tmp_path, monkeypatch):
+    """Started from a rank of a job (torchrun's or SLURM's variables set), the probe must not wait for that job's other ranks."""
+    from zerotrain.probe import run_probe
+
+    for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1", "SLURM_PROCID": "3", "SLURM_NTASKS": "4"}.items():
+        monkeypatch.setenv(key, value)
+    found = run_probe("toy", TOY, tmp_path / "probe.json", max_micro=2, timeout_s=120, checkpointing=False)
+    assert found.device == "cpu" and set(found.activations) == {"off"}
+
+
 def test_fp32_adam_fit_counts_weights_gradients_and_two_moments():
     from torch import nn
 

@@ -85,9 +85,9 @@ def _probe(recipe: str, fit_args: list[str], out_dir: Path) -> tuple[Optional["P
     from zerotrain.config_cli import parse_config
     from zerotrain.probe import run_probe
 
-    cfg = parse_config(recipe, fit_args)
-    per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
-    try:
+    try:  # a config the probe cannot take is reported by each fit's own row, not here
+        cfg = parse_config(recipe, fit_args)
+        per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
         return run_probe(recipe, fit_args, out_dir / "probe.json", per_rank,
                          checkpointing=cfg.strategy.activation_checkpointing), None
     except UserError as exc:
@@ -110,8 +110,8 @@ def _predicted_or_why(recipe: str, fit_args: list[str], strategy: str, probe: Op
     if probe is not None:
         try:
             return predicted(recipe, fit_args, strategy, probe)
-        except UserError as exc:
-            no_probe = str(exc)
+        except Exception as exc:  # noqa: BLE001  (a failed prediction must not cost the rows already measured)
+            no_probe = f"{type(exc).__name__}: {exc}"
     return {"predicted_gpu_mem_gib": None, "predicted_host_mem_gib": None, "predicted_activations": no_probe}
 
 

@@ -44,7 +44,7 @@ class EstimateReport:
     recipe: str
     counts: ParamCounts
     precision: str
-    """The precision the model states are sized in (``auto`` resolved to bf16)."""
+    """The precision the model states are sized in: the probe's, or ``auto`` resolved to bf16 without one."""
     world_size: int
     gpu_bytes: Optional[float]
     """Memory of one GPU; None when unknown (no GPU here and none given)."""
@@ -104,9 +104,17 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     device = probe.device if probe is not None else "cuda"
     # Each strategy's DeepSpeed JSON as its run would get it (from the flags, or from
     # --strategy.deepspeed_config): its bucket sizes, and whether it keeps fp32 weights under autocast.
-    row_cfgs = {name: _with_strategy(cfg, name) for name in STRATEGIES}
-    ds_jsons = {name: make_ds_config(row_cfg, world, device, precision)  # type: ignore[arg-type]
-                for name, row_cfg in row_cfgs.items() if STRATEGIES[name].backend == "deepspeed"}
+    own = make_ds_config(cfg, world, device, precision)  # type: ignore[arg-type]
+    ds_jsons = {}
+    for name, strategy in STRATEGIES.items():
+        if strategy.backend != "deepspeed":
+            continue
+        try:
+            ds_jsons[name] = make_ds_config(_with_strategy(cfg, name), world, device, precision)  # type: ignore[arg-type]
+        except ConfigError:
+            # A user's JSON can pin what this strategy would change (e.g. "stage": "auto" next to an
+            # offload that only stages 1-3 take): the row is sized from the JSON the run would get.
+            ds_jsons[name] = own
     buckets = {name: Buckets.from_ds_config(ds) for name, ds in ds_jsons.items()}
     autocast = {name: _enabled(ds.get("torch_autocast")) for name, ds in ds_jsons.items()}
 

@@ -189,7 +189,7 @@ def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float,
     """Every strategy with its model-state memory and whether it fits: GPU states within ``gpu_bytes``
     minus ``reserve_bytes`` (kept for activations), and the offloaded states of the processes of one
     host within ``host_bytes``. ``buckets`` and ``autocast`` are per strategy name, from the DeepSpeed
-    JSON each would run with (absent: no bucket, no autocast). In :data:`~zerotrain.strategies.STRATEGIES`
+    JSON each would run with (absent: DeepSpeed's default bucket, no autocast). In :data:`~zerotrain.strategies.STRATEGIES`
     order: the first that fits is the planner's pick."""
     rows = []
     for name, strategy in STRATEGIES.items():

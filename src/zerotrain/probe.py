@@ -32,6 +32,7 @@ import copy
 import gc
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,9 +103,10 @@ class Probe:
     host_before_model_bytes: Optional[float] = None
     """Resident memory once the data is loaded, before any model is built (None in older probe files)."""
     kernel_workspace_bytes: float = 0.0
-    """GPU memory a step's kernels keep allocated after it, beyond weights and gradients: cuBLAS's
-    workspaces, one per stream and thread (the backward pass runs on autograd's own thread). The
-    activation traces start from a warm step, so they leave it out; a run holds it from its first step."""
+    """GPU memory still allocated after a step beyond weights and gradients: mostly cuBLAS's workspaces,
+    one per stream and thread (the backward pass runs on autograd's own thread), plus module buffers and
+    whatever the model caches. The activation traces start from a warm step, so they leave it out; a
+    run holds it from its first step."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -421,6 +423,11 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace, notes=notes)
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")
+"""torchrun's variables, which a process joins a job by."""
+
+
 def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,
               checkpointing: bool = True) -> Probe:
     """:func:`measure` in a fresh process (``python -m zerotrain.probe``); raises UserError with its last line.
@@ -432,8 +439,12 @@ def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeo
 
     cmd = [sys.executable, "-m", "zerotrain.probe", recipe, "--out", str(out), "--max_micro", str(max_micro),
            *([] if checkpointing else ["--no_checkpointing"]), *fit_args]
+    # The probe is one process on its own: a launcher's variables (torchrun's, SLURM's) inherited from
+    # the caller would make its group of one wait for ranks that never come.
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise UserError(f"the memory probe of {recipe} did not finish within {timeout_s} s") from None
     if proc.returncode != 0 or not out.is_file():

@@ -49,11 +49,13 @@ class EpochBatches(Sampler[list[int]]):
                 perm = torch.randperm(len(batches), generator=g).tolist()
                 batches = [batches[i] for i in perm]
             # The batch holding the longest example goes first (as Hugging Face's length-grouped
-            # sampler does): a run that will run out of memory does so at its first step, and a
-            # short planner trial meets the epoch's peak memory.
+            # sampler does), its longest examples to rank 0: a run that will run out of memory does so
+            # at its first step, and a short planner trial meets the epoch's peak memory on rank 0,
+            # where peaks are measured.
             if batches:
                 longest = max(range(len(batches)), key=lambda b: max(self.lengths[i] for i in batches[b]))
                 batches[0], batches[longest] = batches[longest], batches[0]
+                batches[0] = sorted(batches[0], key=lambda i: -self.lengths[i])
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:
