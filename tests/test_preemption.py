@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import LAUNCHER_VARS, REPO
 from test_fit import toy_config, train_log
 
@@ -96,6 +97,40 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
     env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1")
     return subprocess.Popen([sys.executable, "-m", "zerotrain", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+class _SignalState(torch.utils.data.Dataset):
+    """Each item: whether SIGTERM is ignored and whether it is blocked, in the process that loads it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[bool, bool]:
+        return (signal.getsignal(signal.SIGTERM) == signal.SIG_IGN,
+                signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+def test_loader_workers_are_forked_with_stop_signals_blocked_then_ignore_them(tmp_path):
+    """A SIGTERM to the process group between a worker's fork and its init must not kill it: the worker
+    is born with the signal blocked (a signal sent then waits), then ignores it and unblocks."""
+    from zerotrain.data.loader import make_loader, start
+
+    at_fork = tmp_path / "blocked_at_fork"
+    armed = [True]
+
+    def record() -> None:  # in each forked child, before anything of the loader runs
+        if armed[0]:
+            at_fork.write_text(str(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+    os.register_at_fork(after_in_child=record)
+    try:
+        loader = make_loader(_SignalState(), [[0, 1], [2, 3]], lambda items: items, workers=1, seed=0)
+        seen = [item for batch in start(loader) for item in batch]
+    finally:
+        armed[0] = False
+    assert at_fork.read_text() == "True"
+    assert seen == [(True, False)] * 4  # in the worker: ignored, no longer blocked
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this process: as before
 
 
 def _wait_for_rows(metrics: Path, proc: subprocess.Popen, rows: int = 3, timeout: float = 120) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -21,17 +23,35 @@ def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], collate: C
     )
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
 def _ignore_stop_signals(worker_id: int) -> None:
     """A loader worker leaves stop signals to the training process (zerotrain.preemption).
 
     SLURM and torchrun signal the whole process group: a worker killed by that SIGTERM makes the
     training process raise "DataLoader worker ... is killed by signal" in the middle of its
     pre-emption checkpoint. The worker ends with its parent anyway (PyTorch's worker watchdog).
+    It starts with these signals blocked (:func:`start`), so one sent before this runs waits, and
+    is then dropped.
     """
-    import signal
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def start(loader: DataLoader) -> Iterator[Any]:
+    """``iter(loader)``, whose worker processes start with the stop signals blocked: a SIGTERM to the
+    process group in the moment between a worker's fork and its :func:`_ignore_stop_signals` would
+    otherwise kill it (seen on a loaded 2-core machine). The training process gets its own copy of
+    the signal as soon as the workers are started."""
+    if loader.num_workers == 0 or threading.current_thread() is not threading.main_thread():
+        return iter(loader)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
@@ -43,7 +63,7 @@ def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
     """
     while True:
         sampler.set_epoch(epoch, skip)
-        for i, batch in enumerate(loader, start=skip + 1):
+        for i, batch in enumerate(start(loader), start=skip + 1):
             if i == sampler.batches_per_epoch:
                 yield epoch + 1, 0, batch
             else:
