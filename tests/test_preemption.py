@@ -113,7 +113,7 @@ class _SignalState(torch.utils.data.Dataset):
 def test_loader_workers_are_forked_with_stop_signals_blocked_then_ignore_them(tmp_path):
     """A SIGTERM to the process group between a worker's fork and its init must not kill it: the worker
     is born with the signal blocked (a signal sent then waits), then ignores it and unblocks."""
-    from zerotrain.data.loader import make_loader, start
+    from zerotrain.data.loader import make_loader
 
     at_fork = tmp_path / "blocked_at_fork"
     armed = [True]
@@ -125,7 +125,7 @@ def test_loader_workers_are_forked_with_stop_signals_blocked_then_ignore_them(tm
     os.register_at_fork(after_in_child=record)
     try:
         loader = make_loader(_SignalState(), [[0, 1], [2, 3]], lambda items: items, workers=1, seed=0)
-        seen = [item for batch in start(loader) for item in batch]
+        seen = [item for batch in loader for item in batch]
     finally:
         armed[0] = False
     assert at_fork.read_text() == "True"

@@ -110,7 +110,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         if strategy.backend != "deepspeed":
             continue
         try:
-            ds_jsons[name] = make_ds_config(_with_strategy(cfg, name), world, device, precision)  # type: ignore[arg-type]
+            ds_jsons[name] = make_ds_config(strategy.apply(cfg), world, device, precision)  # type: ignore[arg-type]
         except ConfigError:
             # A user's JSON can pin what this strategy would change (e.g. "stage": "auto" next to an
             # offload that only stages 1-3 take): the row is sized from the JSON the run would get.
@@ -141,16 +141,6 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
                           activation_checkpointing=cfg.strategy.activation_checkpointing)
-
-
-def _with_strategy(cfg: RunConfig, name: str) -> RunConfig:
-    """A copy of ``cfg`` running strategy ``name``, offloads included: a user's
-    --strategy.offload_param would not fit ZeRO-1."""
-    run_cfg, strategy = copy.deepcopy(cfg), STRATEGIES[name]
-    rs = run_cfg.strategy
-    rs.backend, rs.zero_stage = strategy.backend, strategy.zero_stage
-    rs.offload_optimizer, rs.offload_param = strategy.offload_optimizer, strategy.offload_param
-    return run_cfg
 
 
 def format_report(report: EstimateReport) -> str:

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from zerotrain.config import TrainerConfig
-from zerotrain.data.loader import make_loader, start
+from zerotrain.data.loader import make_loader
 from zerotrain.data.sampling import eval_shard
 from zerotrain.distributed import all_gather_object
 from zerotrain.engine import Engine, to_device
@@ -41,7 +41,7 @@ class Evaluator:
         engine.eval()
         sums: dict[str, float] = {}
         with torch.no_grad(), engine.eval_context():
-            for i, batch in enumerate(start(loader)):
+            for i, batch in enumerate(loader):
                 out = self.task.eval_step(engine.forward_model, to_device(batch, engine.device))
                 if i < len(batches):
                     for k, v in out.items():

@@ -20,6 +20,18 @@ from zerotrain.config import LaunchConfig
 from zerotrain.errors import ERROR_FILE_KEY, USER_ERROR_EXIT
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")
+"""The variables a process joins a torchrun job by."""
+
+
+def environment_alone() -> dict[str, str]:
+    """This process's environment without what would make a child join this job (torchrun's and
+    SLURM's variables): for a helper process that must run on its own, such as the memory probe."""
+    return {k: v for k, v in os.environ.items()
+            if k not in TORCHRUN_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+
+
 def slurm_task_per_gpu(launch: LaunchConfig) -> bool:
     """Whether ``srun`` started one task per GPU (each task is a rank), rather than one launcher task per node.
 

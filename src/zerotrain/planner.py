@@ -73,10 +73,8 @@ class Candidate:
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """A copy of ``cfg`` set to this candidate."""
-        cfg = copy.deepcopy(cfg)
-        s, chosen = cfg.strategy, STRATEGIES[self.strategy]
-        s.backend, s.zero_stage = chosen.backend, chosen.zero_stage
-        s.offload_optimizer, s.offload_param = chosen.offload_optimizer, chosen.offload_param
+        cfg = STRATEGIES[self.strategy].apply(cfg)
+        s = cfg.strategy
         s.gradient_accumulation_steps, s.activation_checkpointing = self.grad_accum, self.checkpointing
         s.auto = False
         cfg.trainer.micro_batch_size = self.micro_batch_size

@@ -32,7 +32,6 @@ import copy
 import gc
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -397,8 +396,9 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                 model.zero_grad(set_to_none=True)  # room for the stand-in step's fp32 tensors
                 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
                 opt_s = _sampled_optimizer_step_s(trainable, device, cfg.optimizer.lr)
-                notes.append("fp32 weights with Adam do not fit this GPU: traced with 16-bit weights only; "
-                             "the Adam step timed on a slice and scaled")
+                only16 = "" if variant(ckpt, False) in activations else "traced with 16-bit weights only; "
+                notes.append(f"fp32 weights with Adam do not fit this GPU: {only16}the Adam step timed on a "
+                             "slice and scaled")
         del model
         gc.collect()
         if device.type == "cuda":
@@ -423,11 +423,6 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace, notes=notes)
 
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                      "MASTER_ADDR", "MASTER_PORT")
-"""torchrun's variables, which a process joins a job by."""
-
-
 def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,
               checkpointing: bool = True) -> Probe:
     """:func:`measure` in a fresh process (``python -m zerotrain.probe``); raises UserError with its last line.
@@ -436,15 +431,14 @@ def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeo
     import sys
 
     from zerotrain.errors import UserError
+    from zerotrain.launcher import environment_alone
 
     cmd = [sys.executable, "-m", "zerotrain.probe", recipe, "--out", str(out), "--max_micro", str(max_micro),
            *([] if checkpointing else ["--no_checkpointing"]), *fit_args]
     # The probe is one process on its own: a launcher's variables (torchrun's, SLURM's) inherited from
     # the caller would make its group of one wait for ranks that never come.
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=environment_alone())
     except subprocess.TimeoutExpired:
         raise UserError(f"the memory probe of {recipe} did not finish within {timeout_s} s") from None
     if proc.returncode != 0 or not out.is_file():

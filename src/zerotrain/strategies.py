@@ -6,7 +6,12 @@ so it means the same thing whatever a ``--config`` file says.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zerotrain.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -20,6 +25,15 @@ class Strategy:
         """The ``zerotrain fit`` flags that select this strategy."""
         return ["--strategy.backend", self.backend, "--strategy.zero_stage", str(self.zero_stage),
                 "--strategy.offload_optimizer", self.offload_optimizer, "--strategy.offload_param", self.offload_param]
+
+    def apply(self, cfg: "RunConfig") -> "RunConfig":
+        """A copy of ``cfg`` running this strategy, offloads included (a user's --strategy.offload_param
+        does not carry over to ZeRO-1)."""
+        cfg = copy.deepcopy(cfg)
+        s = cfg.strategy
+        s.backend, s.zero_stage = self.backend, self.zero_stage
+        s.offload_optimizer, s.offload_param = self.offload_optimizer, self.offload_param
+        return cfg
 
 
 # In the order the planner prefers them when they fit: fewer partitions before more, everything on

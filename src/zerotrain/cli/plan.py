@@ -44,8 +44,8 @@ def run(argv: list[str]) -> int:
     from zerotrain.planner import plan
 
     plan(args.recipe, cfg, fit_args, out, trials=args.trials, trial_steps=args.trial_steps,
-                  strategies=args.strategies.split(",") if args.strategies else None,
-                  compare_strategies=args.compare_strategies, host_memory_gib=args.host_memory_gib,
-                  trial_seconds=args.trial_seconds)
+         strategies=args.strategies.split(",") if args.strategies else None,
+         compare_strategies=args.compare_strategies, host_memory_gib=args.host_memory_gib,
+         trial_seconds=args.trial_seconds)
     print((out / "plan.md").read_text())
     return 0

@@ -14,7 +14,7 @@ from zerotrain.data.sampling import EpochBatches
 
 def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], collate: Callable[[list[Any]], Any],
                 workers: int, seed: int) -> DataLoader:
-    return DataLoader(
+    return _StopSignalSafeLoader(
         dataset, batch_sampler=batch_sampler, collate_fn=collate, num_workers=workers,
         pin_memory=torch.cuda.is_available(), persistent_workers=False,
         # A private generator: worker seeds must not draw from the global RNG that resume restores.
@@ -32,26 +32,28 @@ def _ignore_stop_signals(worker_id: int) -> None:
     SLURM and torchrun signal the whole process group: a worker killed by that SIGTERM makes the
     training process raise "DataLoader worker ... is killed by signal" in the middle of its
     pre-emption checkpoint. The worker ends with its parent anyway (PyTorch's worker watchdog).
-    It starts with these signals blocked (:func:`start`), so one sent before this runs waits, and
-    is then dropped.
+    It starts with these signals blocked (:class:`_StopSignalSafeLoader`), so one sent before this
+    runs waits, and is then dropped.
     """
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def start(loader: DataLoader) -> Iterator[Any]:
-    """``iter(loader)``, whose worker processes start with the stop signals blocked: a SIGTERM to the
+class _StopSignalSafeLoader(DataLoader):
+    """A DataLoader whose worker processes start with the stop signals blocked: a SIGTERM to the
     process group in the moment between a worker's fork and its :func:`_ignore_stop_signals` would
     otherwise kill it (seen on a loaded 2-core machine). The training process gets its own copy of
     the signal as soon as the workers are started."""
-    if loader.num_workers == 0 or threading.current_thread() is not threading.main_thread():
-        return iter(loader)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        return iter(loader)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.num_workers == 0 or threading.current_thread() is not threading.main_thread():
+            return super().__iter__()
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return super().__iter__()  # starts the workers
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
@@ -63,7 +65,7 @@ def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
     """
     while True:
         sampler.set_epoch(epoch, skip)
-        for i, batch in enumerate(start(loader), start=skip + 1):
+        for i, batch in enumerate(loader, start=skip + 1):
             if i == sampler.batches_per_epoch:
                 yield epoch + 1, 0, batch
             else:
