@@ -14,6 +14,7 @@ states, scheduler; the loop's own state is :class:`~zerotrain.train_state.TrainS
 from __future__ import annotations
 
 import contextlib
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerotrain.compiling import compile_blocks
 from zerotrain.config import RunConfig
 from zerotrain.distributed import all_reduce_max, all_reduce_sum, barrier
 from zerotrain.ds_config import (
@@ -34,6 +36,8 @@ from zerotrain.ds_config import (
 from zerotrain.errors import UserError
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
+
+logger = logging.getLogger(__name__)
 
 StepFn = Callable[[nn.Module, Batch], StepOutput]
 WeightFn = Callable[[Batch], Optional[float]]
@@ -217,7 +221,12 @@ class DeepSpeedEngine(Engine):
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
         if cfg.strategy.compile:
-            self.ds.compile()  # DeepSpeed's own entry point: compiles the module it wraps, hooks intact
+            if ds.get("zero_optimization", {}).get("stage", 0) == 3:
+                # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
+                # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.
+                self.ds.compile()
+            else:
+                logger.info("torch.compile: %s", compile_blocks(self.ds.module))
         self._clip = clip
         self._params = params
         if clip is not None and self.world_size == 1:
@@ -380,7 +389,7 @@ class TorchEngine(Engine):
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
         if cfg.strategy.compile:
-            self._module.compile()  # in place: parameter names (checkpoints, export) stay as they are
+            logger.info("torch.compile: %s", compile_blocks(self._module))
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None

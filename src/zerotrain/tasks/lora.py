@@ -287,7 +287,10 @@ class LoRATask(Task[LoRAConfig]):
 
     # ---- steps -----------------------------------------------------------------------------
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        # use_cache=False: Hugging Face's causal LMs otherwise fill a KV cache in training too (copies per
+        # layer, nothing reads them), and a compiled block would be re-traced as each layer's cache fills.
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"],
+                    use_cache=False)
         b, t = batch["input_ids"].shape  # (B, T)
         return StepOutput(loss=out.loss, tokens=b * t, samples=b)
 
@@ -297,7 +300,8 @@ class LoRATask(Task[LoRAConfig]):
 
     @torch.no_grad()
     def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, T, V)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       use_cache=False).logits  # (B, T, V)
         # Position t predicts token t+1, as in HF's causal-LM loss
         shift_logits = logits[:, :-1, :].float()  # (B, T-1, V)
         shift_labels = batch["labels"][:, 1:]  # (B, T-1)

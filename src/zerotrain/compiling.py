@@ -1,0 +1,45 @@
+"""``--strategy.compile``: torch.compile a transformer one block at a time.
+
+Compiling a whole model makes dynamo trace every layer: a 22-layer Llama with LoRA logged no step
+in 570 s on an H100. Its layers are one class run N times, and dynamo treats a module's parameters
+as inputs to the graph (``inline_inbuilt_nn_modules``, on by default), so a graph compiled for the
+first block serves every block after it. Compiling each block in place therefore costs about one
+block's compile, whatever the depth; the embedding, head and loss stay eager, which costs little
+next to the blocks. A model with no repeated blocks is compiled whole.
+
+Each ``Module.compile()`` is in place: parameter names, and so checkpoints and exports, do not change.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of every outermost ``nn.ModuleList`` whose children are all of one class, in order.
+
+    That is a transformer's stack of layers (``model.layers``, ``encoder.layer``, ``TransformerEncoder.layers``)
+    however deep a wrapper (peft, DeepSpeed) has put it; a list inside a block already found is not searched.
+    """
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(c) for c in child}) == 1:
+                found.extend(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def compile_blocks(model: nn.Module) -> str:
+    """Compile ``model``'s repeated blocks in place (the whole model when it has none); says what was compiled."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        model.compile()
+        return f"compiled the whole {type(model).__name__}"
+    for block in blocks:
+        block.compile()
+    return f"compiled {len(blocks)} {type(blocks[0]).__name__} blocks one by one"

@@ -1,0 +1,87 @@
+"""--strategy.compile: blocks are found through wrappers, one compile serves every block, and a compiled
+run learns what the eager run learns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import zerotrain_cmd
+from test_lora_fit import LLAMA, _args, lora_files  # noqa: F401  (lora_files is a fixture)
+from torch import nn
+
+from zerotrain.compiling import compile_blocks, repeated_blocks
+from zerotrain.models.roberta_mlm import EncoderLayer, RobertaMLM
+from zerotrain.models.sentiment import SentimentClassifier
+
+
+def _peft_llama(layers: int) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**dict(LLAMA, num_hidden_layers=layers, vocab_size=64))
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(LlamaForCausalLM(config), lora)
+
+
+def test_blocks_are_found_through_wrappers():
+    llama = _peft_llama(3)  # peft puts the layers four modules down: base_model.model.model.layers
+    assert [type(b).__name__ for b in repeated_blocks(llama)] == ["LlamaDecoderLayer"] * 3
+
+    mlm = RobertaMLM(vocab_size=50, num_layers=2, num_heads=2, h_dim=16, ff_dim=32, dropout=0.0,
+                     max_seq_length=16, pad_token_id=1)
+    assert [type(b) for b in repeated_blocks(mlm)] == [EncoderLayer] * 2
+
+    imdb = SentimentClassifier(vocab_size=50, embed_dim=16, hidden_dim=32, num_heads=2, num_layers=2, max_len=16,
+                               dropout=0.0, pad_token_id=1)
+    assert [type(b) for b in repeated_blocks(imdb)] == [nn.TransformerEncoderLayer] * 2
+
+
+def test_a_model_without_blocks_is_compiled_whole():
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]))  # a list of two classes
+    assert repeated_blocks(mixed) == []
+    assert compile_blocks(mixed) == "compiled the whole Sequential"
+    assert mixed._compiled_call_impl is not None
+
+
+def test_one_compile_serves_every_block():
+    """Six layers compile two graphs: the first layer's (its input, from the frozen embedding, needs no
+    gradient) and one that every later layer reuses. Six graphs would mean a compile per layer."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _peft_llama(6)
+    assert compile_blocks(model) == "compiled 6 LlamaDecoderLayer blocks one by one"
+    ids = torch.randint(3, 64, (2, 12))
+    loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
+    loss.backward()
+    assert counters["stats"]["unique_graphs"] == 2
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_" in n)
+    torch._dynamo.reset()
+
+
+def _losses(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["train_loss"] for r in rows if "train_loss" in r]
+
+
+@pytest.mark.slow
+def test_a_compiled_run_matches_the_eager_run(lora_files):  # noqa: F811
+    """ZeRO-2 on one process with LoRA, no dropout: the compiled blocks give eager's loss curve, and the
+    log says which blocks were compiled."""
+    tmp_path, tok = lora_files
+    curves = {}
+    for compiled in ("false", "true"):
+        args = _args(tmp_path, tok, 2, 1) + ["--model.lora_dropout", "0", "--strategy.compile", compiled,
+                                             "--trainer.run_name", f"compile_{compiled}"]
+        out = zerotrain_cmd(args, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        curves[compiled] = _losses(tmp_path / f"compile_{compiled}")
+        if compiled == "true":
+            assert "torch.compile: compiled 2 LlamaDecoderLayer blocks one by one" in out.stderr + out.stdout
+    assert len(curves["true"]) == len(curves["false"]) == 4
+    assert curves["false"][0] != curves["false"][-1]  # it trained
+    torch.testing.assert_close(curves["true"], curves["false"], rtol=1e-4, atol=1e-5)
