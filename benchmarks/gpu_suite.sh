@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -82,8 +82,9 @@ for part in "$@"; do
         --trainer.max_steps 30 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5 \
         --scheduler.warmup_steps 5 | tail -n 3 ;;
     lora_vs_hf)  # the fast-path issue's target 6: LoRA 1.2B, the tutorial's ZeRO-2 + CPU-offload JSON for every row,
-      # 120 steps with the first 40 untimed (compilation is in them): zerotrain eager, zerotrain with
-      # torch.compile and length-grouped batches, and the Hugging Face Trainer; non-padding tokens/s in all three
+      # 120 steps with the first 40 untimed (compilation is in them): zerotrain with torch.compile (the 22 decoder
+      # layers compiled one by one) and length-grouped batches, zerotrain eager, and the Hugging Face Trainer;
+      # non-padding tokens/s in all three
       sft; FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
                  --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/compiled" "${FLAGS[@]}" \
@@ -101,9 +102,16 @@ for part in "$@"; do
         cp "$OUT/imdb_compile/runs/compile_$c/metrics.jsonl" "$OUT/imdb_compile/compile_${c}_metrics.jsonl"
       done ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: every one-GPU engine (the engine-tax target too), then ZeRO-1/2
-      # and DDP on two GPUs
+      # and DDP on two GPUs, and on four where the machine has them
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" | tail -n 6
-      z benchmark mlm --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" | tail -n 5 ;;
+      z benchmark mlm --strategies ddp,zero1,zero2 --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" | tail -n 5
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
+        z benchmark mlm --strategies ddp,zero1,zero2 --nproc 4 --out "$OUT/scaling/4gpu" "${BERT[@]}" | tail -n 5
+      fi ;;
+    bert_compile)  # BERT-base on one GPU with --strategy.compile true (its 12 encoder layers compiled one by one):
+      # the plain engine and ZeRO-0, for the MFU target; compare with the eager rows of `scaling` run in the same call
+      z benchmark mlm --strategies ddp,zero0 --nproc 1 --out "$OUT/bert_compile" "${BERT[@]}" \
+        --strategy.compile true | tail -n 4 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;
