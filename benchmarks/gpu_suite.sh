@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -108,9 +108,20 @@ for part in "$@"; do
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
         z benchmark mlm --strategies ddp,zero1,zero2 --nproc 4 --out "$OUT/scaling/4gpu" "${BERT[@]}" | tail -n 5
       fi ;;
+    offload_5b)  # the fast-path issue's target 5(b): MLM 24 layers x 4096 (FFN 16384, 32 heads; 5.06B parameters),
+      # ZeRO-2 + CPU optimizer offload, activation checkpointing, bf16, no evaluation or export. First the issue's
+      # configuration (micro-batch 4, one micro-batch a step), then micro-batch 16 with 4 accumulated a step: the
+      # CPU Adam step over 5B parameters is paid once per 32,768 tokens instead of once per 2,048
+      BIG=("${BERT[@]}" --model.num_layers 24 --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
+           --strategy.activation_checkpointing true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
+           --trainer.log_every_steps 1 --scheduler.warmup_steps 1 --trainer.evaluate false --trainer.export false)
+      z benchmark mlm --strategies zero2_offload --predict false --out "$OUT/offload_5b/mb4" "${BIG[@]}" \
+        --trainer.micro_batch_size 4 | tail -n 3
+      z benchmark mlm --strategies zero2_offload --predict false --out "$OUT/offload_5b/mb16x4" "${BIG[@]}" \
+        --trainer.micro_batch_size 16 --strategy.gradient_accumulation_steps 4 | tail -n 3 ;;
     bert_compile)  # BERT-base on one GPU with --strategy.compile true (its 12 encoder layers compiled one by one):
       # the plain engine and ZeRO-0, for the MFU target; compare with the eager rows of `scaling` run in the same call
-      z benchmark mlm --strategies ddp,zero0 --nproc 1 --out "$OUT/bert_compile" "${BERT[@]}" \
+      z benchmark mlm --strategies ddp,zero0 --nproc 1 --predict false --out "$OUT/bert_compile" "${BERT[@]}" \
         --strategy.compile true | tail -n 4 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
