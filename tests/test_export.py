@@ -91,6 +91,33 @@ def test_shards_past_max_shard_size_with_the_hf_index(toy_runs, tmp_path):
     _same(merged, load_file(run / "model" / "model.safetensors"))
 
 
+def test_a_sharded_export_is_what_load_run_reads(toy_runs, tmp_path):
+    run = toy_runs["zero2"]
+    out = export_run(run, out=tmp_path / "sharded", max_shard_size=600).out_dir
+    assert (out / "model" / "model.safetensors.index.json").is_file()
+    assert not (out / "model" / "model.safetensors").exists()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(load_run(out).model(x), load_run(run).model(x), rtol=0, atol=0)
+
+
+def test_a_fit_exports_a_big_model_shard_by_shard_saying_so(tmp_path, monkeypatch, capsys):
+    """The end of a run writes a model past the shard size as Hugging Face's shards, one at a time, with
+    a line per shard; the run folder loads as before."""
+    import zerotrain.export
+
+    monkeypatch.setattr(zerotrain.export, "DEFAULT_MAX_SHARD_SIZE", 600)  # bytes: 0.weight alone is 1 KiB
+    run = _toy_run(tmp_path, "big", zero_stage=2)
+    index = json.loads((run / "model" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[zerotrain] export: wrote")]
+    assert len(shards) >= 2 and len(lines) == len(shards)
+    assert lines[-1].endswith(f"({index['metadata']['total_size'] / 1e9:.2f} of "
+                              f"{index['metadata']['total_size'] / 1e9:.2f} GB)")
+    final = export_run(run, out=tmp_path / "from_checkpoint").out_dir  # the last checkpoint, written apart
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(load_run(run).model(x), load_run(final).model(x), rtol=0, atol=0)
+
+
 def test_refuses_a_folder_that_holds_files(toy_runs, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("mine")

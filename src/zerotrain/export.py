@@ -176,36 +176,64 @@ def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 # ---- writing ---------------------------------------------------------------------------------
 
+def lazy_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype, LazyTensor]]:
+    """A state dict already in hand (on any device), in the shape :func:`write_safetensors` reads."""
+    return {k: (v.shape, v.dtype, _const(v)) for k, v in state_dict.items()}
+
+
 def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]], out_dir: Path,
-                      dtype: torch.dtype, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                      rename: Optional[Callable[[str], str]] = None) -> list[str]:
+                      dtype: Optional[torch.dtype], max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                      rename: Optional[Callable[[str], str]] = None,
+                      progress: Optional[Callable[[str], None]] = None) -> list[str]:
     """Write ``model.safetensors`` (or shards and ``model.safetensors.index.json``); return the file names.
 
     Shards are planned from shapes alone (Hugging Face's splitter on empty tensors) and each is
-    materialised, written and dropped before the next, so memory holds one shard at a time.
+    materialised on the host, written and dropped before the next, so memory holds one shard at a time.
+    ``dtype`` None keeps each tensor's own; ``progress`` gets a line per shard written.
     """
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     rename = rename or (lambda k: k)
     names = {rename(k): k for k in lazy}
-    meta = {new: torch.empty(lazy[old][0], dtype=dtype if lazy[old][1].is_floating_point else lazy[old][1],
-                             device="meta") for new, old in names.items()}
+    meta = {new: torch.empty(lazy[old][0], dtype=(dtype or lazy[old][1]) if lazy[old][1].is_floating_point
+                             else lazy[old][1], device="meta") for new, old in names.items()}
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, done, total = [], 0, sum(t.nbytes for t in meta.values())
     for filename, tensors in split.filename_to_tensors.items():
         # clone(): tied weights share storage, which safetensors refuses to write twice.
         shard = {n: _cast(lazy[names[n]][2](), dtype).clone().contiguous() for n in tensors}
         save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
         written.append(filename)
+        done += sum(t.nbytes for t in shard.values())
         del shard
+        if progress:
+            progress(f"wrote {out_dir / filename} ({done / 1e9:.2f} of {total / 1e9:.2f} GB)")
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append("model.safetensors.index.json")
     return written
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """``folder``'s ``model.safetensors``, or every shard its ``model.safetensors.index.json`` names, as one
+    state dict. Raises ``FileNotFoundError`` when neither file is there."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(folder / "model.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(folder / name)))
+    return state
 
 
 def default_out(run_dir: Path, step: int, fmt: Format, dtype: str) -> Path:

@@ -9,6 +9,7 @@ zerotrain by subclassing :class:`Task` and calling :func:`zerotrain.fit`.
 from __future__ import annotations
 
 import copy
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from zerotrain.config import RunConfig
+
+logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=RunConfig)
 Batch = dict[str, torch.Tensor]
@@ -157,33 +160,37 @@ class Task(ABC, Generic[C]):
         ``model`` is the unwrapped module (under ZeRO-3 its parameters are partitioned: use
         ``state_dict``, the full consolidated weights). The default writes ``model.safetensors``;
         recipes override it to write Hugging Face or peft layouts.
-        """
-        from safetensors.torch import save_file
 
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # clone(): tied weights share storage, which safetensors refuses to write twice.
-        save_file({k: v.detach().cpu().clone().contiguous() for k, v in state_dict.items()}, str(out_dir / "model.safetensors"))
+        Past 5 GB the weights go to Hugging Face's shards (``model-0000i-of-0000n.safetensors`` and the
+        index), copied to the host one shard at a time with a log line each: a big model's export holds one
+        shard in host memory, not the model, and says how far it has got.
+        """
+        from zerotrain import export
+
+        export.write_safetensors(export.lazy_tensors(state_dict), out_dir, dtype=None,
+                                 max_shard_size=export.DEFAULT_MAX_SHARD_SIZE,
+                                 progress=lambda line: logger.info("export: %s", line))
 
     def load_exported(self, model: nn.Module, export_dir: Path) -> None:
         """Load into ``model`` (built with ``build_model(pretrained=False)``) what :meth:`export` wrote
         to ``export_dir``: the inverse of :meth:`export`, used by :func:`zerotrain.rundir.load_run`.
 
-        The default reads ``model.safetensors`` (a ``module.`` prefix, as a wrapped model's keys
+        The default reads ``model.safetensors`` or its shards (a ``module.`` prefix, as a wrapped model's keys
         carry, is dropped) and requires every tensor to match. Raises
         :class:`~zerotrain.errors.UserError` naming the file when it is missing or does not fit.
         """
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         from zerotrain.errors import UserError
+        from zerotrain.export import read_safetensors
 
         weights = Path(export_dir) / "model.safetensors"
-        if not weights.is_file():
-            raise UserError(f"{weights} is missing: the run did not finish exporting its model. "
-                            "Let it finish (or resume it) and try again")
         try:
-            state = load_file(str(weights))
-        except (SafetensorError, OSError) as exc:
+            state = read_safetensors(Path(export_dir))
+        except FileNotFoundError:
+            raise UserError(f"{weights} is missing: the run did not finish exporting its model. "
+                            "Let it finish (or resume it) and try again") from None
+        except (SafetensorError, OSError, ValueError, KeyError) as exc:
             raise UserError(f"{weights} cannot be read ({exc}): the file is damaged or still being written") from None
         state = {k.removeprefix("module."): v for k, v in state.items()}
         try:
