@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -81,6 +81,13 @@ for part in "$@"; do
       sft; z benchmark lora --strategies zero0 --profile 5 --predict false --out "$OUT/profile_lora" "${LORA[@]}" \
         --trainer.max_steps 30 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5 \
         --scheduler.warmup_steps 5 | tail -n 3 ;;
+    profile_lora2)  # target 6's configuration (the tutorial's ZeRO-2 + CPU-offload JSON), eager and compiled: the
+      # host time of forward, backward and optimizer step, and kernel launches a step
+      sft; for c in false true; do
+        z benchmark lora --strategies zero2 --profile 5 --predict false --out "$OUT/profile_lora2/compile_$c" "${LORA[@]}" \
+          --trainer.max_steps 40 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 25 --scheduler.warmup_steps 5 \
+          --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json --strategy.compile $c | tail -n 2
+      done ;;
     lora_vs_hf)  # the fast-path issue's target 6: LoRA 1.2B, the tutorial's ZeRO-2 + CPU-offload JSON for every row,
       # 120 steps with the first 40 untimed (compilation is in them): zerotrain with torch.compile (the 22 decoder
       # layers compiled one by one) and length-grouped batches, zerotrain eager, and the Hugging Face Trainer;

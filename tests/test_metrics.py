@@ -40,12 +40,18 @@ def test_profile_summary_on_cpu(tmp_path):
     from zerotrain.metrics import StepProfiler, kernel_family
 
     prof = StepProfiler(steps=2, start_after=1, device=torch.device("cpu"), out_dir=tmp_path, is_main=True)
+    from torch.profiler import record_function
+
     x = torch.randn(64, 64)
     for step in range(1, 4):
-        (x @ x).relu().sum()
+        with record_function("zerotrain.forward"):  # as the engine names its phases
+            (x @ x).relu().sum()
         prof.step(step)
     summary = json.loads((tmp_path / "profile.json").read_text())
     assert summary["steps"] == 2 and summary["wall_ms_per_step"] > 0 and summary["cpu_ms_per_step"] > 0
+    assert list(summary["host_ms_per_step_by_phase"]) == ["forward"]
+    assert 0 < summary["host_ms_per_step_by_phase"]["forward"] <= summary["wall_ms_per_step"]
+    assert "| forward |" in (tmp_path / "profile.md").read_text()
     assert summary["gpu_ms_per_step"] == 0 and summary["syncs_per_step"] == 0
     assert any(t["name"] == "aten::mm" for t in summary["top"])
     assert (tmp_path / "profile.md").read_text().startswith("Profile of 2 steps")

@@ -23,6 +23,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from zerotrain.compiling import compile_blocks
 from zerotrain.config import RunConfig
@@ -99,14 +100,17 @@ class Engine(ABC):
         for i, (batch, factor) in enumerate(zip(batches, factors)):
             last = i == len(batches) - 1
             with self._accumulating(last):
-                with self._autocast():
+                # Named ranges for --trainer.profile_steps: the host time of each phase, whatever runs inside
+                with record_function("zerotrain.forward"), self._autocast():
                     out = step_fn(self.forward_model, to_device(batch, self.device))
                 loss = out.loss * factor if factor != 1.0 else out.loss
-                self._backward(loss, len(batches), last)
+                with record_function("zerotrain.backward"):
+                    self._backward(loss, len(batches), last)
             loss_sum += loss.detach().float()
             samples, tokens = samples + out.samples, tokens + out.tokens
             flops = _add_flops(flops, out, first=i == 0)
-        self._optimizer_step()
+        with record_function("zerotrain.optimizer_step"):
+            self._optimizer_step()
         return StepStats(loss_sum / max(1, len(batches)), samples, tokens, len(batches), flops)
 
     def _accumulating(self, last: bool) -> ContextManager:

@@ -211,6 +211,7 @@ KERNEL_FAMILIES: list[tuple[str, tuple[str, ...]]] = [
                           "copy", "fill", "cat", "index", "scatter", "gather", "where", "embedding")),
 ]
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 def kernel_family(name: str) -> str:
@@ -277,6 +278,10 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
     ops = [e for e in events if e.key.startswith("aten::")]
     top = (sorted(kernels, key=_device_us, reverse=True) if kernels
            else sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True))[:12]
+    # Inclusive host time of the engine's named phases (zerotrain.forward, .backward, .optimizer_step)
+    phases = {e.key.removeprefix("zerotrain."): e.cpu_time_total / 1e3 / steps
+              for e in events if e.key.startswith("zerotrain.")}
+    launches = sum(e.count for e in events if e.key in LAUNCH_CALLS)
     syncs = sum(e.count for e in events if e.key in SYNC_CALLS)
     reads = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
     wall_ms = wall_s * 1e3 / steps
@@ -286,6 +291,8 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
         "cpu_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
         "gpu_ms_per_step": gpu_ms,
         "gpu_busy_frac": gpu_ms / wall_ms if wall_ms else 0.0,
+        "host_ms_per_step_by_phase": phases,
+        "kernel_launches_per_step": launches / steps,
         "syncs_per_step": syncs / steps,
         "device_reads_per_step": reads / steps,
         "gpu_ms_per_step_by_family": dict(sorted(families.items(), key=lambda kv: -kv[1])),
@@ -300,6 +307,11 @@ def profile_markdown(s: dict) -> str:
              f"{s['cpu_ms_per_step']:.1f} ms CPU, {s['gpu_ms_per_step']:.1f} ms GPU "
              f"(busy {s['gpu_busy_frac']:.0%}), {s['syncs_per_step']:.1f} host-device syncs and "
              f"{s['device_reads_per_step']:.1f} device-value reads per step.", ""]
+    if s.get("kernel_launches_per_step"):
+        lines[0] += f" {s['kernel_launches_per_step']:.0f} kernel launches per step."
+    if s.get("host_ms_per_step_by_phase"):
+        lines += ["| phase (host, inclusive) | CPU ms/step |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in s["host_ms_per_step_by_phase"].items()] + [""]
     if s["gpu_ms_per_step_by_family"]:
         lines += ["| kernel family | GPU ms/step |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in s["gpu_ms_per_step_by_family"].items()] + [""]
