@@ -232,12 +232,14 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     assert fit(ToyTask(cfg)).final_step == 2
 
 
-def _fast_and_default_logs(tmp_path: Path, stage: int, steps: int) -> dict[bool, dict[int, dict]]:
+def _fast_and_default_logs(tmp_path: Path, stage: int, steps: int, profile_steps: int = 0,
+                           **strategy) -> dict[bool, dict[int, dict]]:
     """The train log, every 10 steps, of the fast path and of DeepSpeed's default path, with clipping that bites."""
     logs = {}
     for fast in (True, False):
-        cfg = toy_config(tmp_path, f"fast-{fast}", zero_stage=stage, fast_path=fast, gradient_clipping=0.05)
+        cfg = toy_config(tmp_path, f"fast-{fast}", zero_stage=stage, fast_path=fast, gradient_clipping=0.05, **strategy)
         cfg.trainer.max_steps, cfg.trainer.log_every_steps, cfg.trainer.eval_every_steps = steps, 10, steps
+        cfg.trainer.profile_steps, cfg.trainer.warmup_steps_excluded = profile_steps, 2
         cfg.scheduler.name = "constant"
         fit(ToyTask(cfg))
         logs[fast] = train_log(tmp_path / f"fast-{fast}")
@@ -255,6 +257,19 @@ def test_fast_path_follows_deepspeeds_default_path(tmp_path):
     logs = _fast_and_default_logs(tmp_path, stage=0, steps=200)
     assert logs[True][200]["train_loss"] < 0.5 * logs[True][10]["train_loss"]  # it did learn
     assert logs[True][200]["grad_norm"] > 0.05  # clipping was active all along
+
+
+@pytest.mark.slow
+def test_offload_fast_path_reads_the_grad_norm_once(tmp_path, cpu_adam_built):
+    """ZeRO-2 + CPU optimizer offload: DeepSpeed reads each gradient tensor's norm to the host (one
+    .item() each); the fast path reads their sum once. Same loss and grad-norm curves."""
+    logs = _fast_and_default_logs(tmp_path, stage=2, steps=30, profile_steps=3, offload_optimizer="cpu")
+    assert all("grad_norm" in row for row in logs[False].values())
+    reads = {fast: json.loads((tmp_path / f"fast-{fast}" / "profile.json").read_text())["device_reads_per_step"]
+             for fast in (True, False)}
+    tensors = len(list(ToyTask(toy_config(tmp_path, "count")).build_model().parameters()))
+    # DeepSpeed: one read per tensor and one of the all-reduced sum; the fast path: the sum's only
+    assert tensors >= 4 and reads[True] == pytest.approx(reads[False] - tensors)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -59,3 +59,23 @@ def test_profile_summary_on_cpu(tmp_path):
     assert kernel_family("flash_fwd_kernel") == "attention"
     assert kernel_family("multi_tensor_apply_kernel") == "optimizer"
     assert kernel_family("vectorized_layer_norm_kernel") == "norm/elementwise"
+
+
+def test_profile_summary_keeps_phase_annotations_out_of_the_kernels():
+    """On a GPU each named phase comes twice: the host range (CPU time) and a GPU-side annotation that
+    spans the phase's kernels (device time, CPU time 0). The phase keeps its host time; the annotation
+    is no kernel."""
+    from types import SimpleNamespace
+
+    from zerotrain.metrics import summarize_profile
+
+    def event(key, cpu_us=0.0, device_us=0.0, count=1):
+        return SimpleNamespace(key=key, cpu_time_total=cpu_us, self_cpu_time_total=cpu_us,
+                               self_device_time_total=device_us, count=count)
+
+    events = [event("zerotrain.forward", cpu_us=4000.0), event("zerotrain.forward", device_us=9000.0),
+              event("sm90_xmma_gemm_bf16bf16", device_us=3000.0), event("cudaLaunchKernel", cpu_us=10.0, count=6)]
+    s = summarize_profile(events, steps=2, wall_s=0.01)
+    assert s["host_ms_per_step_by_phase"] == {"forward": 2.0}
+    assert s["gpu_ms_per_step"] == 1.5 and [t["name"] for t in s["top"]] == ["sm90_xmma_gemm_bf16bf16"]
+    assert s["kernel_launches_per_step"] == 3

@@ -138,6 +138,10 @@ def fast_path(ds: dict[str, Any], device: str, world_size: int) -> None:
       which zerotrain does not build, and turns it back on under optimizer offload, so it is left
       alone there.) A ``--strategy.contiguous_gradients true`` is overridden too: ``false`` here
       changes no result, only speed.
+
+    One more fix is not a config key and so also applies to a user's own JSON: under ZeRO-1/2 with CPU
+    optimizer offload the gradient norm is read to the host once a step, not once per gradient tensor
+    (:mod:`zerotrain.offload_norm`, applied by the engine).
     """
     ds["timers"] = {"throughput": {"enabled": False}}
     stage = ds["zero_optimization"]["stage"]

@@ -35,6 +35,7 @@ from zerotrain.ds_config import (
     precision_of,
 )
 from zerotrain.errors import UserError
+from zerotrain.offload_norm import read_offload_norm_once
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
 
@@ -225,6 +226,9 @@ class DeepSpeedEngine(Engine):
         params = [p for p in model.parameters() if p.requires_grad]
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
+        if cfg.strategy.fast_path:
+            # A method of DeepSpeed's optimizer, not a config key: a user's own JSON gets it too.
+            read_offload_norm_once(self.ds.optimizer)
         if cfg.strategy.compile:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace

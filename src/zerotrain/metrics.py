@@ -269,7 +269,9 @@ def _device_us(event) -> float:
 
 def summarize_profile(events, steps: int, wall_s: float) -> dict:
     """The numbers of :class:`StepProfiler`'s summary from ``profile.key_averages()`` (times in ms per step)."""
-    kernels = [e for e in events if _device_us(e) > 0 and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset"))]
+    # The engine's named phases come twice: the host range and its GPU-side annotation (device time, no kernel)
+    kernels = [e for e in events if _device_us(e) > 0
+               and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset", "zerotrain."))]
     gpu_ms = sum(_device_us(e) for e in kernels) / 1e3 / steps
     families: dict[str, float] = {}
     for e in kernels:
@@ -279,8 +281,11 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
     top = (sorted(kernels, key=_device_us, reverse=True) if kernels
            else sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True))[:12]
     # Inclusive host time of the engine's named phases (zerotrain.forward, .backward, .optimizer_step)
-    phases = {e.key.removeprefix("zerotrain."): e.cpu_time_total / 1e3 / steps
-              for e in events if e.key.startswith("zerotrain.")}
+    phases: dict[str, float] = {}
+    for e in events:
+        if e.key.startswith("zerotrain.") and e.cpu_time_total > 0:
+            name = e.key.removeprefix("zerotrain.")
+            phases[name] = phases.get(name, 0.0) + e.cpu_time_total / 1e3 / steps
     launches = sum(e.count for e in events if e.key in LAUNCH_CALLS)
     syncs = sum(e.count for e in events if e.key in SYNC_CALLS)
     reads = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
