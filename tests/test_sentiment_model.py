@@ -153,6 +153,17 @@ def test_config_validation_names_flags():
     cfg.data.max_train_samples = 1
     with pytest.raises(ConfigError, match="--data.max_train_samples"):
         cfg.validate()
+    with pytest.raises(ConfigError, match="--data.pad_to_multiple_of"):
+        dataclasses.replace(IMDBConfig().data, pad_to_multiple_of=0).validate()
+
+
+def test_batches_pad_to_the_configured_multiple(tiny_tokenizer_dir):
+    from zerotrain.tasks.imdb import IMDBTask
+
+    cfg = IMDBConfig()
+    cfg.data.tokenizer, cfg.data.pad_to_multiple_of = str(tiny_tokenizer_dir), 64
+    batch = IMDBTask(cfg).collator()([([5] * 70, 0), ([5] * 3, 1)])
+    assert batch["input_ids"].shape == (2, 128) and int(batch["attention_mask"].sum()) == 73
 
 
 def test_init_from_a_real_mlm_run_copies_embedding_and_layers(tmp_path, tiny_tokenizer_dir):
