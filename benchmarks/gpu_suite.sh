@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -88,6 +88,15 @@ for part in "$@"; do
           --trainer.max_steps 40 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 25 --scheduler.warmup_steps 5 \
           --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json --strategy.compile $c | tail -n 2
       done ;;
+    lora_compiled)  # lora_vs_hf's zerotrain row alone, with dynamo's recompilations logged (TORCH_LOGS=recompiles)
+      sft; FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
+                 --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
+      TORCH_LOGS=recompiles z fit lora "${FLAGS[@]}" --strategy.zero_stage 2 --strategy.compile true \
+        --data.bucket_by_length true --data.pad_to_multiple_of 64 --trainer.output_dir "$OUT/lora_compiled/runs" \
+        --trainer.run_name compiled --logging.progress_bar false > "$OUT/lora_compiled/log.txt" 2>&1
+      echo "lora_compiled rc=$?"; grep -c "Recompiling" "$OUT/lora_compiled/log.txt"
+      cp "$OUT/lora_compiled/runs/compiled/summary.json" "$OUT/lora_compiled/summary.json"
+      cp "$OUT/lora_compiled/runs/compiled/metrics.jsonl" "$OUT/lora_compiled/metrics.jsonl" ;;
     lora_vs_hf)  # the fast-path issue's target 6: LoRA 1.2B, the tutorial's ZeRO-2 + CPU-offload JSON for every row,
       # 120 steps with the first 40 untimed (compilation is in them): zerotrain with torch.compile (the 22 decoder
       # layers compiled one by one) and length-grouped batches, zerotrain eager, and the Hugging Face Trainer;
@@ -95,7 +104,7 @@ for part in "$@"; do
       sft; FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
                  --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/compiled" "${FLAGS[@]}" \
-        --strategy.compile true --data.bucket_by_length true | tail -n 3
+        --strategy.compile true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/eager" "${FLAGS[@]}" | tail -n 3
       python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora_vs_hf/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
         > "$OUT/lora_vs_hf/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora_vs_hf/hf_trainer.log" ;;

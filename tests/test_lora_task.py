@@ -170,6 +170,16 @@ def test_config_validation_names_flags():
         LoRADataConfig().validate()
     with pytest.raises(ConfigError, match="--data.template"):
         LoRADataConfig(train_path="x.jsonl", template="{input} only").validate()
+    with pytest.raises(ConfigError, match="--data.pad_to_multiple_of"):
+        LoRADataConfig(train_path="x.jsonl", pad_to_multiple_of=0).validate()
+
+
+def test_batches_pad_to_the_configured_multiple(tiny_tokenizer_dir):
+    cfg = LoRAConfig(model=LoRAModelConfig(tokenizer=str(tiny_tokenizer_dir)),
+                     data=LoRADataConfig(train_path="x.jsonl", pad_to_multiple_of=64))
+    rows = [{"input_ids": [5] * 70, "labels": [5] * 70}, {"input_ids": [5] * 3, "labels": [5] * 3}]
+    batch = LoRATask(cfg).collator()(rows)
+    assert batch["input_ids"].shape == (2, 128) and int(batch["attention_mask"].sum()) == 73
 
 
 def test_shipped_yaml_and_presets_parse(monkeypatch):

@@ -107,8 +107,13 @@ class LoRADataConfig:
     """Also compute the loss on prompt tokens (default: only on the target)."""
     bucket_by_length: bool = False
     """Group examples of similar length into the same batches to cut padding (batches stay shuffled)."""
+    pad_to_multiple_of: int = 8
+    """Pad each batch to a multiple of this many tokens. With --strategy.compile use 16 or more: Triton builds a
+    kernel once per divisibility of its sizes by 16, so lengths that alternate pay a rebuild of every kernel."""
 
     def validate(self) -> None:
+        if self.pad_to_multiple_of < 1:
+            raise ConfigError("--data.pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
         if not self.train_path:
             raise ConfigError("--data.train_path", "is required: a .json or .jsonl file of input/target records")
         if "{input}" not in self.template or "{target}" not in self.template:
@@ -278,7 +283,7 @@ class LoRATask(Task[LoRAConfig]):
         return Splits(train=train, val=val)
 
     def collator(self) -> PadCollator:
-        return PadCollator(self.tokenizer.pad_token_id)
+        return PadCollator(self.tokenizer.pad_token_id, self.cfg.data.pad_to_multiple_of)
 
     def train_lengths(self, train: list[dict[str, list[int]]]) -> Optional[list[int]]:
         if not self.cfg.data.bucket_by_length:
