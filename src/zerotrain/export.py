@@ -203,8 +203,13 @@ def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]
     out_dir.mkdir(parents=True, exist_ok=True)
     written, done, total = [], 0, sum(t.nbytes for t in meta.values())
     for filename, tensors in split.filename_to_tensors.items():
-        # clone(): tied weights share storage, which safetensors refuses to write twice.
-        shard = {n: _cast(lazy[names[n]][2](), dtype).clone().contiguous() for n in tensors}
+        shard, storages = {}, set()
+        for n in tensors:
+            t = _cast(lazy[names[n]][2](), dtype).contiguous()
+            if t.untyped_storage().data_ptr() in storages:
+                t = t.clone()  # tied weights share storage, which safetensors refuses to write twice
+            storages.add(t.untyped_storage().data_ptr())
+            shard[n] = t
         save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
         written.append(filename)
         done += sum(t.nbytes for t in shard.values())
