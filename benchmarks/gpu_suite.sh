@@ -100,12 +100,12 @@ for part in "$@"; do
     lora_vs_hf)  # the fast-path issue's target 6: LoRA 1.2B, the tutorial's ZeRO-2 + CPU-offload JSON for every row,
       # 120 steps with the first 40 untimed (compilation is in them): zerotrain with torch.compile (the 22 decoder
       # layers compiled one by one) and length-grouped batches, zerotrain eager, and the Hugging Face Trainer;
-      # non-padding tokens/s in all three
+      # non-padding tokens/s in all three (LORA_EAGER=0 leaves the eager row out)
       sft; FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
                  --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/compiled" "${FLAGS[@]}" \
         --strategy.compile true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
-      z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/eager" "${FLAGS[@]}" | tail -n 3
+      [ "${LORA_EAGER:-1}" = 1 ] && z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/eager" "${FLAGS[@]}" | tail -n 3
       python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora_vs_hf/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
         > "$OUT/lora_vs_hf/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora_vs_hf/hf_trainer.log" ;;
     imdb_pad)  # target 3: preset (b) as shipped (batches padded to a multiple of 64), the full 5 epochs with its test
