@@ -125,7 +125,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     gpu = gpu_memory_gib * GIB if gpu_memory_gib is not None else gpu_memory_bytes()
     host = host_memory_gib * GIB if host_memory_gib is not None else float(psutil.virtual_memory().total)
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
-                procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast)
+                procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast,
+                grad_accum=cfg.strategy.gradient_accumulation_steps)
     predictions = None
     if probe is not None:
         predictions, judged = {}, []

@@ -240,7 +240,8 @@ def _predicted_gpu_bytes(run: Run) -> Optional[float]:
         strategy = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
         autocast = bool((ds.get("torch_autocast") or {}).get("enabled"))  # ZeRO-0's bf16 fast path keeps fp32 weights
         return float(model_state_memory(run.param_counts, strategy, run.rt.world_size, run.engine.precision,
-                                        Buckets.from_ds_config(ds), autocast=autocast).gpu_bytes)
+                                        Buckets.from_ds_config(ds), autocast=autocast,
+                                        grad_accum=run.engine.grad_accum).gpu_bytes)
     except Exception:  # a figure for the message is not worth hiding the out-of-memory error behind another
         return None
 

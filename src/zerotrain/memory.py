@@ -136,11 +136,12 @@ def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_
 
 
 def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,
-                       buckets: Buckets = Buckets(), autocast: bool = False) -> StateMemory:
+                       buckets: Buckets = Buckets(), autocast: bool = False, grad_accum: int = 1) -> StateMemory:
     """Bytes the model states take per GPU and per process in host memory (see the module docstring).
 
     ``autocast``: DeepSpeed runs ``torch_autocast`` (ZeRO-0's fast path in bf16, see
-    ``zerotrain.ds_config.fast_path``), keeping the dtypes as built like plain PyTorch does."""
+    ``zerotrain.ds_config.fast_path``), keeping the dtypes as built like plain PyTorch does.
+    ``grad_accum``: micro-batches a step; under ZeRO-1/2 optimizer offload more than one costs host memory."""
     n = world_size
     weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast)
     stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
@@ -157,6 +158,10 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     if strategy.offload_optimizer != "none":
         cpu += optim
         optim = 0
+        if stage in (1, 2) and grad_accum > 1:
+            # DeepSpeed sums the micro-batches' gradients in a second fp32 copy of the partition on the host
+            # (accumulated_grads_in_cpu): 5B parameters at micro-batch 16 x 4 outgrew a 125 GiB host with it.
+            cpu += 4 * counts.trainable / n
     if strategy.offload_param != "none":
         cpu += weights
         weights = 0
@@ -185,7 +190,7 @@ class PlanRow:
 
 def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float, host_bytes: float,
          procs_per_host: int, reserve_bytes: float = 0.0, buckets: Mapping[str, Buckets] = {},
-         autocast: Mapping[str, bool] = {}) -> list[PlanRow]:
+         autocast: Mapping[str, bool] = {}, grad_accum: int = 1) -> list[PlanRow]:
     """Every strategy with its model-state memory and whether it fits: GPU states within ``gpu_bytes``
     minus ``reserve_bytes`` (kept for activations), and the offloaded states of the processes of one
     host within ``host_bytes``. ``buckets`` and ``autocast`` are per strategy name, from the DeepSpeed
@@ -194,7 +199,7 @@ def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float,
     rows = []
     for name, strategy in STRATEGIES.items():
         mem = model_state_memory(counts, strategy, world_size, precision, buckets.get(name, Buckets()),
-                                 autocast.get(name, False))
+                                 autocast.get(name, False), grad_accum)
         fits = mem.gpu_bytes <= gpu_bytes - reserve_bytes and mem.cpu_bytes * procs_per_host <= host_bytes
         rows.append(PlanRow(name, mem, fits))
     return rows
@@ -233,7 +238,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
             grad_accum: int = 1) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring)."""
-    states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast)
+    states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum)
     key = probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))
     act = probe.activations[key].at(micro_batch_size)
     # What the backward pass still holds at its first gradient; unmeasured, the peak stands for it.
