@@ -139,7 +139,7 @@ for part in "$@"; do
       # ZeRO-2 + CPU optimizer offload, activation checkpointing, bf16, no evaluation, no export. The issue's
       # configuration (micro-batch 4), then micro-batches 32 and 48 (MB="4 32 48"): the CPU Adam step over 5B
       # parameters is paid once per step whatever the batch. Not accumulation: under offload DeepSpeed sums the
-      # micro-batches in a second fp32 gradient copy on the host (+20 GB here), and micro-batch 16 x 4 outgrew
+      # micro-batches in a second bf16 gradient copy on the host (+10 GB here), and micro-batch 16 x 4 outgrew
       # the 125 GiB host (session 8). No final checkpoint: 70 GB, more than the disk
       BIG=("${BERT[@]}" --model.num_layers 24 --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
            --strategy.activation_checkpointing true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2

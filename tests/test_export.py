@@ -111,8 +111,10 @@ def test_a_fit_exports_a_big_model_shard_by_shard_saying_so(tmp_path, monkeypatc
     shards = sorted(set(index["weight_map"].values()))
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[zerotrain] export: wrote")]
     assert len(shards) >= 2 and len(lines) == len(shards)
-    assert lines[-1].endswith(f"({index['metadata']['total_size'] / 1e9:.2f} of "
-                              f"{index['metadata']['total_size'] / 1e9:.2f} GB)")
+    done = [float(line.rsplit("(", 1)[1].split()[0]) for line in lines]  # "(1.06 kB of 3.17 kB)": kB here
+    assert all(" kB of " in line for line in lines) and done == sorted(done) and len(set(done)) == len(done)
+    total = index["metadata"]["total_size"]
+    assert lines[-1].endswith(f"({total / 1e3:.2f} kB of {total / 1e3:.2f} kB)")
     final = export_run(run, out=tmp_path / "from_checkpoint").out_dir  # the last checkpoint, written apart
     x = torch.randn(3, 8)
     torch.testing.assert_close(load_run(run).model(x), load_run(final).model(x), rtol=0, atol=0)

@@ -48,11 +48,12 @@ def test_each_stage_partitions_what_it_should():
     assert mem("zero3_offload") == (500 + 2 * 2 * 100 + bucket, 4000 + 500)
     # Plain PyTorch keeps the built fp32 weights; gradients twice over (DDP's buckets), Adam's two moments.
     assert mem("ddp") == (4000 + 8000 + 8000, 0)
-    # Accumulating under ZeRO-1/2 offload: DeepSpeed's fp32 sum of the gradient partition on the host
-    for name, extra in (("zero2_offload", 4 * 1000 / 4), ("zero3_offload", 0), ("zero2", 0)):
-        once, accumulated = (model_state_memory(c, STRATEGIES[name], 4, "bf16", Buckets(10), grad_accum=k).cpu_bytes
+    # Accumulating under ZeRO-1/2 offload: DeepSpeed's sum of the gradient partition on the host, in the weights' dtype
+    for name, precision, extra in (("zero2_offload", "bf16", 2 * 1000 / 4), ("zero2_offload", "fp32", 4 * 1000 / 4),
+                                   ("zero3_offload", "bf16", 0), ("zero2", "bf16", 0)):
+        once, accumulated = (model_state_memory(c, STRATEGIES[name], 4, precision, Buckets(10), grad_accum=k).cpu_bytes
                              for k in (1, 4))
-        assert accumulated - once == extra, name
+        assert accumulated - once == extra, (name, precision)
 
 
 def test_reduce_buckets_follow_the_deepspeed_config():

@@ -166,10 +166,13 @@ def test_batches_pad_to_the_configured_multiple(tiny_tokenizer_dir):
     assert batch["input_ids"].shape == (2, 128) and int(batch["attention_mask"].sum()) == 73
 
 
-def test_init_from_a_real_mlm_run_copies_embedding_and_layers(tmp_path, tiny_tokenizer_dir):
-    """The mlm recipe's encoder layers land in torch's TransformerEncoderLayer and compute the same function."""
+@pytest.mark.parametrize("sharded", [False, True])
+def test_init_from_a_real_mlm_run_copies_embedding_and_layers(tmp_path, tiny_tokenizer_dir, sharded):
+    """The mlm recipe's encoder layers land in torch's TransformerEncoderLayer and compute the same function,
+    from an export in one file or in Hugging Face's shards (a big MLM's export)."""
     from safetensors.torch import save_file
 
+    from zerotrain.export import lazy_tensors, write_safetensors
     from zerotrain.models.roberta_mlm import RobertaMLM
     from zerotrain.tokenizer import load_tokenizer
 
@@ -178,7 +181,11 @@ def test_init_from_a_real_mlm_run_copies_embedding_and_layers(tmp_path, tiny_tok
     mlm = RobertaMLM(vocab_size=len(tok), num_layers=2, num_heads=4, h_dim=32, ff_dim=64, dropout=0.0,
                      max_seq_length=32, pad_token_id=tok.pad_token_id).eval()
     (tmp_path / "model").mkdir()
-    save_file({k: v.clone().contiguous() for k, v in mlm.state_dict().items()}, str(tmp_path / "model" / "model.safetensors"))
+    if sharded:
+        files = write_safetensors(lazy_tensors(mlm.state_dict()), tmp_path / "model", dtype=None, max_shard_size=4000)
+        assert "model.safetensors.index.json" in files and len(files) > 2
+    else:
+        save_file({k: v.clone().contiguous() for k, v in mlm.state_dict().items()}, str(tmp_path / "model" / "model.safetensors"))
 
     cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=32, hidden_dim=64, num_heads=4, num_layers=2, max_len=32,
                                                 dropout=0.0, init_from_mlm=str(tmp_path)))

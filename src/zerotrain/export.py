@@ -215,12 +215,19 @@ def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]
         done += sum(t.nbytes for t in shard.values())
         del shard
         if progress:
-            progress(f"wrote {out_dir / filename} ({done / 1e9:.2f} of {total / 1e9:.2f} GB)")
+            progress(f"wrote {out_dir / filename} ({_size(done)} of {_size(total)})")
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append("model.safetensors.index.json")
     return written
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -234,9 +241,11 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise FileNotFoundError(folder / "model.safetensors")
+        raise FileNotFoundError(2, "no such file", str(folder / "model.safetensors"))
     state: dict[str, torch.Tensor] = {}
     for name in files:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(2, "no such file", str(folder / name))
         state.update(load_file(str(folder / name)))
     return state
 

@@ -159,9 +159,10 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         cpu += optim
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
-            # DeepSpeed sums the micro-batches' gradients in a second fp32 copy of the partition on the host
-            # (accumulated_grads_in_cpu): 5B parameters at micro-batch 16 x 4 outgrew a 125 GiB host with it.
-            cpu += 4 * counts.trainable / n
+            # DeepSpeed sums the micro-batches' gradients in a second copy of the partition on the host, in the
+            # weights' dtype (accumulated_grads_in_cpu, its default path): 5B parameters at micro-batch 16 x 4
+            # outgrew a 125 GiB host that held micro-batch 4 at 120 GiB.
+            cpu += element * counts.trainable / n
     if strategy.offload_param != "none":
         cpu += weights
         weights = 0

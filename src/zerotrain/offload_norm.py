@@ -5,7 +5,8 @@ them on the host with one ``.item()`` per tensor in ``complete_grad_norm_calcula
 Every ``.item()`` waits for the GPU to drain, so the host cannot queue the next step's kernels: LoRA
 on a 22-layer Llama (88 adapter tensors) made 188 host-device synchronisations a step, most of them
 here. :func:`read_offload_norm_once` replaces that method on one optimizer instance with the same
-sum (in float64, as DeepSpeed's Python floats are) done on the device, read once.
+sum (in float64, as DeepSpeed's Python floats are) done on the device, read once per parameter group
+(zerotrain builds one).
 """
 
 from __future__ import annotations
@@ -47,10 +48,14 @@ def _grad_norm(self: Any, params: list[torch.nn.Parameter]) -> torch.Tensor:
                     "a trainable parameter got no gradient (not used in the loss); set "
                     "zero_optimization.ignore_unused_parameters or use it")
     device = get_accelerator().current_device_name()
-    if norms:
-        squares = torch.stack([n.to(device, torch.float64) for n in norms]).pow(2).sum()
-    else:
-        squares = torch.zeros((), dtype=torch.float64, device=device)
+    # Summed where each norm lives (the GPU in DeepSpeed 0.19; a CPU norm would cost a copy each to move),
+    # then one partial sum per device moved; float64 as DeepSpeed's Python floats are.
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for n in norms:
+        by_device.setdefault(n.device, []).append(n)
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for group in by_device.values():
+        squares = squares + torch.stack(group).to(torch.float64).pow(2).sum().to(device)
     total = squares.float().reshape(1)  # DeepSpeed all-reduces a float32 tensor
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)

@@ -158,7 +158,8 @@ class Task(ABC, Generic[C]):
         """Write the trained model to ``out_dir`` (called once, on the main process, after the last step).
 
         ``model`` is the unwrapped module (under ZeRO-3 its parameters are partitioned: use
-        ``state_dict``, the full consolidated weights). The default writes ``model.safetensors``;
+        ``state_dict``, the full consolidated weights). ``state_dict`` holds the live tensors, on their
+        device (the model's own parameters, except under ZeRO-3): copy one before changing it. The default writes ``model.safetensors``;
         recipes override it to write Hugging Face or peft layouts.
 
         Past 5 GB the weights go to Hugging Face's shards (``model-0000i-of-0000n.safetensors`` and the
@@ -187,11 +188,12 @@ class Task(ABC, Generic[C]):
         weights = Path(export_dir) / "model.safetensors"
         try:
             state = read_safetensors(Path(export_dir))
-        except FileNotFoundError:
-            raise UserError(f"{weights} is missing: the run did not finish exporting its model. "
+        except FileNotFoundError as exc:
+            raise UserError(f"{exc.filename or weights} is missing: the run did not finish exporting its model. "
                             "Let it finish (or resume it) and try again") from None
         except (SafetensorError, OSError, ValueError, KeyError) as exc:
-            raise UserError(f"{weights} cannot be read ({exc}): the file is damaged or still being written") from None
+            raise UserError(f"{weights} (or a shard of it) cannot be read ({exc}): the file is damaged or still "
+                            "being written") from None
         state = {k.removeprefix("module."): v for k, v in state.items()}
         try:
             model.load_state_dict(state)

@@ -119,16 +119,26 @@ class IMDBConfig(RunConfig):
     """Reviews and tokenizer."""
 
 
-def _safetensors_path(path: str, flag: str) -> Path:
+def _read_weights(path: str, flag: str) -> dict[str, torch.Tensor]:
+    """A run folder's exported weights (``model/``, one file or Hugging Face's shards), that folder itself, or one
+    ``.safetensors`` file."""
+    from safetensors.torch import load_file
+
+    from zerotrain.export import read_safetensors
+
     p = Path(path).expanduser()
     if p.is_dir():
-        for candidate in (p / "model" / "model.safetensors", p / "model.safetensors"):
-            if candidate.is_file():
-                return candidate
+        for folder in (p / "model", p):
+            if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
+                try:
+                    return read_safetensors(folder)
+                except FileNotFoundError as exc:
+                    raise UserError(f"{flag}: {exc.filename} is missing (a shard the index names). "
+                                    "Pass a run folder whose export finished") from None
         raise UserError(f"{flag}: no model/model.safetensors in {p}. Pass a finished run folder or the .safetensors file")
     if not p.is_file():
         raise UserError(f"{flag}: {p} does not exist. Pass a finished run folder or its model/model.safetensors")
-    return p
+    return load_file(str(p))
 
 
 # zerotrain's RoBERTa MLM layer -> torch's nn.TransformerEncoderLayer: both are post-LN with a packed
@@ -158,9 +168,7 @@ def init_from_mlm(model: nn.Module, path: str) -> int:
     Returns how many tensors were copied; raises :class:`UserError` naming --model.init_from_mlm
     when none match (a copy of nothing is almost certainly a mistake, not a choice).
     """
-    from safetensors.torch import load_file
-
-    source = load_file(str(_safetensors_path(path, "--model.init_from_mlm")))
+    source = _read_weights(path, "--model.init_from_mlm")
     target = model.state_dict()
     renamed = {_classifier_name(k): v for k, v in source.items()}
     copied = {k: v for k, v in renamed.items() if k in target and target[k].shape == v.shape}

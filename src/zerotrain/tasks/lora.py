@@ -283,7 +283,7 @@ class LoRATask(Task[LoRAConfig]):
         return Splits(train=train, val=val)
 
     def collator(self) -> PadCollator:
-        return PadCollator(self.tokenizer.pad_token_id, self.cfg.data.pad_to_multiple_of)
+        return PadCollator(self.tokenizer.pad_token_id, self.cfg.data.pad_to_multiple_of, max_len=self.cfg.data.max_length)
 
     def train_lengths(self, train: list[dict[str, list[int]]]) -> Optional[list[int]]:
         if not self.cfg.data.bucket_by_length:
