@@ -19,7 +19,8 @@ import torch
 
 def read_offload_norm_once(optimizer: Any) -> bool:
     """Give a ZeRO-1/2 CPU-offload ``optimizer`` the one-read norm; False (nothing changed) for any other."""
-    if not getattr(optimizer, "cpu_offload", False) or not hasattr(optimizer, "complete_grad_norm_calculation_for_cpu_offload"):
+    method = "complete_grad_norm_calculation_for_cpu_offload"
+    if not getattr(optimizer, "cpu_offload", False) or not hasattr(optimizer, method):
         return False
     optimizer.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_grad_norm, optimizer)
     return True

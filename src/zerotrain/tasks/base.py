@@ -159,8 +159,8 @@ class Task(ABC, Generic[C]):
 
         ``model`` is the unwrapped module (under ZeRO-3 its parameters are partitioned: use
         ``state_dict``, the full consolidated weights). ``state_dict`` holds the live tensors, on their
-        device (the model's own parameters, except under ZeRO-3): copy one before changing it. The default writes ``model.safetensors``;
-        recipes override it to write Hugging Face or peft layouts.
+        device (the model's own parameters, except under ZeRO-3): copy one before changing it. The
+        default writes ``model.safetensors``; recipes override it to write Hugging Face or peft layouts.
 
         Past 5 GB the weights go to Hugging Face's shards (``model-0000i-of-0000n.safetensors`` and the
         index), copied to the host one shard at a time with a log line each: a big model's export holds one

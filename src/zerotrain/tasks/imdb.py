@@ -94,7 +94,8 @@ class SentimentDataConfig:
     """Group reviews of similar length into the same batches to cut padding (batches stay shuffled)."""
     pad_to_multiple_of: int = 8
     """Pad each batch to a multiple of this many tokens. Each padded length a run meets pays for kernel selection
-    the first time; a small model waits on the host, not on the padding, so 64 (16 lengths up to 1,024) can be faster than 8."""
+    the first time; a small model waits on the host, not on the padding, so 64 (16 lengths up to 1,024) can
+    beat 8."""
 
     def validate(self) -> None:
         if self.pad_to_multiple_of < 1:
