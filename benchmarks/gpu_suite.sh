@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_graphs
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -128,6 +128,22 @@ for part in "$@"; do
         echo "imdb compile=$c rc=$?"; cp "$OUT/imdb_compile/runs/compile_$c/summary.json" "$OUT/imdb_compile/compile_${c}_summary.json"
         cp "$OUT/imdb_compile/runs/compile_$c/metrics.jsonl" "$OUT/imdb_compile/compile_${c}_metrics.jsonl"
       done ;;
+    imdb_graphs)  # target 3: preset (b), 2 epochs, training only: eager (as shipped) against the whole model compiled
+      # with CUDA graphs (--strategy.compile_scope model --strategy.compile_mode reduce-overhead), under ZeRO-0 and
+      # the plain engine; epoch times from the 50-step windows (benchmarks/epoch_times.py)
+      run_imdb() {
+        local name=$1; shift
+        timeout ${IMDB_LIMIT:-200} python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" \
+          --data.tokenizer "$TOK" --trainer.epochs 2 --trainer.evaluate false --trainer.export false \
+          --checkpoint.save_final false --trainer.output_dir "$OUT/imdb_graphs/runs" --trainer.run_name "$name" \
+          --logging.progress_bar false "$@" > "$OUT/imdb_graphs/$name.log" 2>&1
+        echo "imdb $name rc=$?"
+      }
+      run_imdb eager
+      GRAPHS=(--strategy.compile true --strategy.compile_scope model --strategy.compile_mode reduce-overhead)
+      run_imdb graphs_zero0 "${GRAPHS[@]}"
+      run_imdb graphs_plain "${GRAPHS[@]}" --strategy.backend ddp
+      python3 benchmarks/epoch_times.py --steps_per_epoch 781 "$OUT"/imdb_graphs/runs/*/metrics.jsonl | tee "$OUT/imdb_graphs/epoch_times.md" ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: every one-GPU engine (the engine-tax target too), then ZeRO-1/2
       # and DDP on two GPUs, and on four where the machine has them
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" | tail -n 6
@@ -148,10 +164,11 @@ for part in "$@"; do
         z benchmark mlm --strategies zero2_offload --predict false --out "$OUT/offload_5b/mb$mb" "${BIG[@]}" \
           --trainer.micro_batch_size "$mb" | tail -n 3
       done ;;
-    bert_compile)  # BERT-base on one GPU with --strategy.compile true (its 12 encoder layers compiled one by one):
-      # the plain engine and ZeRO-0, for the MFU target; compare with the eager rows of `scaling` run in the same call
-      z benchmark mlm --strategies ddp,zero0 --nproc 1 --predict false --out "$OUT/bert_compile" "${BERT[@]}" \
-        --strategy.compile true | tail -n 4 ;;
+    bert_compile)  # BERT-base on one GPU, ZeRO-0, for the MFU target: eager, then --strategy.compile true (its 12
+      # encoder layers compiled one by one), in the same call
+      z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_compile/eager" "${BERT[@]}" | tail -n 3
+      z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_compile/compiled" "${BERT[@]}" \
+        --strategy.compile true | tail -n 3 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;
