@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_graphs
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_graphs|imdb_lightning
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -144,6 +144,17 @@ for part in "$@"; do
       run_imdb graphs_zero0 "${GRAPHS[@]}"
       run_imdb graphs_plain "${GRAPHS[@]}" --strategy.backend ddp
       python3 benchmarks/epoch_times.py --steps_per_epoch 781 "$OUT"/imdb_graphs/runs/*/metrics.jsonl | tee "$OUT/imdb_graphs/epoch_times.md" ;;
+    imdb_lightning)  # target 3 side by side: preset (b) as shipped, the full 5 epochs with its test score, then the
+      # tutorial's Lightning script (PEER=path) for one epoch on the same GPU; both rows in imdb_vs_lightning.json
+      ZCMD=(python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK"
+            --trainer.export false --checkpoint.save_final false --trainer.output_dir "$OUT/imdb_lightning/runs"
+            --trainer.run_name preset_b --logging.progress_bar false)
+      LCMD=(python3 "${PEER:-$D/peers/tutorial_imdb_lightning.py}" "$D/imdb" "$TOK" auto 1 0 1)
+      "${ZCMD[@]}" > "$OUT/imdb_lightning/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
+      "${LCMD[@]}" > "$OUT/imdb_lightning/lightning.log" 2>&1; echo "lightning rc=$?"
+      python3 benchmarks/imdb_vs_lightning.py --run "$OUT/imdb_lightning/runs/preset_b" \
+        --lightning_log "$OUT/imdb_lightning/lightning.log" --out "$OUT/imdb_lightning/imdb_vs_lightning" \
+        --zerotrain_command "${ZCMD[*]}" --lightning_command "${LCMD[*]}" ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: every one-GPU engine (the engine-tax target too), then ZeRO-1/2
       # and DDP on two GPUs, and on four where the machine has them
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" | tail -n 6
