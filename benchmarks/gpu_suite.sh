@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_graphs|imdb_lightning
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -16,6 +16,11 @@ BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenber
       --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
       --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
       --checkpoint.save_final false)
+
+# MLM 24 layers x 4096 (FFN 16384, 32 heads; 5.06B parameters), activation checkpointing, 6 steps, no evaluation or export
+BIG=("${BERT[@]}" --model.num_layers 24 --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
+     --strategy.activation_checkpointing true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
+     --trainer.log_every_steps 1 --scheduler.warmup_steps 1 --trainer.evaluate false --trainer.export false)
 
 # LoRA 1.2B: the Llama-style model from configs/llama_1b_config.json (random init), LoRA r=8 on q/v, 2,000 IMDB
 # prompts of up to 512 tokens (benchmarks/make_sft_data.py writes them to /tmp/sft.jsonl), micro-batch 4, bf16
@@ -128,22 +133,6 @@ for part in "$@"; do
         echo "imdb compile=$c rc=$?"; cp "$OUT/imdb_compile/runs/compile_$c/summary.json" "$OUT/imdb_compile/compile_${c}_summary.json"
         cp "$OUT/imdb_compile/runs/compile_$c/metrics.jsonl" "$OUT/imdb_compile/compile_${c}_metrics.jsonl"
       done ;;
-    imdb_graphs)  # target 3: preset (b), 2 epochs, training only: eager (as shipped) against the whole model compiled
-      # with CUDA graphs (--strategy.compile_scope model --strategy.compile_mode reduce-overhead), under ZeRO-0 and
-      # the plain engine; epoch times from the 50-step windows (benchmarks/epoch_times.py)
-      run_imdb() {
-        local name=$1; shift
-        timeout ${IMDB_LIMIT:-200} python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" \
-          --data.tokenizer "$TOK" --trainer.epochs 2 --trainer.evaluate false --trainer.export false \
-          --checkpoint.save_final false --trainer.output_dir "$OUT/imdb_graphs/runs" --trainer.run_name "$name" \
-          --logging.progress_bar false "$@" > "$OUT/imdb_graphs/$name.log" 2>&1
-        echo "imdb $name rc=$?"
-      }
-      run_imdb eager
-      GRAPHS=(--strategy.compile true --strategy.compile_scope model --strategy.compile_mode reduce-overhead)
-      run_imdb graphs_zero0 "${GRAPHS[@]}"
-      run_imdb graphs_plain "${GRAPHS[@]}" --strategy.backend ddp
-      python3 benchmarks/epoch_times.py --steps_per_epoch 781 "$OUT"/imdb_graphs/runs/*/metrics.jsonl | tee "$OUT/imdb_graphs/epoch_times.md" ;;
     imdb_lightning)  # target 3 side by side: preset (b) as shipped, the full 5 epochs with its test score, then the
       # tutorial's Lightning script (PEER=path) for one epoch on the same GPU; both rows in imdb_vs_lightning.json
       ZCMD=(python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK"
@@ -168,13 +157,15 @@ for part in "$@"; do
       # parameters is paid once per step whatever the batch. Not accumulation: under offload DeepSpeed sums the
       # micro-batches in a second bf16 gradient copy on the host (+10 GB here), and micro-batch 16 x 4 outgrew
       # the 125 GiB host (session 8). No final checkpoint: 70 GB, more than the disk
-      BIG=("${BERT[@]}" --model.num_layers 24 --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
-           --strategy.activation_checkpointing true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
-           --trainer.log_every_steps 1 --scheduler.warmup_steps 1 --trainer.evaluate false --trainer.export false)
       for mb in ${MB:-4 32 48}; do
         z benchmark mlm --strategies zero2_offload --predict false --out "$OUT/offload_5b/mb$mb" "${BIG[@]}" \
           --trainer.micro_batch_size "$mb" | tail -n 3
       done ;;
+    probe_5b)  # the memory model's probe of offload_5b's model at micro-batch up to 48: predictions for its rows
+      # (benchmarks/repredict.py offload_5b_mbN_benchmark.json probe_5b.json)
+      timeout ${PROBE_LIMIT:-400} python3 -m zerotrain.probe mlm --out "$OUT/probe_5b/probe_5b.json" --max_micro 48 \
+        "${BIG[@]}" --trainer.micro_batch_size 48 \
+        > "$OUT/probe_5b/probe.log" 2>&1; echo "probe 5b rc=$?"; tail -n 3 "$OUT/probe_5b/probe.log" ;;
     bert_compile)  # BERT-base on one GPU, ZeRO-0, for the MFU target: eager, then --strategy.compile true (its 12
       # encoder layers compiled one by one), in the same call
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_compile/eager" "${BERT[@]}" | tail -n 3

@@ -1,8 +1,9 @@
-"""A plan's trials against the memory model of today's code, from a probe of the same workload.
+"""A plan's trials, or a benchmark's rows, against the memory model of today's code, from a probe of the
+same workload.
 
-    python benchmarks/repredict.py PLAN.json PROBE.json [OUT.json]
+    python benchmarks/repredict.py PLAN_OR_BENCHMARK.json PROBE.json [OUT.json]
 
-The plan file keeps what each trial measured; the probe file (``python -m zerotrain.probe``, or a plan
+The plan file keeps what each trial measured (a ``zerotrain benchmark`` file, each row); the probe file (``python -m zerotrain.probe``, or a plan
 folder's probe.json) holds what the memory model reads. Every trial's peak GPU and host memory is
 predicted again with the current :func:`zerotrain.planner.assess`, so a change to the memory model can
 be checked against trials already run. Use a probe taken on the same GPU kind as the trials (the
@@ -16,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from zerotrain.benchmark import predicted
 from zerotrain.config_cli import parse_config
 from zerotrain.memory import GIB
 from zerotrain.planner import Candidate, assess
@@ -29,6 +31,8 @@ def _pct(predicted: float, measured: float | None) -> str:
 def repredict(plan_path: Path, probe_path: Path) -> list[dict]:
     plan = json.loads(plan_path.read_text())
     probe = Probe.from_dict(json.loads(probe_path.read_text()))
+    if "summary" not in plan:
+        return _repredict_benchmark(plan, probe)
     if probe.device_name != plan["summary"]["gpu"]:
         raise SystemExit(f"{probe_path} was taken on {probe.device_name}, the trials on {plan['summary']['gpu']}")
     cfg = parse_config(plan["recipe"], plan["fit_args"])
@@ -45,11 +49,29 @@ def repredict(plan_path: Path, probe_path: Path) -> list[dict]:
             for row, new in zip(trialled, assessed)]
 
 
+def _repredict_benchmark(result: dict, probe: Probe) -> list[dict]:
+    """The rows of a ``zerotrain benchmark`` file that ran, predicted again (each row's own fit flags)."""
+    rows = []
+    for row in result["rows"]:
+        if row["status"] != "ok":
+            continue
+        if probe.device_name != row["gpu"]:
+            raise SystemExit(f"the probe was taken on {probe.device_name}, the row {row['strategy']} ran on {row['gpu']}")
+        now = predicted(result["recipe"], result["fit_args"], row["strategy"], probe)
+        rows.append({"trial": f"{row['strategy']} micro {row['micro_batch_size']} x {row['grad_accum']}",
+                     "predicted_then_gpu_gib": row.get("predicted_gpu_mem_gib"),
+                     "predicted_now_gpu_gib": now["predicted_gpu_mem_gib"], "measured_gpu_gib": row["peak_gpu_mem_gib"],
+                     "predicted_now_host_gib": now["predicted_host_mem_gib"], "measured_host_gib": row["peak_host_mem_gib"]})
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     out = ["| trial | predicted then (GiB) | predicted now (GiB) | measured (GiB) | error now | predicted host now "
            "| measured host | error |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['trial']} | {r['predicted_then_gpu_gib']:.2f} ({_pct(r['predicted_then_gpu_gib'], r['measured_gpu_gib'])}) "
+        then = r["predicted_then_gpu_gib"]
+        then = f"{then:.2f} ({_pct(then, r['measured_gpu_gib'])})" if then is not None else "-"
+        out.append(f"| {r['trial']} | {then} "
                    f"| {r['predicted_now_gpu_gib']:.2f} | {r['measured_gpu_gib']:.2f} "
                    f"| {_pct(r['predicted_now_gpu_gib'], r['measured_gpu_gib'])} | {r['predicted_now_host_gib']:.2f} "
                    f"| {r['measured_host_gib']:.2f} | {_pct(r['predicted_now_host_gib'], r['measured_host_gib'])} |")

@@ -11,7 +11,7 @@ from conftest import zerotrain_cmd
 from test_lora_fit import LLAMA, _args, lora_files  # noqa: F401  (lora_files is a fixture)
 from torch import nn
 
-from zerotrain.compiling import compile_model, repeated_blocks
+from zerotrain.compiling import compile_blocks, repeated_blocks
 from zerotrain.models.roberta_mlm import EncoderLayer, RobertaMLM
 from zerotrain.models.sentiment import SentimentClassifier
 
@@ -41,7 +41,7 @@ def test_blocks_are_found_through_wrappers():
 def test_a_model_without_blocks_is_compiled_whole():
     mixed = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]))  # a list of two classes
     assert repeated_blocks(mixed) == []
-    assert compile_model(mixed) == "compiled the whole Sequential (mode default)"
+    assert compile_blocks(mixed) == "compiled the whole Sequential"
     assert mixed._compiled_call_impl is not None
 
 
@@ -54,7 +54,7 @@ def test_one_compile_serves_every_block():
     counters.clear()
     torch.manual_seed(0)
     model = _peft_llama(6)
-    assert compile_model(model) == "compiled 6 LlamaDecoderLayer blocks one by one (mode default)"
+    assert compile_blocks(model) == "compiled 6 LlamaDecoderLayer blocks one by one"
     ids = torch.randint(3, 64, (2, 12))
     loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
     loss.backward()
@@ -85,33 +85,3 @@ def test_a_compiled_run_matches_the_eager_run(lora_files):  # noqa: F811
     assert len(curves["true"]) == len(curves["false"]) == 4
     assert curves["false"][0] != curves["false"][-1]  # it trained
     torch.testing.assert_close(curves["true"], curves["false"], rtol=1e-4, atol=1e-5)
-
-
-def test_the_whole_model_scope_compiles_one_graph_with_the_blocks_inside():
-    """--strategy.compile_scope model: one graph for the whole classifier (blocks included), whatever the
-    mode; it computes eager's loss and gradients. reduce-overhead's CUDA graphs are skipped on the CPU."""
-    from torch._dynamo.utils import counters
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return SentimentClassifier(vocab_size=50, embed_dim=16, hidden_dim=32, num_heads=2, num_layers=3,
-                                   max_len=16, dropout=0.0, pad_token_id=1)
-
-    ids, mask, labels = torch.randint(2, 50, (4, 8)), torch.ones(4, 8, dtype=torch.long), torch.tensor([0, 1, 1, 0])
-    mask[1, 5:] = 0
-    eager = build()
-    eager(ids, mask, labels)["loss"].backward()
-
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = build()
-    assert compile_model(compiled, scope="model", mode="reduce-overhead") == \
-        "compiled the whole SentimentClassifier (mode reduce-overhead)"
-    assert all(layer._compiled_call_impl is None for layer in compiled.encoder.layers)
-    loss = compiled(ids, mask, labels)["loss"]
-    loss.backward()
-    assert counters["stats"]["unique_graphs"] == 1
-    assert torch.allclose(loss, eager(ids, mask, labels)["loss"], atol=1e-5)
-    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        assert torch.allclose(a.grad, b.grad, atol=1e-5), name
-    torch._dynamo.reset()

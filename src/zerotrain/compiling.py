@@ -7,10 +7,6 @@ first block serves every block after it. Compiling each block in place therefore
 block's compile, whatever the depth; the embedding, head and loss stay eager, which costs little
 next to the blocks. A model with no repeated blocks is compiled whole.
 
-``--strategy.compile_scope model`` compiles the whole model instead, the better choice when the model is
-small and its step waits on the host: with ``--strategy.compile_mode reduce-overhead`` (CUDA graphs) one
-replay then launches the whole forward, and one the backward, instead of a graph per block.
-
 Each ``Module.compile()`` is in place: parameter names, and so checkpoints and exports, do not change.
 """
 
@@ -38,13 +34,12 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def compile_model(model: nn.Module, scope: str = "blocks", mode: str = "default") -> str:
-    """Compile ``model`` in place with torch.compile's ``mode``: its repeated blocks one by one (scope
-    "blocks"; the whole model when it has none) or the whole model (scope "model"). Says what was compiled."""
-    blocks = repeated_blocks(model) if scope == "blocks" else []
+def compile_blocks(model: nn.Module) -> str:
+    """Compile ``model``'s repeated blocks in place (the whole model when it has none); says what was compiled."""
+    blocks = repeated_blocks(model)
     if not blocks:
-        model.compile(mode=mode)
-        return f"compiled the whole {type(model).__name__} (mode {mode})"
+        model.compile()
+        return f"compiled the whole {type(model).__name__}"
     for block in blocks:
-        block.compile(mode=mode)
-    return f"compiled {len(blocks)} {type(blocks[0]).__name__} blocks one by one (mode {mode})"
+        block.compile()
+    return f"compiled {len(blocks)} {type(blocks[0]).__name__} blocks one by one"

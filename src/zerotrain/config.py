@@ -111,10 +111,6 @@ class StrategyConfig:
     """ZeRO 1/2: elements all-gathered at once."""
     compile: bool = False
     """torch.compile the model's repeated blocks one by one (the whole model if it has none; ZeRO-3: DeepSpeed's own compile): fewer, fused kernels. The first steps compile, about one block's worth whatever the depth; a second batch length compiles once more, for all lengths. With lengths that vary, pad them to a multiple of 64 (--data.pad_to_multiple_of): padded to 8, LoRA 1.2B stalled 12-15 s once, mid-run."""
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    """With --strategy.compile: torch.compile's mode. reduce-overhead records CUDA graphs (one per batch shape) and replays each in one launch: for small models whose step waits on the host. max-autotune also tries kernel variants (slow to compile)."""
-    compile_scope: Literal["blocks", "model"] = "blocks"
-    """With --strategy.compile: compile the repeated blocks one by one (compiles fast, whatever the depth) or the whole model (one graph for the forward and one for the backward: the better choice for a small model with reduce-overhead)."""
     fast_path: bool = True
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     auto: bool = False

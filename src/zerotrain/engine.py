@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from zerotrain.compiling import compile_model
+from zerotrain.compiling import compile_blocks
 from zerotrain.config import RunConfig
 from zerotrain.distributed import all_reduce_max, all_reduce_sum, barrier
 from zerotrain.ds_config import (
@@ -200,10 +200,6 @@ class Engine(ABC):
         barrier()
 
 
-def _compile(module: nn.Module, cfg: RunConfig) -> str:
-    return compile_model(module, cfg.strategy.compile_scope, cfg.strategy.compile_mode)
-
-
 def _add_flops(total: Optional[float], out: StepOutput, first: bool) -> Optional[float]:
     """Running sum of per-micro-batch FLOPs; None as soon as one micro-batch does not report them."""
     if out.flops is None or (total is None and not first):
@@ -237,9 +233,9 @@ class DeepSpeedEngine(Engine):
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
                 # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.
-                self.ds.compile(compile_kwargs={"mode": cfg.strategy.compile_mode})
+                self.ds.compile()
             else:
-                logger.info("torch.compile: %s", _compile(self.ds.module, cfg))
+                logger.info("torch.compile: %s", compile_blocks(self.ds.module))
         self._clip = clip
         self._params = params
         if clip is not None and self.world_size == 1:
@@ -403,7 +399,7 @@ class TorchEngine(Engine):
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
         if cfg.strategy.compile:
-            logger.info("torch.compile: %s", _compile(self._module, cfg))
+            logger.info("torch.compile: %s", compile_blocks(self._module))
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
