@@ -47,6 +47,8 @@ The CUDA context and the allocator's slack are not allocated memory: :func:`fits
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
@@ -92,19 +94,29 @@ def count_params(model: nn.Module) -> ParamCounts:
 
 @dataclass(frozen=True)
 class Buckets:
-    """DeepSpeed's gradient-bucket settings (``zero_optimization``): what the ZeRO stages allocate."""
+    """DeepSpeed's ``zero_optimization`` settings that size what the ZeRO stages allocate: the gradient
+    buckets, and whether the offloaded states are pinned."""
 
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = False
     contiguous_gradients: bool = True
+    pin_memory: bool = False
+    """``offload_optimizer.pin_memory`` (DeepSpeed's default: false; zerotrain's JSON: true on GPUs)."""
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> "Buckets":
         zero = ds.get("zero_optimization", {})
+        offload = zero.get("offload_optimizer") or {}
         # DeepSpeed 0.19's ZeRO-1/2 turn contiguous gradients back on under optimizer offload.
-        offload = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+        offloaded = offload.get("device", "none") not in ("none", None)
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
-                   bool(zero.get("contiguous_gradients", True)) or offload)
+                   bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)))
+
+
+def pinned(nbytes: float) -> float:
+    """Host memory that pinning ``nbytes`` takes: PyTorch's pinned-memory allocator rounds every block up to
+    a power of two (an 18.8 GiB fp32 partition takes 32 GiB)."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,14 @@ class StateMemory:
     bucket_bytes: int = 0
     """DeepSpeed's stage 1-2 reduce bucket(s), part of ``transient_bytes``: allocated at the first
     gradient, freed when the backward pass ends."""
+    init_bytes: int = 0
+    """Per GPU at DeepSpeed's start: ZeRO-1/2 copy the 16-bit weights into one flat buffer while the
+    parameters still hold them (``flatten_dense_tensors_aligned`` on the GPU), twice the weights for a moment.
+    It sets the peak of offloaded runs whose activations are small: 5.06B parameters measured 18.84 GiB at
+    micro-batches 4 and 32, twice their 9.42 GiB of bf16 weights."""
+    cpu_after_model: bool = False
+    """``cpu_bytes`` are allocated only after the model built on the CPU has moved to the GPU (ZeRO-1/2
+    optimizer offload): the host holds one or the other at its peak, not both."""
 
 
 def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
@@ -150,6 +170,11 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         optim /= n
     if stage >= 2:
         grads /= n
+    if stage == 2 and strategy.offload_optimizer != "none":
+        # Each reduce bucket's gradients go to the host as it fills and are freed (DeepSpeed 0.19's
+        # copy_grads_in_partition): only the bucket stays on the GPU. 5.06B at micro-batch 48 measured 19.9 GiB,
+        # 4.8 GiB under a prediction that held the whole gradient partition.
+        grads = 0
     gathered = 0
     if stage == 3:
         weights /= n
@@ -157,6 +182,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     cpu = 0.0
     if strategy.offload_optimizer != "none":
         cpu += optim
+        if stage in (1, 2):
+            cpu = _offloaded_partition(counts.trainable / n, element, buckets.pin_memory)
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
             # DeepSpeed sums the micro-batches' gradients in a second copy of the partition on the host, in the
@@ -179,7 +206,20 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         late_bucket = bucket
         transient = grads + fp32_grad + bucket
     return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket), cpu_bytes=int(cpu),
-                       grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket))
+                       grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket),
+                       init_bytes=int(2 * weights) if stage in (1, 2) and not autocast else 0,
+                       cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none")
+
+
+def _offloaded_partition(partition: float, element: int, pin: bool) -> float:
+    """Host bytes of one ZeRO-1/2 optimizer-offload partition of ``partition`` parameters (one param group):
+    the fp32 master weights, their fp32 gradients and a weights-dtype copy that the updated weights go back
+    to the GPU through, each pinned when ``pin``, and Adam's two fp32 moments (DeepSpeedCPUAdam allocates
+    them, not pinned). DeepSpeed 0.19's ``stage_1_and_2.py``: ``single_partition_of_fp32_groups`` and its
+    ``.grad``, ``param_buffer_of_bit16_for_cpu_offload_groups``. Measured on one H100 host: 5.06B parameters
+    at 120.3 GiB (this model: 119.8), 0.93B at 19.2 GiB (18.9)."""
+    held = pinned if pin else float
+    return held(4 * partition) + held(4 * partition) + held(element * partition) + 8 * partition
 
 
 @dataclass(frozen=True)
@@ -249,7 +289,10 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     before_model = probe.host_before_model_bytes
     if before_model is None:  # a probe file from before that was measured: the sum, an upper bound
         before_model = probe.host_base_bytes
-    host = max(before_model + counts.total_bytes, probe.host_base_bytes) + states.cpu_bytes
+    if states.cpu_after_model:
+        host = max(before_model + counts.total_bytes, probe.host_base_bytes + states.cpu_bytes)
+    else:
+        host = max(before_model + counts.total_bytes, probe.host_base_bytes) + states.cpu_bytes
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations
     # still held at its first gradient are freed (all of them counted: an upper bound); with
@@ -261,7 +304,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     forward_end = act + (grads + states.bucket_bytes if grad_accum > 1 else 0)
     backward = min(first, act) + max(grads, states.bucket_bytes)
     step = states.transient_bytes - states.bucket_bytes
-    device = persistent + probe.kernel_workspace_bytes + max(forward_end, backward, step)
+    device = max(persistent + probe.kernel_workspace_bytes + max(forward_end, backward, step), states.init_bytes)
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
