@@ -20,7 +20,8 @@ built, e.g. a LoRA base model loaded in bf16 with fp32 adapters.)
 ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also the gradients,
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
-memory, where each process holds its partition. With ``contiguous_gradients`` DeepSpeed's ZeRO stages
+memory, where each process holds its partition; under ZeRO-1/2 that is 18 bytes a parameter or more, as
+pinned blocks round up to a power of two (:func:`_offloaded_partition`). With ``contiguous_gradients`` DeepSpeed's ZeRO stages
 also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements, two of them for stages 1-2
 with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB, however small the model).
 
@@ -48,7 +49,6 @@ The CUDA context and the allocator's slack are not allocated memory: :func:`fits
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
