@@ -156,9 +156,10 @@ for part in "$@"; do
       # configuration (micro-batch 4), then micro-batches 32 and 48 (MB="4 32 48"): the CPU Adam step over 5B
       # parameters is paid once per step whatever the batch. Not accumulation: under offload DeepSpeed sums the
       # micro-batches in a second bf16 gradient copy on the host (+10 GB here), and micro-batch 16 x 4 outgrew
-      # the 125 GiB host (session 8). No final checkpoint: 70 GB, more than the disk
+      # the 125 GiB host (session 8). No final checkpoint: 70 GB, more than the disk. PREDICT=true runs the memory
+      # model's probe first and puts its predictions in the rows
       for mb in ${MB:-4 32 48}; do
-        z benchmark mlm --strategies zero2_offload --predict false --out "$OUT/offload_5b/mb$mb" "${BIG[@]}" \
+        z benchmark mlm --strategies zero2_offload --predict ${PREDICT:-false} --out "$OUT/offload_5b/mb$mb" "${BIG[@]}" \
           --trainer.micro_batch_size "$mb" | tail -n 3
       done ;;
     probe_5b)  # the memory model's probe of offload_5b's model at micro-batch up to 48: predictions for its rows

@@ -90,7 +90,9 @@ def test_memory_prediction_adds_measured_activations_to_the_model_states():
     ckpt = predict(counts, STRATEGIES["zero0"], 8, True, 1, "bf16", probe, Buckets(), autocast=True)
     assert ckpt.activation_bytes == pytest.approx(2.5 * GIB)
     offload = predict(counts, STRATEGIES["zero2_offload"], 8, False, 1, "bf16", probe, Buckets(10))
-    assert offload.host_bytes == pytest.approx(2 * GIB + 4e9 + 16e9)
+    # ZeRO-2 offload: 18 bytes a parameter on the host (unpinned here), built after the model built on the CPU
+    # has gone to the GPU: the host holds one or the other at its peak
+    assert offload.host_bytes == pytest.approx(2 * GIB + 18e9)
     # On the CPU all of it is host memory.
     cpu = predict(counts, STRATEGIES["ddp"], 8, False, 1, "fp32", fake_probe("cpu"))
     assert cpu.gpu_bytes == 0 and cpu.host_bytes == pytest.approx(2 * GIB + 4e9 + 16e9 + 8.5 * GIB)
