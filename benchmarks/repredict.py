@@ -22,6 +22,7 @@ from zerotrain.config_cli import parse_config
 from zerotrain.memory import GIB
 from zerotrain.planner import Candidate, assess
 from zerotrain.probe import Probe
+from zerotrain.strategies import STRATEGIES
 
 
 def _pct(predicted: float, measured: float | None) -> str:
@@ -57,7 +58,9 @@ def _repredict_benchmark(result: dict, probe: Probe) -> list[dict]:
             continue
         if probe.device_name != row["gpu"]:
             raise SystemExit(f"the probe was taken on {probe.device_name}, the row {row['strategy']} ran on {row['gpu']}")
-        now = predicted(result["recipe"], result["fit_args"], row["strategy"], probe)
+        # The row's own flags, as `zerotrain benchmark` ran it (its strategy on its process count)
+        args = [*result["fit_args"], *STRATEGIES[row["strategy"]].flags(), "--launch.nproc_per_node", str(row["n_gpus"])]
+        now = predicted(result["recipe"], args, row["strategy"], probe)
         rows.append({"trial": f"{row['strategy']} micro {row['micro_batch_size']} x {row['grad_accum']}",
                      "predicted_then_gpu_gib": row.get("predicted_gpu_mem_gib"),
                      "predicted_now_gpu_gib": now["predicted_gpu_mem_gib"], "measured_gpu_gib": row["peak_gpu_mem_gib"],

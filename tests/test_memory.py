@@ -27,13 +27,14 @@ def test_count_params_on_the_meta_device():
         model = nn.Sequential(emb, nn.Linear(8, 8), head).to(torch.bfloat16)
     model[1].weight.requires_grad_(False)
     c = count_params(model)
-    assert (c.total, c.trainable, c.largest_layer) == (800 + 72, 800 + 8, 800)
+    assert (c.total, c.trainable, c.largest_layer, c.largest_trainable) == (800 + 72, 800 + 8, 800, 800)
     assert (c.total_bytes, c.trainable_bytes) == (2 * 872, 2 * 808)
 
 
 def test_each_stage_partitions_what_it_should():
     """Ψ = T = 1000 on 4 GPUs in bf16: weights 2, gradients 2, optimizer 16 bytes per parameter."""
-    c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000)
+    c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000,
+                    largest_trainable=80)
 
     def mem(name):
         m = model_state_memory(c, STRATEGIES[name], world_size=4, precision="bf16", buckets=Buckets(10))
@@ -45,8 +46,8 @@ def test_each_stage_partitions_what_it_should():
     assert mem("zero2") == (2000 + 500 + 4000 + bucket, 0)
     assert mem("zero3") == (500 + 500 + 4000 + 2 * 2 * 100 + bucket, 0)
     # Offloaded ZeRO-2 partition (250 parameters): fp32 master weights and gradients, a bf16 copy, two moments
-    # (its gradients go to the host bucket by bucket: only the bucket stays on the GPU)
-    assert mem("zero2_offload") == (2000 + bucket, (4 + 4 + 2 + 8) * 250)
+    # (its gradients go to the host bucket by bucket, through a buffer the size of the largest layer)
+    assert mem("zero2_offload") == (2000 + bucket + 2 * 80, (4 + 4 + 2 + 8) * 250)
     assert mem("zero3_offload") == (500 + 2 * 2 * 100 + bucket, 4000 + 500)
     # Plain PyTorch keeps the built fp32 weights; gradients twice over (DDP's buckets), Adam's two moments.
     assert mem("ddp") == (4000 + 8000 + 8000, 0)

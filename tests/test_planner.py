@@ -31,6 +31,22 @@ def fake_probe(device: str = "cuda", act_per_sample: float = 1 * GIB, ckpt_per_s
                  h2d_bytes_per_s=20e9 if device == "cuda" else None)
 
 
+def test_zero12_start_up_copies_the_trainable_weights_on_the_gpu_only_when_they_fit():
+    """DeepSpeed's ZeRO-1/2 flatten the trainable 16-bit weights into one buffer at start-up, on the GPU when the
+    copy fits there: a small-activation offload run peaks then (twice its weights), a LoRA run barely notices,
+    and a model whose copy does not fit is flattened on the CPU (no start-up peak to refuse it for)."""
+    full = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                       trainable_bytes=4 * 10**9, tensors=200, largest_trainable=10**7)
+    probe = fake_probe(act_per_sample=0.01 * GIB, ckpt_per_sample=0.01 * GIB)
+    offload = predict(full, STRATEGIES["zero2_offload"], 1, False, 1, "bf16", probe, Buckets(10))
+    assert offload.gpu_bytes == pytest.approx(4e9)  # 2e9 of bf16 weights and their 2e9 flat copy
+    lora = dataclasses.replace(full, trainable=10**6, trainable_bytes=4 * 10**6, largest_trainable=10**4)
+    assert predict(lora, STRATEGIES["zero2"], 1, False, 1, "bf16", probe, Buckets(10)).gpu_bytes < 2.6e9
+    # On a 3 GiB GPU the copy does not fit next to the weights: DeepSpeed flattens on the CPU instead.
+    small_gpu = fake_probe(act_per_sample=0.01 * GIB, ckpt_per_sample=0.01 * GIB, gpu_total=3 * GIB)
+    assert predict(full, STRATEGIES["zero2_offload"], 1, False, 1, "bf16", small_gpu, Buckets(10)).gpu_bytes < 3e9
+
+
 def test_linear_fit_uses_the_two_largest_sizes_and_keeps_the_small_batch_floor():
     fit = Linear.through({1: 100.0, 2: 100.0, 4: 180.0, 8: 340.0})  # a constant sets the peak up to ~2
     assert fit.per_sample == pytest.approx(40.0) and fit.intercept == pytest.approx(20.0)

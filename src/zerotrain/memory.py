@@ -20,8 +20,8 @@ built, e.g. a LoRA base model loaded in bf16 with fp32 adapters.)
 ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also the gradients,
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
-memory, where each process holds its partition; under ZeRO-1/2 that is 18 bytes a parameter or more, as
-pinned blocks round up to a power of two (:func:`_offloaded_partition`). With ``contiguous_gradients`` DeepSpeed's ZeRO stages
+memory, where each process holds its partition; under ZeRO-1/2 that is 18 (bf16) or 20 (fp32) bytes a
+parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). With ``contiguous_gradients`` DeepSpeed's ZeRO stages
 also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements, two of them for stages 1-2
 with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB, however small the model).
 
@@ -77,6 +77,8 @@ class ParamCounts:
     """Bytes of the trainable parameters in the dtypes the model was built in."""
     tensors: int = 0
     """Trainable parameter tensors: DeepSpeed's ZeRO stages do host-side work per tensor each step."""
+    largest_trainable: int = 0
+    """Elements of the largest trainable tensor (what DeepSpeed's offload staging buffer is sized for)."""
 
 
 def count_params(model: nn.Module) -> ParamCounts:
@@ -86,7 +88,7 @@ def count_params(model: nn.Module) -> ParamCounts:
     largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return ParamCounts(
         total=sum(p.numel() for p in unique), trainable=sum(p.numel() for p in trainable), largest_layer=largest,
-        tensors=len(trainable),
+        tensors=len(trainable), largest_trainable=max((p.numel() for p in trainable), default=0),
         total_bytes=sum(p.numel() * p.element_size() for p in unique),
         trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
     )
@@ -134,10 +136,11 @@ class StateMemory:
     """DeepSpeed's stage 1-2 reduce bucket(s), part of ``transient_bytes``: allocated at the first
     gradient, freed when the backward pass ends."""
     init_bytes: int = 0
-    """Per GPU at DeepSpeed's start: ZeRO-1/2 copy the 16-bit weights into one flat buffer while the
-    parameters still hold them (``flatten_dense_tensors_aligned`` on the GPU), twice the weights for a moment.
-    It sets the peak of offloaded runs whose activations are small: 5.06B parameters measured 18.84 GiB at
-    micro-batches 4 and 32, twice their 9.42 GiB of bf16 weights."""
+    """Per GPU at DeepSpeed's start: ZeRO-1/2 copy the trainable 16-bit weights into one flat buffer while
+    the parameters still hold them (``flatten_dense_tensors_aligned``), so the weights plus that copy, for a
+    moment. DeepSpeed does it on the GPU when the copy fits there, else on the CPU. It sets the peak of
+    offloaded runs whose activations are small: 5.06B parameters measured 18.84 GiB at micro-batches 4 and
+    32, twice their 9.42 GiB of bf16 weights."""
     cpu_after_model: bool = False
     """``cpu_bytes`` are allocated only after the model built on the CPU has moved to the GPU (ZeRO-1/2
     optimizer offload): the host holds one or the other at its peak, not both."""
@@ -170,11 +173,16 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         optim /= n
     if stage >= 2:
         grads /= n
+    staging = 0
     if stage == 2 and strategy.offload_optimizer != "none":
         # Each reduce bucket's gradients go to the host as it fills and are freed (DeepSpeed 0.19's
         # copy_grads_in_partition): only the bucket stays on the GPU. 5.06B at micro-batch 48 measured 19.9 GiB,
-        # 4.8 GiB under a prediction that held the whole gradient partition.
+        # 4.2 GiB under a prediction that held the whole gradient partition.
         grads = 0
+    if stage in (1, 2) and strategy.offload_optimizer != "none":
+        # The GPU buffer that gradients pass through to the host (temp_grad_buffer_for_gpu_offload), sized for
+        # the largest trainable tensor.
+        staging = element * counts.largest_trainable
     gathered = 0
     if stage == 3:
         weights /= n
@@ -186,9 +194,9 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
             cpu = _offloaded_partition(counts.trainable / n, element, buckets.pin_memory)
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
-            # DeepSpeed sums the micro-batches' gradients in a second copy of the partition on the host, in the
-            # weights' dtype (accumulated_grads_in_cpu, its default path): 5B parameters at micro-batch 16 x 4
-            # outgrew a 125 GiB host that held micro-batch 4 at 120 GiB.
+            # DeepSpeed sums the micro-batches' gradients in a second copy on the host, in the weights' dtype
+            # (accumulated_grads_in_cpu): 5B parameters at micro-batch 16 x 4 outgrew a 125 GiB host that held
+            # micro-batch 4 at 120 GiB. Not confirmed by a measurement: 0.93B at 4 x 2 peaked no higher than at 8 x 1.
             cpu += element * counts.trainable / n
     if strategy.offload_param != "none":
         cpu += weights
@@ -205,9 +213,11 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         fp32_grad = 4 * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
         late_bucket = bucket
         transient = grads + fp32_grad + bucket
-    return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket), cpu_bytes=int(cpu),
+    # At start-up ZeRO-1/2 copy the trainable 16-bit weights into one flat buffer while the parameters hold them.
+    flat = element * counts.trainable if stage in (1, 2) and not autocast else 0
+    return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket + staging), cpu_bytes=int(cpu),
                        grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket),
-                       init_bytes=int(2 * weights) if stage in (1, 2) and not autocast else 0,
+                       init_bytes=int(weights + flat) if flat else 0,
                        cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none")
 
 
@@ -217,7 +227,7 @@ def _offloaded_partition(partition: float, element: int, pin: bool) -> float:
     to the GPU through, each pinned when ``pin``, and Adam's two fp32 moments (DeepSpeedCPUAdam allocates
     them, not pinned). DeepSpeed 0.19's ``stage_1_and_2.py``: ``single_partition_of_fp32_groups`` and its
     ``.grad``, ``param_buffer_of_bit16_for_cpu_offload_groups``. Measured on one H100 host: 5.06B parameters
-    at 120.3 GiB (this model: 119.8), 0.93B at 19.2 GiB (18.9)."""
+    at 120.3 GiB (this model: 119.8), 0.93B at 19.2 GiB (18.5)."""
     held = pinned if pin else float
     return held(4 * partition) + held(4 * partition) + held(element * partition) + 8 * partition
 
@@ -304,7 +314,9 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     forward_end = act + (grads + states.bucket_bytes if grad_accum > 1 else 0)
     backward = min(first, act) + max(grads, states.bucket_bytes)
     step = states.transient_bytes - states.bucket_bytes
-    device = max(persistent + probe.kernel_workspace_bytes + max(forward_end, backward, step), states.init_bytes)
+    device = persistent + probe.kernel_workspace_bytes + max(forward_end, backward, step)
+    if probe.gpu_total_bytes and states.init_bytes <= probe.gpu_total_bytes - (probe.gpu_context_bytes or 0):
+        device = max(device, states.init_bytes)  # DeepSpeed flattens on the GPU only when the copy fits there
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
