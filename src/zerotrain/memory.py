@@ -177,7 +177,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     if stage == 2 and strategy.offload_optimizer != "none":
         # Each reduce bucket's gradients go to the host as it fills and are freed (DeepSpeed 0.19's
         # copy_grads_in_partition): only the bucket stays on the GPU. 5.06B at micro-batch 48 measured 19.9 GiB,
-        # 4.2 GiB under a prediction that held the whole gradient partition.
+        # where a prediction that held the whole gradient partition was 4.2 GiB over.
         grads = 0
     if stage in (1, 2) and strategy.offload_optimizer != "none":
         # The GPU buffer that gradients pass through to the host (temp_grad_buffer_for_gpu_offload), sized for
