@@ -21,9 +21,10 @@ ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also 
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
 memory, where each process holds its partition; under ZeRO-1/2 that is 18 (bf16) or 20 (fp32) bytes a
-parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). With ``contiguous_gradients`` DeepSpeed's ZeRO stages
-also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements, two of them for stages 1-2
-with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB, however small the model).
+parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). With
+``contiguous_gradients`` DeepSpeed's ZeRO stages also allocate a gradient reduce bucket of
+``reduce_bucket_size`` elements, two of them for stages 1-2 with ``overlap_comm`` (one 5e8-element bf16
+bucket is 0.93 GiB, however small the model).
 
 Not all of it is held at once. Stages 1-2 allocate the bucket when the backward pass writes its
 first gradient (the gradients are copied into it as they arrive) and free it when that pass ends;
@@ -136,7 +137,7 @@ class StateMemory:
     """DeepSpeed's stage 1-2 reduce bucket(s), part of ``transient_bytes``: allocated at the first
     gradient, freed when the backward pass ends."""
     init_bytes: int = 0
-    """Per GPU at DeepSpeed's start: ZeRO-1/2 copy the trainable 16-bit weights into one flat buffer while
+    """Per GPU at DeepSpeed's start: ZeRO-1/2 copy the trainable weights into one flat buffer while
     the parameters still hold them (``flatten_dense_tensors_aligned``), so the weights plus that copy, for a
     moment. DeepSpeed does it on the GPU when the copy fits there, else on the CPU. It sets the peak of
     offloaded runs whose activations are small: 5.06B parameters measured 18.84 GiB at micro-batches 4 and
@@ -189,9 +190,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         gathered = 2 * element * counts.largest_layer
     cpu = 0.0
     if strategy.offload_optimizer != "none":
-        cpu += optim
-        if stage in (1, 2):
-            cpu = _offloaded_partition(counts.trainable / n, element, buckets.pin_memory)
+        cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory) if stage in (1, 2) else optim
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
             # DeepSpeed sums the micro-batches' gradients in a second copy on the host, in the weights' dtype
@@ -213,7 +212,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         fp32_grad = 4 * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
         late_bucket = bucket
         transient = grads + fp32_grad + bucket
-    # At start-up ZeRO-1/2 copy the trainable 16-bit weights into one flat buffer while the parameters hold them.
+    # At start-up ZeRO-1/2 copy the trainable weights (in their dtype) into one flat buffer while the parameters
+    # still hold them.
     flat = element * counts.trainable if stage in (1, 2) and not autocast else 0
     return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket + staging), cpu_bytes=int(cpu),
                        grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket),
