@@ -108,8 +108,9 @@ class LoRADataConfig:
     bucket_by_length: bool = False
     """Group examples of similar length into the same batches to cut padding (batches stay shuffled)."""
     pad_to_multiple_of: int = 8
-    """Pad each batch to a multiple of this many tokens. With --strategy.compile use 16 or more: Triton builds a
-    kernel once per divisibility of its sizes by 16, so lengths that alternate pay a rebuild of every kernel."""
+    """Pad each batch to a multiple of this many tokens. With --strategy.compile use 64: padded to 8, compiled
+    LoRA 1.2B stalled 12-15 s once mid-run (a rebuild of the Triton kernels for a new divisibility of the
+    length by 16, likely but not confirmed); padded to 64 it did not (BENCHMARKS.md, session 8)."""
 
     def validate(self) -> None:
         if self.pad_to_multiple_of < 1:
