@@ -73,8 +73,10 @@ for part in "$@"; do
       python3 -m zerotrain.probe mlm --out "$OUT/probe_mlm/hello.json" --max_micro 8 "${BERT[@]}" --model.num_layers 6 \
         --model.num_heads 8 --model.h_dim 256 --model.ff_dim 512 --trainer.micro_batch_size 8; echo "probe hello rc=$?" ;;
     imdb_tax)  # preset (b), 2 epochs per engine, only the second timed (every padded length has been seen once):
-      # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row
-      z benchmark imdb --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/imdb_tax" --config configs/imdb_b.yaml \
+      # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row.
+      # PAD=8: batches padded as before session 8 (128 lengths, not 16); STRATS: fewer engines, to fit a call
+      z benchmark imdb --strategies ${STRATS:-ddp,zero0,zero1,zero2} --nproc 1 --out "$OUT/imdb_tax" \
+        --config configs/imdb_b.yaml --data.pad_to_multiple_of ${PAD:-64} \
         --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 --trainer.warmup_steps_excluded 781 \
         --trainer.evaluate false --trainer.export false --checkpoint.save_final false | tail -n 6 ;;
     profile_bert)  # where BERT-base's step time goes now: the plain engine and ZeRO-0, 5 profiled steps each,

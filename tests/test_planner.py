@@ -376,3 +376,46 @@ def test_the_plan_cache_key_follows_the_config_not_the_run():
     assert plan_key("toy", base, "gpu") == plan_key("toy", renamed, "gpu")
     assert plan_key("toy", base, "gpu") != plan_key("toy", bigger, "gpu")
     assert plan_key("toy", base, "gpu") != plan_key("toy", base, "another gpu")
+
+
+def test_the_probe_steps_once_at_every_padded_length_the_split_can_produce(tmp_path, tiny_tokenizer_dir):
+    """Each new shape leaves kernel selections on a GPU run's host, so the probe's host figure comes after
+    one step at each padded length: the lengths are those of single items, rounded up by the collator."""
+    import random
+
+    import torch
+
+    from test_imdb_fit import write_reviews
+    from zerotrain import probe as probe_mod
+    from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
+
+    data = write_reviews(tmp_path / "imdb", {"train": 96, "test": 16}, random.Random(0))
+    cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=16, hidden_dim=32, num_heads=2, num_layers=1,
+                                                max_len=32, dropout=0.0))
+    cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir = str(data), str(tiny_tokenizer_dir), None
+    cfg.data.pad_to_multiple_of = 4
+    task = IMDBTask(cfg)
+    train = task.build_datasets().train
+    found = probe_mod.padded_lengths(task, train)
+    raw = {min(len(ids), 32) for ids in train.token_ids}
+    assert sorted(found) == sorted({-(-n // 4) * 4 for n in raw}) and len(found) >= 3
+    assert all(task.collator()([train[i]])["input_ids"].shape[-1] == n for n, i in found.items())
+
+    model = task.build_model()
+    seen: list[int] = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-1]))  # input_ids (B, T)
+    swept = probe_mod._host_length_sweep(task, train, model, torch.device("cpu"), None)
+    assert seen == sorted(found) and swept["lengths"] == swept["stepped"] == len(found) and swept["bytes"] >= 0
+    assert all(p.grad is None for p in model.parameters())  # the sweep leaves no gradients behind
+
+
+def test_fixed_shapes_need_no_length_sweep():
+    import torch
+
+    from zerotrain import probe as probe_mod
+    from zerotrain import recipes
+
+    cfg = parse_config("toy", TOY)
+    task = recipes.get("toy")(cfg)
+    model = task.build_model()
+    assert probe_mod._host_length_sweep(task, task.build_datasets().train, model, torch.device("cpu"), None) is None

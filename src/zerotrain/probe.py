@@ -17,7 +17,10 @@ One short trace of the recipe's real model on its real (longest) batches, plain 
   is traced with 16-bit weights only, as DeepSpeed's bf16/fp16 blocks hold it, and its Adam step is
   timed on a slice of the parameters and scaled;
 * the **host**: resident memory once the data, the libraries and the kernels of a step are loaded
-  (the model freed), host-to-device copy speed;
+  (the model freed), host-to-device copy speed. On CUDA the model first steps once at every padded
+  length the training split can produce (:func:`padded_lengths`): each new shape leaves kernel
+  selections and plans on the host for the rest of the run (IMDB padded to 8: ~2 MB a length,
+  0.3 GiB over its 128 lengths), so the figure is the run's steady state, not its first step's;
 * the **GPU**: total memory and what the CUDA context and other processes already hold.
 
 The batches are the longest examples of the training split (by ``Task.train_lengths``): the peak of
@@ -35,7 +38,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -106,6 +109,10 @@ class Probe:
     one per stream and thread (the backward pass runs on autograd's own thread), plus module buffers and
     whatever the model caches. The activation traces start from a warm step, so they leave it out; a
     run holds it from its first step."""
+    host_lengths: Optional[dict[str, float]] = None
+    """The sweep over padded lengths behind ``host_base_bytes`` (CUDA): ``lengths`` the split can produce,
+    ``stepped`` of them, ``bytes`` of resident memory they added (scaled up to all of them when fewer
+    were stepped). None: not swept (CPU, one length, or an older probe file)."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,18 +149,73 @@ def _rss() -> float:
     return float(psutil.Process().memory_info().rss)
 
 
-def _longest_batch(task: Task, train: Any, n: int) -> dict[str, torch.Tensor]:
-    """The ``n`` longest training examples, collated: the largest batch a run of this micro-batch meets."""
+def _item_lengths(task: Task, train: Any) -> Optional[Sequence[int]]:
+    """Tokens of every training item; None for fixed shapes. Tasks report lengths only when bucketing is
+    on, but a run without it meets the same items."""
     lengths = task.train_lengths(train)
     data = getattr(task.cfg, "data", None)
     if lengths is None and data is not None and hasattr(data, "bucket_by_length"):
-        # Lengths are only reported when bucketing is on; a run without it still meets its longest example.
         bucketing = copy.deepcopy(task.cfg)
         bucketing.data.bucket_by_length = True
         lengths = task.with_config(bucketing).train_lengths(train)
+    return lengths
+
+
+def _longest_batch(task: Task, train: Any, n: int) -> dict[str, torch.Tensor]:
+    """The ``n`` longest training examples, collated: the largest batch a run of this micro-batch meets."""
+    lengths = _item_lengths(task, train)
     order = sorted(range(len(train)), key=lambda i: -lengths[i]) if lengths is not None else range(len(train))
     picked = [train[i] for i in list(order)[:n]]
     return task.collator()(picked)
+
+
+MAX_SWEPT_LENGTHS = 256
+"""Padded lengths the host sweep steps at, at most; past it they are sampled evenly and the growth scaled."""
+
+
+def padded_lengths(task: Task, train: Any) -> dict[int, int]:
+    """Every padded length a batch of the training split can have, each with one example that gives it.
+
+    A batch is padded to its longest item (rounded up by the collator), so the lengths a run meets are
+    among those of single items, whatever the batching. Empty when the task reports no lengths (fixed
+    shapes: packed blocks)."""
+    lengths = _item_lengths(task, train)
+    if lengths is None:
+        return {}
+    one_per_length: dict[int, int] = {}
+    for i, n in enumerate(lengths):
+        one_per_length.setdefault(int(n), i)
+    collate = task.collator()
+    found: dict[int, int] = {}
+    for i in one_per_length.values():
+        padded = int(next(iter(collate([train[i]]).values())).shape[-1])
+        found.setdefault(padded, i)
+    return dict(sorted(found.items()))
+
+
+def _host_length_sweep(task: Task, train: Any, model: nn.Module, device: torch.device,
+                       precision: Optional[str]) -> Optional[dict[str, float]]:
+    """Step ``model`` (forward and backward, one item) at every padded length of the split, or at
+    :data:`MAX_SWEPT_LENGTHS` of them spread evenly; the resident memory this added, scaled to all
+    lengths. None when the split has one length or none."""
+    from zerotrain.engine import to_device
+
+    found = padded_lengths(task, train)
+    if len(found) < 2:
+        return None
+    picked = list(found.values())
+    if len(picked) > MAX_SWEPT_LENGTHS:
+        picked = [picked[round(k * (len(picked) - 1) / (MAX_SWEPT_LENGTHS - 1))] for k in range(MAX_SWEPT_LENGTHS)]
+    collate = task.collator()
+    before = _rss()
+    for i in picked:
+        batch = to_device(collate([train[i]]), device)
+        with _autocast(device, precision):
+            loss = task.training_step(model, batch).loss
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    grown = max(0.0, _rss() - before)
+    return {"lengths": float(len(found)), "stepped": float(len(picked)), "bytes": grown * len(found) / len(picked)}
 
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -354,14 +416,17 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     half = HALF.get(precision)
 
     workspace = 0.0
+    swept: Optional[dict[str, float]] = None
 
     def trace(key: str, model: nn.Module, autocast_precision: Optional[str]) -> None:
-        nonlocal workspace
+        nonlocal workspace, swept
         activations[key], seconds[key], first = _trace(variant_task, model, batch_of, max_micro, device,
                                                        autocast_precision)
         if first is not None:
             at_first[key] = first
         workspace = max(workspace, _held_beyond_model(model, device))
+        if device.type == "cuda" and swept is None:
+            swept = _host_length_sweep(variant_task, splits.train, model, device, autocast_precision) or {}
 
     for ckpt in checkpointing:
         variant_cfg = copy.deepcopy(cfg)
@@ -412,6 +477,11 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
             if torch.distributed.is_initialized():
                 torch.distributed.all_reduce(torch.zeros(1, device=device))
             host_base = _rss()
+            if swept:
+                # the lengths not stepped, at the rate of those that were
+                host_base += swept["bytes"] * (1 - swept["stepped"] / swept["lengths"])
+                notes.append(f"host: stepped at {swept['stepped']:.0f} of {swept['lengths']:.0f} padded lengths, "
+                             f"+{swept['bytes'] / 2**30:.2f} GiB resident")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if all(fit.floor == 0 and fit.per_sample == 0 for fit in activations.values()):
         notes.append("activations not measured: PyTorch's MemTracker cannot trace frozen parameters on the CPU")
@@ -420,7 +490,8 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  activations=activations, forward_backward_s=seconds, at_first_gradient=at_first, optimizer_step_s=opt_s,
                  host_base_bytes=host_base, host_before_model_bytes=before_model, gpu_total_bytes=gpu_total,
                  gpu_context_bytes=context,
-                 h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace, notes=notes)
+                 h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace,
+                 host_lengths=swept or None, notes=notes)
 
 
 def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,
