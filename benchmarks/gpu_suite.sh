@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -164,6 +164,12 @@ for part in "$@"; do
         z benchmark mlm --strategies zero2_offload --predict ${PREDICT:-false} --out "$OUT/offload_5b/mb$mb" "${BIG[@]}" \
           --trainer.micro_batch_size "$mb" | tail -n 3
       done ;;
+    export_5b)  # target 5(c): offload_5b's model at micro-batch 96, then its end-of-run export (bf16 weights, ~10 GB)
+      # with the host nearly full; predictions in the row from session 9's probe of this model (PROBE=file)
+      z benchmark mlm --strategies zero2_offload --out "$OUT/export_5b" \
+        --probe "${PROBE:-benchmarks/results/h100/session9/callD/offload_5b_mb96_probe.json}" "${BIG[@]}" \
+        --trainer.micro_batch_size 96 --trainer.export true | tail -n 3
+      grep -h "export" "$OUT"/export_5b/runs/*/fit.log 2>/dev/null | tail -n 20 ;;
     probe_5b)  # the memory model's probe of offload_5b's model at micro-batch up to 48: predictions for its rows
       # (benchmarks/repredict.py offload_5b_mbN_benchmark.json probe_5b.json)
       timeout ${PROBE_LIMIT:-400} python3 -m zerotrain.probe mlm --out "$OUT/probe_5b/probe_5b.json" --max_micro 48 \

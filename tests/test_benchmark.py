@@ -36,6 +36,7 @@ def test_sweep_writes_json_and_markdown(tmp_path):
     table = (tmp_path / "b" / "benchmark.md").read_text()
     assert "| zero0 | 1 |" in table and "| ddp | 1 |" in table and result["environment"]["versions"]["torch"] in table
     assert "predicted host (GiB)" in table and json.loads((tmp_path / "b" / "probe.json").read_text())["device"] == "cpu"
+    assert "[zerotrain]" in (tmp_path / "b" / "runs" / "toy-ddp-1gpu" / "fit.log").read_text()  # the fit's own log
 
 
 def test_a_failed_fit_is_a_row_with_its_reason(tmp_path):
@@ -51,3 +52,51 @@ def test_a_failed_fit_is_a_row_with_its_reason(tmp_path):
 def test_unknown_strategy_names_the_flag(tmp_path):
     out = zerotrain_cmd(["benchmark", "toy", "--strategies", "zero9"], cwd=tmp_path)
     assert out.returncode == 2 and "--strategies" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_predictions_from_an_earlier_probe_file_and_a_bad_one_named(tmp_path):
+    """--probe FILE: the rows are predicted from a probe taken before (a big model's takes minutes), the
+    same figures the memory model gives in-process from that file; a file that is no probe is one line."""
+    from test_planner import fake_probe
+
+    from zerotrain.benchmark import predicted
+
+    probe = fake_probe(device="cpu")
+    (tmp_path / "p.json").write_text(json.dumps(probe.to_dict()))
+    args = ["--trainer.max_steps", "3", "--trainer.num_workers", "0", "--trainer.warmup_steps_excluded", "1"]
+    out = zerotrain_cmd(["benchmark", "toy", "--strategies", "ddp", "--out", str(tmp_path / "b"),
+                         "--probe", str(tmp_path / "p.json"), *args], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "b" / "benchmark.json").read_text())
+    row = result["rows"][0]
+    from zerotrain.strategies import STRATEGIES
+
+    want = predicted("toy", [*args, *STRATEGIES["ddp"].flags(), "--launch.nproc_per_node", "1"], "ddp", probe)
+    assert want["predicted_host_mem_gib"] > 0
+    assert row["predicted_host_mem_gib"] == pytest.approx(want["predicted_host_mem_gib"])
+    assert result["probe"] == str(tmp_path / "p.json") and not (tmp_path / "b" / "probe.json").exists()
+
+    (tmp_path / "bad.json").write_text("{}")
+    bad = zerotrain_cmd(["benchmark", "toy", "--strategies", "ddp", "--out", str(tmp_path / "c"),
+                         "--probe", str(tmp_path / "bad.json"), *args], cwd=tmp_path)
+    assert bad.returncode == 2 and "--probe" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_sweep_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """The result files are rewritten after each row: a sweep killed during its second fit (a device
+    call's time limit) still has the first row on disk."""
+    from zerotrain import benchmark
+
+    calls = []
+
+    def one(recipe, args, runs_dir, run_name, timeout_s, env):
+        calls.append(run_name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal does to the sweep
+        return {"wall_s": 1.0, "command": "zerotrain fit toy", "nproc": 1, "tokens_per_s": 10.0}
+
+    monkeypatch.setattr(benchmark, "run_one", one)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.run_sweep("toy", ["ddp", "zero0"], [1], tmp_path / "b", [], predict=False)
+    rows = json.loads((tmp_path / "b" / "benchmark.json").read_text())["rows"]
+    assert [r["strategy"] for r in rows] == ["ddp"] and "| ddp |" in (tmp_path / "b" / "benchmark.md").read_text()

@@ -118,6 +118,29 @@ def test_a_fit_exports_a_big_model_shard_by_shard_saying_so(tmp_path, monkeypatc
     final = export_run(run, out=tmp_path / "from_checkpoint").out_dir  # the last checkpoint, written apart
     x = torch.randn(3, 8)
     torch.testing.assert_close(load_run(run).model(x), load_run(final).model(x), rtol=0, atol=0)
+    # The export's own time and host memory, apart from the training's lifetime peak
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["export_s"] > 0 and 0 < summary["export_host_rss_before_gib"] <= summary["export_host_rss_peak_gib"]
+
+
+def test_shards_shrink_to_a_quarter_of_the_free_host_memory_saying_so():
+    """A big run's optimizer can fill the host (5B under CPU offload: 120 of 125 GiB): a 5 GB shard, on the
+    host twice while it is written, would not fit, so shards follow the free memory, never below 64 MiB."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from zerotrain.export import _parse_size, _shard_size_for_host
+
+    assert _parse_size("5GB") == 5 * 10**9 and _parse_size("2GiB") == 2**31 and _parse_size(600) == 600
+    assert _parse_size("1.5MB") == 1_500_000 and _parse_size("1000") == 1000
+    lines: list[str] = []
+    with mock.patch("psutil.virtual_memory", return_value=SimpleNamespace(available=100 * 10**9)):
+        assert _shard_size_for_host("5GB", lines.append) == 5 * 10**9 and not lines
+    with mock.patch("psutil.virtual_memory", return_value=SimpleNamespace(available=6 * 10**9)):
+        assert _shard_size_for_host("5GB", lines.append) == 1.5e9
+    assert lines == ["6.00 GB of host memory free: shards of 1.50 GB instead of 5.00 GB"]
+    with mock.patch("psutil.virtual_memory", return_value=SimpleNamespace(available=10**8)):
+        assert _shard_size_for_host("5GB", None) == 2**26
 
 
 def test_refuses_a_folder_that_holds_files(toy_runs, tmp_path):

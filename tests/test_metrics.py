@@ -79,3 +79,18 @@ def test_profile_summary_keeps_phase_annotations_out_of_the_kernels():
     assert s["host_ms_per_step_by_phase"] == {"forward": 2.0}
     assert s["gpu_ms_per_step"] == 1.5 and [t["name"] for t in s["top"]] == ["sm90_xmma_gemm_bf16bf16"]
     assert s["kernel_launches_per_step"] == 3
+
+
+def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():
+    import time
+
+    import numpy as np
+
+    from zerotrain.metrics import HostPeak, host_rss_gib
+
+    with HostPeak(interval_s=0.01) as peak:
+        held = np.ones(256 * 2**20, dtype=np.uint8)  # 256 MiB, touched, then dropped before the phase ends
+        time.sleep(0.2)
+        del held
+    assert peak.peak_gib - peak.before_gib >= 0.2
+    assert host_rss_gib() < peak.peak_gib  # the moment has passed; the phase's peak remembers it

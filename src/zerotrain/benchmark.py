@@ -50,12 +50,14 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        returncode, tail = proc.returncode, (proc.stderr or proc.stdout)[-4000:]
+        returncode, tail, log = proc.returncode, (proc.stderr or proc.stdout)[-4000:], proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        returncode, tail = -1, f"timed out after {timeout_s} s: {err[-2000:]}"
+        returncode, tail, log = -1, f"timed out after {timeout_s} s: {err[-2000:]}", err
     row: dict[str, Any] = {"wall_s": round(time.perf_counter() - t0, 1), "command": "zerotrain " + shlex.join(cmd[3:])}
     run_dir = runs_dir / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "fit.log").write_text(log)  # what the fit said, kept beside its summary
     summary = run_dir / "summary.json"
     if returncode == 0 and summary.is_file():
         row.update(json.loads(summary.read_text()))
@@ -115,20 +117,40 @@ def _predicted_or_why(recipe: str, fit_args: list[str], strategy: str, probe: Op
     return {"predicted_gpu_mem_gib": None, "predicted_host_mem_gib": None, "predicted_activations": no_probe}
 
 
+def read_probe(path: Path) -> "Probe":
+    """A probe file written earlier (``python -m zerotrain.probe``, or a plan's or sweep's probe.json)."""
+    from zerotrain.probe import Probe
+
+    try:
+        return Probe.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"--probe {path}: not a probe file ({type(exc).__name__}: {exc}); pass the probe.json "
+                        "that `python -m zerotrain.probe` or an earlier sweep wrote, or leave --probe out") from None
+
+
 def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Path, fit_args: list[str],
-              timeout_s: int = 3600, profile_steps: int = 0, predict: bool = True) -> dict[str, Any]:
+              timeout_s: int = 3600, profile_steps: int = 0, predict: bool = True,
+              probe_file: Optional[Path] = None) -> dict[str, Any]:
     """One fit per strategy and process count. With ``predict`` the memory model's peaks go next to the
-    measured ones in each row: one probe (:mod:`zerotrain.probe`, a few seconds) before the first fit."""
+    measured ones in each row: one probe (:mod:`zerotrain.probe`, a few seconds) before the first fit, or
+    ``probe_file``, one taken earlier of the same workload on the same GPU kind (a big model's probe takes
+    minutes). The files are rewritten after every row: a sweep cut short keeps the rows it finished."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
-    probe, no_probe = _probe(recipe, fit_args, out_dir) if predict else (None, "not asked (--predict false)")
+    if probe_file is not None:
+        probe, no_probe = read_probe(probe_file), None
+    else:
+        probe, no_probe = _probe(recipe, fit_args, out_dir) if predict else (None, "not asked (--predict false)")
     if no_probe:
         print(f"[benchmark] no memory predictions: {no_probe}", flush=True)
     extra = ["--trainer.profile_steps", str(profile_steps)] if profile_steps else []
-    rows = []
+    rows: list[dict[str, Any]] = []
+    result = {"recipe": recipe, "fit_args": fit_args, "command": " ".join(["zerotrain", *sys.argv[1:]]),
+              "environment": env, "probe": str(probe_file) if probe_file else ("probe.json" if probe else None),
+              "rows": rows}
     for n in nprocs:
         for name in strategies:
             run_name = f"{recipe}-{name}-{n}gpu"
@@ -142,10 +164,8 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
                 (out_dir / f"profile_{name}_{n}gpu.md").write_text((run_dir / "profile.md").read_text())
             rows.append(row)
             print(f"[benchmark] {name} x {n}: {_brief(row)}", flush=True)
-    result = {"recipe": recipe, "fit_args": fit_args, "command": " ".join(["zerotrain", *sys.argv[1:]]),
-              "environment": env, "rows": rows}
-    write_json(out_dir / "benchmark.json", result)
-    (out_dir / "benchmark.md").write_text(markdown(result))
+            write_json(out_dir / "benchmark.json", result)
+            (out_dir / "benchmark.md").write_text(markdown(result))
     plot(result, out_dir / "benchmark.png")
     return result
 

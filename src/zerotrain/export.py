@@ -195,6 +195,7 @@ def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]
     from safetensors.torch import save_file
 
     rename = rename or (lambda k: k)
+    max_shard_size = _shard_size_for_host(max_shard_size, progress)
     names = {rename(k): k for k in lazy}
     meta = {new: torch.empty(lazy[old][0], dtype=(dtype or lazy[old][1]) if lazy[old][1].is_floating_point
                              else lazy[old][1], device="meta") for new, old in names.items()}
@@ -221,6 +222,38 @@ def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append("model.safetensors.index.json")
     return written
+
+
+MIN_SHARD_BYTES = 2**26
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(size: str | int) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes (Hugging Face's ``max_shard_size`` spellings)."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * UNITS[unit])
+    return int(text)
+
+
+def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[[str], None]]) -> int:
+    """``max_shard_size``, or less when this host has little memory free. A shard is on the host twice while it
+    is written (the tensors copied from the GPU and safetensors' serialised bytes), so shards are kept to a
+    quarter of the free memory: the end of a big run whose optimizer fills the host (5B parameters under CPU
+    offload: 120 of 125 GiB) still exports, in more files."""
+    import psutil
+
+    wanted = _parse_size(max_shard_size)
+    free = psutil.virtual_memory().available
+    if 4 * wanted <= free:
+        return wanted
+    smaller = max(MIN_SHARD_BYTES, free // 4)
+    if progress:
+        progress(f"{_size(free)} of host memory free: shards of {_size(smaller)} instead of {_size(wanted)}")
+    return smaller
 
 
 def _size(n: float) -> str:

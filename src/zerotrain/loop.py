@@ -45,7 +45,7 @@ from zerotrain.errors import DataError, OutOfMemory
 from zerotrain.evaluate import Evaluator, fmt
 from zerotrain.launcher import Heartbeat
 from zerotrain.memory import Buckets, ParamCounts, count_params, model_state_memory
-from zerotrain.metrics import StepProfiler, ThroughputMeter, memory_snapshot
+from zerotrain.metrics import HostPeak, StepProfiler, ThroughputMeter, memory_snapshot
 from zerotrain.oom import describe_oom, failed_step
 from zerotrain.preemption import armed
 from zerotrain.strategies import Strategy
@@ -260,8 +260,13 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
         weights = run.engine.consolidated_state_dict()  # a collective under ZeRO-3: every rank calls it
 
         def export() -> None:
-            with rundir.writing("the exported model", run.run_dir / "model"):
+            t0 = time.perf_counter()
+            with rundir.writing("the exported model", run.run_dir / "model"), HostPeak() as host:
                 run.task.export(run.engine.module, weights, run.run_dir / "model")
+            results.update(export_s=time.perf_counter() - t0, export_host_rss_before_gib=host.before_gib,
+                           export_host_rss_peak_gib=host.peak_gib)
+            log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",
+                     run.run_dir / "model", results["export_s"], host.peak_gib, host.before_gib)
 
         run_on_main(export)  # a full disk on rank 0 stops every rank with its one line
     summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},

@@ -71,6 +71,33 @@ def host_peak_rss_gib() -> float:
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+class HostPeak:
+    """Resident memory over one phase of a run (``with HostPeak() as peak: ...``): ``before_gib`` and
+    ``peak_gib``, sampled every ``interval_s`` by a thread. The process's lifetime peak (``ru_maxrss``)
+    cannot tell a phase at the end, such as the export, from the training before it."""
+
+    def __init__(self, interval_s: float = 0.05):
+        import threading
+
+        self.interval_s, self._stop = interval_s, threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="zerotrain-host-peak", daemon=True)
+        self.before_gib = self.peak_gib = 0.0
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_gib = max(self.peak_gib, host_rss_gib())
+
+    def __enter__(self) -> "HostPeak":
+        self.before_gib = self.peak_gib = host_rss_gib()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_gib = max(self.peak_gib, host_rss_gib())
+
+
 def gpu_memory_gib(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}

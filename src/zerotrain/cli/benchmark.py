@@ -3,7 +3,7 @@
 Runs one ``zerotrain fit`` per strategy and process count and writes ``DIR/benchmark.json`` and
 ``DIR/benchmark.md`` and a plot ``DIR/benchmark.png`` (tokens/s against peak GPU memory); with
 ``--profile N``, a profile summary per run. Each row carries the memory model's predicted peaks next to
-the measured ones (``--predict false`` skips the probe they need). Flags it does not know are passed to every fit (e.g. ``--config FILE``).
+the measured ones (``--predict false`` skips the probe they need; ``--probe FILE`` reads an earlier one). Flags it does not know are passed to every fit (e.g. ``--config FILE``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ def run(argv: list[str]) -> int:
                         help="profile STEPS steps of each run after its warm-up; writes profile_<strategy>_<n>gpu.md")
     parser.add_argument("--predict", choices=["true", "false"], default="true",
                         help="put the memory model's predicted peaks next to the measured ones (one probe first)")
+    parser.add_argument("--probe", default=None, metavar="FILE",
+                        help="predict from this probe file instead of probing first: one taken earlier of the same "
+                             "workload on the same GPU kind (python -m zerotrain.probe, or a sweep's probe.json)")
     args, fit_args = parser.parse_known_args(argv)
     try:
         nprocs = [int(n) for n in args.nproc.split(",")]
@@ -35,6 +38,7 @@ def run(argv: list[str]) -> int:
     if args.profile < 0:
         raise UserError(f"--profile must be >= 0 (steps to profile), got {args.profile}")
     result = run_sweep(args.recipe, args.strategies.split(","), nprocs, Path(args.out), fit_args,
-                       profile_steps=args.profile, predict=args.predict == "true")
+                       profile_steps=args.profile, predict=args.predict == "true",
+                       probe_file=Path(args.probe) if args.probe else None)
     print((Path(args.out) / "benchmark.md").read_text())
     return 1 if all("error" in r for r in result["rows"]) else 0
