@@ -234,3 +234,48 @@ def test_estimate_does_not_import_the_fit_command(tmp_path):
     out = run_python(["-c", code], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['zerotrain.cli.estimate']"
+
+
+def test_nvme_offload_puts_the_states_on_disk_and_swap_buffers_on_the_host():
+    """ZeRO-Infinity: Adam's 16 bytes a parameter and the bf16 weights go to the NVMe disk; the host keeps
+    DeepSpeed's pinned swap buffers (one fp32 sub-group per optimizer buffer, buffer_size elements per
+    parameter buffer), not the states, as it would under CPU offload."""
+    c = ParamCounts(total=10**10, trainable=10**10, largest_layer=10**8, total_bytes=2 * 10**10,
+                    trainable_bytes=2 * 10**10, largest_trainable=10**8)
+    nvme = STRATEGIES["zero3_offload"].__class__("deepspeed", 3, offload_optimizer="nvme", offload_param="nvme")
+    cpu = model_state_memory(c, STRATEGIES["zero3_offload"], 1, "bf16")
+    disk = model_state_memory(c, nvme, 1, "bf16")
+    assert cpu.nvme_bytes == 0 and cpu.cpu_bytes == 16 * 10**10 + 2 * 10**10
+    assert disk.nvme_bytes == 16 * 10**10 + 2 * 10**10
+    assert disk.cpu_bytes == 4 * 4 * 10**9 + 5 * 10**8 * 2  # 4 buffers x 1e9-element sub-groups x fp32; 5 x 1e8 x bf16
+    assert disk.gpu_bytes == cpu.gpu_bytes  # the GPU side is the same
+    small = Buckets.from_ds_config({"zero_optimization": {"sub_group_size": 10**8, "offload_optimizer": {
+        "device": "nvme", "buffer_count": 6}, "offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 10**7}}})
+    assert model_state_memory(c, nvme, 1, "bf16", small).cpu_bytes == 6 * 4 * 10**8 + 3 * 10**7 * 2
+    # On two GPUs each process holds half the states on disk; a sub-group is never more than a partition.
+    tiny = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=2000, trainable_bytes=2000)
+    two = model_state_memory(tiny, nvme, 2, "bf16")
+    assert two.nvme_bytes == (16 * 1000 + 2 * 1000) / 2 and two.cpu_bytes == 4 * 4 * 500 + 5 * 10**8 * 2
+
+
+def test_estimate_shows_a_configured_nvme_offload_with_its_disk(tmp_path, capsys):
+    args = ["estimate", "toy", "--gpu_memory_gib", "16", "--host_memory_gib", "64", "--strategy.zero_stage", "3",
+            "--strategy.offload_optimizer", "nvme", "--strategy.offload_param", "nvme",
+            "--strategy.nvme_path", str(tmp_path / "swap")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| yours: zero3 nvme |"))
+    assert "on NVMe per process (GiB)" in out and row.endswith(" yes |")
+
+
+def test_an_nvme_offload_that_outgrows_its_disk_does_not_fit(monkeypatch, tmp_path):
+    from zerotrain import estimate as estimate_mod
+    from zerotrain.config_cli import parse_config
+
+    cfg = parse_config("toy", ["--strategy.zero_stage", "3", "--strategy.offload_optimizer", "nvme",
+                               "--strategy.nvme_path", str(tmp_path)])
+    roomy = estimate_mod.estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    monkeypatch.setattr(estimate_mod, "_free_disk", lambda folder: 10.0)  # bytes: less than the toy's states
+    full = estimate_mod.estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    assert roomy.rows[-1].name == full.rows[-1].name == "yours: zero3 nvme"
+    assert roomy.rows[-1].memory.nvme_bytes > 10 and roomy.rows[-1].fits and not full.rows[-1].fits

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -30,10 +31,11 @@ from zerotrain.memory import (
     count_params,
     fits,
     gpu_memory_bytes,
+    model_state_memory,
     plan,
     predict,
 )
-from zerotrain.strategies import STRATEGIES
+from zerotrain.strategies import STRATEGIES, Strategy
 
 if TYPE_CHECKING:
     from zerotrain.probe import Probe
@@ -127,21 +129,47 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
                 procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast,
                 grad_accum=cfg.strategy.gradient_accumulation_steps)
+    strategies = dict(STRATEGIES)
+    disk_ok: dict[str, bool] = {}
+    s = cfg.strategy
+    if "nvme" in (s.offload_optimizer, s.offload_param):
+        # NVMe offload is not among the planner's candidates (it needs a disk the user names): the row of
+        # the configured strategy, with what it puts on that disk.
+        name = f"yours: zero{s.zero_stage} nvme"
+        strategies[name] = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
+        buckets[name], autocast[name] = Buckets.from_ds_config(own), _enabled(own.get("torch_autocast"))
+        mem = model_state_memory(counts, strategies[name], world, precision, buckets[name], autocast[name],
+                                 s.gradient_accumulation_steps)
+        disk_ok[name] = mem.nvme_bytes * per_node <= _free_disk(s.nvme_path)
+        fit = (mem.gpu_bytes <= (gpu if gpu is not None else float("inf")) - reserve_gib * GIB
+               and mem.cpu_bytes * per_node <= host and disk_ok[name])
+        rows.append(PlanRow(name, mem, fit))
     predictions = None
     if probe is not None:
         predictions, judged = {}, []
         for row in rows:
-            pred = predict(counts, STRATEGIES[row.name], cfg.trainer.micro_batch_size,
+            pred = predict(counts, strategies[row.name], cfg.trainer.micro_batch_size,
                            cfg.strategy.activation_checkpointing, world, precision, probe,
                            buckets.get(row.name, Buckets()), autocast.get(row.name, False),
                            cfg.strategy.gradient_accumulation_steps)
             predictions[row.name] = pred
-            judged.append(PlanRow(row.name, row.memory, fits(pred, probe, host, per_node) is None))
+            ok = fits(pred, probe, host, per_node) is None and disk_ok.get(row.name, True)
+            judged.append(PlanRow(row.name, row.memory, ok))
         rows = judged
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
                           activation_checkpointing=cfg.strategy.activation_checkpointing)
+
+
+def _free_disk(folder: Optional[str]) -> float:
+    """Free bytes on the disk of ``folder`` (its nearest existing parent: DeepSpeed creates it)."""
+    import shutil
+
+    path = Path(folder or ".").resolve()
+    while not path.exists():
+        path = path.parent
+    return float(shutil.disk_usage(path).free)
 
 
 def format_report(report: EstimateReport) -> str:
@@ -155,13 +183,15 @@ def format_report(report: EstimateReport) -> str:
     lines[-1] += f", {report.host_bytes / GIB:.1f} GiB host memory, {report.reserve_bytes / GIB:g} GiB reserved for activations"
     preds = report.predictions
     extra = " peak GPU with activations (GiB) | peak host (GiB) |" if preds else ""
-    lines += ["", f"| strategy | model states per GPU (GiB) | offloaded per process (GiB) |{extra} fits |",
-              "|---|---|---|" + ("---|---|" if preds else "") + "---|"]
+    nvme = any(row.memory.nvme_bytes for row in report.rows)
+    disk = " on NVMe per process (GiB) |" if nvme else ""
+    lines += ["", f"| strategy | model states per GPU (GiB) | offloaded per process (GiB) |{disk}{extra} fits |",
+              "|---|---|---|" + ("---|" if nvme else "") + ("---|---|" if preds else "") + "---|"]
     for row in report.rows:
         ok = ("yes" if row.fits else "no") if gpu is not None else "?"
-        cells = ""
+        cells = f" {row.memory.nvme_bytes / GIB:.2f} |" if nvme else ""
         if preds:
-            cells = f" {preds[row.name].gpu_bytes / GIB:.2f} | {preds[row.name].host_bytes / GIB:.2f} |"
+            cells += f" {preds[row.name].gpu_bytes / GIB:.2f} | {preds[row.name].host_bytes / GIB:.2f} |"
         lines.append(f"| {row.name} | {row.memory.gpu_bytes / GIB:.2f} | {row.memory.cpu_bytes / GIB:.2f} |{cells} {ok} |")
     if preds:
         first = next(iter(preds.values()))

@@ -21,7 +21,10 @@ ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also 
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
 memory, where each process holds its partition; under ZeRO-1/2 that is 18 (bf16) or 20 (fp32) bytes a
-parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). With
+parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
+NVMe offload (ZeRO-Infinity) puts them on disk instead (``nvme_bytes``: 16 bytes a parameter for Adam, 2
+for bf16 weights) and keeps DeepSpeed's pinned swap buffers on the host. That accounting is read from
+DeepSpeed 0.19's swappers and not measured: our GPU machines lack libaio, which its NVMe offload needs. With
 ``contiguous_gradients`` DeepSpeed's ZeRO stages also allocate a gradient reduce bucket of
 ``reduce_bucket_size`` elements, two of them for stages 1-2 with ``overlap_comm`` (one 5e8-element bf16
 bucket is 0.93 GiB, however small the model).
@@ -105,15 +108,27 @@ class Buckets:
     contiguous_gradients: bool = True
     pin_memory: bool = False
     """``offload_optimizer.pin_memory`` (DeepSpeed's default: false; zerotrain's JSON: true on GPUs)."""
+    sub_group_size: int = 1_000_000_000
+    """ZeRO-3 steps (and swaps to NVMe) the optimizer one sub-group of this many elements at a time."""
+    optimizer_swap_buffers: int = 4
+    """``offload_optimizer.buffer_count``: pinned host buffers, each one sub-group of fp32, for NVMe swaps."""
+    param_swap_buffers: int = 5
+    """``offload_param.buffer_count``: pinned host buffers of ``param_swap_buffer_size`` elements each."""
+    param_swap_buffer_size: int = 100_000_000
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> "Buckets":
         zero = ds.get("zero_optimization", {})
         offload = zero.get("offload_optimizer") or {}
+        params = zero.get("offload_param") or {}
         # DeepSpeed 0.19's ZeRO-1/2 turn contiguous gradients back on under optimizer offload.
         offloaded = offload.get("device", "none") not in ("none", None)
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
-                   bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)))
+                   bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)),
+                   int(zero.get("sub_group_size", cls.sub_group_size)),
+                   int(offload.get("buffer_count", cls.optimizer_swap_buffers)),
+                   int(params.get("buffer_count", cls.param_swap_buffers)),
+                   int(params.get("buffer_size", cls.param_swap_buffer_size)))
 
 
 def pinned(nbytes: float) -> float:
@@ -145,6 +160,8 @@ class StateMemory:
     cpu_after_model: bool = False
     """``cpu_bytes`` are allocated only after the model built on the CPU has moved to the GPU (ZeRO-1/2
     optimizer offload): the host holds one or the other at its peak, not both."""
+    nvme_bytes: int = 0
+    """Per process, on the ``--strategy.nvme_path`` disk: states offloaded to NVMe (ZeRO-Infinity)."""
 
 
 def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
@@ -188,8 +205,14 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     if stage == 3:
         weights /= n
         gathered = 2 * element * counts.largest_layer
-    cpu = 0.0
-    if strategy.offload_optimizer != "none":
+    cpu = nvme = 0.0
+    if strategy.offload_optimizer == "nvme":
+        # ZeRO-3 swaps the fp32 master weights, gradients and both moments (16 bytes a parameter) to disk, one
+        # sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's OptimizerSwapper).
+        nvme += optim
+        cpu += buckets.optimizer_swap_buffers * 4 * min(buckets.sub_group_size, counts.trainable / n)
+        optim = 0
+    elif strategy.offload_optimizer != "none":
         cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory) if stage in (1, 2) else optim
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
@@ -197,7 +220,12 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
             # (accumulated_grads_in_cpu): 5B parameters at micro-batch 16 x 4 outgrew a 125 GiB host that held
             # micro-batch 4 at 120 GiB. Not confirmed by a measurement: 0.93B at 4 x 2 peaked no higher than at 8 x 1.
             cpu += element * counts.trainable / n
-    if strategy.offload_param != "none":
+    if strategy.offload_param == "nvme":
+        # The 16-bit weights on disk; a pool of pinned buffers carries them in and out (AsyncPartitionedParameterSwapper).
+        nvme += weights
+        cpu += buckets.param_swap_buffers * buckets.param_swap_buffer_size * element
+        weights = 0
+    elif strategy.offload_param != "none":
         cpu += weights
         weights = 0
     n_buckets = 0 if stage == 0 or not buckets.contiguous_gradients else 2 if buckets.overlap_comm and stage < 3 else 1
@@ -218,7 +246,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket + staging), cpu_bytes=int(cpu),
                        grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket),
                        init_bytes=int(weights + flat) if flat else 0,
-                       cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none")
+                       cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none", nvme_bytes=int(nvme))
 
 
 def _offloaded_partition(partition: float, element: int, pin: bool) -> float:
