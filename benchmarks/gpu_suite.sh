@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -135,6 +135,13 @@ for part in "$@"; do
         echo "imdb compile=$c rc=$?"; cp "$OUT/imdb_compile/runs/compile_$c/summary.json" "$OUT/imdb_compile/compile_${c}_summary.json"
         cp "$OUT/imdb_compile/runs/compile_$c/metrics.jsonl" "$OUT/imdb_compile/compile_${c}_metrics.jsonl"
       done ;;
+    imdb_compiled_full)  # target 3: preset (b) with --strategy.compile true, the full 5 epochs with its test score
+      z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.export false \
+        --checkpoint.save_final false --strategy.compile true --trainer.output_dir "$OUT/imdb_compiled_full/runs" \
+        --trainer.run_name compiled --logging.progress_bar false > "$OUT/imdb_compiled_full/compiled.log" 2>&1
+      echo "imdb compiled rc=$?"; grep -h "test:\|torch.compile" "$OUT/imdb_compiled_full/compiled.log"
+      cp "$OUT/imdb_compiled_full/runs/compiled/summary.json" "$OUT/imdb_compiled_full/compiled_summary.json"
+      cp "$OUT/imdb_compiled_full/runs/compiled/metrics.jsonl" "$OUT/imdb_compiled_full/compiled_metrics.jsonl" ;;
     imdb_lightning)  # target 3 side by side: preset (b) as shipped, the full 5 epochs with its test score, then the
       # tutorial's Lightning script (PEER=path) for one epoch on the same GPU; both rows in imdb_vs_lightning.json
       ZCMD=(python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK"

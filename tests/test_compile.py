@@ -38,11 +38,51 @@ def test_blocks_are_found_through_wrappers():
     assert [type(b) for b in repeated_blocks(imdb)] == [nn.TransformerEncoderLayer] * 2
 
 
+def _graph_counter() -> tuple[list[int], object]:
+    graphs: list[int] = []
+
+    def backend(gm, example_inputs):  # records each graph dynamo captured, runs it as traced
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    return graphs, backend
+
+
 def test_a_model_without_blocks_is_compiled_whole():
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
     mixed = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]))  # a list of two classes
     assert repeated_blocks(mixed) == []
-    assert compile_blocks(mixed) == "compiled the whole Sequential"
-    assert mixed._compiled_call_impl is not None
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    assert compile_blocks(plain, backend) == "compiled the whole Sequential"
+    plain(torch.randn(2, 4))
+    assert graphs  # traced, not run eager
+
+
+def test_torch_own_blocks_are_really_compiled():
+    """The IMDB recipe's blocks are torch's nn.TransformerEncoderLayer, whose Module.compile() dynamo skips
+    without a word: each block's forward must come out as a captured graph, and train as eager does."""
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+    torch.manual_seed(0)
+    kw = dict(vocab_size=50, embed_dim=16, hidden_dim=32, num_heads=2, num_layers=2, max_len=16, dropout=0.0,
+              pad_token_id=1)
+    eager, compiled = SentimentClassifier(**kw), SentimentClassifier(**kw)
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_blocks(compiled, backend) == "compiled 2 TransformerEncoderLayer blocks one by one"
+    ids = torch.randint(2, 50, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    labels = torch.tensor([0, 1, 1])
+    losses = [m(ids, mask, labels=labels)["loss"] for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert graphs and all(n > 10 for n in graphs)  # whole attention/feed-forward blocks, not single ops
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    assert sorted(eager.state_dict()) == sorted(compiled.state_dict())  # checkpoints and exports unchanged
+    torch._dynamo.reset()
 
 
 def test_one_compile_serves_every_block():

@@ -7,11 +7,14 @@ first block serves every block after it. Compiling each block in place therefore
 block's compile, whatever the depth; the embedding, head and loss stay eager, which costs little
 next to the blocks. A model with no repeated blocks is compiled whole.
 
-Each ``Module.compile()`` is in place: parameter names, and so checkpoints and exports, do not change.
+Compiling is in place: parameter names, and so checkpoints and exports, do not change.
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import torch
 from torch import nn
 
 
@@ -34,12 +37,23 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def compile_blocks(model: nn.Module) -> str:
+def compile_in_place(module: nn.Module, backend: str | Callable[..., Any] = "inductor") -> None:
+    """``module.compile()``, except for torch's own module classes (``nn.TransformerEncoderLayer``, the IMDB
+    recipe's blocks): dynamo does not trace ``Module._call_impl`` of those as the first frame, so their
+    ``compile()`` silently runs eager (torch 2.11-2.13). Their ``forward`` is compiled instead, which it does
+    trace; hooks still run around it."""
+    if type(module).__module__.startswith("torch."):
+        module.forward = torch.compile(module.forward, backend=backend)  # type: ignore[method-assign]
+    else:
+        module.compile(backend=backend)
+
+
+def compile_blocks(model: nn.Module, backend: str | Callable[..., Any] = "inductor") -> str:
     """Compile ``model``'s repeated blocks in place (the whole model when it has none); says what was compiled."""
     blocks = repeated_blocks(model)
     if not blocks:
-        model.compile()
+        compile_in_place(model, backend)
         return f"compiled the whole {type(model).__name__}"
     for block in blocks:
-        block.compile()
+        compile_in_place(block, backend)
     return f"compiled {len(blocks)} {type(blocks[0]).__name__} blocks one by one"
