@@ -59,6 +59,18 @@ def test_a_model_without_blocks_is_compiled_whole():
     assert graphs  # traced, not run eager
 
 
+def test_our_own_blocks_are_compiled_with_module_compile():
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+    mlm = RobertaMLM(vocab_size=50, num_layers=2, num_heads=2, h_dim=16, ff_dim=32, dropout=0.0,
+                     max_seq_length=16, pad_token_id=1)
+    assert compile_blocks(mlm, backend) == "compiled 2 EncoderLayer blocks one by one"
+    assert all(block._compiled_call_impl is not None for block in mlm.encoder.layers)
+    mlm(torch.randint(2, 50, (2, 8)))
+    assert graphs
+    torch._dynamo.reset()
+
+
 def test_torch_own_blocks_are_really_compiled():
     """The IMDB recipe's blocks are torch's nn.TransformerEncoderLayer, whose Module.compile() dynamo skips
     without a word: each block's forward must come out as a captured graph, and train as eager does."""

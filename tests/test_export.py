@@ -51,8 +51,9 @@ def test_export_of_the_last_checkpoint_is_the_trained_model(toy_runs, engine, ca
     run = toy_runs[engine]
     out = run.parent / f"{engine}-export"
     assert main(["export", str(run), "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert printed.splitlines()[0] == f"exported step 4 of {run} (safetensors, fp32) to {out}"
+    printed = capsys.readouterr().out.splitlines()
+    assert f"exported step 4 of {run} (safetensors, fp32) to {out}" in printed
+    assert printed[0].startswith("export: wrote ") and "/model/model.safetensors (2.21 kB of 2.21 kB)" in printed[0]
     _same(load_file(out / "model" / "model.safetensors"), load_file(run / "model" / "model.safetensors"))
     info = json.loads((out / "export.json").read_text())
     assert info["step"] == 4 and info["checkpoint"].endswith("step00000004") and info["recipe"] == "toy"
@@ -133,6 +134,9 @@ def test_shards_shrink_to_a_quarter_of_the_free_host_memory_saying_so():
 
     assert _parse_size("5GB") == 5 * 10**9 and _parse_size("2GiB") == 2**31 and _parse_size(600) == 600
     assert _parse_size("1.5MB") == 1_500_000 and _parse_size("1000") == 1000
+    assert _parse_size("5e9") == 5 * 10**9 and _parse_size("100B") == 100 and _parse_size(5e9) == 5 * 10**9
+    with pytest.raises(ValueError):
+        _parse_size("five gigabytes")
     lines: list[str] = []
     with mock.patch("psutil.virtual_memory", return_value=SimpleNamespace(available=100 * 10**9)):
         assert _shard_size_for_host("5GB", lines.append) == 5 * 10**9 and not lines
@@ -149,6 +153,12 @@ def test_refuses_a_folder_that_holds_files(toy_runs, tmp_path):
     with pytest.raises(UserError, match=r"^--out: .*taken already exists and is not an empty folder\. Pass a new"):
         export_run(toy_runs["ddp"], out=tmp_path / "taken")
     assert (tmp_path / "taken" / "x").read_text() == "mine"
+
+
+def test_a_bad_max_shard_size_is_one_line(toy_runs, capsys):
+    assert main(["export", str(toy_runs["ddp"]), "--max_shard_size", "big"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max_shard_size must be a positive size such as 5GB, 500MB or 2GiB, got 'big'" in err[0]
 
 
 def test_hf_format_is_mlm_only(toy_runs):

@@ -247,15 +247,18 @@ def test_nvme_offload_puts_the_states_on_disk_and_swap_buffers_on_the_host():
     disk = model_state_memory(c, nvme, 1, "bf16")
     assert cpu.nvme_bytes == 0 and cpu.cpu_bytes == 16 * 10**10 + 2 * 10**10
     assert disk.nvme_bytes == 16 * 10**10 + 2 * 10**10
-    assert disk.cpu_bytes == 4 * 4 * 10**9 + 5 * 10**8 * 2  # 4 buffers x 1e9-element sub-groups x fp32; 5 x 1e8 x bf16
+    # 4 buffers x 1e9-element sub-groups x fp32; the fp32 gradient partition; 5 x 1e8 x bf16 weight buffers
+    assert disk.cpu_bytes == 4 * 4 * 10**9 + 4 * 10**10 + 5 * 10**8 * 2
     assert disk.gpu_bytes == cpu.gpu_bytes  # the GPU side is the same
     small = Buckets.from_ds_config({"zero_optimization": {"sub_group_size": 10**8, "offload_optimizer": {
         "device": "nvme", "buffer_count": 6}, "offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 10**7}}})
-    assert model_state_memory(c, nvme, 1, "bf16", small).cpu_bytes == 6 * 4 * 10**8 + 3 * 10**7 * 2
+    assert model_state_memory(c, nvme, 1, "bf16", small).cpu_bytes == 6 * 4 * 10**8 + 4 * 10**10 + 3 * 10**7 * 2
+    pinned = Buckets(pin_memory=True)  # the gradient partition pinned: a power of two
+    assert model_state_memory(c, nvme, 1, "bf16", pinned).cpu_bytes == 4 * 4 * 10**9 + 2**36 + 5 * 10**8 * 2
     # On two GPUs each process holds half the states on disk; a sub-group is never more than a partition.
     tiny = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=2000, trainable_bytes=2000)
     two = model_state_memory(tiny, nvme, 2, "bf16")
-    assert two.nvme_bytes == (16 * 1000 + 2 * 1000) / 2 and two.cpu_bytes == 4 * 4 * 500 + 5 * 10**8 * 2
+    assert two.nvme_bytes == (16 * 1000 + 2 * 1000) / 2 and two.cpu_bytes == 4 * 4 * 500 + 4 * 500 + 5 * 10**8 * 2
 
 
 def test_estimate_shows_a_configured_nvme_offload_with_its_disk(tmp_path, capsys):
@@ -279,3 +282,21 @@ def test_an_nvme_offload_that_outgrows_its_disk_does_not_fit(monkeypatch, tmp_pa
     full = estimate_mod.estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
     assert roomy.rows[-1].name == full.rows[-1].name == "yours: zero3 nvme"
     assert roomy.rows[-1].memory.nvme_bytes > 10 and roomy.rows[-1].fits and not full.rows[-1].fits
+
+
+def test_estimate_picks_a_configured_nvme_offload_when_it_alone_fits(tmp_path):
+    """When only the NVMe row fits (no GPU nor host room for the others), it is the pick, printed with the
+    flags that select it."""
+    import dataclasses
+
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate, format_report
+
+    cfg = parse_config("toy", ["--strategy.zero_stage", "3", "--strategy.offload_optimizer", "nvme",
+                               "--strategy.offload_param", "nvme", "--strategy.nvme_path", str(tmp_path)])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    only_nvme = [dataclasses.replace(row, fits=row.name.startswith("yours:")) for row in report.rows]
+    report = dataclasses.replace(report, rows=only_nvme)
+    assert report.pick == "yours: zero3 nvme"
+    text = format_report(report)
+    assert "Pick: yours: zero3 nvme" in text and "--strategy.offload_optimizer nvme --strategy.offload_param nvme" in text

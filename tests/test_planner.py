@@ -405,7 +405,7 @@ def test_the_probe_steps_once_at_every_padded_length_the_split_can_produce(tmp_p
     seen: list[int] = []
     model.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[-1]))  # input_ids (B, T)
     swept = probe_mod._host_length_sweep(task, train, model, torch.device("cpu"), None)
-    assert seen == sorted(found) and swept["lengths"] == swept["stepped"] == len(found) and swept["bytes"] >= 0
+    assert seen == sorted(found) and swept["lengths"] == swept["stepped"] == len(found)
     assert all(p.grad is None for p in model.parameters())  # the sweep leaves no gradients behind
 
 
@@ -419,3 +419,35 @@ def test_fixed_shapes_need_no_length_sweep():
     task = recipes.get("toy")(cfg)
     model = task.build_model()
     assert probe_mod._host_length_sweep(task, task.build_datasets().train, model, torch.device("cpu"), None) is None
+
+
+def test_data_workers_count_when_judging_the_host():
+    """Each rank's data-loading workers hold memory of their own beside the rank's process: a host that
+    holds the ranks alone but not their workers does not fit."""
+    counts = ParamCounts(total=10**8, trainable=10**8, largest_layer=10**6, total_bytes=4 * 10**8,
+                         trainable_bytes=4 * 10**8)
+    probe = dataclasses.replace(fake_probe(), host_workers_bytes=2 * GIB)
+    pred = predict(counts, STRATEGIES["ddp"], 1, False, 1, "bf16", probe)
+    assert pred.workers_bytes == 2 * GIB and pred.as_row()["predicted_workers_host_gib"] == 2.0
+    alone = 4 * pred.host_bytes
+    assert fits(dataclasses.replace(pred, workers_bytes=0.0), probe, alone + GIB, 4) is None
+    short = fits(pred, probe, alone + GIB, 4)
+    assert "host memory: 4 process(es)" in short and "data workers' 2.0" in short
+
+
+@pytest.mark.slow
+def test_the_probe_measures_the_data_workers_a_run_starts():
+    """Two workers, as --trainer.num_workers 2 starts them, each with memory of its own (USS); none with 0."""
+    import torch
+
+    from zerotrain import probe as probe_mod
+    from zerotrain import recipes
+
+    task = recipes.get("toy")(parse_config("toy", TOY))
+    train = task.build_datasets().train
+    assert probe_mod._workers_bytes(task, train, 0, 8, 0) == 0.0
+    two = probe_mod._workers_bytes(task, train, 2, 8, 0)
+    one = probe_mod._workers_bytes(task, train, 1, 8, 0)
+    assert two > one > 1e6  # a forked Python with torch writes megabytes of its own
+    found = probe_mod.measure(task, torch.device("cpu"), "fp32", max_micro=2, checkpointing=(False,))
+    assert found.host_workers_bytes == 0.0  # TOY runs with --trainer.num_workers 0

@@ -52,12 +52,19 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         returncode, tail, log = proc.returncode, (proc.stderr or proc.stdout)[-4000:], proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        returncode, tail, log = -1, f"timed out after {timeout_s} s: {err[-2000:]}", err
+        def text(out: Any) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+        err = text(exc.stderr)
+        returncode, tail, log = -1, f"timed out after {timeout_s} s: {err[-2000:]}", text(exc.stdout) + err
     row: dict[str, Any] = {"wall_s": round(time.perf_counter() - t0, 1), "command": "zerotrain " + shlex.join(cmd[3:])}
     run_dir = runs_dir / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "fit.log").write_text(log)  # what the fit said, kept beside its summary
+    try:  # what the fit said, kept beside its summary (appended: a rerun into the same folder adds its own)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / "fit.log", "a") as f:
+            f.write(f"$ {row['command']}\n{log}")
+    except OSError as exc:  # a folder the fit could not write either: the row says why the fit failed
+        print(f"[benchmark] could not keep the fit's log: {exc}", file=sys.stderr)
     summary = run_dir / "summary.json"
     if returncode == 0 and summary.is_file():
         row.update(json.loads(summary.read_text()))

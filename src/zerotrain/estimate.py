@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -58,6 +58,8 @@ class EstimateReport:
     """With a probe: each strategy's peak GPU and host memory, activations included."""
     micro_batch_size: int = 0
     activation_checkpointing: bool = False
+    configured: dict[str, Strategy] = field(default_factory=dict)
+    """Rows beyond :data:`~zerotrain.strategies.STRATEGIES`: the configured NVMe offload, by row name."""
 
     @property
     def pick(self) -> Optional[str]:
@@ -159,7 +161,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
-                          activation_checkpointing=cfg.strategy.activation_checkpointing)
+                          activation_checkpointing=cfg.strategy.activation_checkpointing,
+                          configured={k: v for k, v in strategies.items() if k not in STRATEGIES})
 
 
 def _free_disk(folder: Optional[str]) -> float:
@@ -198,6 +201,9 @@ def format_report(report: EstimateReport) -> str:
         lines += ["", f"Activations at micro-batch {report.micro_batch_size}"
                   f"{' with activation checkpointing' if report.activation_checkpointing else ''}: "
                   f"{first.activation_bytes / GIB:.2f} GiB, {first.activations}."]
+        if first.workers_bytes:
+            lines[-1] += (f" Data-loading workers: {first.workers_bytes / GIB:.2f} GiB per process beside the peak host "
+                          "figure (measured), counted when judging what fits.")
     else:
         lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket); activations come "
                   "on top (--measure measures them on this machine)."]
@@ -208,6 +214,6 @@ def format_report(report: EstimateReport) -> str:
         lines.append("Nothing fits: add GPUs (--launch.nproc_per_node, --launch.nnodes), train fewer parameters "
                      "(the lora recipe), or lower --reserve_gib.")
     else:
-        lines.append(f"Pick: {pick}   ->   zerotrain fit {report.recipe} ... {' '.join(STRATEGIES[pick].flags())}")
+        lines.append(f"Pick: {pick}   ->   zerotrain fit {report.recipe} ... {' '.join({**STRATEGIES, **report.configured}[pick].flags())}")
         lines.append(f"The first that fits, not the fastest: zerotrain plan {report.recipe} ... measures and tries them")
     return "\n".join(lines)

@@ -228,15 +228,16 @@ MIN_SHARD_BYTES = 2**26
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def _parse_size(size: str | int) -> int:
-    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes (Hugging Face's ``max_shard_size`` spellings)."""
-    if isinstance(size, int):
-        return size
+def _parse_size(size: str | int | float) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``5e9``, ``100B`` or a number of bytes (Hugging Face's ``max_shard_size``
+    spellings). Raises ValueError for anything else."""
+    if isinstance(size, (int, float)):
+        return int(size)
     text = str(size).strip().upper()
     for unit in sorted(UNITS, key=len, reverse=True):
         if text.endswith(unit):
             return int(float(text[: -len(unit)]) * UNITS[unit])
-    return int(text)
+    return int(float(text.removesuffix("B")))
 
 
 def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[[str], None]]) -> int:
@@ -290,8 +291,10 @@ def default_out(run_dir: Path, step: int, fmt: Format, dtype: str) -> Path:
 
 def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Optional[int] = None,
                dtype: str = "fp32", fmt: Format = "safetensors",
-               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> ExportResult:
-    """Export the checkpoint of ``step`` (default: the newest complete one) of ``run_dir``; see the module doc."""
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+               progress: Optional[Callable[[str], None]] = None) -> ExportResult:
+    """Export the checkpoint of ``step`` (default: the newest complete one) of ``run_dir``; see the module doc.
+    ``progress`` gets the shard lines of a safetensors export (the shard size, a line per shard)."""
     from zerotrain import recipes
 
     run_dir = Path(run_dir).expanduser()
@@ -327,7 +330,8 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
         elif recipe == "lora":
             files = _export_lora(task, lazy, staging / "model", torch_dtype)
         else:
-            files = ["model/" + f for f in write_safetensors(lazy, staging / "model", torch_dtype, max_shard_size)]
+            files = ["model/" + f for f in write_safetensors(lazy, staging / "model", torch_dtype, max_shard_size,
+                                                             progress=progress)]
         if fmt == "safetensors":
             # hparams.json beside model/: the folder is a run folder to load_run and zerotrain predict.
             shutil.copyfile(run_dir / "hparams.json", staging / "hparams.json")

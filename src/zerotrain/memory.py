@@ -207,10 +207,14 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         gathered = 2 * element * counts.largest_layer
     cpu = nvme = 0.0
     if strategy.offload_optimizer == "nvme":
-        # ZeRO-3 swaps the fp32 master weights, gradients and both moments (16 bytes a parameter) to disk, one
-        # sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's OptimizerSwapper).
+        # ZeRO-3 swaps the fp32 master weights, gradients and both moments (16 bytes a parameter, an upper
+        # bound) to disk, one sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's
+        # OptimizerSwapper); the gradients are reduced into a flat fp32 partition that stays on the host
+        # (stage3.py, grad_partitions_flat_buffer), pinned with the offload's pin_memory.
+        held = pinned if buckets.pin_memory else float
         nvme += optim
         cpu += buckets.optimizer_swap_buffers * 4 * min(buckets.sub_group_size, counts.trainable / n)
+        cpu += held(4 * counts.trainable / n)
         optim = 0
     elif strategy.offload_optimizer != "none":
         cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory) if stage in (1, 2) else optim
@@ -307,9 +311,12 @@ class MemoryPrediction:
     activation_bytes: float
     activations: str
     """How the activations were obtained (e.g. "measured: cuda allocator, micro-batch 1-8, extrapolated")."""
+    workers_bytes: float = 0.0
+    """The rank's data-loading workers, beside ``host_bytes`` (which is the rank's own process, as measured)."""
 
     def as_row(self) -> dict[str, float]:
-        return {"predicted_gpu_mem_gib": self.gpu_bytes / GIB, "predicted_host_mem_gib": self.host_bytes / GIB}
+        return {"predicted_gpu_mem_gib": self.gpu_bytes / GIB, "predicted_host_mem_gib": self.host_bytes / GIB,
+                "predicted_workers_host_gib": self.workers_bytes / GIB}
 
 
 def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, checkpointing: bool, world_size: int,
@@ -349,7 +356,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
     return MemoryPrediction(gpu_bytes=device, host_bytes=host, states_bytes=states.gpu_bytes,
-                            activation_bytes=act, activations=how)
+                            activation_bytes=act, activations=how, workers_bytes=probe.host_workers_bytes)
 
 
 def sixteen_bit(strategy: Strategy, precision: str, autocast: bool) -> bool:
@@ -364,7 +371,9 @@ def fits(prediction: MemoryPrediction, probe: "Probe", host_bytes: float, procs_
         room = probe.gpu_total_bytes * (1 - ALLOCATOR_SLACK) - (probe.gpu_context_bytes or 0.0)
         if prediction.gpu_bytes > room:
             return f"GPU memory: needs {prediction.gpu_bytes / GIB:.1f} GiB, {room / GIB:.1f} GiB usable"
-    if prediction.host_bytes * procs_per_host > host_bytes:
-        return (f"host memory: {procs_per_host} process(es) x {prediction.host_bytes / GIB:.1f} GiB, "
+    per_process = prediction.host_bytes + prediction.workers_bytes  # each rank with its data-loading workers
+    if per_process * procs_per_host > host_bytes:
+        workers = f" with its data workers' {prediction.workers_bytes / GIB:.1f}" if prediction.workers_bytes else ""
+        return (f"host memory: {procs_per_host} process(es) x {per_process / GIB:.1f} GiB{workers}, "
                 f"{host_bytes / GIB:.1f} GiB on this host")
     return None

@@ -17,10 +17,12 @@ One short trace of the recipe's real model on its real (longest) batches, plain 
   is traced with 16-bit weights only, as DeepSpeed's bf16/fp16 blocks hold it, and its Adam step is
   timed on a slice of the parameters and scaled;
 * the **host**: resident memory once the data, the libraries and the kernels of a step are loaded
-  (the model freed), host-to-device copy speed. On CUDA the model first steps once at every padded
-  length the training split can produce (:func:`padded_lengths`): each new shape leaves kernel
-  selections and plans on the host for the rest of the run (IMDB padded to 8: ~2 MB a length,
-  0.3 GiB over its 128 lengths), so the figure is the run's steady state, not its first step's;
+  (the model freed), host-to-device copy speed. On CUDA the model first steps once (one item, the
+  autocast trace's weights) at every padded length the training split can produce (:func:`padded_lengths`;
+  past 256 lengths at 256 of them, the growth scaled to all): each new shape leaves kernel
+  selections and plans on the host for the rest of the run (IMDB padded to 8: ~3 MB a length,
+  0.38 GiB over its 127 lengths), so the figure is the run's steady state, not its first step's; and the
+  memory of the run's data-loading workers, started as a run starts them;
 * the **GPU**: total memory and what the CUDA context and other processes already hold.
 
 The batches are the longest examples of the training split (by ``Task.train_lengths``): the peak of
@@ -31,6 +33,7 @@ a run is set by its longest batch, whatever the order. The probe runs in its own
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import dataclasses
@@ -109,6 +112,9 @@ class Probe:
     one per stream and thread (the backward pass runs on autograd's own thread), plus module buffers and
     whatever the model caches. The activation traces start from a warm step, so they leave it out; a
     run holds it from its first step."""
+    host_workers_bytes: float = 0.0
+    """Memory of the run's data-loading workers (``--trainer.num_workers``), unique to them (USS, summed), once
+    each has made batches: forked from the training process, they share its pages until they write to them."""
     host_lengths: Optional[dict[str, float]] = None
     """The sweep over padded lengths behind ``host_base_bytes`` (CUDA): ``lengths`` the split can produce,
     ``stepped`` of them, ``bytes`` of resident memory they added (scaled up to all of them when fewer
@@ -173,6 +179,12 @@ MAX_SWEPT_LENGTHS = 256
 """Padded lengths the host sweep steps at, at most; past it they are sampled evenly and the growth scaled."""
 
 
+def _padded_length(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens a row of ``batch`` has: its ``input_ids``' last dimension (its first tensor's, without them)."""
+    ids = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
+    return int(ids.shape[-1])
+
+
 def padded_lengths(task: Task, train: Any) -> dict[int, int]:
     """Every padded length a batch of the training split can have, each with one example that gives it.
 
@@ -188,7 +200,7 @@ def padded_lengths(task: Task, train: Any) -> dict[int, int]:
     collate = task.collator()
     found: dict[int, int] = {}
     for i in one_per_length.values():
-        padded = int(next(iter(collate([train[i]]).values())).shape[-1])
+        padded = _padded_length(collate([train[i]]))
         found.setdefault(padded, i)
     return dict(sorted(found.items()))
 
@@ -216,6 +228,30 @@ def _host_length_sweep(task: Task, train: Any, model: nn.Module, device: torch.d
     model.zero_grad(set_to_none=True)
     grown = max(0.0, _rss() - before)
     return {"lengths": float(len(found)), "stepped": float(len(picked)), "bytes": grown * len(found) / len(picked)}
+
+
+def _workers_bytes(task: Task, train: Any, workers: int, micro_batch_size: int, seed: int) -> float:
+    """Unique memory (USS) of ``workers`` data-loading workers, as a run starts them, after each has collated
+    two of the split's first micro-batches (PyTorch keeps two in flight per worker). 0 without workers."""
+    if workers <= 0 or len(train) == 0:
+        return 0.0
+    import psutil
+
+    from zerotrain.data.loader import make_loader
+
+    size = max(1, min(micro_batch_size, len(train)))
+    batches = [[(k * size + i) % len(train) for i in range(size)] for k in range(2 * workers)]
+    before = {c.pid for c in psutil.Process().children()}
+    stream = iter(make_loader(train, batches, task.collator(), workers, seed))
+    for _ in batches:
+        next(stream)
+    total = 0.0
+    for child in psutil.Process().children():
+        if child.pid not in before:
+            with contextlib.suppress(psutil.Error):  # a worker may already be gone
+                total += child.memory_full_info().uss
+    del stream  # stops the workers
+    return total
 
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -411,7 +447,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
             cache[n] = _longest_batch(task.with_config(cfg), splits.train, n)
         return cache[n]
 
-    seq_len = int(next(iter(batch_of(1).values())).shape[-1])
+    seq_len = _padded_length(batch_of(1))
     activations, seconds, at_first, notes, opt_s = {}, {}, {}, [], 0.0
     half = HALF.get(precision)
 
@@ -426,7 +462,13 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
             at_first[key] = first
         workspace = max(workspace, _held_beyond_model(model, device))
         if device.type == "cuda" and swept is None:
-            swept = _host_length_sweep(variant_task, splits.train, model, device, autocast_precision) or {}
+            try:
+                swept = _host_length_sweep(variant_task, splits.train, model, device, autocast_precision) or {}
+            except torch.OutOfMemoryError:  # one item at a length the trace met already: not expected; no sweep
+                model.zero_grad(set_to_none=True)
+                swept = {}
+                notes.append("host: the sweep over padded lengths ran out of GPU memory; the host figure is a "
+                             "first step's")
 
     for ckpt in checkpointing:
         variant_cfg = copy.deepcopy(cfg)
@@ -482,6 +524,8 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                 host_base += swept["bytes"] * (1 - swept["stepped"] / swept["lengths"])
                 notes.append(f"host: stepped at {swept['stepped']:.0f} of {swept['lengths']:.0f} padded lengths, "
                              f"+{swept['bytes'] / 2**30:.2f} GiB resident")
+    workers = _workers_bytes(task.with_config(cfg), splits.train, cfg.trainer.num_workers, cfg.trainer.micro_batch_size,
+                             cfg.trainer.seed)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if all(fit.floor == 0 and fit.per_sample == 0 for fit in activations.values()):
         notes.append("activations not measured: PyTorch's MemTracker cannot trace frozen parameters on the CPU")
@@ -491,7 +535,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  host_base_bytes=host_base, host_before_model_bytes=before_model, gpu_total_bytes=gpu_total,
                  gpu_context_bytes=context,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace,
-                 host_lengths=swept or None, notes=notes)
+                 host_lengths=swept or None, host_workers_bytes=workers, notes=notes)
 
 
 def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,

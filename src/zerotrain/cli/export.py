@@ -29,10 +29,16 @@ def run(argv: list[str]) -> int:
     if args.step is not None and args.step < 0:
         raise UserError(f"--step must be >= 0, got {args.step}")
 
-    from zerotrain.export import export_run
+    from zerotrain.export import _parse_size, export_run
 
+    try:
+        if _parse_size(args.max_shard_size) <= 0:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"--max_shard_size must be a positive size such as 5GB, 500MB or 2GiB, got "
+                        f"{args.max_shard_size!r}") from None
     result = export_run(args.run_dir, out=args.out, step=args.step, dtype=args.dtype, fmt=args.format,
-                        max_shard_size=args.max_shard_size)
+                        max_shard_size=args.max_shard_size, progress=lambda line: print(f"export: {line}", flush=True))
     print(f"exported step {result.step} of {args.run_dir} ({args.format}, {args.dtype}) to {result.out_dir}")
     for name in result.files:
         print(f"  {name}")

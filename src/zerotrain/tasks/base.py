@@ -162,9 +162,10 @@ class Task(ABC, Generic[C]):
         device (the model's own parameters, except under ZeRO-3): copy one before changing it. The
         default writes ``model.safetensors``; recipes override it to write Hugging Face or peft layouts.
 
-        Past 5 GB the weights go to Hugging Face's shards (``model-0000i-of-0000n.safetensors`` and the
-        index), copied to the host one shard at a time with a log line each: a big model's export holds one
-        shard in host memory, not the model, and says how far it has got.
+        Past 5 GB (less when the host has little memory free: a quarter of what is free) the weights go to
+        Hugging Face's shards (``model-0000i-of-0000n.safetensors`` and the index), copied to the host one shard
+        at a time with a log line each: a big model's export holds one shard in host memory, not the model, and
+        says how far it has got.
         """
         from zerotrain import export
 
