@@ -38,11 +38,11 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def compile_in_place(module: nn.Module, backend: str | Callable[..., Any] = "inductor") -> None:
-    """``module.compile()``, except for torch's own module classes (``nn.TransformerEncoderLayer``, the IMDB
-    recipe's blocks): dynamo does not trace ``Module._call_impl`` of those as the first frame, so their
+    """``module.compile()``, except for modules whose ``forward`` is torch's own (``nn.TransformerEncoderLayer``, the
+    IMDB recipe's blocks): dynamo does not trace ``Module._call_impl`` of those as the first frame, so their
     ``compile()`` silently runs eager (torch 2.11-2.13). Their ``forward`` is compiled instead, which it does
     trace; hooks still run around it."""
-    if type(module).__module__.startswith("torch."):
+    if type(module).forward.__module__.startswith("torch."):  # also a subclass that keeps torch's forward
         module.forward = torch.compile(module.forward, backend=backend)  # type: ignore[method-assign]
     else:
         module.compile(backend=backend)
