@@ -1,7 +1,10 @@
 """A plan's trials, or a benchmark's rows, against the memory model of today's code, from a probe of the
 same workload.
 
-    python benchmarks/repredict.py PLAN_OR_BENCHMARK.json PROBE.json [OUT.json]
+    python benchmarks/repredict.py PLAN_OR_BENCHMARK.json PROBE.json [OUT.json] [-- EXTRA FIT FLAGS]
+
+EXTRA FIT FLAGS are added to the file's own: a file from before a default changed is predicted as it ran (the
+H200 sweeps of sessions 1-2 ran DeepSpeed's defaults: ``-- --strategy.fast_path false``).
 
 The plan file keeps what each trial measured (a ``zerotrain benchmark`` file, each row); the probe file (``python -m zerotrain.probe``, or a plan
 folder's probe.json) holds what the memory model reads. Every trial's peak GPU and host memory is
@@ -29,8 +32,9 @@ def _pct(predicted: float, measured: float | None) -> str:
     return f"{100 * (predicted / measured - 1):+.0f}%" if measured else "-"
 
 
-def repredict(plan_path: Path, probe_path: Path) -> list[dict]:
+def repredict(plan_path: Path, probe_path: Path, extra: list[str] = []) -> list[dict]:
     plan = json.loads(plan_path.read_text())
+    plan["fit_args"] = [*plan["fit_args"], *extra]
     probe = Probe.from_dict(json.loads(probe_path.read_text()))
     if "summary" not in plan:
         return _repredict_benchmark(plan, probe)
@@ -54,17 +58,25 @@ def _repredict_benchmark(result: dict, probe: Probe) -> list[dict]:
     """The rows of a ``zerotrain benchmark`` file that ran, predicted again (each row's own fit flags)."""
     rows = []
     for row in result["rows"]:
-        if row["status"] != "ok":
+        # Files from before the standard row fields (sessions 1-2) name the same things differently.
+        if row.get("status", "failed" if row.get("error") else "ok") != "ok":
             continue
-        if probe.device_name != row["gpu"]:
-            raise SystemExit(f"the probe was taken on {probe.device_name}, the row {row['strategy']} ran on {row['gpu']}")
+        gpu = row.get("gpu") or row.get("device")
+        if probe.device_name != gpu:
+            raise SystemExit(f"the probe was taken on {probe.device_name}, the row {row['strategy']} ran on {gpu}")
+        n_gpus = row.get("n_gpus") or row.get("world_size") or row.get("nproc") or 1
         # The row's own flags, as `zerotrain benchmark` ran it (its strategy on its process count)
-        args = [*result["fit_args"], *STRATEGIES[row["strategy"]].flags(), "--launch.nproc_per_node", str(row["n_gpus"])]
+        args = [*result["fit_args"], *STRATEGIES[row["strategy"]].flags(), "--launch.nproc_per_node", str(n_gpus)]
         now = predicted(result["recipe"], args, row["strategy"], probe)
-        rows.append({"trial": f"{row['strategy']} micro {row['micro_batch_size']} x {row['grad_accum']}",
+        cfg = parse_config(result["recipe"], args)
+        micro = row.get("micro_batch_size") or cfg.trainer.micro_batch_size
+        accum = row.get("grad_accum") or cfg.strategy.gradient_accumulation_steps
+        rows.append({"trial": f"{row['strategy']} micro {micro} x {accum}" + (f" on {n_gpus} GPUs" if n_gpus > 1 else ""),
                      "predicted_then_gpu_gib": row.get("predicted_gpu_mem_gib"),
-                     "predicted_now_gpu_gib": now["predicted_gpu_mem_gib"], "measured_gpu_gib": row["peak_gpu_mem_gib"],
-                     "predicted_now_host_gib": now["predicted_host_mem_gib"], "measured_host_gib": row["peak_host_mem_gib"]})
+                     "predicted_now_gpu_gib": now["predicted_gpu_mem_gib"],
+                     "measured_gpu_gib": row.get("peak_gpu_mem_gib", row.get("gpu_mem_peak_gib")),
+                     "predicted_now_host_gib": now["predicted_host_mem_gib"],
+                     "measured_host_gib": row.get("peak_host_mem_gib", row.get("host_rss_peak_gib"))})
     return rows
 
 
@@ -82,7 +94,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    found = repredict(Path(sys.argv[1]), Path(sys.argv[2]))
+    argv, extra = (sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:]) if "--" in sys.argv \
+        else (sys.argv[1:], [])
+    found = repredict(Path(argv[0]), Path(argv[1]), extra)
     print(markdown(found))
-    if len(sys.argv) > 3:
-        Path(sys.argv[3]).write_text(json.dumps({"plan": sys.argv[1], "probe": sys.argv[2], "rows": found}, indent=1))
+    if len(argv) > 2:
+        Path(argv[2]).write_text(json.dumps({"plan": argv[0], "probe": argv[1], "extra_fit_args": extra, "rows": found},
+                                            indent=1))
