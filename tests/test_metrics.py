@@ -82,15 +82,18 @@ def test_profile_summary_keeps_phase_annotations_out_of_the_kernels():
 
 
 def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():
+    import mmap
     import time
-
-    import numpy as np
 
     from zerotrain.metrics import HostPeak, host_rss_gib
 
     with HostPeak(interval_s=0.01) as peak:
-        held = np.ones(256 * 2**20, dtype=np.uint8)  # 256 MiB, touched, then dropped before the phase ends
+        # 256 MiB of fresh pages, touched, then unmapped before the phase ends (a mapping of its own: an
+        # allocator could serve a buffer from pages the process already holds, and the peak would not move)
+        held = mmap.mmap(-1, 256 * 2**20)
+        for offset in range(0, len(held), mmap.PAGESIZE):
+            held[offset] = 1
         time.sleep(0.2)
-        del held
+        held.close()
     assert peak.peak_gib - peak.before_gib >= 0.2
     assert host_rss_gib() < peak.peak_gib  # the moment has passed; the phase's peak remembers it
