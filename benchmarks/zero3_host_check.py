@@ -1,0 +1,61 @@
+"""Why does a ZeRO-3 run keep its CPU-built model on the host? (LoRA 1.2B: 4.40 GiB steady under ZeRO-3, 2.27
+under ZeRO-2, BENCHMARKS.md session 10.) Builds the recipe's model as `zerotrain fit` does, keeps weak references
+to the CPU storages of its largest parameters, starts the engine, and reports which storages are still alive,
+what refers to their tensors, and the resident memory at each point.
+
+    python benchmarks/zero3_host_check.py lora [fit flags] --strategy.zero_stage 3
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import psutil
+import torch
+
+
+def rss() -> str:
+    return f"{psutil.Process().memory_info().rss / 2**30:.2f} GiB"
+
+
+def main(recipe: str, args: list[str]) -> None:
+    from zerotrain import distributed, recipes
+    from zerotrain.config_cli import parse_config
+    from zerotrain.ds_config import resolve_precision
+    from zerotrain.engine import build_engine
+
+    cfg = parse_config(recipe, args)
+    with distributed.setup(cfg):
+        device = torch.device("cuda")
+        precision = resolve_precision(cfg.strategy.precision, "cuda", True)
+        task = recipes.get(recipe)(cfg)
+        task.build_datasets()
+        print("data loaded:", rss(), flush=True)
+        model = task.build_model()
+        print("model built:", rss(), flush=True)
+        largest = sorted(model.parameters(), key=lambda p: -p.numel())[:4]
+        storages = [p.data.untyped_storage() for p in largest]
+        ptrs = [s.data_ptr() for s in storages]
+        cpu_tensors = [p.data for p in largest]
+        del storages
+        engine = build_engine(model, cfg, device, precision, 10, 10, 1, task.deepspeed_hints(model))
+        del largest
+        gc.collect()
+        print("engine built:", rss(), flush=True)
+        for t, ptr in zip(cpu_tensors, ptrs):
+            refs = [type(r).__name__ for r in gc.get_referrers(t) if r is not cpu_tensors]
+            print(f"cpu tensor {tuple(t.shape)} {t.dtype}: storage refs {sys.getrefcount(t) - 2}, referrers {refs[:6]}")
+        del cpu_tensors
+        gc.collect()
+        print("after dropping our own references:", rss(), flush=True)
+        holders = {}
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 10**7:
+                holders[type(obj).__name__ + str(tuple(obj.shape))] = [type(r).__name__ for r in gc.get_referrers(obj)][:5]
+        print("large CPU tensors alive:", holders, flush=True)
+        del engine
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
