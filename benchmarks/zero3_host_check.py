@@ -34,26 +34,19 @@ def main(recipe: str, args: list[str]) -> None:
         print("data loaded:", rss(), flush=True)
         model = task.build_model()
         print("model built:", rss(), flush=True)
-        largest = sorted(model.parameters(), key=lambda p: -p.numel())[:4]
-        storages = [p.data.untyped_storage() for p in largest]
-        ptrs = [s.data_ptr() for s in storages]
-        cpu_tensors = [p.data for p in largest]
-        del storages
         engine = build_engine(model, cfg, device, precision, 10, 10, 1, task.deepspeed_hints(model))
-        del largest
         gc.collect()
         print("engine built:", rss(), flush=True)
-        for t, ptr in zip(cpu_tensors, ptrs):
-            refs = [type(r).__name__ for r in gc.get_referrers(t) if r is not cpu_tensors]
-            print(f"cpu tensor {tuple(t.shape)} {t.dtype}: storage refs {sys.getrefcount(t) - 2}, referrers {refs[:6]}")
-        del cpu_tensors
-        gc.collect()
-        print("after dropping our own references:", rss(), flush=True)
-        holders = {}
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 10**7:
-                holders[type(obj).__name__ + str(tuple(obj.shape))] = [type(r).__name__ for r in gc.get_referrers(obj)][:5]
-        print("large CPU tensors alive:", holders, flush=True)
+        found = {}
+        for obj in gc.get_objects():  # CPU tensors of any size worth a look, and what refers to them
+            if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.numel() > 10**6:
+                key = f"{tuple(obj.shape)} {obj.dtype}"
+                found.setdefault(key, [type(r).__name__ for r in gc.get_referrers(obj)][:5])
+        total = sum(1 for _ in found)
+        print(f"large CPU tensors alive ({total} shapes):", dict(list(found.items())[:12]), flush=True)
+        cuda_params = sum(p.numel() for p in model.parameters() if p.device.type == "cuda")
+        cpu_params = sum(p.numel() for p in model.parameters() if p.device.type == "cpu")
+        print(f"parameters on cuda {cuda_params:,}, on cpu {cpu_params:,}", flush=True)
         del engine
 
 
