@@ -451,3 +451,16 @@ def test_the_probe_measures_the_data_workers_a_run_starts():
     assert two > one > 1e6  # a forked Python with torch writes megabytes of its own
     found = probe_mod.measure(task, torch.device("cpu"), "fp32", max_micro=2, checkpointing=(False,))
     assert found.host_workers_bytes == 0.0  # TOY runs with --trainer.num_workers 0
+
+
+def test_a_zero3_export_gathers_the_whole_model_on_the_host():
+    """Under ZeRO-3 the end-of-run export consolidates every partition into one 16-bit state dict on rank 0's
+    host, beside what training holds there; other stages export from the live tensors, a shard at a time."""
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=2 * 10**9,
+                         trainable_bytes=2 * 10**9)
+    probe = dataclasses.replace(fake_probe(), host_base_bytes=3 * GIB, host_before_model_bytes=1 * GIB)
+    z3 = predict(counts, STRATEGIES["zero3"], 1, False, 1, "bf16", probe)
+    exported = predict(counts, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True)
+    assert z3.host_bytes == pytest.approx(3 * GIB) and exported.host_bytes == pytest.approx(3 * GIB + 2e9)
+    z2 = predict(counts, STRATEGIES["zero2"], 1, False, 1, "bf16", probe, export=True)
+    assert z2.host_bytes == pytest.approx(3 * GIB)

@@ -153,7 +153,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             pred = predict(counts, strategies[row.name], cfg.trainer.micro_batch_size,
                            cfg.strategy.activation_checkpointing, world, precision, probe,
                            buckets.get(row.name, Buckets()), autocast.get(row.name, False),
-                           cfg.strategy.gradient_accumulation_steps)
+                           cfg.strategy.gradient_accumulation_steps, export=cfg.trainer.export)
             predictions[row.name] = pred
             ok = fits(pred, probe, host, per_node) is None and disk_ok.get(row.name, True)
             judged.append(PlanRow(row.name, row.memory, ok))

@@ -321,9 +321,10 @@ class MemoryPrediction:
 
 def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, checkpointing: bool, world_size: int,
             precision: str, probe: "Probe", buckets: Buckets = Buckets(), autocast: bool = False,
-            grad_accum: int = 1) -> MemoryPrediction:
+            grad_accum: int = 1, export: bool = False) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
-    activations ``probe`` measured at this micro-batch, plus the host side (module docstring)."""
+    activations ``probe`` measured at this micro-batch, plus the host side (module docstring). ``export``: the
+    run ends with ``--trainer.export`` (under ZeRO-3 it gathers the whole model on rank 0's host)."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum)
     key = probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))
     act = probe.activations[key].at(micro_batch_size)
@@ -338,6 +339,12 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
         host = max(before_model + counts.total_bytes, probe.host_base_bytes + states.cpu_bytes)
     else:
         host = max(before_model + counts.total_bytes, probe.host_base_bytes) + states.cpu_bytes
+    if export and strategy.backend == "deepspeed" and strategy.zero_stage == 3:
+        # ZeRO-3's export gathers every partition into one 16-bit state dict on rank 0's host (DeepSpeed's
+        # consolidation) while the run's own states are still there. LoRA 1.2B on one H200: 4.40 GiB at the end,
+        # where training held 2.2 GiB (the engine freed the CPU-built model) and the bf16 model is 2.19 GiB.
+        element = 4 if precision == "fp32" else 2
+        host = max(host, probe.host_base_bytes + states.cpu_bytes + element * counts.total)
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations
     # still held at its first gradient are freed (all of them counted: an upper bound); with

@@ -162,7 +162,7 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
             buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
         strategy = STRATEGIES[cand.strategy]
         mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
-                      buckets, autocast, cand.grad_accum)
+                      buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
                          cfg.launch.nnodes, autocast)
         dropped = fits(mem, probe, host_bytes, cfg.launch.nproc_per_node)
