@@ -41,6 +41,7 @@ def repredict(plan_path: Path, probe_path: Path, extra: list[str] = []) -> list[
     if probe.device_name != plan["summary"]["gpu"]:
         raise SystemExit(f"{probe_path} was taken on {probe.device_name}, the trials on {plan['summary']['gpu']}")
     cfg = parse_config(plan["recipe"], plan["fit_args"])
+    cfg.trainer.export = False  # the trials ran without it (planner.TRIAL_FLAGS)
     if cfg.trainer.max_steps is None and cfg.trainer.epochs is None:
         cfg.trainer.max_steps = 1  # the run's length changes no prediction; validate() wants one (as plan() does)
     trialled = [row for row in plan["rows"] if (row.get("measured") or {}).get("status") == "ok"]
