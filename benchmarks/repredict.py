@@ -32,7 +32,7 @@ def _pct(predicted: float, measured: float | None) -> str:
     return f"{100 * (predicted / measured - 1):+.0f}%" if measured else "-"
 
 
-def repredict(plan_path: Path, probe_path: Path, extra: list[str] = []) -> list[dict]:
+def repredict(plan_path: Path, probe_path: Path, extra: tuple[str, ...] = ()) -> list[dict]:
     plan = json.loads(plan_path.read_text())
     plan["fit_args"] = [*plan["fit_args"], *extra]
     probe = Probe.from_dict(json.loads(probe_path.read_text()))
@@ -55,6 +55,11 @@ def repredict(plan_path: Path, probe_path: Path, extra: list[str] = []) -> list[
             for row, new in zip(trialled, assessed)]
 
 
+def _first(row: dict, *keys: str):
+    """The first of ``keys`` that ``row`` has a value for (older files name the measured peaks differently)."""
+    return next((row[k] for k in keys if row.get(k) is not None), None)
+
+
 def _repredict_benchmark(result: dict, probe: Probe) -> list[dict]:
     """The rows of a ``zerotrain benchmark`` file that ran, predicted again (each row's own fit flags)."""
     rows = []
@@ -75,9 +80,9 @@ def _repredict_benchmark(result: dict, probe: Probe) -> list[dict]:
         rows.append({"trial": f"{row['strategy']} micro {micro} x {accum}" + (f" on {n_gpus} GPUs" if n_gpus > 1 else ""),
                      "predicted_then_gpu_gib": row.get("predicted_gpu_mem_gib"),
                      "predicted_now_gpu_gib": now["predicted_gpu_mem_gib"],
-                     "measured_gpu_gib": row.get("peak_gpu_mem_gib", row.get("gpu_mem_peak_gib")),
+                     "measured_gpu_gib": _first(row, "peak_gpu_mem_gib", "gpu_mem_peak_gib"),
                      "predicted_now_host_gib": now["predicted_host_mem_gib"],
-                     "measured_host_gib": row.get("peak_host_mem_gib", row.get("host_rss_peak_gib"))})
+                     "measured_host_gib": _first(row, "peak_host_mem_gib", "host_rss_peak_gib")})
     return rows
 
 
@@ -97,7 +102,7 @@ def markdown(rows: list[dict]) -> str:
 if __name__ == "__main__":
     argv, extra = (sys.argv[1:sys.argv.index("--")], sys.argv[sys.argv.index("--") + 1:]) if "--" in sys.argv \
         else (sys.argv[1:], [])
-    found = repredict(Path(argv[0]), Path(argv[1]), extra)
+    found = repredict(Path(argv[0]), Path(argv[1]), tuple(extra))
     print(markdown(found))
     if len(argv) > 2:
         Path(argv[2]).write_text(json.dumps({"plan": argv[0], "probe": argv[1], "extra_fit_args": extra, "rows": found},

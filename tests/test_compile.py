@@ -71,6 +71,20 @@ def test_our_own_blocks_are_compiled_with_module_compile():
     torch._dynamo.reset()
 
 
+def test_a_subclass_that_keeps_torchs_forward_is_really_compiled():
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+
+    class Layer(nn.TransformerEncoderLayer):  # a user's class, torch's forward
+        pass
+
+    blocks = nn.Sequential(nn.ModuleList([Layer(16, 2, 32, 0.0, batch_first=True) for _ in range(2)]))
+    assert compile_blocks(blocks, backend) == "compiled 2 Layer blocks one by one"
+    blocks[0][0](torch.randn(2, 5, 16))
+    assert graphs
+    torch._dynamo.reset()
+
+
 def test_torch_own_blocks_are_really_compiled():
     """The IMDB recipe's blocks are torch's nn.TransformerEncoderLayer, whose Module.compile() dynamo skips
     without a word: each block's forward must come out as a captured graph, and train as eager does."""

@@ -464,3 +464,7 @@ def test_a_zero3_export_gathers_the_whole_model_on_the_host():
     assert z3.host_bytes == pytest.approx(3 * GIB) and exported.host_bytes == pytest.approx(3 * GIB + 2e9)
     z2 = predict(counts, STRATEGIES["zero2"], 1, False, 1, "bf16", probe, export=True)
     assert z2.host_bytes == pytest.approx(3 * GIB)
+    # Rank 0 alone gathers the model: four processes need 4 x 3 GiB + 2e9 bytes of host, not 4 x (3 GiB + 2e9).
+    assert exported.rank0_extra_bytes == pytest.approx(2e9)
+    assert fits(exported, probe, 12 * GIB + 2.1e9, 4) is None
+    assert "host memory" in fits(exported, probe, 12 * GIB + 1.9e9, 4)

@@ -313,6 +313,8 @@ class MemoryPrediction:
     """How the activations were obtained (e.g. "measured: cuda allocator, micro-batch 1-8, extrapolated")."""
     workers_bytes: float = 0.0
     """The rank's data-loading workers, beside ``host_bytes`` (which is the rank's own process, as measured)."""
+    rank0_extra_bytes: float = 0.0
+    """The share of ``host_bytes`` that rank 0 alone holds (ZeRO-3's export): not multiplied by the processes."""
 
     def as_row(self) -> dict[str, float]:
         return {"predicted_gpu_mem_gib": self.gpu_bytes / GIB, "predicted_host_mem_gib": self.host_bytes / GIB,
@@ -339,12 +341,14 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
         host = max(before_model + counts.total_bytes, probe.host_base_bytes + states.cpu_bytes)
     else:
         host = max(before_model + counts.total_bytes, probe.host_base_bytes) + states.cpu_bytes
+    rank0_extra = 0.0
     if export and strategy.backend == "deepspeed" and strategy.zero_stage == 3:
-        # ZeRO-3's export gathers every partition into one 16-bit state dict on rank 0's host (DeepSpeed's
-        # consolidation) while the run's own states are still there. LoRA 1.2B on one H200: 4.40 GiB at the end,
-        # where training held 2.2 GiB (the engine freed the CPU-built model) and the bf16 model is 2.19 GiB.
-        element = 4 if precision == "fp32" else 2
-        host = max(host, probe.host_base_bytes + states.cpu_bytes + element * counts.total)
+        # ZeRO-3's export gathers every partition into one state dict on rank 0's host (DeepSpeed's 16-bit
+        # consolidation) while the run's own states are still there. LoRA 1.2B on one H200: 4.40 GiB at the end;
+        # the engine had freed the CPU-built model (1.57 GiB once started), and the bf16 model is 2.19 GiB.
+        element = 2 if sixteen_bit(strategy, precision, autocast) else 4
+        rank0_extra = max(0.0, probe.host_base_bytes + states.cpu_bytes + element * counts.total - host)
+        host += rank0_extra
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations
     # still held at its first gradient are freed (all of them counted: an upper bound); with
@@ -363,7 +367,8 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
         host, device = host + device, 0.0
     how = f"measured ({probe.method}, longest batches of {probe.seq_len} positions), fitted in micro-batch"
     return MemoryPrediction(gpu_bytes=device, host_bytes=host, states_bytes=states.gpu_bytes,
-                            activation_bytes=act, activations=how, workers_bytes=probe.host_workers_bytes)
+                            activation_bytes=act, activations=how, workers_bytes=probe.host_workers_bytes,
+                            rank0_extra_bytes=rank0_extra)
 
 
 def sixteen_bit(strategy: Strategy, precision: str, autocast: bool) -> bool:
@@ -378,8 +383,8 @@ def fits(prediction: MemoryPrediction, probe: "Probe", host_bytes: float, procs_
         room = probe.gpu_total_bytes * (1 - ALLOCATOR_SLACK) - (probe.gpu_context_bytes or 0.0)
         if prediction.gpu_bytes > room:
             return f"GPU memory: needs {prediction.gpu_bytes / GIB:.1f} GiB, {room / GIB:.1f} GiB usable"
-    per_process = prediction.host_bytes + prediction.workers_bytes  # each rank with its data-loading workers
-    if per_process * procs_per_host > host_bytes:
+    per_process = prediction.host_bytes - prediction.rank0_extra_bytes + prediction.workers_bytes  # with its workers
+    if per_process * procs_per_host + prediction.rank0_extra_bytes > host_bytes:
         workers = f" with its data workers' {prediction.workers_bytes / GIB:.1f}" if prediction.workers_bytes else ""
         return (f"host memory: {procs_per_host} process(es) x {per_process / GIB:.1f} GiB{workers}, "
                 f"{host_bytes / GIB:.1f} GiB on this host")

@@ -161,11 +161,15 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
             ds = make_ds_config(run_cfg, world, device, probe.precision)  # type: ignore[arg-type]
             buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
         strategy = STRATEGIES[cand.strategy]
+        # The row carries the trial's figures (trials run without the export, TRIAL_FLAGS), next to what the trial
+        # measures; whether the run fits is judged with its own end, the export included.
         mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
-                      buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export)
+                      buckets, autocast, cand.grad_accum)
+        run_mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
+                          buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
                          cfg.launch.nnodes, autocast)
-        dropped = fits(mem, probe, host_bytes, cfg.launch.nproc_per_node)
+        dropped = fits(run_mem, probe, host_bytes, cfg.launch.nproc_per_node)
         if dropped is None and cand.checkpointing and not saves:
             dropped = "activation checkpointing saves no memory for this model (probe)"
         rows.append(Row(cand, mem, time, dropped))
