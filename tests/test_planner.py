@@ -432,7 +432,7 @@ def test_data_workers_count_when_judging_the_host():
     alone = 4 * pred.host_bytes
     assert fits(dataclasses.replace(pred, workers_bytes=0.0), probe, alone + GIB, 4) is None
     short = fits(pred, probe, alone + GIB, 4)
-    assert "host memory: 4 process(es)" in short and "data workers' 2.0" in short
+    assert "host memory: 4 process(es)" in short and "(2.0 of it data workers')" in short
 
 
 @pytest.mark.slow

@@ -31,7 +31,6 @@ from zerotrain.memory import (
     count_params,
     fits,
     gpu_memory_bytes,
-    model_state_memory,
     plan,
     predict,
 )
@@ -128,24 +127,19 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
 
     gpu = gpu_memory_gib * GIB if gpu_memory_gib is not None else gpu_memory_bytes()
     host = host_memory_gib * GIB if host_memory_gib is not None else float(psutil.virtual_memory().total)
-    rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
-                procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast,
-                grad_accum=cfg.strategy.gradient_accumulation_steps)
     strategies = dict(STRATEGIES)
-    disk_ok: dict[str, bool] = {}
     s = cfg.strategy
+    disk = math.inf
     if "nvme" in (s.offload_optimizer, s.offload_param):
         # NVMe offload is not among the planner's candidates (it needs a disk the user names): the row of
         # the configured strategy, with what it puts on that disk.
         name = f"yours: zero{s.zero_stage} nvme"
         strategies[name] = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
         buckets[name], autocast[name] = Buckets.from_ds_config(own), _enabled(own.get("torch_autocast"))
-        mem = model_state_memory(counts, strategies[name], world, precision, buckets[name], autocast[name],
-                                 s.gradient_accumulation_steps)
-        disk_ok[name] = mem.nvme_bytes * per_node <= _free_disk(s.nvme_path)
-        fit = (mem.gpu_bytes <= (gpu if gpu is not None else float("inf")) - reserve_gib * GIB
-               and mem.cpu_bytes * per_node <= host and disk_ok[name])
-        rows.append(PlanRow(name, mem, fit))
+        disk = _free_disk(s.nvme_path)
+    rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
+                procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast,
+                grad_accum=cfg.strategy.gradient_accumulation_steps, strategies=strategies, disk_bytes=disk)
     predictions = None
     if probe is not None:
         predictions, judged = {}, []
@@ -155,7 +149,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
                            buckets.get(row.name, Buckets()), autocast.get(row.name, False),
                            cfg.strategy.gradient_accumulation_steps, export=cfg.trainer.export)
             predictions[row.name] = pred
-            ok = fits(pred, probe, host, per_node) is None and disk_ok.get(row.name, True)
+            ok = fits(pred, probe, host, per_node) is None and row.memory.nvme_bytes * per_node <= disk
             judged.append(PlanRow(row.name, row.memory, ok))
         rows = judged
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,

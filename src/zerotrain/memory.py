@@ -23,8 +23,9 @@ prefetched). Offloading moves the optimizer state (and with ``offload_param`` th
 memory, where each process holds its partition; under ZeRO-1/2 that is 18 (bf16) or 20 (fp32) bytes a
 parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
 NVMe offload (ZeRO-Infinity) puts them on disk instead (``nvme_bytes``: 16 bytes a parameter for Adam, 2
-for bf16 weights) and keeps the fp32 gradient partition and DeepSpeed's pinned swap buffers on the host. That accounting is read from
-DeepSpeed 0.19's swappers and not measured: our GPU machines lack libaio, which its NVMe offload needs. With
+for bf16 weights) and keeps the fp32 gradient partition and DeepSpeed's pinned swap buffers on the host.
+That accounting is read from DeepSpeed 0.19's swappers and not measured: our GPU machines lack libaio,
+which its NVMe offload needs. With
 ``contiguous_gradients`` DeepSpeed's ZeRO stages also allocate a gradient reduce bucket of
 ``reduce_bucket_size`` elements, two of them for stages 1-2 with ``overlap_comm`` (one 5e8-element bf16
 bucket is 0.93 GiB, however small the model).
@@ -273,17 +274,20 @@ class PlanRow:
 
 def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float, host_bytes: float,
          procs_per_host: int, reserve_bytes: float = 0.0, buckets: Mapping[str, Buckets] = {},
-         autocast: Mapping[str, bool] = {}, grad_accum: int = 1) -> list[PlanRow]:
+         autocast: Mapping[str, bool] = {}, grad_accum: int = 1,
+         strategies: Optional[Mapping[str, Strategy]] = None, disk_bytes: float = math.inf) -> list[PlanRow]:
     """Every strategy with its model-state memory and whether it fits: GPU states within ``gpu_bytes``
-    minus ``reserve_bytes`` (kept for activations), and the offloaded states of the processes of one
-    host within ``host_bytes``. ``buckets`` and ``autocast`` are per strategy name, from the DeepSpeed
-    JSON each would run with (absent: DeepSpeed's default bucket, no autocast). In :data:`~zerotrain.strategies.STRATEGIES`
-    order: the first that fits is the planner's pick."""
+    minus ``reserve_bytes`` (kept for activations), the offloaded states of the processes of one host
+    within ``host_bytes``, and what they put on NVMe within ``disk_bytes``. ``buckets`` and ``autocast`` are
+    per strategy name, from the DeepSpeed JSON each would run with (absent: DeepSpeed's default bucket, no
+    autocast). ``strategies``: :data:`~zerotrain.strategies.STRATEGIES` unless given, in order: the first that
+    fits is the planner's pick."""
     rows = []
-    for name, strategy in STRATEGIES.items():
+    for name, strategy in (STRATEGIES if strategies is None else strategies).items():
         mem = model_state_memory(counts, strategy, world_size, precision, buckets.get(name, Buckets()),
                                  autocast.get(name, False), grad_accum)
-        fits = mem.gpu_bytes <= gpu_bytes - reserve_bytes and mem.cpu_bytes * procs_per_host <= host_bytes
+        fits = (mem.gpu_bytes <= gpu_bytes - reserve_bytes and mem.cpu_bytes * procs_per_host <= host_bytes
+                and mem.nvme_bytes * procs_per_host <= disk_bytes)
         rows.append(PlanRow(name, mem, fits))
     return rows
 
@@ -385,7 +389,7 @@ def fits(prediction: MemoryPrediction, probe: "Probe", host_bytes: float, procs_
             return f"GPU memory: needs {prediction.gpu_bytes / GIB:.1f} GiB, {room / GIB:.1f} GiB usable"
     per_process = prediction.host_bytes - prediction.rank0_extra_bytes + prediction.workers_bytes  # with its workers
     if per_process * procs_per_host + prediction.rank0_extra_bytes > host_bytes:
-        workers = f" with its data workers' {prediction.workers_bytes / GIB:.1f}" if prediction.workers_bytes else ""
+        workers = f" ({prediction.workers_bytes / GIB:.1f} of it data workers')" if prediction.workers_bytes else ""
         return (f"host memory: {procs_per_host} process(es) x {per_process / GIB:.1f} GiB{workers}, "
                 f"{host_bytes / GIB:.1f} GiB on this host")
     return None
