@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -187,6 +187,25 @@ for part in "$@"; do
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_compile/eager" "${BERT[@]}" | tail -n 3
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_compile/compiled" "${BERT[@]}" \
         --strategy.compile true | tail -n 3 ;;
+    bert_mfu)  # target 2 levers at BERT-base, compiled blocks, each a separate run in the same call: ZeRO-0 with the
+      # aligned decoder (with a profile); ZeRO-1 through DeepSpeed's BF16_Optimizer (bf16 weights, fp32 master and
+      # gradients; with a profile); ZeRO-0 with the code of OLD_SRC (the unaligned decoder) when given; dropout 0
+      z benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 --out "$OUT/bert_mfu/aligned" "${BERT[@]}" \
+        --strategy.compile true | tail -n 3
+      z benchmark mlm --strategies zero1 --nproc 1 --predict false --profile 5 --out "$OUT/bert_mfu/bf16_optimizer" \
+        "${BERT[@]}" --strategy.compile true --strategy.deepspeed_config benchmarks/ds/zero1_bf16_fp32_grads.json | tail -n 3
+      [ -n "${OLD_SRC:-}" ] && PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" z benchmark mlm --strategies zero0 --nproc 1 \
+        --predict false --out "$OUT/bert_mfu/unaligned" "${BERT[@]}" --strategy.compile true | tail -n 3
+      z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_mfu/dropout0" "${BERT[@]}" \
+        --strategy.compile true --model.dropout 0 | tail -n 3 ;;
+    imdb_scope)  # target 3: preset (b), 2 epochs, training only: its blocks compiled one by one, then the whole model
+      for scope in blocks model; do
+        z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
+          --trainer.evaluate false --trainer.export false --checkpoint.save_final false --strategy.compile true \
+          --strategy.compile_scope $scope --trainer.output_dir "$OUT/imdb_scope/runs" --trainer.run_name "$scope" \
+          --logging.progress_bar false > "$OUT/imdb_scope/$scope.log" 2>&1
+        echo "imdb scope=$scope rc=$?"; grep -h "torch.compile\|epoch" "$OUT/imdb_scope/$scope.log" | tail -n 4
+      done ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

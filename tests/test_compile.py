@@ -11,7 +11,7 @@ from conftest import zerotrain_cmd
 from test_lora_fit import LLAMA, _args, lora_files  # noqa: F401  (lora_files is a fixture)
 from torch import nn
 
-from zerotrain.compiling import compile_blocks, repeated_blocks
+from zerotrain.compiling import compile_model, repeated_blocks
 from zerotrain.models.roberta_mlm import EncoderLayer, RobertaMLM
 from zerotrain.models.sentiment import SentimentClassifier
 
@@ -54,7 +54,7 @@ def test_a_model_without_blocks_is_compiled_whole():
     mixed = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]))  # a list of two classes
     assert repeated_blocks(mixed) == []
     plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    assert compile_blocks(plain, backend) == "compiled the whole Sequential"
+    assert compile_model(plain, backend=backend) == "compiled the whole Sequential"
     plain(torch.randn(2, 4))
     assert graphs  # traced, not run eager
 
@@ -64,7 +64,7 @@ def test_our_own_blocks_are_compiled_with_module_compile():
     graphs, backend = _graph_counter()
     mlm = RobertaMLM(vocab_size=50, num_layers=2, num_heads=2, h_dim=16, ff_dim=32, dropout=0.0,
                      max_seq_length=16, pad_token_id=1)
-    assert compile_blocks(mlm, backend) == "compiled 2 EncoderLayer blocks one by one"
+    assert compile_model(mlm, backend=backend) == "compiled 2 EncoderLayer blocks one by one"
     assert all(block._compiled_call_impl is not None for block in mlm.encoder.layers)
     mlm(torch.randint(2, 50, (2, 8)))
     assert graphs
@@ -79,7 +79,7 @@ def test_a_subclass_that_keeps_torchs_forward_is_really_compiled():
         pass
 
     blocks = nn.Sequential(nn.ModuleList([Layer(16, 2, 32, 0.0, batch_first=True) for _ in range(2)]))
-    assert compile_blocks(blocks, backend) == "compiled 2 Layer blocks one by one"
+    assert compile_model(blocks, backend=backend) == "compiled 2 Layer blocks one by one"
     blocks[0][0](torch.randn(2, 5, 16))
     assert graphs
     torch._dynamo.reset()
@@ -95,7 +95,7 @@ def test_torch_own_blocks_are_really_compiled():
               pad_token_id=1)
     eager, compiled = SentimentClassifier(**kw), SentimentClassifier(**kw)
     compiled.load_state_dict(eager.state_dict())
-    assert compile_blocks(compiled, backend) == "compiled 2 TransformerEncoderLayer blocks one by one"
+    assert compile_model(compiled, backend=backend) == "compiled 2 TransformerEncoderLayer blocks one by one"
     ids = torch.randint(2, 50, (3, 10))
     mask = torch.ones_like(ids)
     mask[0, 6:] = 0
@@ -111,6 +111,32 @@ def test_torch_own_blocks_are_really_compiled():
     torch._dynamo.reset()
 
 
+def test_the_whole_classifier_compiles_into_one_graph_that_trains_as_eager():
+    """--strategy.compile_scope model: one captured forward holds the embedding, the torch blocks, the pooling,
+    the head and the loss (no graph break), and its gradients are eager's."""
+    torch._dynamo.reset()
+    graphs, backend = _graph_counter()
+    torch.manual_seed(0)
+    kw = dict(vocab_size=50, embed_dim=16, hidden_dim=32, num_heads=2, num_layers=2, max_len=16, dropout=0.0,
+              pad_token_id=1)
+    eager, compiled = SentimentClassifier(**kw), SentimentClassifier(**kw)
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_model(compiled, "model", backend) == "compiled the whole SentimentClassifier"
+    ids = torch.randint(2, 50, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    labels = torch.tensor([0, 1, 1])
+    losses = [m(ids, mask, labels=labels)["loss"] for m in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    assert len(graphs) == 1 and graphs[0] > 50  # one graph, every op of the model in it
+    torch.testing.assert_close(losses[1], losses[0])
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    assert sorted(eager.state_dict()) == sorted(compiled.state_dict())
+    torch._dynamo.reset()
+
+
 def test_one_compile_serves_every_block():
     """Six layers compile two graphs: the first layer's (its input, from the frozen embedding, needs no
     gradient) and one that every later layer reuses. Six graphs would mean a compile per layer."""
@@ -120,7 +146,7 @@ def test_one_compile_serves_every_block():
     counters.clear()
     torch.manual_seed(0)
     model = _peft_llama(6)
-    assert compile_blocks(model) == "compiled 6 LlamaDecoderLayer blocks one by one"
+    assert compile_model(model) == "compiled 6 LlamaDecoderLayer blocks one by one"
     ids = torch.randint(3, 64, (2, 12))
     loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss
     loss.backward()

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from zerotrain.models.roberta_mlm import RobertaMLM
+from zerotrain.models.roberta_mlm import RobertaMLM, aligned_linear
 
 V, L, H, C, F, T, PAD = 50, 2, 4, 16, 32, 12, 1
 
@@ -96,3 +96,21 @@ def test_no_mask_is_the_same_as_a_mask_of_ones():
         masked = model(ids, torch.ones_like(ids))["logits"]
         unmasked = model(ids, None)["logits"]
     torch.testing.assert_close(unmasked, masked)
+
+
+def test_the_aligned_decoder_gives_the_plain_linears_logits_and_gradients():
+    """The decoder's output padded to a multiple of 64 and cut back (the GPU path): same values, same gradients,
+    and the parameter keeps its shape."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)  # 50 outputs: 14 rows of padding
+    bias = torch.randn(50, requires_grad=True)
+    out = aligned_linear(x, weight, bias, multiple=64)
+    ref = torch.nn.functional.linear(x, weight, bias)
+    assert out.shape == (5, 50)
+    torch.testing.assert_close(out, ref)
+    grads = torch.autograd.grad((out * ref.detach()).sum(), (x, weight, bias))
+    ref_grads = torch.autograd.grad((ref * ref.detach()).sum(), (x, weight, bias))
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape
+        torch.testing.assert_close(g, r)

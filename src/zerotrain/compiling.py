@@ -1,4 +1,4 @@
-"""``--strategy.compile``: torch.compile a transformer one block at a time.
+"""``--strategy.compile``: torch.compile a transformer one block at a time (``--strategy.compile_scope model``: whole).
 
 Compiling a whole model makes dynamo trace every layer: a 22-layer Llama with LoRA logged no step
 in 570 s on an H100. Its layers are one class run N times, and dynamo treats a module's parameters
@@ -48,9 +48,13 @@ def compile_in_place(module: nn.Module, backend: str | Callable[..., Any] = "ind
         module.compile(backend=backend)
 
 
-def compile_blocks(model: nn.Module, backend: str | Callable[..., Any] = "inductor") -> str:
-    """Compile ``model``'s repeated blocks in place (the whole model when it has none); says what was compiled."""
-    blocks = repeated_blocks(model)
+def compile_model(model: nn.Module, scope: str = "blocks", backend: str | Callable[..., Any] = "inductor") -> str:
+    """Compile ``model`` in place, its repeated blocks one by one (``scope="blocks"``; the whole model when it has
+    none) or whole (``scope="model"``); says what was compiled.
+
+    Whole, one graph holds the embedding, every block, the head and the loss: the fewest kernel launches a step,
+    which is what a small model whose step waits on the host needs, at a compile time that grows with depth."""
+    blocks = repeated_blocks(model) if scope == "blocks" else []
     if not blocks:
         compile_in_place(model, backend)
         return f"compiled the whole {type(model).__name__}"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from zerotrain.compiling import compile_blocks
+from zerotrain.compiling import compile_model
 from zerotrain.config import RunConfig
 from zerotrain.distributed import all_reduce_max, all_reduce_sum, barrier
 from zerotrain.ds_config import (
@@ -235,7 +235,7 @@ class DeepSpeedEngine(Engine):
                 # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.
                 self.ds.compile()
             else:
-                logger.info("torch.compile: %s", compile_blocks(self.ds.module))
+                logger.info("torch.compile: %s", compile_model(self.ds.module, cfg.strategy.compile_scope))
         self._clip = clip
         self._params = params
         if clip is not None and self.world_size == 1:
@@ -399,7 +399,7 @@ class TorchEngine(Engine):
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
         if cfg.strategy.compile:
-            logger.info("torch.compile: %s", compile_blocks(self._module))
+            logger.info("torch.compile: %s", compile_model(self._module, cfg.strategy.compile_scope))
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
