@@ -1,0 +1,72 @@
+"""Does the IMDB classifier compiled whole (``--strategy.compile_scope model``) train as eager does on a GPU?
+
+Preset (b)'s model shape, two copies with the same weights, the same batches of random reviews whose padded
+length changes from step to step, Adam, one step each. Prints the ratio of the compiled gradient norm to eager's
+per step, and the largest departure. Right gradients keep the ratio at 1 up to rounding. One variant a process:
+
+    python benchmarks/whole_compile_check.py VARIANT
+
+VARIANT: blocks (each block compiled, the control), model (whole, bf16 autocast), model_fp32 (no autocast),
+model_math / model_efficient / model_cudnn (whole, bf16, only that attention kernel allowed).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+
+import torch
+
+from zerotrain.compiling import compile_model
+from zerotrain.models.sentiment import SentimentClassifier
+
+LENGTHS = [512, 128, 192, 128, 256, 192, 64, 320, 128, 192, 512, 64]
+
+
+def batch(step: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, 50000, (32, length), generator=g)
+    mask = torch.ones(32, length, dtype=torch.long)
+    for i, real in enumerate(torch.randint(length // 2, length + 1, (32,), generator=g)):
+        mask[i, real:] = 0
+        ids[i, real:] = 1
+    labels = (ids[:, :8] > 25000).sum(1).remainder(2)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def main() -> None:
+    variant = sys.argv[1]
+    device = torch.device("cuda")
+    only = variant.removeprefix("model_")
+    if only in ("math", "efficient", "cudnn"):
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_math_sdp(only == "math")
+        torch.backends.cuda.enable_mem_efficient_sdp(only == "efficient")
+        torch.backends.cuda.enable_cudnn_sdp(only == "cudnn")
+    dtype = None if variant == "model_fp32" else torch.bfloat16
+    torch.manual_seed(0)
+    eager = SentimentClassifier(50265, 256, 1024, 8, 6, 1024, 0.0, pad_token_id=1).to(device)
+    compiled = copy.deepcopy(eager)
+    print(variant, compile_model(compiled, "blocks" if variant == "blocks" else "model"), flush=True)
+    models = (eager, compiled)
+    opts = [torch.optim.Adam(m.parameters(), lr=2e-4) for m in models]
+    ratios = []
+    for step, length in enumerate(LENGTHS):
+        norms = []
+        for model, opt in zip(models, opts):
+            ids, mask, labels = batch(step, length, device)
+            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = model(ids, mask, labels)["loss"]
+            loss.backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        ratios.append(norms[1] / norms[0])
+    worst = max(ratios, key=lambda r: abs(math.log(r)))
+    print(f"RESULT {variant}: worst norm ratio {worst:.3g}; per step " + " ".join(f"{r:.2f}" for r in ratios),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
