@@ -113,7 +113,7 @@ def test_torch_own_blocks_are_really_compiled():
 
 def test_the_whole_classifier_compiles_into_one_graph_that_trains_as_eager():
     """--strategy.compile_scope model: one captured forward holds the embedding, the torch blocks, the pooling,
-    the head and the loss (the padding mask is built before it, outside), and its gradients are eager's."""
+    the head and the loss (no graph break), and its gradients are eager's."""
     torch._dynamo.reset()
     graphs, backend = _graph_counter()
     torch.manual_seed(0)

@@ -28,20 +28,6 @@ def sinusoidal_positions(max_len: int, dim: int) -> torch.Tensor:
     return table
 
 
-@torch.compiler.disable
-def padding_bias(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The additive attention mask of ``attention_mask`` (B, T; 1 = a real token): 0 there, -inf at padding (fp32).
-
-    It is what ``nn.TransformerEncoder`` derives from a boolean ``src_key_padding_mask``, built outside any
-    compiled graph. With the whole model compiled (``--strategy.compile_scope model``) and the mask derived
-    inside the graph, torch 2.11's inductor gave the fused attention kernels (cuDNN, memory-efficient) wrong
-    gradients under bf16 autocast from the second step on, and the classifier stayed at chance; as a graph input
-    it trains as eager (``benchmarks/whole_compile_check.py``).
-    """
-    bias = torch.zeros(attention_mask.shape, dtype=torch.float32, device=attention_mask.device)
-    return bias.masked_fill_(attention_mask == 0, float("-inf"))
-
-
 class SentimentClassifier(nn.Module):
     """Token embedding + sinusoidal positions -> TransformerEncoder -> masked mean -> MLP head.
 
@@ -118,8 +104,6 @@ class SentimentClassifier(nn.Module):
 
         Returns ``{"logits": (B, num_classes)}`` plus ``"loss"`` (mean cross-entropy) when labels are given.
         """
-        # First, so that a compiled forward breaks its graph here and not between two halves of the model.
-        pad_mask = padding_bias(attention_mask)  # (B, T): -inf at padding, as torch makes of a boolean mask
         B, T = input_ids.shape
         if T > self.max_len:
             raise ValueError(f"sequence length {T} exceeds max_len {self.max_len}; truncate the input")
@@ -127,6 +111,7 @@ class SentimentClassifier(nn.Module):
         x = self.token_embedding(input_ids) * math.sqrt(self.embed_dim)  # (B, T, D)
         x = self.embed_dropout(x + self.positions[:T].to(x.dtype))  # (B, T, D)
         real = attention_mask.bool()  # (B, T)
+        pad_mask = ~real  # True = padding, as src_key_padding_mask expects
 
         if self.activation_checkpointing and self.training:
             for layer in self.encoder.layers:
