@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -198,6 +198,13 @@ for part in "$@"; do
         --predict false --out "$OUT/bert_mfu/unaligned" "${BERT[@]}" --strategy.compile true | tail -n 3
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_mfu/dropout0" "${BERT[@]}" \
         --strategy.compile true --model.dropout 0 | tail -n 3 ;;
+    bert_decoder)  # the aligned decoder against OLD_SRC's unaligned one, ZeRO-0 compiled blocks, no profiler, twice in turn
+      for rep in 1 2; do
+        PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" z benchmark mlm --strategies zero0 --nproc 1 --predict false \
+          --out "$OUT/bert_decoder/unaligned_$rep" "${BERT[@]}" --strategy.compile true | tail -n 1
+        z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_decoder/aligned_$rep" "${BERT[@]}" \
+          --strategy.compile true | tail -n 1
+      done ;;
     imdb_scope)  # target 3: preset (b), 2 epochs, training only: its blocks compiled one by one, then the whole model
       for scope in blocks model; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
