@@ -135,9 +135,11 @@ for part in "$@"; do
         echo "imdb compile=$c rc=$?"; cp "$OUT/imdb_compile/runs/compile_$c/summary.json" "$OUT/imdb_compile/compile_${c}_summary.json"
         cp "$OUT/imdb_compile/runs/compile_$c/metrics.jsonl" "$OUT/imdb_compile/compile_${c}_metrics.jsonl"
       done ;;
-    imdb_compiled_full)  # target 3: preset (b) with --strategy.compile true, the full 5 epochs with its test score
+    imdb_compiled_full)  # target 3: preset (b) with --strategy.compile true (compile_scope SCOPE, blocks by default), the
+      # full 5 epochs with its test score
       z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.export false \
-        --checkpoint.save_final false --strategy.compile true --trainer.output_dir "$OUT/imdb_compiled_full/runs" \
+        --checkpoint.save_final false --strategy.compile true --strategy.compile_scope "${SCOPE:-blocks}" \
+        --trainer.output_dir "$OUT/imdb_compiled_full/runs" \
         --trainer.run_name compiled --logging.progress_bar false > "$OUT/imdb_compiled_full/compiled.log" 2>&1
       echo "imdb compiled rc=$?"; grep -h "test:\|torch.compile" "$OUT/imdb_compiled_full/compiled.log"
       cp "$OUT/imdb_compiled_full/runs/compiled/summary.json" "$OUT/imdb_compiled_full/compiled_summary.json"
@@ -205,8 +207,8 @@ for part in "$@"; do
         z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_decoder/aligned_$rep" "${BERT[@]}" \
           --strategy.compile true | tail -n 1
       done ;;
-    imdb_scope)  # target 3: preset (b), 2 epochs, training only: its blocks compiled one by one, then the whole model
-      for scope in blocks model; do
+    imdb_scope)  # target 3: preset (b), 2 epochs, training only: its blocks compiled one by one, then their stack as one graph
+      for scope in blocks stack; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
           --trainer.evaluate false --trainer.export false --checkpoint.save_final false --strategy.compile true \
           --strategy.compile_scope $scope --trainer.output_dir "$OUT/imdb_scope/runs" --trainer.run_name "$scope" \

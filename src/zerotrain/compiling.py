@@ -1,4 +1,5 @@
-"""``--strategy.compile``: torch.compile a transformer one block at a time (``--strategy.compile_scope model``: whole).
+"""``--strategy.compile``: torch.compile a transformer one block at a time (``--strategy.compile_scope stack``: the
+stack of blocks as one graph).
 
 Compiling a whole model makes dynamo trace every layer: a 22-layer Llama with LoRA logged no step
 in 570 s on an H100. Its layers are one class run N times, and dynamo treats a module's parameters
@@ -24,12 +25,21 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     That is a transformer's stack of layers (``model.layers``, ``encoder.layer``, ``TransformerEncoder.layers``)
     however deep a wrapper (peft, DeepSpeed) has put it; a list inside a block already found is not searched.
     """
-    found: list[nn.Module] = []
+    return [block for _, blocks in _stacks(model) for block in blocks]
+
+
+def block_stacks(model: nn.Module) -> list[nn.Module]:
+    """The modules that hold a stack of repeated blocks (:func:`repeated_blocks`) in a ``nn.ModuleList`` of theirs."""
+    return [owner for owner, _ in _stacks(model)]
+
+
+def _stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
+    found: list[tuple[nn.Module, nn.ModuleList]] = []
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
             if isinstance(child, nn.ModuleList) and len(child) > 1 and len({type(c) for c in child}) == 1:
-                found.extend(child)
+                found.append((module, child))
             else:
                 visit(child)
 
@@ -49,15 +59,21 @@ def compile_in_place(module: nn.Module, backend: str | Callable[..., Any] = "ind
 
 
 def compile_model(model: nn.Module, scope: str = "blocks", backend: str | Callable[..., Any] = "inductor") -> str:
-    """Compile ``model`` in place, its repeated blocks one by one (``scope="blocks"``; the whole model when it has
-    none) or whole (``scope="model"``); says what was compiled.
+    """Compile ``model`` in place and say what was compiled: its repeated blocks one by one (``scope="blocks"``), or
+    each module that holds a stack of them, the stack as one graph (``scope="stack"``); the whole model when it
+    has no repeated blocks.
 
-    Whole, one graph holds the embedding, every block, the head and the loss: the fewest kernel launches a step,
-    which is what a small model whose step waits on the host needs, at a compile time that grows with depth."""
-    blocks = repeated_blocks(model) if scope == "blocks" else []
-    if not blocks:
+    One graph for the stack launches fewer kernels and crosses fewer graph boundaries a step, which is what a
+    small model whose step waits on the host needs, at a compile time that grows with depth. The whole model
+    as one graph is not offered: the IMDB classifier compiled whole trained at chance on a GPU (wrong gradients
+    from the second step, torch 2.11, ``benchmarks/whole_compile_check.py``), while its stack compiled whole
+    trains as eager."""
+    units = block_stacks(model) if scope == "stack" else repeated_blocks(model)
+    if not units:
         compile_in_place(model, backend)
         return f"compiled the whole {type(model).__name__}"
-    for block in blocks:
-        compile_in_place(block, backend)
-    return f"compiled {len(blocks)} {type(blocks[0]).__name__} blocks one by one"
+    for unit in units:
+        compile_in_place(unit, backend)
+    if scope == "stack":
+        return f"compiled {type(units[0]).__name__} ({len(repeated_blocks(model))} blocks) as one graph"
+    return f"compiled {len(units)} {type(units[0]).__name__} blocks one by one"
