@@ -98,12 +98,23 @@ class MLMHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(h_dim, h_dim)
         self.ln = nn.LayerNorm(h_dim)
-        self.decoder = nn.Linear(h_dim, vocab_size)
+        self.decoder = AlignedLinear(h_dim, vocab_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ln(F.gelu(self.dense(x)))  # (B, T, C)
+        return self.decoder(h)  # (B, T, V)
+
+
+class AlignedLinear(nn.Linear):
+    """``nn.Linear`` whose matmuls run with the output width rounded up to 64 on a GPU (:func:`aligned_linear`).
+
+    A module of its own, not a call on the head's weight, so that ZeRO-3's hooks on this module gather the
+    weight before use; the parameter names (``decoder.weight``, ``decoder.bias``) stay nn.Linear's.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # On a CPU alignment buys nothing and the padded copy of the table costs a pass over it.
-        return aligned_linear(h, self.decoder.weight, self.decoder.bias, multiple=64 if h.is_cuda else 1)  # (B, T, V)
+        return aligned_linear(x, self.weight, self.bias, multiple=64 if x.is_cuda else 1)
 
 
 def aligned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, multiple: int = 64) -> torch.Tensor:
