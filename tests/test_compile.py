@@ -85,24 +85,36 @@ def test_a_subclass_that_keeps_torchs_forward_is_really_compiled():
     torch._dynamo.reset()
 
 
+def _classifier_pair(num_layers: int) -> tuple[SentimentClassifier, SentimentClassifier]:
+    """Two tiny IMDB classifiers with the same weights: one to stay eager, one to compile."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=50, embed_dim=16, hidden_dim=32, num_heads=2, num_layers=num_layers, max_len=16,
+              dropout=0.0, pad_token_id=1)
+    eager, compiled = SentimentClassifier(**kw), SentimentClassifier(**kw)
+    compiled.load_state_dict(eager.state_dict())
+    return eager, compiled
+
+
+def _one_backward(*models: nn.Module) -> list[torch.Tensor]:
+    """Each model's loss on one batch with padding, its backward run; the losses."""
+    ids = torch.randint(2, 50, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0
+    labels = torch.tensor([0, 1, 1])
+    losses = [m(ids, mask, labels=labels)["loss"] for m in models]
+    for loss in losses:
+        loss.backward()
+    return losses
+
+
 def test_torch_own_blocks_are_really_compiled():
     """The IMDB recipe's blocks are torch's nn.TransformerEncoderLayer, whose Module.compile() dynamo skips
     without a word: each block's forward must come out as a captured graph, and train as eager does."""
     torch._dynamo.reset()
     graphs, backend = _graph_counter()
-    torch.manual_seed(0)
-    kw = dict(vocab_size=50, embed_dim=16, hidden_dim=32, num_heads=2, num_layers=2, max_len=16, dropout=0.0,
-              pad_token_id=1)
-    eager, compiled = SentimentClassifier(**kw), SentimentClassifier(**kw)
-    compiled.load_state_dict(eager.state_dict())
+    eager, compiled = _classifier_pair(num_layers=2)
     assert compile_model(compiled, backend=backend) == "compiled 2 TransformerEncoderLayer blocks one by one"
-    ids = torch.randint(2, 50, (3, 10))
-    mask = torch.ones_like(ids)
-    mask[0, 6:] = 0
-    labels = torch.tensor([0, 1, 1])
-    losses = [m(ids, mask, labels=labels)["loss"] for m in (eager, compiled)]
-    for loss in losses:
-        loss.backward()
+    losses = _one_backward(eager, compiled)
     assert graphs and all(n > 10 for n in graphs)  # whole attention/feed-forward blocks, not single ops
     torch.testing.assert_close(losses[1], losses[0])
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
@@ -116,19 +128,9 @@ def test_the_stack_of_torch_blocks_compiles_into_one_graph_that_trains_as_eager(
     forward is torch's, so it must really be traced, not run eager), and the gradients are eager's."""
     torch._dynamo.reset()
     graphs, backend = _graph_counter()
-    torch.manual_seed(0)
-    kw = dict(vocab_size=50, embed_dim=16, hidden_dim=32, num_heads=2, num_layers=3, max_len=16, dropout=0.0,
-              pad_token_id=1)
-    eager, compiled = SentimentClassifier(**kw), SentimentClassifier(**kw)
-    compiled.load_state_dict(eager.state_dict())
+    eager, compiled = _classifier_pair(num_layers=3)
     assert compile_model(compiled, "stack", backend) == "compiled TransformerEncoder (3 blocks) as one graph"
-    ids = torch.randint(2, 50, (3, 10))
-    mask = torch.ones_like(ids)
-    mask[0, 6:] = 0
-    labels = torch.tensor([0, 1, 1])
-    losses = [m(ids, mask, labels=labels)["loss"] for m in (eager, compiled)]
-    for loss in losses:
-        loss.backward()
+    losses = _one_backward(eager, compiled)
     per_block = 20  # a TransformerEncoderLayer's forward traces to well over this many nodes
     assert len(graphs) == 1 and graphs[0] > 3 * per_block  # the three blocks in one graph
     torch.testing.assert_close(losses[1], losses[0])
