@@ -69,16 +69,47 @@ def test_profile_summary_keeps_phase_annotations_out_of_the_kernels():
 
     from zerotrain.metrics import summarize_profile
 
-    def event(key, cpu_us=0.0, device_us=0.0, count=1):
-        return SimpleNamespace(key=key, cpu_time_total=cpu_us, self_cpu_time_total=cpu_us,
-                               self_device_time_total=device_us, count=count)
+    from torch.autograd import DeviceType
 
-    events = [event("zerotrain.forward", cpu_us=4000.0), event("zerotrain.forward", device_us=9000.0),
-              event("sm90_xmma_gemm_bf16bf16", device_us=3000.0), event("cudaLaunchKernel", cpu_us=10.0, count=6)]
+    def event(key, cpu_us=0.0, device_us=0.0, count=1, gpu=False, annotation=False):
+        return SimpleNamespace(key=key, cpu_time_total=cpu_us, self_cpu_time_total=cpu_us,
+                               self_device_time_total=device_us, count=count, is_user_annotation=annotation,
+                               device_type=DeviceType.CUDA if gpu else DeviceType.CPU)
+
+    events = [event("zerotrain.forward", cpu_us=4000.0, annotation=True),
+              event("zerotrain.forward", device_us=9000.0, gpu=True, annotation=True),
+              event("sm90_xmma_gemm_bf16bf16", device_us=3000.0, gpu=True),
+              event("cudaLaunchKernel", cpu_us=10.0, count=6)]
     s = summarize_profile(events, steps=2, wall_s=0.01)
     assert s["host_ms_per_step_by_phase"] == {"forward": 2.0}
     assert s["gpu_ms_per_step"] == 1.5 and [t["name"] for t in s["top"]] == ["sm90_xmma_gemm_bf16bf16"]
     assert s["kernel_launches_per_step"] == 3
+    assert s["gpu_idle_ms_per_step"] == 3.5  # 5 ms a step of wall, 1.5 of it with a kernel running
+
+
+def test_profile_summary_counts_a_kernel_once_though_its_launcher_has_its_name():
+    """An inductor kernel is launched inside a host range of the same name, and a fused optimizer's
+    kernels inside ``Optimizer.step#...``; the host ranges carry their kernels' device time, and counting
+    them made GPU time exceed wall time (busy 104%, session 11)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from zerotrain.metrics import summarize_profile
+
+    def event(key, device_us, gpu):
+        return SimpleNamespace(key=key, cpu_time_total=5.0, self_cpu_time_total=5.0, self_device_time_total=device_us,
+                               count=12, is_user_annotation=False,
+                               device_type=DeviceType.CUDA if gpu else DeviceType.CPU)
+
+    events = [event("triton_poi_fused_gelu_backward_4", 1300.0, gpu=False),
+              event("triton_poi_fused_gelu_backward_4", 1300.0, gpu=True),
+              event("Optimizer.step#FusedAdam.step", 1400.0, gpu=False),
+              event("multi_tensor_apply_kernel<AdamFunctor>", 1400.0, gpu=True)]
+    s = summarize_profile(events, steps=1, wall_s=0.004)
+    assert s["gpu_ms_per_step"] == 2.7
+    assert s["gpu_ms_per_step_by_family"] == {"optimizer": 1.4, "norm/elementwise": 1.3}
+    assert [t["name"] for t in s["top"]] == ["multi_tensor_apply_kernel<AdamFunctor>", "triton_poi_fused_gelu_backward_4"]
 
 
 def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():

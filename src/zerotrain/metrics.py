@@ -294,11 +294,21 @@ def _device_us(event) -> float:
     return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) or 0.0)
 
 
+def _is_kernel(event) -> bool:
+    """A GPU kernel's own entry. Host-side events carry device time too, the summed time of the kernels
+    they launched: an inductor kernel's launcher range and a fused optimizer's ``Optimizer.step#...``
+    range repeat the kernel under its own name, and counting them would count those kernels twice.
+    The engine's named phases also have a GPU-side annotation that spans their kernels; it is no kernel."""
+    from torch.autograd import DeviceType
+
+    return (getattr(event, "device_type", None) == DeviceType.CUDA and _device_us(event) > 0
+            and not getattr(event, "is_user_annotation", False)
+            and not event.key.startswith(("Memcpy", "Memset", "zerotrain.")))
+
+
 def summarize_profile(events, steps: int, wall_s: float) -> dict:
     """The numbers of :class:`StepProfiler`'s summary from ``profile.key_averages()`` (times in ms per step)."""
-    # The engine's named phases come twice: the host range and its GPU-side annotation (device time, no kernel)
-    kernels = [e for e in events if _device_us(e) > 0
-               and not e.key.startswith(("aten::", "cuda", "Memcpy", "Memset", "zerotrain."))]
+    kernels = [e for e in events if _is_kernel(e)]
     gpu_ms = sum(_device_us(e) for e in kernels) / 1e3 / steps
     families: dict[str, float] = {}
     for e in kernels:
@@ -306,7 +316,7 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
         families[fam] = families.get(fam, 0.0) + _device_us(e) / 1e3 / steps
     ops = [e for e in events if e.key.startswith("aten::")]
     top = (sorted(kernels, key=_device_us, reverse=True) if kernels
-           else sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True))[:12]
+           else sorted(ops, key=lambda e: e.self_cpu_time_total, reverse=True))[:20]
     # Inclusive host time of the engine's named phases (zerotrain.forward, .backward, .optimizer_step)
     phases: dict[str, float] = {}
     for e in events:
@@ -323,6 +333,8 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
         "cpu_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
         "gpu_ms_per_step": gpu_ms,
         "gpu_busy_frac": gpu_ms / wall_ms if wall_ms else 0.0,
+        # Wall time with no kernel running (kernels on two streams can overlap, so this is a lower bound)
+        "gpu_idle_ms_per_step": max(wall_ms - gpu_ms, 0.0) if kernels else 0.0,
         "host_ms_per_step_by_phase": phases,
         "kernel_launches_per_step": launches / steps,
         "syncs_per_step": syncs / steps,
@@ -346,7 +358,8 @@ def profile_markdown(s: dict) -> str:
         lines += [f"| {k} | {v:.1f} |" for k, v in s["host_ms_per_step_by_phase"].items()] + [""]
     if s["gpu_ms_per_step_by_family"]:
         lines += ["| kernel family | GPU ms/step |", "|---|---|"]
-        lines += [f"| {k} | {v:.2f} |" for k, v in s["gpu_ms_per_step_by_family"].items()] + [""]
+        lines += [f"| {k} | {v:.2f} |" for k, v in s["gpu_ms_per_step_by_family"].items()]
+        lines += [f"| (idle: the GPU waits for the host) | {s.get('gpu_idle_ms_per_step', 0.0):.2f} |", ""]
     lines += ["| top | family | calls/step | ms/step |", "|---|---|---|---|"]
     lines += [f"| `{t['name']}` | {t['family']} | {t['calls_per_step']:.1f} | {t['ms_per_step']:.3f} |" for t in s["top"]]
     return "\n".join(lines) + "\n"
