@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -214,6 +214,26 @@ for part in "$@"; do
           --strategy.compile_scope $scope --trainer.output_dir "$OUT/imdb_scope/runs" --trainer.run_name "$scope" \
           --logging.progress_bar false > "$OUT/imdb_scope/$scope.log" 2>&1
         echo "imdb scope=$scope rc=$?"; grep -h "torch.compile\|epoch" "$OUT/imdb_scope/$scope.log" | tail -n 4
+      done ;;
+    host)  # where a step's host time goes, profiled (5 steps each): IMDB preset (b) for 500 steps, profile at 400,
+      # as shipped, with CUDA graphs (compile_mode reduce-overhead) and on the plain engine; then BERT-base ZeRO-0 with
+      # its blocks compiled one by one, its encoder as one graph, and the blocks as CUDA graphs
+      for v in "ds default" "ds reduce-overhead" "ddp default"; do
+        set -- $v; name="imdb_$1_$2"
+        timeout 200 python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
+          --trainer.max_steps 500 --trainer.profile_steps 5 --trainer.warmup_steps_excluded 400 --trainer.evaluate false \
+          --trainer.export false --checkpoint.save_final false --strategy.compile_mode $2 \
+          $([ $1 = ddp ] && echo --strategy.backend ddp) --trainer.output_dir "$OUT/host/runs" --trainer.run_name $name \
+          --logging.progress_bar false > "$OUT/host/$name.log" 2>&1
+        echo "$name rc=$?"; grep -h "Error\|torch.compile" "$OUT/host/$name.log" | tail -n 2; head -n 1 "$OUT/host/runs/$name/profile.md"
+        cp "$OUT/host/runs/$name/profile.md" "$OUT/host/${name}_profile.md"
+        cp "$OUT/host/runs/$name/metrics.jsonl" "$OUT/host/${name}_metrics.jsonl"
+      done
+      for v in "blocks default" "stack default" "blocks reduce-overhead"; do
+        set -- $v
+        timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 \
+          --out "$OUT/host/bert_$1_$2" "${BERT[@]}" --strategy.compile true --strategy.compile_scope $1 \
+          --strategy.compile_mode $2 | tail -n 1
       done ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1

@@ -180,3 +180,24 @@ def test_a_compiled_run_matches_the_eager_run(lora_files):  # noqa: F811
     assert len(curves["true"]) == len(curves["false"]) == 4
     assert curves["false"][0] != curves["false"][-1]  # it trained
     torch.testing.assert_close(curves["true"], curves["false"], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_mode_reaches_torch_compile_for_each_unit(monkeypatch):
+    """--strategy.compile_mode reduce-overhead (CUDA graphs) is inductor's mode on every compiled unit, whether
+    compiled through ``Module.compile`` or, for torch's own blocks, through their ``forward``."""
+    calls = []
+
+    def fake_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    _, model = _classifier_pair(num_layers=2)  # torch's TransformerEncoderLayer: its forward is compiled
+    compile_model(model, "blocks", mode="reduce-overhead")
+    assert calls == [{"backend": "inductor", "mode": "reduce-overhead"}] * 2
+    calls.clear()
+    compile_model(_peft_llama(2), "blocks", mode="reduce-overhead")  # Llama's blocks: Module.compile
+    assert calls == [{"backend": "inductor", "mode": "reduce-overhead"}] * 2
+    calls.clear()
+    compile_model(model, "stack", backend="eager", mode="reduce-overhead")  # only inductor takes a mode
+    assert calls == [{"backend": "eager"}]

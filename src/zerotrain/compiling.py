@@ -47,18 +47,24 @@ def _stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList]]:
     return found
 
 
-def compile_in_place(module: nn.Module, backend: str | Callable[..., Any] = "inductor") -> None:
+def compile_in_place(module: nn.Module, backend: str | Callable[..., Any] = "inductor", mode: str = "default") -> None:
     """``module.compile()``, except for modules whose ``forward`` is torch's own (``nn.TransformerEncoderLayer``, the
     IMDB recipe's blocks): dynamo does not trace ``Module._call_impl`` of those as the first frame, so their
     ``compile()`` silently runs eager (torch 2.11-2.13). Their ``forward`` is compiled instead, which it does
     trace; hooks still run around it."""
     if type(module).forward.__module__.startswith("torch."):  # also a subclass that keeps torch's forward
-        module.forward = torch.compile(module.forward, backend=backend)  # type: ignore[method-assign]
+        module.forward = torch.compile(module.forward, backend=backend, **_mode(backend, mode))  # type: ignore[method-assign]
     else:
-        module.compile(backend=backend)
+        module.compile(backend=backend, **_mode(backend, mode))
 
 
-def compile_model(model: nn.Module, scope: str = "blocks", backend: str | Callable[..., Any] = "inductor") -> str:
+def _mode(backend: str | Callable[..., Any], mode: str) -> dict[str, str]:
+    # torch.compile refuses a mode with a backend other than inductor (the tests' counting backends)
+    return {"mode": mode} if backend == "inductor" and mode != "default" else {}
+
+
+def compile_model(model: nn.Module, scope: str = "blocks", backend: str | Callable[..., Any] = "inductor",
+                  mode: str = "default") -> str:
     """Compile ``model`` in place and say what was compiled: its repeated blocks one by one (``scope="blocks"``), or
     each module that holds a stack of them, the stack as one graph (``scope="stack"``); the whole model when it
     has no repeated blocks.
@@ -67,13 +73,13 @@ def compile_model(model: nn.Module, scope: str = "blocks", backend: str | Callab
     small model whose step waits on the host needs, at a compile time that grows with depth. The whole model
     as one graph is not offered: the IMDB classifier compiled whole trained at chance on a GPU (wrong gradients
     from the second step, torch 2.11, ``benchmarks/whole_compile_check.py``), while its stack compiled whole
-    trains as eager."""
+    trains as eager. ``mode`` is torch.compile's (``reduce-overhead``: CUDA graphs)."""
     units = block_stacks(model) if scope == "stack" else repeated_blocks(model)
     if not units:
-        compile_in_place(model, backend)
+        compile_in_place(model, backend, mode)
         return f"compiled the whole {type(model).__name__}"
     for unit in units:
-        compile_in_place(unit, backend)
+        compile_in_place(unit, backend, mode)
     if scope == "stack":
         return f"compiled {type(units[0]).__name__} ({len(repeated_blocks(model))} blocks) as one graph"
     return f"compiled {len(units)} {type(units[0]).__name__} blocks one by one"

@@ -235,7 +235,8 @@ class DeepSpeedEngine(Engine):
                 # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.
                 self.ds.compile()
             else:
-                logger.info("torch.compile: %s", compile_model(self.ds.module, cfg.strategy.compile_scope))
+                what = compile_model(self.ds.module, cfg.strategy.compile_scope, mode=cfg.strategy.compile_mode)
+                logger.info("torch.compile: %s", what)
         self._clip = clip
         self._params = params
         if clip is not None and self.world_size == 1:
@@ -399,7 +400,8 @@ class TorchEngine(Engine):
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
         if cfg.strategy.compile:
-            logger.info("torch.compile: %s", compile_model(self._module, cfg.strategy.compile_scope))
+            what = compile_model(self._module, cfg.strategy.compile_scope, mode=cfg.strategy.compile_mode)
+            logger.info("torch.compile: %s", what)
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
