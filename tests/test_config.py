@@ -35,6 +35,8 @@ INVALID = [
     (StrategyConfig, dict(backend="ddp", deepspeed_config="ds.json"), "--strategy.deepspeed_config", ["deepspeed"]),
     (StrategyConfig, dict(zero_stage=4), "--strategy.zero_stage", ["got 4"]),
     (StrategyConfig, dict(gradient_accumulation_steps=0), "--strategy.gradient_accumulation_steps", ["got 0"]),
+    (StrategyConfig, dict(compile=True, compile_mode="reduce-overhead", gradient_accumulation_steps=2),
+     "--strategy.compile_mode", ["--strategy.gradient_accumulation_steps 1"]),
     (StrategyConfig, dict(gradient_clipping=-1.0), "--strategy.gradient_clipping", ["got -1.0"]),
     (StrategyConfig, dict(precision="fp16", initial_scale_power=-1), "--strategy.initial_scale_power", [">= 0"]),
     (OptimizerConfig, dict(lr=0.0), "--optimizer.lr", ["> 0", "got 0.0"]),

@@ -71,6 +71,13 @@ def test_candidates_keep_the_global_batch_and_leave_offload_out_on_cpu():
     assert cfg.strategy.zero_stage == 0  # apply() copies
 
 
+def test_cuda_graphs_keep_the_whole_batch_in_one_micro_batch():
+    """--strategy.compile_mode reduce-overhead cannot accumulate gradients, so the planner splits no batch."""
+    cfg = parse_config("toy", ["--trainer.micro_batch_size", "24", "--strategy.compile", "true",
+                               "--strategy.compile_mode", "reduce-overhead", "--trainer.max_steps", "1"])
+    assert {(c.micro_batch_size, c.grad_accum) for c in candidates(cfg, "cuda")} == {(24, 1)}
+
+
 def test_memory_prediction_adds_measured_activations_to_the_model_states():
     counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
                          trainable_bytes=4 * 10**9, tensors=200)

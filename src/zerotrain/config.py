@@ -154,6 +154,12 @@ class StrategyConfig:
             raise ConfigError(
                 "--strategy.gradient_accumulation_steps", f"must be >= 1, got {self.gradient_accumulation_steps}"
             )
+        if self.compile and self.compile_mode == "reduce-overhead" and self.gradient_accumulation_steps > 1:
+            # A CUDA graph's replay writes its gradients into the same pool memory each time, and the first
+            # micro-batch's gradients became the parameters' .grad there (pytorch/pytorch#169545).
+            raise ConfigError("--strategy.compile_mode", "reduce-overhead (CUDA graphs) would overwrite the gradients "
+                              "accumulated so far; set --strategy.gradient_accumulation_steps 1 or "
+                              "--strategy.compile_mode default")
         if self.gradient_clipping < 0:
             raise ConfigError("--strategy.gradient_clipping", f"must be >= 0 (0 disables), got {self.gradient_clipping}")
         for flag, value in (("--strategy.reduce_bucket_size", self.reduce_bucket_size),

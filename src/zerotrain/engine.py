@@ -200,6 +200,12 @@ class Engine(ABC):
         barrier()
 
 
+def _compile(module: nn.Module, cfg: RunConfig, device: torch.device) -> None:
+    # CUDA graphs replay CUDA kernels; on a CPU inductor would only warn that it skips them
+    mode = cfg.strategy.compile_mode if device.type == "cuda" else "default"
+    logger.info("torch.compile: %s", compile_model(module, cfg.strategy.compile_scope, mode=mode))
+
+
 def _add_flops(total: Optional[float], out: StepOutput, first: bool) -> Optional[float]:
     """Running sum of per-micro-batch FLOPs; None as soon as one micro-batch does not report them."""
     if out.flops is None or (total is None and not first):
@@ -235,8 +241,7 @@ class DeepSpeedEngine(Engine):
                 # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.
                 self.ds.compile()
             else:
-                what = compile_model(self.ds.module, cfg.strategy.compile_scope, mode=cfg.strategy.compile_mode)
-                logger.info("torch.compile: %s", what)
+                _compile(self.ds.module, cfg, device)
         self._clip = clip
         self._params = params
         if clip is not None and self.world_size == 1:
@@ -400,8 +405,7 @@ class TorchEngine(Engine):
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
         if cfg.strategy.compile:
-            what = compile_model(self._module, cfg.strategy.compile_scope, mode=cfg.strategy.compile_mode)
-            logger.info("torch.compile: %s", what)
+            _compile(self._module, cfg, device)
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None

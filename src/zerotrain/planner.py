@@ -125,6 +125,8 @@ def candidates(cfg: RunConfig, device: str, strategies: Optional[list[str]] = No
     """Every configuration the planner considers for ``cfg``'s global batch (module docstring)."""
     per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
     micros = sorted({m for m in (2**i for i in range(per_rank.bit_length())) if per_rank % m == 0} | {per_rank})
+    if cfg.strategy.compile and cfg.strategy.compile_mode == "reduce-overhead":
+        micros = [per_rank]  # CUDA graphs cannot accumulate gradients (StrategyConfig.validate)
     names = strategies or [name for name, s in STRATEGIES.items()
                            if device == "cuda" or s.offload_optimizer == "none"]  # offload needs a GPU to offload from
     return [Candidate(name, m, per_rank // m, ckpt) for name in names for m in micros
