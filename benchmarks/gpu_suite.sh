@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -233,6 +233,14 @@ for part in "$@"; do
         set -- $v
         timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 \
           --out "$OUT/host/bert_$1_$2" "${BERT[@]}" --strategy.compile true --strategy.compile_scope $1 \
+          --strategy.compile_mode $2 | tail -n 1
+      done ;;
+    bert_graphs)  # target 2 at BERT-base, ZeRO-0, in one call: the encoder compiled as one graph, then replayed as a
+      # CUDA graph (with a profile), then the blocks one by one as CUDA graphs
+      for v in "stack default 0" "stack reduce-overhead 5" "blocks reduce-overhead 0"; do
+        set -- $v
+        timeout 170 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile $3 \
+          --out "$OUT/bert_graphs/$1_$2" "${BERT[@]}" --strategy.compile true --strategy.compile_scope $1 \
           --strategy.compile_mode $2 | tail -n 1
       done ;;
     tests)
