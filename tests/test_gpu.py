@@ -145,5 +145,5 @@ def test_cuda_graphs_train_as_the_compiled_model_does(tmp_path, stage):
         rows = [json.loads(line) for line in (tmp_path / mode / "gpu" / "metrics.jsonl").read_text().splitlines()]
         curves[mode] = [r["train_loss"] for r in rows if "train_loss" in r]
     assert len(curves["default"]) == 12
+    # Each step's loss is on new random batches: a graph replaying stale weights would drift from step 2 on
     assert curves["reduce-overhead"] == pytest.approx(curves["default"], rel=1e-4)
-    assert curves["default"][-1] < curves["default"][0]  # it trained
