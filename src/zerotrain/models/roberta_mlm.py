@@ -175,11 +175,14 @@ class RobertaMLM(nn.Module):
         x = self.encoder(input_ids, attention_mask)  # (B, T, C)
         if labels is None:
             return {"logits": self.lm_head(x), "loss": None}  # (B, T, V)
-        chosen = labels != IGNORE_INDEX  # (B, T)
-        logits = self.lm_head(x[chosen])  # (M, V)
+        labels = labels.flatten()  # (B*T,)
+        # Where the masked positions are is known only on the device: finding them waits for the GPU. Once a
+        # step, not once for the hidden states and again for the labels.
+        chosen = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,), row-major order
+        logits = self.lm_head(x.flatten(0, 1).index_select(0, chosen))  # (M, V)
         # Mean over masked positions, clamped at 1: a micro-batch in which nothing was masked gives
         # a zero loss (and zero gradient) instead of NaN.
-        loss = F.cross_entropy(logits.float(), labels[chosen], reduction="sum") / chosen.sum().clamp(min=1)
+        loss = F.cross_entropy(logits.float(), labels.index_select(0, chosen), reduction="sum") / max(len(chosen), 1)
         return {"logits": logits, "loss": loss}
 
     def num_params(self, non_embedding: bool = True) -> int:
