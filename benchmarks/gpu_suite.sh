@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -242,6 +242,15 @@ for part in "$@"; do
         timeout 170 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile $3 \
           --out "$OUT/bert_graphs/$1_$2" "${BERT[@]}" --strategy.compile true --strategy.compile_scope $1 \
           --strategy.compile_mode $2 | tail -n 1
+      done ;;
+    bert_head)  # the MLM head finding its masked positions once (this code) against twice (OLD_SRC), ZeRO-0 with the
+      # encoder compiled as one graph, no profiler, twice in turn
+      for rep in 1 2; do
+        PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 \
+          --nproc 1 --predict false --out "$OUT/bert_head/twice_$rep" "${BERT[@]}" --strategy.compile true \
+          --strategy.compile_scope stack | tail -n 1
+        timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false \
+          --out "$OUT/bert_head/once_$rep" "${BERT[@]}" --strategy.compile true --strategy.compile_scope stack | tail -n 1
       done ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
