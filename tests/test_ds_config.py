@@ -441,6 +441,14 @@ def test_make_ds_config_validates_a_user_file(tmp_path):
         make_ds_config(make_cfg(deepspeed_config=str(path)), 1, "cuda", "bf16")
 
 
+def test_a_user_file_that_accumulates_is_refused_with_cuda_graphs(tmp_path):
+    path = write(tmp_path, '{"gradient_accumulation_steps": 4}')
+    cfg = make_cfg(gas=1, deepspeed_config=str(path), compile=True, compile_mode="reduce-overhead")
+    with pytest.raises(ConfigError, match=r"^gradient_accumulation_steps = 4 in .*ds\.json.*compile_mode default"):
+        make_ds_config(cfg, 1, "cuda", "bf16")
+    assert make_ds_config(cfg, 1, "cpu", "fp32")["gradient_accumulation_steps"] == 4  # no CUDA graphs on a CPU
+
+
 def test_batch_shape_reads_a_user_file(tmp_path):
     path = write(tmp_path, '# mine\n{"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 5}')
     assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (6, 5)

@@ -114,7 +114,7 @@ class StrategyConfig:
     compile_scope: Literal["blocks", "stack"] = "blocks"
     """With --strategy.compile: blocks compiles the repeated blocks one by one (a compile costs one block, whatever the depth); stack compiles the module that holds them (IMDB's TransformerEncoder) as one graph: fewer kernel launches a step, for small models whose step waits on the host, at a compile time that grows with depth."""
     compile_mode: Literal["default", "reduce-overhead"] = "default"
-    """With --strategy.compile: torch.compile's mode. reduce-overhead replays each compiled unit's kernels as a CUDA graph, one launch instead of hundreds, for a step that waits on the host; a graph is recorded per batch shape and holds its own memory pool. Ignored on CPU."""
+    """With --strategy.compile: torch.compile's mode. reduce-overhead replays each compiled unit's kernels as a CUDA graph, one launch instead of hundreds, for a step that waits on the host; a graph is recorded per batch shape and holds its own memory pool. No gradient accumulation. Ignored on CPU and at ZeRO-3 (DeepSpeed's own compile)."""
     fast_path: bool = True
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     auto: bool = False
