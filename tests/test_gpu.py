@@ -140,8 +140,11 @@ def test_cuda_graphs_train_as_the_compiled_model_does(tmp_path, stage):
         (tmp_path / mode).mkdir()
         out = _fit(tmp_path / mode, "--strategy.zero_stage", stage, "--strategy.precision", "fp32",
                    "--model.dropout", "0", "--strategy.compile", "true", "--strategy.compile_mode", mode,
-                   "--trainer.max_steps", "12", "--trainer.log_every_steps", "1")
+                   "--trainer.max_steps", "12", "--trainer.log_every_steps", "1",
+                   env_extra={"TORCH_LOGS": "perf_hints"})  # inductor says there why it would skip the graphs
         assert out.returncode == 0, out.stderr[-3000:]
+        log = out.stdout + out.stderr
+        assert f"(mode {mode})" in log and "skipping cudagraphs" not in log, log[-3000:]
         rows = [json.loads(line) for line in (tmp_path / mode / "gpu" / "metrics.jsonl").read_text().splitlines()]
         curves[mode] = [r["train_loss"] for r in rows if "train_loss" in r]
     assert len(curves["default"]) == 12

@@ -114,7 +114,7 @@ class StrategyConfig:
     compile_scope: Literal["blocks", "stack"] = "blocks"
     """With --strategy.compile: blocks compiles the repeated blocks one by one (a compile costs one block, whatever the depth); stack compiles the module that holds them (IMDB's TransformerEncoder) as one graph: fewer kernel launches a step, for small models whose step waits on the host, at a compile time that grows with depth."""
     compile_mode: Literal["default", "reduce-overhead"] = "default"
-    """With --strategy.compile: torch.compile's mode. reduce-overhead replays each compiled unit's kernels as a CUDA graph, one launch instead of hundreds, for a step that waits on the host; a graph is recorded per batch shape and holds its own memory pool. No gradient accumulation. Ignored on CPU and at ZeRO-3 (DeepSpeed's own compile)."""
+    """With --strategy.compile: torch.compile's mode. reduce-overhead replays each compiled unit's kernels as a CUDA graph, one launch instead of hundreds, for a step that waits on the host; a graph is recorded per batch shape, and the graphs share one memory pool that the run keeps. Refuses gradient accumulation (on any device); not used on a CPU or at ZeRO-3 (DeepSpeed's own compile)."""
     fast_path: bool = True
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     auto: bool = False
@@ -154,7 +154,8 @@ class StrategyConfig:
             raise ConfigError(
                 "--strategy.gradient_accumulation_steps", f"must be >= 1, got {self.gradient_accumulation_steps}"
             )
-        if self.compile and self.compile_mode == "reduce-overhead" and self.gradient_accumulation_steps > 1:
+        if (self.compile and self.compile_mode == "reduce-overhead" and self.zero_stage != 3
+                and self.gradient_accumulation_steps > 1):
             # A CUDA graph's replay writes its gradients into the same pool memory each time, and the first
             # micro-batch's gradients became the parameters' .grad there (pytorch/pytorch#169545).
             raise ConfigError("--strategy.compile_mode", "reduce-overhead (CUDA graphs) would overwrite the gradients "

@@ -436,9 +436,10 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
     validate_ds_config(ds, world_size, device)
-    s = cfg.strategy
-    if s.compile and s.compile_mode == "reduce-overhead" and device == "cuda" and ds["gradient_accumulation_steps"] > 1:
-        # StrategyConfig.validate refuses the flags; a user's file can still set accumulation
+    s, stage = cfg.strategy, (ds.get("zero_optimization") or {}).get("stage", 0)
+    if s.compile and s.compile_mode == "reduce-overhead" and stage != 3 and ds["gradient_accumulation_steps"] > 1:
+        # StrategyConfig.validate refuses the flags; a user's file can still set accumulation. Refused on a CPU
+        # too, as the flags are, so that a config that runs here runs on a GPU.
         raise ConfigError("gradient_accumulation_steps", f"= {ds['gradient_accumulation_steps']} in "
                           f"{s.deepspeed_config}, but CUDA graphs (--strategy.compile_mode reduce-overhead) would "
                           "overwrite the gradients accumulated so far: set it to 1 or --strategy.compile_mode default")

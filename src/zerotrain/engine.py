@@ -203,7 +203,7 @@ class Engine(ABC):
 def _compile(module: nn.Module, cfg: RunConfig, device: torch.device) -> None:
     # CUDA graphs replay CUDA kernels; on a CPU inductor would only warn that it skips them
     mode = cfg.strategy.compile_mode if device.type == "cuda" else "default"
-    logger.info("torch.compile: %s", compile_model(module, cfg.strategy.compile_scope, mode=mode))
+    logger.info("torch.compile: %s (mode %s)", compile_model(module, cfg.strategy.compile_scope, mode=mode), mode)
 
 
 def _add_flops(total: Optional[float], out: StepOutput, first: bool) -> Optional[float]:

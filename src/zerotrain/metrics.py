@@ -359,7 +359,7 @@ def profile_markdown(s: dict) -> str:
     if s["gpu_ms_per_step_by_family"]:
         lines += ["| kernel family | GPU ms/step |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in s["gpu_ms_per_step_by_family"].items()]
-        lines += [f"| (idle: the GPU waits for the host) | {s.get('gpu_idle_ms_per_step', 0.0):.2f} |", ""]
+        lines += [f"| (no kernel running: the GPU waits for the host or a copy) | {s.get('gpu_idle_ms_per_step', 0.0):.2f} |", ""]
     lines += ["| top | family | calls/step | ms/step |", "|---|---|---|---|"]
     lines += [f"| `{t['name']}` | {t['family']} | {t['calls_per_step']:.1f} | {t['ms_per_step']:.3f} |" for t in s["top"]]
     return "\n".join(lines) + "\n"
