@@ -163,11 +163,15 @@ for part in "$@"; do
         --zerotrain_command "${ZCMD[*]}" --lightning_command "${LCMD[*]}" ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: every one-GPU engine (the engine-tax target too), then ZeRO-1/2
       # and DDP on two GPUs, and on four where the machine has them. S1/S2 narrow the strategies; EXTRA adds flags to
-      # every row (session 12: EXTRA="--strategy.compile true --strategy.compile_scope stack")
-      z benchmark mlm --strategies ${S1:-ddp,zero0,zero1,zero2} --nproc 1 --out "$OUT/scaling/1gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 6
-      z benchmark mlm --strategies ${S2:-ddp,zero1,zero2} --nproc 2 --out "$OUT/scaling/2gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 5
+      # every row (session 12: EXTRA="--strategy.compile true --strategy.compile_scope stack"); S1=none skips the
+      # one-GPU rows; TAG names the result folder (scaling$TAG) so variants of one call sit side by side
+      dir="$OUT/scaling${TAG:-}"
+      if [ "${S1:-}" != none ]; then
+        z benchmark mlm --strategies ${S1:-ddp,zero0,zero1,zero2} --nproc 1 --out "$dir/1gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 6
+      fi
+      z benchmark mlm --strategies ${S2:-ddp,zero1,zero2} --nproc 2 --out "$dir/2gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 5
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
-        z benchmark mlm --strategies ${S2:-ddp,zero1,zero2} --nproc 4 --out "$OUT/scaling/4gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 5
+        z benchmark mlm --strategies ${S2:-ddp,zero1,zero2} --nproc 4 --out "$dir/4gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 5
       fi ;;
     offload_5b)  # the fast-path issue's target 5(b): MLM 24 layers x 4096 (FFN 16384, 32 heads; 5.06B parameters),
       # ZeRO-2 + CPU optimizer offload, activation checkpointing, bf16, no evaluation, no export. The issue's

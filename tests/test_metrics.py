@@ -112,6 +112,29 @@ def test_profile_summary_counts_a_kernel_once_though_its_launcher_has_its_name()
     assert [t["name"] for t in s["top"]] == ["multi_tensor_apply_kernel<AdamFunctor>", "triton_poi_fused_gelu_backward_4"]
 
 
+def test_profile_summary_keeps_collectives_apart_from_the_compute():
+    """NCCL's kernels are named after their collective ("AllReduce"), which the elementwise family's
+    "reduce" would claim; they run on their own stream and include the wait for the other ranks, so
+    they are their own family and left out of the GPU's busy time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from zerotrain.metrics import kernel_family, profile_markdown, summarize_profile
+
+    def event(key, device_us):
+        return SimpleNamespace(key=key, cpu_time_total=5.0, self_cpu_time_total=5.0, self_device_time_total=device_us,
+                               count=1, is_user_annotation=False, device_type=DeviceType.CUDA)
+
+    nccl = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    assert kernel_family(nccl) == "communication"
+    s = summarize_profile([event(nccl, 2500.0), event("sm90_xmma_gemm_bf16bf16", 3000.0)], steps=1, wall_s=0.004)
+    assert s["gpu_ms_per_step"] == 3.0 and s["comm_ms_per_step"] == 2.5
+    assert s["gpu_idle_ms_per_step"] == 1.0
+    assert s["gpu_ms_per_step_by_family"] == {"matmul": 3.0, "communication": 2.5}
+    assert "Collectives 2.5 ms/step" in profile_markdown(s)
+
+
 def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():
     import mmap
     import time

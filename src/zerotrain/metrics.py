@@ -231,6 +231,8 @@ def memory_snapshot(device: torch.device) -> dict[str, float]:
 
 # Kernel families for the profile summary, matched on lower-cased kernel names, first match wins.
 KERNEL_FAMILIES: list[tuple[str, tuple[str, ...]]] = [
+    # First: NCCL's kernels are named after their collective ("...AllReduce_Sum_bf16...")
+    ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "wgmma")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
@@ -309,7 +311,11 @@ def _is_kernel(event) -> bool:
 def summarize_profile(events, steps: int, wall_s: float) -> dict:
     """The numbers of :class:`StepProfiler`'s summary from ``profile.key_averages()`` (times in ms per step)."""
     kernels = [e for e in events if _is_kernel(e)]
-    gpu_ms = sum(_device_us(e) for e in kernels) / 1e3 / steps
+    # A collective runs on its own stream beside the compute, and its time includes waiting for the other
+    # ranks: it is reported apart, and the GPU's busy and idle time are the compute kernels'.
+    compute = [e for e in kernels if kernel_family(e.key) != "communication"]
+    gpu_ms = sum(_device_us(e) for e in compute) / 1e3 / steps
+    comm_ms = sum(_device_us(e) for e in kernels if e not in compute) / 1e3 / steps
     families: dict[str, float] = {}
     for e in kernels:
         fam = kernel_family(e.key)
@@ -332,9 +338,10 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
         "wall_ms_per_step": wall_ms,
         "cpu_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / steps,
         "gpu_ms_per_step": gpu_ms,
+        "comm_ms_per_step": comm_ms,
         "gpu_busy_frac": gpu_ms / wall_ms if wall_ms else 0.0,
         # Wall time with no kernel running (kernels on two streams can overlap, so this is a lower bound)
-        "gpu_idle_ms_per_step": max(wall_ms - gpu_ms, 0.0) if kernels else 0.0,
+        "gpu_idle_ms_per_step": max(wall_ms - gpu_ms, 0.0) if compute else 0.0,
         "host_ms_per_step_by_phase": phases,
         "kernel_launches_per_step": launches / steps,
         "syncs_per_step": syncs / steps,
@@ -353,6 +360,9 @@ def profile_markdown(s: dict) -> str:
              f"{s['device_reads_per_step']:.1f} device-value reads per step.", ""]
     if s.get("kernel_launches_per_step"):
         lines[0] += f" {s['kernel_launches_per_step']:.0f} kernel launches per step."
+    if s.get("comm_ms_per_step"):
+        lines[0] += (f" Collectives {s['comm_ms_per_step']:.1f} ms/step on their own stream (waits for other ranks"
+                     " included), not counted in GPU time.")
     if s.get("host_ms_per_step_by_phase"):
         lines += ["| phase (host, inclusive) | CPU ms/step |", "|---|---|"]
         lines += [f"| {k} | {v:.1f} |" for k, v in s["host_ms_per_step_by_phase"].items()] + [""]
