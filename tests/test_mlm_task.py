@@ -54,12 +54,30 @@ def test_train_and_eval_steps_on_the_plain_model(task):
 
 def test_special_tokens_are_never_masked(task):
     splits = task.build_datasets()
-    batch = task.collator()([splits.train[i] for i in range(4)])
     tok = task.tokenizer
-    for _ in range(20):
-        masked, labels = task._mask(batch, generator=None)
-        assert (masked[:, 0] == tok.bos_token_id).all() and (masked[:, -1] == tok.eos_token_id).all()
-        assert (labels[batch["input_ids"] == tok.eos_token_id] == -100).all()
+    for epoch in range(5):
+        splits.train.set_epoch(epoch)
+        for i in range(4):
+            block, item = splits.train.blocks[i], splits.train[i]
+            assert item["input_ids"][0] == tok.bos_token_id and item["input_ids"][-1] == tok.eos_token_id
+            assert (item["labels"][block == tok.eos_token_id] == -100).all()
+            chosen = item["labels"] != -100
+            assert torch.equal(item["labels"][chosen], block[chosen]), "labels are the original tokens"
+
+
+def test_the_step_is_handed_its_masked_positions_and_computes_the_same_loss(task):
+    """collate_masked finds the masked positions on the CPU; the model given them computes bitwise the
+    loss it computes when it finds them itself (which waits for the GPU)."""
+    splits = task.build_datasets()
+    batch = task.collator()([splits.train[i] for i in range(4)])
+    labels = batch["labels"]
+    assert torch.equal(batch["masked_positions"], (labels.flatten() != -100).nonzero().squeeze(1))
+    assert batch["masked_positions"].numel() > 0
+    model = task.build_model()
+    model.eval()  # no dropout: the two forwards must see the same network
+    handed = model(input_ids=batch["input_ids"], labels=labels, masked_positions=batch["masked_positions"])
+    found = model(input_ids=batch["input_ids"], labels=labels)
+    assert torch.equal(handed["loss"], found["loss"]) and torch.equal(handed["logits"], found["logits"])
 
 
 def test_holdout_when_no_val_path(task):
@@ -88,11 +106,51 @@ def test_validation_names_the_flag(section, change, flag):
         cfg.validate()
 
 
-def test_eval_masks_do_not_depend_on_batch_composition(task):
-    """With several ranks, a row lands in a different batch: its validation mask must not change."""
-    splits = task.build_datasets()
-    rows = [splits.train[i] for i in range(4)]
-    whole, whole_labels = task._eval_mask(task.collator()(rows))
-    part, part_labels = task._eval_mask(task.collator()(rows[2:]))
-    assert torch.equal(whole[2:], part) and torch.equal(whole_labels[2:], part_labels)
-    assert (whole_labels != -100).any()
+def test_eval_masks_depend_only_on_the_block(task):
+    """With several ranks a validation block lands at another index and in another batch: its mask
+    must not change, nor from one evaluation (epoch) to the next."""
+    from zerotrain.data.masking import MaskedBlocks
+
+    val = task.build_datasets().train  # more blocks than the tiny validation text
+    fixed = MaskedBlocks(val.blocks, val.masker, fixed=True)
+    moved = MaskedBlocks(val.blocks[[2, 0, 3, 1]], val.masker, fixed=True)
+    moved.set_epoch(7)
+    for i, j in enumerate([2, 0, 3, 1]):
+        assert all(torch.equal(moved[i][k], fixed[j][k]) for k in ("input_ids", "labels"))
+    assert any((fixed[i]["labels"] != -100).any() for i in range(4))
+
+
+def test_training_masks_are_fresh_each_epoch_and_a_function_of_seed_epoch_and_index(task):
+    from zerotrain.data.masking import MaskedBlocks
+
+    train = task.build_datasets().train
+    again = MaskedBlocks(train.blocks, train.masker, seed=task.cfg.trainer.seed)
+
+    def labels(ds, epoch):
+        ds.set_epoch(epoch)
+        return torch.stack([ds[i]["labels"] for i in range(len(ds))])
+
+    assert torch.equal(labels(train, 3), labels(again, 3))
+    assert not torch.equal(labels(train, 0), labels(train, 1))
+    other_seed = MaskedBlocks(train.blocks, train.masker, seed=task.cfg.trainer.seed + 1)
+    assert not torch.equal(labels(train, 0), labels(other_seed, 0))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_stream_tells_the_dataset_its_epoch_and_a_resumed_stream_masks_alike(task, workers):
+    """micro_batch_stream sets the dataset's epoch before each epoch's loader starts its workers."""
+    from zerotrain.data.loader import make_loader, micro_batch_stream
+    from zerotrain.data.sampling import EpochBatches
+
+    train = task.build_datasets().train
+
+    def stream(epoch, skip, n):
+        sampler = EpochBatches(len(train), 2, rank=0, world_size=1, seed=0, shuffle=False)
+        it = micro_batch_stream(make_loader(train, sampler, task.collator(), workers, 0), sampler, epoch, skip)
+        return [next(it)[2]["labels"] for _ in range(n)], sampler.batches_per_epoch
+
+    full, per_epoch = stream(0, 0, 0)
+    full, _ = stream(0, 0, per_epoch + 2)
+    resumed, _ = stream(1, 1, 1)
+    assert torch.equal(resumed[0], full[per_epoch + 1])
+    assert not torch.equal(full[0], full[per_epoch]), "epoch 1 reads block 0 again, with a fresh mask"

@@ -65,6 +65,8 @@ def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
     """
     while True:
         sampler.set_epoch(epoch, skip)
+        if hasattr(loader.dataset, "set_epoch"):  # a dataset that draws per epoch (MLM's masks)
+            loader.dataset.set_epoch(epoch)
         for i, batch in enumerate(loader, start=skip + 1):
             if i == sampler.batches_per_epoch:
                 yield epoch + 1, 0, batch

@@ -13,7 +13,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from zerotrain.data.io import (
     atomic_file,
@@ -207,15 +206,3 @@ def load_packed(
                         "use more text or a smaller --model.max_seq_length")
     return blocks
 
-
-class PackedBlocks(Dataset):
-    """Rows of a packed (N, T) tensor as a dataset; each item is one (T,) block."""
-
-    def __init__(self, blocks: torch.Tensor):
-        self.blocks = blocks
-
-    def __len__(self) -> int:
-        return self.blocks.shape[0]
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.blocks[index]

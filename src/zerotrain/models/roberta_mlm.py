@@ -163,7 +163,8 @@ class RobertaMLM(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> dict[str, Optional[torch.Tensor]]:
+                labels: Optional[torch.Tensor] = None,
+                masked_positions: Optional[torch.Tensor] = None) -> dict[str, Optional[torch.Tensor]]:
         """Without ``labels``: logits for every position, (B, T, V). ``attention_mask`` (B, T) is 1 for
         real tokens; None when there is no padding.
 
@@ -171,14 +172,19 @@ class RobertaMLM(nn.Module):
         is (M, V) for those M positions, in row-major order. The vocabulary projection is the
         largest matmul of a small MLM; skipping the ~85% of positions that carry no loss makes a
         training step several times cheaper without changing the loss or its gradient.
+
+        ``masked_positions`` (M,): where ``labels`` is not -100, as flat row-major indices into the B*T
+        positions, found by whoever masked (the data pipeline does, on the CPU). Given, the step never
+        waits for the GPU; without it the positions are found here, which waits once.
         """
         x = self.encoder(input_ids, attention_mask)  # (B, T, C)
         if labels is None:
             return {"logits": self.lm_head(x), "loss": None}  # (B, T, V)
         labels = labels.flatten()  # (B*T,)
-        # Where the masked positions are is known only on the device: finding them waits for the GPU. Once a
-        # step, not once for the hidden states and again for the labels.
-        chosen = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,), row-major order
+        chosen = masked_positions
+        if chosen is None:
+            # The count of masked positions is an output shape: nonzero waits for the GPU to know it.
+            chosen = (labels != IGNORE_INDEX).nonzero().squeeze(1)  # (M,), row-major order
         logits = self.lm_head(x.flatten(0, 1).index_select(0, chosen))  # (M, V)
         # Mean over masked positions, clamped at 1: a micro-batch in which nothing was masked gives
         # a zero loss (and zero gradient) instead of NaN.

@@ -1,10 +1,11 @@
 """The RoBERTa masked-language-model recipe (HelloDeepSpeed's train_bert, on the one zerotrain loop).
 
-Text is packed into full ``<s> ... </s>`` blocks (see :mod:`zerotrain.data.text`) and masked on the
-device at each step (:func:`~zerotrain.data.masking.mask_tokens`), so every epoch sees fresh masks,
-as RoBERTa's dynamic masking does. Training masks draw from torch's global RNG, which checkpoints save;
-evaluation masks draw from a generator seeded by the batch's content, so validation numbers are
-the same on every evaluation, every run and any number of ranks.
+Text is packed into full ``<s> ... </s>`` blocks (see :mod:`zerotrain.data.text`), and the data
+pipeline masks each block as it reads it (:class:`~zerotrain.data.masking.MaskedBlocks`): every epoch
+sees fresh masks, as RoBERTa's dynamic masking does, a resumed run sees the same ones, and validation
+masks depend only on a block's content, so validation numbers are the same on every evaluation, every
+run and any number of ranks. The step is handed where the masked positions are, so it never waits for
+the GPU to find them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerotrain.config import RunConfig
-from zerotrain.data.collate import IGNORE_INDEX
 from zerotrain.data.io import looks_local as is_local_source
-from zerotrain.data.masking import mask_tokens
-from zerotrain.data.text import PackedBlocks, load_packed
+from zerotrain.data.masking import BlockMasker, MaskedBlocks, collate_masked
+from zerotrain.data.text import load_packed
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models.roberta_mlm import RobertaMLM
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
@@ -119,7 +119,6 @@ class MLMTask(Task[MLMConfig]):
     def __init__(self, cfg: MLMConfig):
         super().__init__(cfg)
         self._tokenizer = None
-        self._special_ids: dict[torch.device, torch.Tensor] = {}
 
     @property
     def tokenizer(self):
@@ -156,60 +155,35 @@ class MLMTask(Task[MLMConfig]):
                                 "validation blocks; pass --data.val_path or more text")
             n_val = max(1, int(train.shape[0] * VAL_HOLDOUT_FRACTION))
             train, val = train[:-n_val], train[-n_val:]
-        return Splits(train=PackedBlocks(train), val=PackedBlocks(val))
+        masker = self.masker()
+        return Splits(train=MaskedBlocks(train, masker, seed=self.cfg.trainer.seed),
+                      val=MaskedBlocks(val, masker, fixed=True))
+
+    def masker(self) -> BlockMasker:
+        tok, d = self.tokenizer, self.cfg.data
+        specials = sorted({t for t in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) if t is not None})
+        return BlockMasker(tuple(specials), tok.mask_token_id, len(tok), d.mask_prob, d.random_replace_prob,
+                           d.unmask_replace_prob)
 
     def collator(self):
-        return stack_blocks
+        return collate_masked
 
     def deepspeed_hints(self, model: nn.Module) -> dict[str, Any]:
         return {"hidden_size": self.cfg.model.h_dim}
 
-    def _special_mask(self, batch: Batch) -> torch.Tensor:
-        input_ids = batch["input_ids"]
-        ids = self._special_ids.get(input_ids.device)
-        if ids is None:
-            tok = self.tokenizer
-            specials = {t for t in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) if t is not None}
-            ids = torch.tensor(sorted(specials), device=input_ids.device, dtype=input_ids.dtype)
-            self._special_ids[input_ids.device] = ids
-        return torch.isin(input_ids, ids) | (batch["attention_mask"] == 0)  # (B, T)
-
-    def _mask(self, batch: Batch, generator: Optional[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.cfg.data
-        return mask_tokens(
-            batch["input_ids"], self._special_mask(batch), mask_token_id=self.tokenizer.mask_token_id,
-            vocab_size=len(self.tokenizer), mask_prob=d.mask_prob, random_replace_prob=d.random_replace_prob,
-            unmask_replace_prob=d.unmask_replace_prob, generator=generator,
-        )
-
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
-        masked, labels = self._mask(batch, generator=None)  # (B, T) each
-        # Packed blocks are full (stack_blocks): no mask, so attention runs its fastest kernel.
-        out = model(input_ids=masked, attention_mask=None, labels=labels)
+        # Packed blocks are full (collate_masked): no mask, so attention runs its fastest kernel.
+        out = model(input_ids=batch["input_ids"], attention_mask=None, labels=batch["labels"],
+                    masked_positions=batch["masked_positions"])
         B, T = batch["input_ids"].shape
         return StepOutput(loss=out["loss"], tokens=B * T, samples=B)
 
-    @staticmethod
-    def _eval_seed(input_ids: torch.Tensor) -> int:
-        """A seed from one row's content: the row gets the same mask in every evaluation, whichever
-        batch, rank or number of ranks it lands in."""
-        flat = input_ids.reshape(-1).long()
-        weights = torch.arange(flat.numel(), device=flat.device) % 65521 + 1
-        return int((flat * weights).sum().item()) % (2**63 - 1)
-
-    def _eval_mask(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = []
-        for i in range(batch["input_ids"].shape[0]):
-            row = {k: v[i:i + 1] for k, v in batch.items()}  # (1, T)
-            g = torch.Generator(device=row["input_ids"].device).manual_seed(self._eval_seed(row["input_ids"]))
-            rows.append(self._mask(row, generator=g))
-        return torch.cat([m for m, _ in rows]), torch.cat([l for _, l in rows])  # (B, T) each
-
     @torch.no_grad()
     def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
-        masked, labels = self._eval_mask(batch)  # (B, T) each
-        out = model(input_ids=masked, attention_mask=None, labels=labels)  # full blocks, as in training
-        target = labels[labels != IGNORE_INDEX]  # (M,)
+        positions = batch["masked_positions"]  # (M,)
+        out = model(input_ids=batch["input_ids"], attention_mask=None, labels=batch["labels"],
+                    masked_positions=positions)  # full blocks, as in training
+        target = batch["labels"].flatten().index_select(0, positions)  # (M,)
         picked = out["logits"].float()  # (M, V)
         loss_sum = F.cross_entropy(picked, target, reduction="sum") if target.numel() else picked.sum()
         return {
@@ -264,8 +238,3 @@ class MLMTask(Task[MLMConfig]):
         text = self.tokenizer.decode([token_id]).strip()
         return text or repr(self.tokenizer.convert_ids_to_tokens(token_id))
 
-
-def stack_blocks(examples: list[torch.Tensor]) -> Batch:
-    """Packed blocks are full: no padding, every position is attended to."""
-    input_ids = torch.stack(examples).long()  # (B, T)
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
