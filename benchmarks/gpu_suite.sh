@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -264,6 +264,17 @@ for part in "$@"; do
           --strategy.compile_scope stack | tail -n 1
         timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false \
           --out "$OUT/bert_head/once_$rep" "${BERT[@]}" --strategy.compile true --strategy.compile_scope stack | tail -n 1
+      done ;;
+    bert_sync)  # the MLM step handed its masked positions by the data pipeline (this code) against the head finding
+      # them on the GPU with one wait a step (OLD_SRC), ZeRO-0, encoder compiled as one graph, 5 steps profiled
+      # after the timed ones' warm-up (not part of the timing), twice in turn
+      old_src_on_path || continue
+      for rep in 1 2; do
+        PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 \
+          --nproc 1 --predict false --profile 5 --out "$OUT/bert_sync/found_$rep" "${BERT[@]}" --strategy.compile true \
+          --strategy.compile_scope stack | tail -n 1
+        timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 \
+          --out "$OUT/bert_sync/handed_$rep" "${BERT[@]}" --strategy.compile true --strategy.compile_scope stack | tail -n 1
       done ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1

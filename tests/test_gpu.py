@@ -150,3 +150,34 @@ def test_cuda_graphs_train_as_the_compiled_model_does(tmp_path, stage):
     assert len(curves["default"]) == 12
     # Each step's loss is on new random batches: a graph replaying stale weights would drift from step 2 on
     assert curves["reduce-overhead"] == pytest.approx(curves["default"], rel=1e-4)
+
+
+def test_an_mlm_training_step_never_waits_for_the_gpu(tmp_path, tiny_tokenizer_dir):
+    """The pipeline hands the step its masked positions: forward, loss and backward make no host-device
+    synchronisation (torch raises on one in sync-debug "error" mode). The head finding the positions
+    itself would."""
+    import torch
+
+    from zerotrain.config import TrainerConfig
+    from zerotrain.engine import to_device
+    from zerotrain.tasks.mlm import MLMConfig, MLMDataConfig, MLMModelConfig, MLMTask
+
+    (tmp_path / "train.txt").write_text("the movie was great and i loved the plot but the acting was bad\n" * 40)
+    cfg = MLMConfig(model=MLMModelConfig(num_layers=2, num_heads=2, h_dim=32, ff_dim=64, max_seq_length=32),
+                    data=MLMDataConfig(train_path=str(tmp_path / "train.txt"), tokenizer=str(tiny_tokenizer_dir),
+                                       cache_dir=str(tmp_path / "cache")),
+                    trainer=TrainerConfig(max_steps=1, micro_batch_size=4)).validate()
+    task = MLMTask(cfg)
+    train = task.build_datasets().train
+    host = task.collator()([train[i] for i in range(4)])
+    batch = to_device({k: v.pin_memory() for k, v in host.items()}, torch.device("cuda"))
+    model = task.build_model().cuda().train()
+    task.training_step(model, batch).loss.backward()  # warm-up: first calls may allocate and sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        task.training_step(model, batch).loss.backward()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            model(input_ids=batch["input_ids"], labels=batch["labels"])  # the head's own nonzero
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
