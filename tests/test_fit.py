@@ -268,14 +268,18 @@ def test_offload_fast_path_reads_the_grad_norm_once(tmp_path, cpu_adam_built):
     reads = {fast: json.loads((tmp_path / f"fast-{fast}" / "profile.json").read_text())["device_reads_per_step"]
              for fast in (True, False)}
     tensors = len(list(ToyTask(toy_config(tmp_path, "count")).build_model().parameters()))
-    # DeepSpeed: one read per tensor and one of the all-reduced sum; the fast path: the sum's only
-    assert tensors >= 4 and reads[True] == pytest.approx(reads[False] - tensors)
+    # DeepSpeed: one read per tensor, one of the all-reduced sum and one in its clip; the fast path: the sum's only
+    assert tensors >= 4 and reads[True] == pytest.approx(reads[False] - tensors - 1)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero12_fast_path_follows_deepspeeds_default_path(tmp_path, stage):
-    """ZeRO-1/2 without contiguous_gradients (the fast path) reduce the same gradients: DeepSpeed's own curve."""
-    logs = _fast_and_default_logs(tmp_path, stage=stage, steps=60)
+    """ZeRO-1/2 without contiguous_gradients and with the clip that reads nothing to the host (the fast path)
+    reduce and clip the same gradients: DeepSpeed's own curve, with one wait a step fewer."""
+    logs = _fast_and_default_logs(tmp_path, stage=stage, steps=60, profile_steps=3)
     assert all("grad_norm" in row for row in logs[False].values())  # so the grad norms were compared too
+    reads = {fast: json.loads((tmp_path / f"fast-{fast}" / "profile.json").read_text())["device_reads_per_step"]
+             for fast in (True, False)}
+    assert reads[True] == pytest.approx(reads[False] - 1)
     ds = json.loads((tmp_path / "fast-True" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["contiguous_gradients"] is False

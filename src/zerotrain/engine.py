@@ -36,6 +36,7 @@ from zerotrain.ds_config import (
 )
 from zerotrain.errors import UserError
 from zerotrain.offload_norm import read_offload_norm_once
+from zerotrain.zero_clip import clip_without_sync
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
 
@@ -233,8 +234,9 @@ class DeepSpeedEngine(Engine):
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
         if cfg.strategy.fast_path:
-            # A method of DeepSpeed's optimizer, not a config key: a user's own JSON gets it too.
+            # Methods of DeepSpeed's optimizer, not config keys: a user's own JSON gets them too.
             read_offload_norm_once(self.ds.optimizer)
+            clip_without_sync(self.ds.optimizer)
         if cfg.strategy.compile:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
