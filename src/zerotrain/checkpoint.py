@@ -475,7 +475,7 @@ class Checkpointer:
         self.last_saved = self.state.step
         if self.engine.rank == 0:
             log.warning("resumed on %d process(es) from a checkpoint of %d: exact in weights, optimizer state, "
-                        "schedule, step and data order, but not in dropout/masking randomness (re-seeded from "
+                        "schedule, step and data order, but not in dropout randomness (re-seeded from "
                         "seed, step and rank)", self.engine.world_size, saved_world)
 
 
