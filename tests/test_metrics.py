@@ -132,7 +132,7 @@ def test_profile_summary_keeps_collectives_apart_from_the_compute():
     assert s["gpu_ms_per_step"] == 3.0 and s["comm_ms_per_step"] == 2.5
     assert s["gpu_idle_ms_per_step"] == 1.0
     assert s["gpu_ms_per_step_by_family"] == {"matmul": 3.0, "communication": 2.5}
-    assert "Collectives 2.5 ms/step" in profile_markdown(s)
+    assert "Collectives (NCCL) 2.5 ms/step" in profile_markdown(s)
 
 
 def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():

@@ -139,9 +139,10 @@ def fast_path(ds: dict[str, Any], device: str, world_size: int) -> None:
       alone there.) A ``--strategy.contiguous_gradients true`` is overridden too: ``false`` here
       changes no result, only speed.
 
-    One more fix is not a config key and so also applies to a user's own JSON: under ZeRO-1/2 with CPU
-    optimizer offload the gradient norm is read to the host once a step, not once per gradient tensor
-    (:mod:`zerotrain.offload_norm`, applied by the engine).
+    Two more fixes are not config keys and so also apply to a user's own JSON (the engine applies them):
+    under ZeRO-1/2 with CPU optimizer offload the gradient norm is read to the host once a step, not
+    once per gradient tensor (:mod:`zerotrain.offload_norm`); and ZeRO-1/2 clip without reading the
+    norm to the host at all (:mod:`zerotrain.zero_clip`).
     """
     ds["timers"] = {"throughput": {"enabled": False}}
     stage = ds["zero_optimization"]["stage"]

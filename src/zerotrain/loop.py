@@ -174,7 +174,7 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     if resume_from is not None:  # before anything is built or hparams.json rewritten
         run_on_main(lambda: check_same_model(resume_from, task.name, cfg))
 
-    # Identical initial weights on every rank, then per-rank randomness (dropout, masking).
+    # Identical initial weights on every rank, then per-rank randomness (dropout).
     seed_everything(tr.seed)
     with main_process_first(rt.is_main):  # rank 0 fills the tokenisation cache; the others then read it
         splits = task.build_datasets()

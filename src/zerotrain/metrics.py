@@ -252,9 +252,10 @@ class StepProfiler:
     """torch.profiler over ``steps`` optimizer steps once the warm-up is over; a short summary per run.
 
     Writes ``<run>/profile.json`` and ``profile.md``: wall, CPU and GPU time per step, the GPU's busy
-    fraction (the rest is the device waiting for the host), host-device synchronisations per step,
-    GPU time per kernel family (matmul, attention, norm/elementwise, optimizer, other) and the top
-    kernels (on a CPU run: the top operators by CPU time).
+    fraction (the compute kernels'; the rest is the device waiting for the host, a copy or a
+    collective), host-device synchronisations per step, GPU time per kernel family (communication,
+    attention, matmul, optimizer, norm/elementwise, other) and the top kernels (on a CPU run: the top
+    operators by CPU time).
     """
 
     def __init__(self, steps: int, start_after: int, device: torch.device, out_dir: Path, is_main: bool):
@@ -311,8 +312,8 @@ def _is_kernel(event) -> bool:
 def summarize_profile(events, steps: int, wall_s: float) -> dict:
     """The numbers of :class:`StepProfiler`'s summary from ``profile.key_averages()`` (times in ms per step)."""
     kernels = [e for e in events if _is_kernel(e)]
-    # A collective runs on its own stream beside the compute, and its time includes waiting for the other
-    # ranks: it is reported apart, and the GPU's busy and idle time are the compute kernels'.
+    # A collective's kernel time includes waiting for the other ranks, and it may run on a stream beside the
+    # compute: it is reported apart, and the GPU's busy and idle time are the compute kernels'.
     compute = [e for e in kernels if kernel_family(e.key) != "communication"]
     gpu_ms = sum(_device_us(e) for e in compute) / 1e3 / steps
     comm_ms = sum(_device_us(e) for e in kernels if e not in compute) / 1e3 / steps
@@ -361,15 +362,16 @@ def profile_markdown(s: dict) -> str:
     if s.get("kernel_launches_per_step"):
         lines[0] += f" {s['kernel_launches_per_step']:.0f} kernel launches per step."
     if s.get("comm_ms_per_step"):
-        lines[0] += (f" Collectives {s['comm_ms_per_step']:.1f} ms/step on their own stream (waits for other ranks"
-                     " included), not counted in GPU time.")
+        lines[0] += (f" Collectives (NCCL) {s['comm_ms_per_step']:.1f} ms/step, waits for other ranks included,"
+                     " not counted in GPU time.")
     if s.get("host_ms_per_step_by_phase"):
         lines += ["| phase (host, inclusive) | CPU ms/step |", "|---|---|"]
         lines += [f"| {k} | {v:.1f} |" for k, v in s["host_ms_per_step_by_phase"].items()] + [""]
     if s["gpu_ms_per_step_by_family"]:
         lines += ["| kernel family | GPU ms/step |", "|---|---|"]
         lines += [f"| {k} | {v:.2f} |" for k, v in s["gpu_ms_per_step_by_family"].items()]
-        lines += [f"| (no kernel running: the GPU waits for the host or a copy) | {s.get('gpu_idle_ms_per_step', 0.0):.2f} |", ""]
+        lines += [f"| (no compute kernel running: the GPU waits for the host, a copy or a collective) | "
+                  f"{s.get('gpu_idle_ms_per_step', 0.0):.2f} |", ""]
     lines += ["| top | family | calls/step | ms/step |", "|---|---|---|---|"]
     lines += [f"| `{t['name']}` | {t['family']} | {t['calls_per_step']:.1f} | {t['ms_per_step']:.3f} |" for t in s["top"]]
     return "\n".join(lines) + "\n"

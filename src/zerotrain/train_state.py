@@ -89,8 +89,8 @@ class TrainState:
           logged loss (a mean over ranks) is the one an uninterrupted run logs.
         * **RNG is re-seeded**, not restored: per-rank generator states cannot be mapped onto
           another rank count. Every generator is seeded from (``seed``, step, ``rank``)
-          (:func:`reseed`), so the resumed run is deterministic but its dropout/masking draws differ
-          from an uninterrupted run's.
+          (:func:`reseed`), so the resumed run is deterministic but its dropout draws differ from an
+          uninterrupted run's (MLM masks come from the data pipeline, seeded by epoch and block).
         """
         for state in states:
             if state.get("version") != SCHEMA_VERSION:

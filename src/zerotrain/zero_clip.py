@@ -3,8 +3,8 @@
 DeepSpeed (0.19.8) clips the fp32 gradient partition in ``unscale_and_clip_grads``, and first asks
 ``if is_invalid_grad_norm(norm)``: a Python ``bool`` of a GPU tensor, so the host waits there for the
 whole backward and the reduction to finish, every step, before it may queue the optimizer's kernels.
-On one H200 the compiled BERT-base step under ZeRO-1 waited 8.2 ms a step with no kernel running
-(BENCHMARKS.md, session 13). :func:`clip_without_sync` gives one optimizer instance the same
+On one H200 the GPU sat idle 8.2 ms of the compiled BERT-base step under ZeRO-1, part of it behind
+this wait (BENCHMARKS.md, session 13). :func:`clip_without_sync` gives one optimizer instance the same
 arithmetic with that choice made on the device by ``torch.where``: a norm that is not finite or is
 negative (DeepSpeed's -1 sentinel) still clips with an infinite norm, which zeroes the gradient.
 """

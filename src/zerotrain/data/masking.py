@@ -71,6 +71,7 @@ class BlockMasker:
     unmask_replace_prob: float = 0.1
 
     def __call__(self, block: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        block = block.long()  # packed blocks are stored narrow (int32); ids up to the vocabulary need int64 draws
         special = torch.isin(block, torch.tensor(self.special_ids, dtype=block.dtype))  # (T,)
         masked, labels = mask_tokens(block[None], special[None], self.mask_token_id, self.vocab_size,
                                      self.mask_prob, self.random_replace_prob, self.unmask_replace_prob, generator)

@@ -105,8 +105,10 @@ class Task(ABC, Generic[C]):
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
         """Forward one micro-batch (already on the device) and return its loss.
 
-        Randomness here (masking, dropout) must come from torch's global generators, which the
-        checkpoint saves and restores, so that a resumed run repeats the uninterrupted one exactly.
+        Randomness here (dropout) must come from torch's global generators, which the checkpoint
+        saves and restores, so that a resumed run repeats the uninterrupted one exactly. Randomness
+        that can be drawn in the data pipeline (MLM's masks) is better drawn there: it costs the
+        step no wait for the device, and seeded by epoch and index it is the same on any rank count.
         """
 
     @abstractmethod
