@@ -36,9 +36,9 @@ from zerotrain.ds_config import (
 )
 from zerotrain.errors import UserError
 from zerotrain.offload_norm import read_offload_norm_once
-from zerotrain.zero_clip import clip_without_sync
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
+from zerotrain.zero_clip import clip_without_sync
 
 logger = logging.getLogger(__name__)
 

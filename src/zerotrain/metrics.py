@@ -315,8 +315,9 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
     # A collective's kernel time includes waiting for the other ranks, and it may run on a stream beside the
     # compute: it is reported apart, and the GPU's busy and idle time are the compute kernels'.
     compute = [e for e in kernels if kernel_family(e.key) != "communication"]
+    comm = [e for e in kernels if kernel_family(e.key) == "communication"]
     gpu_ms = sum(_device_us(e) for e in compute) / 1e3 / steps
-    comm_ms = sum(_device_us(e) for e in kernels if e not in compute) / 1e3 / steps
+    comm_ms = sum(_device_us(e) for e in comm) / 1e3 / steps
     families: dict[str, float] = {}
     for e in kernels:
         fam = kernel_family(e.key)
@@ -341,7 +342,7 @@ def summarize_profile(events, steps: int, wall_s: float) -> dict:
         "gpu_ms_per_step": gpu_ms,
         "comm_ms_per_step": comm_ms,
         "gpu_busy_frac": gpu_ms / wall_ms if wall_ms else 0.0,
-        # Wall time with no kernel running (kernels on two streams can overlap, so this is a lower bound)
+        # Wall time with no compute kernel running (kernels on two streams can overlap, so a lower bound)
         "gpu_idle_ms_per_step": max(wall_ms - gpu_ms, 0.0) if compute else 0.0,
         "host_ms_per_step_by_phase": phases,
         "kernel_launches_per_step": launches / steps,
