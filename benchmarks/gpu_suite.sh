@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -276,6 +276,29 @@ for part in "$@"; do
         timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 \
           --out "$OUT/bert_sync/handed_$rep" "${BERT[@]}" --strategy.compile true --strategy.compile_scope stack | tail -n 1
       done ;;
+    sync_sites)  # who makes the host wait inside a training step (benchmarks/sync_sites.py): BERT-base on NP GPUs
+      # (default 2), 30 steps, each strategy of SYNC (default zero1 ddp), encoder compiled as one graph
+      for s in ${SYNC:-zero1 ddp}; do
+        case $s in ddp) f=(--strategy.backend ddp) ;; *) f=(--strategy.backend deepspeed --strategy.zero_stage "${s#zero}") ;; esac
+        timeout 200 torchrun --nproc_per_node "${NP:-2}" benchmarks/sync_sites.py "$OUT/sync_sites/$s.json" fit mlm "${BERT[@]}" \
+          "${f[@]}" --trainer.max_steps 30 --trainer.output_dir "/tmp/sync_sites_$s" --strategy.compile true \
+          --strategy.compile_scope stack > "$OUT/sync_sites/$s.log" 2>&1
+        echo "sync_sites $s rc=$?"; grep "^rank 0:" "$OUT/sync_sites/$s.log" | head -n 8
+      done ;;
+    scaling_sync)  # target 4 after the step stopped reading the summed loss weight (a drain of the GPU's queue every
+      # step on 2+ GPUs): the fastest one-GPU row, then 2 x ZeRO-1 with that read (OLD_SRC) and without, all with
+      # the encoder as one CUDA-graphed unit; last, blocks compiled one by one with overlap_comm, so the gradient
+      # reduction can overlap the backward
+      old_src_on_path || continue
+      G=(--strategy.compile true --strategy.compile_mode reduce-overhead --predict false)
+      z benchmark mlm --strategies ddp --nproc 1 --out "$OUT/scaling_sync/1gpu" "${BERT[@]}" "${G[@]}" \
+        --strategy.compile_scope stack | tail -n 1
+      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" python3 -m zerotrain benchmark mlm --strategies zero1 --nproc 2 \
+        --out "$OUT/scaling_sync/2gpu_read" "${BERT[@]}" "${G[@]}" --strategy.compile_scope stack | tail -n 1
+      z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu" "${BERT[@]}" "${G[@]}" \
+        --strategy.compile_scope stack | tail -n 1
+      z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_blocks_overlap" "${BERT[@]}" "${G[@]}" \
+        --strategy.compile_scope blocks --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 1 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

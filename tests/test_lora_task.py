@@ -244,3 +244,30 @@ def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenize
     combined = sum(f * m for f, m in zip(factors, means)) / 2
     assert combined == pytest.approx((token_loss_sum(small) + token_loss_sum(large)) / sum(w), rel=1e-5)
     assert combined != pytest.approx(sum(means) / 2, rel=1e-3)  # the plain mean of means differs
+
+
+def test_across_ranks_the_loss_factors_stay_on_the_device_and_match_the_host_formula(workdir, tiny_tokenizer_dir):
+    """With several ranks the factors are tensors (no read of the summed weight), equal bitwise to the
+    float32 rounding of the host formula, and the weighted loss is bitwise the same."""
+    from zerotrain.distributed import init_process_group
+    from zerotrain.engine import TorchEngine
+
+    init_process_group("gloo", use_deepspeed=False)
+    task = make_task(workdir, tiny_tokenizer_dir)
+    torch.manual_seed(0)
+    model = task.build_model().eval()
+    examples = task.build_datasets().train
+    batches = [task.collator()(examples[:1]), task.collator()(examples[1:6])]
+    engine = TorchEngine(model, task.cfg, torch.device("cpu"), "fp32", total_steps=1, steps_per_epoch=1)
+    engine.world_size = 2  # as the second rank would see it; the one-process group sums this rank alone
+    factors = engine._loss_factors(batches, task.loss_weight)
+    w = [task.loss_weight(b) for b in batches]
+    host = [x * 2 * 2 / sum(w) for x in w]
+    assert all(isinstance(f, torch.Tensor) and f.dtype == torch.float32 and f.dim() == 0 for f in factors)
+    assert [f.item() for f in factors] == [torch.tensor(h, dtype=torch.float32).item() for h in host]
+    with torch.no_grad():
+        loss = task.training_step(model, batches[1]).loss
+    assert torch.equal(loss * factors[1], loss * host[1])
+
+    # A step whose batches carry no weight on any rank keeps factor 1
+    assert [f.item() for f in engine._loss_factors(batches, lambda b: 0.0)] == [1.0, 1.0]

@@ -259,6 +259,19 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+def sum_on_device(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` summed over ranks, left on the device as a 0-d float64 tensor.
+
+    :func:`all_reduce_sum` reads its result, and on a GPU that read waits for all the work queued
+    before the all-reduce. Inside a training step that drains the queue once a step; a tensor the
+    step multiplies by keeps the GPU fed. ``torch.full`` fills on the device: no host-to-device copy.
+    """
+    t = torch.full((), float(value), dtype=torch.float64, device=_comm_device(device))
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t)
+    return t
+
+
 def _comm_device(device: torch.device) -> torch.device:
     """NCCL reduces tensors on the GPU; Gloo on the CPU."""
     return device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")

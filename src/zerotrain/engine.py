@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 from zerotrain.compiling import compile_model
 from zerotrain.config import RunConfig
-from zerotrain.distributed import all_reduce_max, all_reduce_sum, barrier
+from zerotrain.distributed import all_reduce_max, all_reduce_sum, barrier, sum_on_device
 from zerotrain.ds_config import (
     ResolvedPrecision,
     engine_clips,
@@ -105,7 +105,7 @@ class Engine(ABC):
                 # Named ranges for --trainer.profile_steps: the host time of each phase, whatever runs inside
                 with record_function("zerotrain.forward"), self._autocast():
                     out = step_fn(self.forward_model, to_device(batch, self.device))
-                loss = out.loss * factor if factor != 1.0 else out.loss
+                loss = out.loss if _is_one(factor) else out.loss * factor
                 with record_function("zerotrain.backward"):
                     self._backward(loss, len(batches), last)
             loss_sum += loss.detach().float()
@@ -131,20 +131,27 @@ class Engine(ABC):
     def _optimizer_step(self) -> None:
         """Clip, step the optimizer and the schedule, clear gradients; remember lr and grad norm."""
 
-    def _loss_factors(self, batches: list[Batch], weight_fn: Optional[WeightFn]) -> list[float]:
+    def _loss_factors(self, batches: list[Batch], weight_fn: Optional[WeightFn]) -> list[float | torch.Tensor]:
         """Multipliers for each micro-batch's (mean) loss. Both engines average over micro-batches and
         ranks, so factor = weight x micro-batches x ranks / (the step's total weight): the gradient is
-        then the weight-averaged one, e.g. every target token counts once however the tokens fall."""
+        then the weight-averaged one, e.g. every target token counts once however the tokens fall.
+
+        Across ranks the total stays on the device (0-d float32 factors): reading it back would make
+        the host wait, once a step, for the GPU to finish the previous step before it queues this one.
+        """
         n = len(batches)
         if n == 1 and self.world_size == 1:
-            return [1.0]  # one micro-batch on one rank: nothing to weigh (and no host-device sync)
+            return [1.0]  # one micro-batch on one rank: nothing to weigh
         weights = [weight_fn(b) for b in batches] if weight_fn is not None else [None]
         if any(w is None for w in weights):
             return [1.0] * n
-        total = self.all_reduce_sum({"weight": sum(weights)})["weight"]
-        if total <= 0:
-            return [1.0] * n
-        return [w * n * self.world_size / total for w in weights]
+        if self.world_size == 1:
+            total = sum(weights)
+            return [w * n / total for w in weights] if total > 0 else [1.0] * n
+        total = sum_on_device(sum(weights), self.device)
+        # The factor is formed in float64 as the host would (w * n * ranks, then / total), then rounded
+        # once to float32, so the loss is bitwise what a Python-float factor gave
+        return [torch.where(total > 0, w * n * self.world_size / total, 1.0).float() for w in weights]
 
     # ---- what the loop reads on log steps -----------------------------------------------------
     @abstractmethod
@@ -205,6 +212,11 @@ def _compile(module: nn.Module, cfg: RunConfig, device: torch.device) -> None:
     # CUDA graphs replay CUDA kernels; on a CPU inductor would only warn that it skips them
     mode = cfg.strategy.compile_mode if device.type == "cuda" else "default"
     logger.info("torch.compile: %s (mode %s)", compile_model(module, cfg.strategy.compile_scope, mode=mode), mode)
+
+
+def _is_one(factor: float | torch.Tensor) -> bool:
+    """A Python 1.0 factor is skipped; a tensor one is never compared on the host (that would sync)."""
+    return not isinstance(factor, torch.Tensor) and factor == 1.0
 
 
 def _add_flops(total: Optional[float], out: StepOutput, first: bool) -> Optional[float]:

@@ -1,0 +1,64 @@
+"""Where a training step makes the host wait for the GPU: each call site, counted.
+
+The profile summary counts host-device synchronisations per step but cannot say who made them.
+This runs one zerotrain job with torch's CUDA sync-debug mode on "warn" and records the Python
+stack of every synchronisation torch reports from inside ``Engine.train_step`` (reads of device
+values, copies to the host, ``torch.cuda.synchronize``). ``cudaEventSynchronize`` is not reported
+by that mode: the preemption agreement's one-step-late read does not appear here.
+
+    torchrun --nproc_per_node 2 benchmarks/sync_sites.py OUT.json fit mlm --trainer.max_steps 30 ...
+
+Each rank writes ``OUT.rank<r>.json``: the job's steps and, per distinct stack (innermost frames
+first, torch's own left out), how many times it synchronised. Warm-up steps are included, so a
+site seen once per step shows as about ``steps`` calls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+SITES: Counter = Counter()
+
+
+def _record(message, category, filename, lineno, file=None, line=None):
+    if "synchronizing" not in str(message).lower():
+        return
+    frames = traceback.extract_stack()[:-1]
+    if not any(f.name == "train_step" and f.filename.endswith("engine.py") for f in frames):
+        return  # outside the step: setup, logging, evaluation, checkpoints
+    ours = [f for f in reversed(frames)
+            if f"{os.sep}torch{os.sep}" not in f.filename and Path(f.filename).name != "warnings.py"]
+    SITES[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in ours[:6])] += 1
+
+
+def main() -> int:
+    out, argv = Path(sys.argv[1]), sys.argv[2:]
+    warnings.simplefilter("always", UserWarning)  # every occurrence, not the first per line
+    warnings.showwarning = _record
+    if torch.cuda.is_available():  # on CPU nothing synchronises: the job runs and finds no site
+        torch.cuda.set_sync_debug_mode("warn")
+    from zerotrain.cli import main as zerotrain_main
+
+    os.environ.pop("TORCHELASTIC_RUN_ID", None)  # a finished worker would os._exit before the sites are written
+
+    rc = zerotrain_main(argv)
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("default")
+    rank = int(os.environ.get("RANK", 0))
+    sites = [{"calls": n, "stack": s} for s, n in SITES.most_common()]
+    out.with_suffix(f".rank{rank}.json").write_text(json.dumps({"argv": argv, "rc": rc, "sites": sites}, indent=1))
+    for site in sites[:12]:
+        print(f"rank {rank}: {site['calls']:5d}  {site['stack']}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
