@@ -285,20 +285,23 @@ for part in "$@"; do
           --strategy.compile_scope stack > "$OUT/sync_sites/$s.log" 2>&1
         echo "sync_sites $s rc=$?"; grep "^rank 0:" "$OUT/sync_sites/$s.log" | head -n 8
       done ;;
-    scaling_sync)  # target 4 after the step stopped reading the summed loss weight (a drain of the GPU's queue every
-      # step on 2+ GPUs): the fastest one-GPU row, then 2 x ZeRO-1 with that read (OLD_SRC) and without, all with
-      # the encoder as one CUDA-graphed unit; last, blocks compiled one by one with overlap_comm, so the gradient
-      # reduction can overlap the backward
+    scaling_sync)  # target 4 (and 1) after session 14 took the host-device waits out of the step on 2+ GPUs (the
+      # summed loss weight read back, DeepSpeed's norm mask): the fastest one-GPU engine and ZeRO-1 on one GPU,
+      # 2 x ZeRO-1 with this code, then with OLD_SRC's (the waits in), all with the encoder as one CUDA-graphed
+      # unit; OVERLAP=1 adds blocks compiled one by one with overlap_comm, so the reduction can overlap the backward
       old_src_on_path || continue
       G=(--strategy.compile true --strategy.compile_mode reduce-overhead --predict false)
-      z benchmark mlm --strategies ddp --nproc 1 --out "$OUT/scaling_sync/1gpu" "${BERT[@]}" "${G[@]}" \
-        --strategy.compile_scope stack | tail -n 1
-      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" python3 -m zerotrain benchmark mlm --strategies zero1 --nproc 2 \
-        --out "$OUT/scaling_sync/2gpu_read" "${BERT[@]}" "${G[@]}" --strategy.compile_scope stack | tail -n 1
+      z benchmark mlm --strategies ${S1:-ddp,zero1} --nproc 1 --out "$OUT/scaling_sync/1gpu" "${BERT[@]}" "${G[@]}" \
+        --strategy.compile_scope stack | tail -n 2
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu" "${BERT[@]}" "${G[@]}" \
         --strategy.compile_scope stack | tail -n 1
-      z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_blocks_overlap" "${BERT[@]}" "${G[@]}" \
-        --strategy.compile_scope blocks --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 1 ;;
+      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" python3 -m zerotrain benchmark \
+        mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_old" "${BERT[@]}" "${G[@]}" \
+        --strategy.compile_scope stack | tail -n 1
+      if [ "${OVERLAP:-0}" = 1 ]; then
+        z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_blocks_overlap" "${BERT[@]}" "${G[@]}" \
+          --strategy.compile_scope blocks --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 1
+      fi ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

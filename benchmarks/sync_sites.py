@@ -8,8 +8,8 @@ by that mode: the preemption agreement's one-step-late read does not appear here
 
     torchrun --nproc_per_node 2 benchmarks/sync_sites.py OUT.json fit mlm --trainer.max_steps 30 ...
 
-Each rank writes ``OUT.rank<r>.json``: the job's steps and, per distinct stack (innermost frames
-first, torch's own left out), how many times it synchronised. Warm-up steps are included, so a
+Each rank writes ``OUT.rank<r>.json``: per distinct stack (innermost frames first: up to four of
+torch's, then up to six of the callers'), how many times it synchronised. Warm-up steps are included, so a
 site seen once per step shows as about ``steps`` calls.
 """
 
@@ -34,9 +34,15 @@ def _record(message, category, filename, lineno, file=None, line=None):
     frames = traceback.extract_stack()[:-1]
     if not any(f.name == "train_step" and f.filename.endswith("engine.py") for f in frames):
         return  # outside the step: setup, logging, evaluation, checkpoints
-    ours = [f for f in reversed(frames)
-            if f"{os.sep}torch{os.sep}" not in f.filename and Path(f.filename).name != "warnings.py"]
-    SITES[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in ours[:6])] += 1
+    frames = [f for f in reversed(frames) if Path(f.filename).name != "warnings.py"]
+    ours = [f for f in frames if f"{os.sep}torch{os.sep}" not in f.filename]
+    inside = frames[:frames.index(ours[0])][:4] if ours else []  # torch's frames under the first of ours
+    SITES[" <- ".join(_frame(f) for f in inside + ours[:6])] += 1
+
+
+def _frame(f: traceback.FrameSummary) -> str:
+    torch_path = f.filename.partition(f"{os.sep}torch{os.sep}")[2]
+    return f"{'torch/' + torch_path if torch_path else Path(f.filename).name}:{f.lineno} {f.name}"
 
 
 def main() -> int:

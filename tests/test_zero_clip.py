@@ -53,3 +53,44 @@ def test_only_deepspeeds_zero12_optimizer_is_changed():
 
     other = SimpleNamespace(unscale_and_clip_grads=None)
     assert clip_without_sync(other) is False and other.unscale_and_clip_grads is None
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("values", [[2.5], [float("inf")], [float("-inf")], [float("nan")], [0.0], [-1.0],
+                                    [1.0, float("nan"), -3.0, float("inf")]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_mask_is_deepspeeds_without_a_read(values, dtype):
+    """inf and NaN become -1, anything else stays: bitwise DeepSpeed's. DeepSpeed fills with a tensor,
+    whose value masked_fill_ reads to the host (on a GPU, a wait); ours fills with the number."""
+    from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
+
+    from zerotrain.zero_clip import _mask_nan_or_inf
+
+    theirs, ours = (torch.tensor(values if len(values) > 1 else values[0], dtype=dtype) for _ in range(2))
+    with RecordOps() as their_ops:
+        mask_nan_or_inf_with_val_inplace(theirs, device="cpu")
+    with RecordOps() as our_ops:
+        _mask_nan_or_inf(ours, device="cpu")
+    assert torch.equal(ours, theirs)  # no NaN is left to compare unequal
+    assert torch.ops.aten.masked_fill_.Tensor in their_ops.ops  # the wait that is gone
+    assert torch.ops.aten.masked_fill_.Tensor not in our_ops.ops and torch.ops.aten.masked_fill_.Scalar in our_ops.ops
+    assert not any(op._overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_) for op in our_ops.ops)
+
+
+def test_zero_optimizers_mask_their_norms_with_the_sync_free_version():
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    from zerotrain.zero_clip import _mask_nan_or_inf, mask_norms_without_sync
+
+    mask_norms_without_sync()
+    assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is _mask_nan_or_inf
+    assert stage3.mask_nan_or_inf_with_val_inplace is _mask_nan_or_inf

@@ -1,12 +1,18 @@
-"""ZeRO-1/2 gradient clipping without a host-device synchronisation.
+"""ZeRO's gradient norm and clipping without a host-device synchronisation.
 
-DeepSpeed (0.19.8) clips the fp32 gradient partition in ``unscale_and_clip_grads``, and first asks
-``if is_invalid_grad_norm(norm)``: a Python ``bool`` of a GPU tensor, so the host waits there for the
-whole backward and the reduction to finish, every step, before it may queue the optimizer's kernels.
-On one H200 the GPU sat idle 8.2 ms of the compiled BERT-base step under ZeRO-1, part of it behind
-this wait (BENCHMARKS.md, session 13). :func:`clip_without_sync` gives one optimizer instance the same
-arithmetic with that choice made on the device by ``torch.where``: a norm that is not finite or is
-negative (DeepSpeed's -1 sentinel) still clips with an infinite norm, which zeroes the gradient.
+DeepSpeed (0.19.8) makes the host wait for the GPU three times a step in ZeRO-1/2's clip path, each
+time for the whole backward and the gradient reduction to finish before it may queue the optimizer's
+kernels. On one H200 the GPU sat idle 8.2 ms of the compiled BERT-base step under ZeRO-1 (BENCHMARKS.md,
+session 13), and on two GPUs ``benchmarks/sync_sites.py`` found these waits left in the step (session 14):
+
+* ``unscale_and_clip_grads`` asks ``if is_invalid_grad_norm(norm)``, a Python ``bool`` of a GPU tensor.
+  :func:`clip_without_sync` gives one optimizer instance the same arithmetic with that choice made on
+  the device by ``torch.where``: a norm that is not finite or is negative (DeepSpeed's -1 sentinel)
+  still clips with an infinite norm, which zeroes the gradient.
+* ``mask_nan_or_inf_with_val_inplace``, which turns an inf/NaN norm into -1, builds its -1 with
+  ``torch.tensor(-1.0, device=...)`` (a copy from pageable host memory, which waits) and fills with that
+  tensor (``masked_fill_`` reads a tensor value with ``.item()``, which waits again).
+  :func:`mask_norms_without_sync` has ZeRO's optimizers fill with the number instead.
 """
 
 from __future__ import annotations
@@ -46,3 +52,22 @@ def _unscale_and_clip_grads(self: Any, grad_groups_flat: list, total_norm: Any) 
         for g in grad if isinstance(grad, list) else [grad]:
             g.data.mul_(1.0 / combined_scale)
     return None
+
+
+def mask_norms_without_sync() -> None:
+    """Make DeepSpeed's ZeRO-1/2 and ZeRO-3 optimizers mask an invalid norm without a wait.
+
+    They call ``mask_nan_or_inf_with_val_inplace`` as a global of their own modules, from inside their
+    norm methods, so the name is replaced there (idempotent); the function is pure and the values it
+    leaves are bitwise DeepSpeed's, so every optimizer in the process may share it.
+    """
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+
+    for module in (stage_1_and_2, stage3):
+        module.mask_nan_or_inf_with_val_inplace = _mask_nan_or_inf
+
+
+def _mask_nan_or_inf(input: torch.Tensor, device: Any = None, val: float = -1.0) -> None:
+    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace``: an inf or NaN entry becomes -1 in place. Like
+    DeepSpeed's, it fills -1 whatever ``val`` is (its callers all pass the default)."""
+    input.masked_fill_(input.isnan().logical_or(input.isinf()), -1.0)
