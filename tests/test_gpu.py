@@ -181,3 +181,38 @@ def test_an_mlm_training_step_never_waits_for_the_gpu(tmp_path, tiny_tokenizer_d
             model(input_ids=batch["input_ids"], labels=batch["labels"])  # the head's own nonzero
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage):
+    """DeepSpeed ZeRO-1/2's whole step, clip included, runs in torch's sync-debug "error" mode once the
+    first two steps (which allocate) are done: zerotrain.zero_clip leaves DeepSpeed no host-device wait.
+    In-process, so the mode wraps the engine's step alone (log steps read the loss outside it)."""
+    import torch
+
+    from zerotrain.cli import main
+    from zerotrain.engine import Engine
+    from zerotrain.launcher import TORCHRUN_VARIABLES
+
+    for name in TORCHRUN_VARIABLES:  # the single-process group sets them: gone again after the test
+        monkeypatch.delenv(name, raising=False)
+    step, calls, strict = Engine.train_step, [], []
+
+    def train_step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) <= 2:  # warm-up
+            return step(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = step(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        strict.append(1)
+        return out
+
+    monkeypatch.setattr(Engine, "train_step", train_step)
+    rc = main(["fit", "toy", "--trainer.max_steps", "6", "--trainer.num_workers", "0", "--trainer.output_dir",
+               str(tmp_path), "--trainer.run_name", "gpu", "--logging.progress_bar", "false",
+               "--strategy.precision", "bf16", "--strategy.zero_stage", stage, "--strategy.gradient_clipping", "1.0"])
+    assert rc == 0 and len(strict) == 4
