@@ -183,11 +183,12 @@ def test_an_mlm_training_step_never_waits_for_the_gpu(tmp_path, tiny_tokenizer_d
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.parametrize("stage", ["1", "2"])
-def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage):
+@pytest.mark.parametrize("stage, fast_path", [("1", "true"), ("2", "true"), ("1", "false")])
+def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage, fast_path):
     """DeepSpeed ZeRO-1/2's whole step, clip included, runs in torch's sync-debug "error" mode once the
     first two steps (which allocate) are done: zerotrain.zero_clip leaves DeepSpeed no host-device wait.
-    In-process, so the mode wraps the engine's step alone (log steps read the loss outside it)."""
+    Without the fast path DeepSpeed's own clip waits, and the mode raises. In-process, so the mode wraps
+    the engine's step alone (log steps read the loss outside it)."""
     import torch
 
     from zerotrain.cli import main
@@ -212,7 +213,12 @@ def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage
         return out
 
     monkeypatch.setattr(Engine, "train_step", train_step)
-    rc = main(["fit", "toy", "--trainer.max_steps", "6", "--trainer.num_workers", "0", "--trainer.output_dir",
-               str(tmp_path), "--trainer.run_name", "gpu", "--logging.progress_bar", "false",
-               "--strategy.precision", "bf16", "--strategy.zero_stage", stage, "--strategy.gradient_clipping", "1.0"])
-    assert rc == 0 and len(strict) == 4
+    argv = ["fit", "toy", "--trainer.max_steps", "6", "--trainer.num_workers", "0", "--trainer.output_dir",
+            str(tmp_path), "--trainer.run_name", "gpu", "--logging.progress_bar", "false", "--strategy.precision",
+            "bf16", "--strategy.zero_stage", stage, "--strategy.gradient_clipping", "1.0",
+            "--strategy.fast_path", fast_path]
+    if fast_path == "false":
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            main(argv)
+        return
+    assert main(argv) == 0 and len(strict) == 4
