@@ -139,10 +139,11 @@ def fast_path(ds: dict[str, Any], device: str, world_size: int) -> None:
       alone there.) A ``--strategy.contiguous_gradients true`` is overridden too: ``false`` here
       changes no result, only speed.
 
-    Two more fixes are not config keys and so also apply to a user's own JSON (the engine applies them):
+    Three more fixes are not config keys and so also apply to a user's own JSON (the engine applies them):
     under ZeRO-1/2 with CPU optimizer offload the gradient norm is read to the host once a step, not
-    once per gradient tensor (:mod:`zerotrain.offload_norm`); and ZeRO-1/2 clip without reading the
-    norm to the host at all (:mod:`zerotrain.zero_clip`).
+    once per gradient tensor (:mod:`zerotrain.offload_norm`); ZeRO-1/2 clip without reading the norm to
+    the host at all; and ZeRO's optimizers mask an invalid norm without the two waits DeepSpeed's mask
+    makes (both :mod:`zerotrain.zero_clip`).
     """
     ds["timers"] = {"throughput": {"enabled": False}}
     stage = ds["zero_optimization"]["stage"]
