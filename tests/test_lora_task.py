@@ -268,6 +268,8 @@ def test_across_ranks_the_loss_factors_stay_on_the_device_and_match_the_host_for
     with torch.no_grad():
         loss = task.training_step(model, batches[1]).loss
     assert torch.equal(loss * factors[1], loss * host[1])
+    for half in (torch.bfloat16, torch.float16):  # the step keeps a half-precision loss in its dtype
+        assert torch.equal((loss.to(half) * factors[1]).to(half), loss.to(half) * host[1])
 
     # A step whose batches carry no weight on any rank keeps factor 1
     assert [f.item() for f in engine._loss_factors(batches, lambda b: 0.0)] == [1.0, 1.0]

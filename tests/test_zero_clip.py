@@ -86,11 +86,17 @@ def test_the_norm_mask_is_deepspeeds_without_a_read(values, dtype):
     assert not any(op._overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_) for op in our_ops.ops)
 
 
-def test_zero_optimizers_mask_their_norms_with_the_sync_free_version():
+def test_zero_optimizers_mask_their_norms_with_the_sync_free_version_and_back(monkeypatch):
+    from deepspeed.runtime import utils
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
     from zerotrain.zero_clip import _mask_nan_or_inf, mask_norms_without_sync
 
+    for module in (stage_1_and_2, stage3):  # whatever the test leaves, DeepSpeed's is put back after it
+        monkeypatch.setattr(module, "mask_nan_or_inf_with_val_inplace", module.mask_nan_or_inf_with_val_inplace)
     mask_norms_without_sync()
     assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is _mask_nan_or_inf
     assert stage3.mask_nan_or_inf_with_val_inplace is _mask_nan_or_inf
+    mask_norms_without_sync(False)  # an engine built with --strategy.fast_path false
+    assert stage_1_and_2.mask_nan_or_inf_with_val_inplace is utils.mask_nan_or_inf_with_val_inplace
+    assert stage3.mask_nan_or_inf_with_val_inplace is utils.mask_nan_or_inf_with_val_inplace

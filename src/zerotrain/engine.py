@@ -105,7 +105,9 @@ class Engine(ABC):
                 # Named ranges for --trainer.profile_steps: the host time of each phase, whatever runs inside
                 with record_function("zerotrain.forward"), self._autocast():
                     out = step_fn(self.forward_model, to_device(batch, self.device))
-                loss = out.loss if _is_one(factor) else out.loss * factor
+                # A tensor factor would promote a half-precision loss: the product is kept in the loss's
+                # dtype, as a Python-float factor keeps it (the same rounding: float32 product, then half)
+                loss = out.loss if _is_one(factor) else (out.loss * factor).to(out.loss.dtype)
                 with record_function("zerotrain.backward"):
                     self._backward(loss, len(batches), last)
             loss_sum += loss.detach().float()
@@ -151,7 +153,8 @@ class Engine(ABC):
         total = sum_on_device(sum(weights), self.device)
         # The factor is formed in float64 as the host would (w * n * ranks, then / total), then rounded
         # once to float32, so the loss is bitwise what a Python-float factor gave
-        return [torch.where(total > 0, w * n * self.world_size / total, 1.0).float() for w in weights]
+        return [torch.where(total > 0, torch.full_like(total, w * n * self.world_size) / total, 1.0).float()
+                for w in weights]
 
     # ---- what the loop reads on log steps -----------------------------------------------------
     @abstractmethod
@@ -245,11 +248,11 @@ class DeepSpeedEngine(Engine):
         params = [p for p in model.parameters() if p.requires_grad]
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
+        mask_norms_without_sync(cfg.strategy.fast_path)  # process-wide: set either way, so false is DeepSpeed's
         if cfg.strategy.fast_path:
             # Methods of DeepSpeed's optimizer, not config keys: a user's own JSON gets them too.
             read_offload_norm_once(self.ds.optimizer)
             clip_without_sync(self.ds.optimizer)
-            mask_norms_without_sync()
         if cfg.strategy.compile:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace

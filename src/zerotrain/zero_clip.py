@@ -54,17 +54,20 @@ def _unscale_and_clip_grads(self: Any, grad_groups_flat: list, total_norm: Any) 
     return None
 
 
-def mask_norms_without_sync() -> None:
-    """Make DeepSpeed's ZeRO-1/2 and ZeRO-3 optimizers mask an invalid norm without a wait.
+def mask_norms_without_sync(on: bool = True) -> None:
+    """Make DeepSpeed's ZeRO-1/2 and ZeRO-3 optimizers mask an invalid norm without a wait (``on``), or
+    with DeepSpeed's own function again.
 
     They call ``mask_nan_or_inf_with_val_inplace`` as a global of their own modules, from inside their
-    norm methods, so the name is replaced there (idempotent); the function is pure and the values it
-    leaves are bitwise DeepSpeed's, so every optimizer in the process may share it.
+    norm methods, so the name is set there. The setting is process-wide, so every engine sets it: one
+    built with ``--strategy.fast_path false`` gets DeepSpeed's. The values left are bitwise the same
+    either way.
     """
+    from deepspeed.runtime import utils
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
     for module in (stage_1_and_2, stage3):
-        module.mask_nan_or_inf_with_val_inplace = _mask_nan_or_inf
+        module.mask_nan_or_inf_with_val_inplace = _mask_nan_or_inf if on else utils.mask_nan_or_inf_with_val_inplace
 
 
 def _mask_nan_or_inf(input: torch.Tensor, device: Any = None, val: float = -1.0) -> None:
