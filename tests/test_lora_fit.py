@@ -106,3 +106,31 @@ def test_hf_trainer_row_reads_the_tutorial_json(lora_files, cpu_adam_built):
     # Micro-batch 4, padded to a multiple of 8, at most 32 tokens: what the workers' collate produced.
     assert 0 < row["measured_tokens"] <= 3 * 4 * 32 and row["measured_tokens"] % (4 * 8) == 0
     assert row["throughput_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_weigh_every_target_token_as_one_rank_does(lora_files):
+    """Two ranks x micro-batch 2 train on the examples one rank x micro-batch 4 does (the plan depends on
+    their product only). Each rank weighs its mean loss by its share of the step's target tokens, summed
+    across ranks on the device, so the losses and gradient norms are those of the one big batch; the
+    plain mean of the two ranks' means would differ, as the targets run from 1 to 8 words."""
+    from conftest import WORDS
+
+    tmp_path, tok = lora_files
+    records = [{"input": f"{WORDS[i % 20]} {WORDS[(i * 7) % 20]}",
+                "target": " ".join(WORDS[(i * 3 + j) % 20] for j in range(1 + (i * 5) % 8))} for i in range(32)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    curves = {}
+    for nproc, micro in ((1, "4"), (2, "2")):
+        args = _args(tmp_path, tok, stage=2, nproc=nproc)
+        args[args.index("--trainer.micro_batch_size") + 1] = micro
+        args[args.index("--trainer.run_name") + 1] = f"run{nproc}"
+        # No LoRA dropout: its masks are drawn per rank and micro-batch shape, and would change the gradient
+        out = zerotrain_cmd(args + ["--model.lora_dropout", "0", "--checkpoint.save_final", "false",
+                                    "--trainer.export", "false"], cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = [json.loads(line) for line in (tmp_path / f"run{nproc}" / "metrics.jsonl").read_text().splitlines()]
+        curves[nproc] = [(r["train_loss"], r["grad_norm"]) for r in rows if "train_loss" in r]
+    assert len(curves[1]) == 4
+    for (loss1, norm1), (loss2, norm2) in zip(curves[1], curves[2], strict=True):
+        assert loss2 == pytest.approx(loss1, rel=1e-5) and norm2 == pytest.approx(norm1, rel=1e-4)
