@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -302,6 +302,17 @@ for part in "$@"; do
         z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_blocks_overlap" "${BERT[@]}" "${G[@]}" \
           --strategy.compile_scope blocks --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 1
       fi ;;
+    bert_loss)  # the MLM loss compiled on its own (inductor's fused cross-entropy, this code) against eager (OLD_SRC),
+      # ZeRO-0, encoder as one CUDA-graphed graph, 5 steps profiled after the timed ones' warm-up, twice in turn
+      old_src_on_path || continue
+      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
+      for rep in 1 2; do
+        PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" timeout 150 python3 -m \
+          zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 --out "$OUT/bert_loss/eager_$rep" "${BERT[@]}" \
+          "${G[@]}" | tail -n 1
+        timeout 150 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
+          --out "$OUT/bert_loss/fused_$rep" "${BERT[@]}" "${G[@]}" | tail -n 1
+      done ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

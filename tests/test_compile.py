@@ -64,10 +64,40 @@ def test_our_own_blocks_are_compiled_with_module_compile():
     graphs, backend = _graph_counter()
     mlm = RobertaMLM(vocab_size=50, num_layers=2, num_heads=2, h_dim=16, ff_dim=32, dropout=0.0,
                      max_seq_length=16, pad_token_id=1)
-    assert compile_model(mlm, backend=backend) == "compiled 2 EncoderLayer blocks one by one"
+    assert compile_model(mlm, backend=backend) == ("compiled 2 EncoderLayer blocks one by one, "
+                                                   "and MaskedLMLoss on its own")
     assert all(block._compiled_call_impl is not None for block in mlm.encoder.layers)
+    assert mlm.loss._compiled_call_impl is not None
     mlm(torch.randint(2, 50, (2, 8)))
     assert graphs
+    torch._dynamo.reset()
+
+
+def test_the_mlm_loss_compiles_once_for_every_count_of_masked_positions_and_matches_eager():
+    """Inductor's fused cross-entropy (one dynamic graph) gives eager's loss and gradient for any M."""
+    from zerotrain.models.roberta_mlm import MaskedLMLoss
+
+    torch._dynamo.reset()
+    graphs, counting = _graph_counter()
+    compiled = MaskedLMLoss()
+    compiled.compile(backend=counting, dynamic=True)
+    for m in (7, 13, 29):
+        compiled(torch.randn(m, 40, dtype=torch.bfloat16), torch.randint(0, 40, (m,)))
+    assert len(graphs) == 1  # one graph serves every count
+    torch._dynamo.reset()
+
+    eager, fused = MaskedLMLoss(), MaskedLMLoss()
+    fused.compile(dynamic=True)  # inductor
+    g = torch.Generator().manual_seed(0)
+    for m in (5, 11):
+        logits = (4 * torch.randn(m, 96, generator=g)).to(torch.bfloat16)
+        targets = torch.randint(0, 96, (m,), generator=g)
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        loss_eager, loss_fused = eager(a, targets), fused(b, targets)
+        loss_eager.backward()
+        loss_fused.backward()
+        assert loss_fused.dtype == torch.float32 and torch.allclose(loss_fused, loss_eager, rtol=1e-6)
+        assert b.grad.dtype == torch.bfloat16 and torch.allclose(b.grad.float(), a.grad.float(), atol=2 ** -9)
     torch._dynamo.reset()
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zerotrain.compiling import FusedLoss
 from zerotrain.data.collate import IGNORE_INDEX
 
 
@@ -133,6 +134,13 @@ def aligned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mu
     return F.linear(x, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad)))[..., :out]  # (..., V)
 
 
+class MaskedLMLoss(FusedLoss):
+    """Cross-entropy of the predicted positions' logits (M, V) against their targets (M,), summed, in float32."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), targets, reduction="sum")
+
+
 class RobertaMLM(nn.Module):
     """RoBERTa-style masked language model. ``forward`` returns ``dict(logits=(B, T, V), loss=scalar|None)``."""
 
@@ -145,6 +153,7 @@ class RobertaMLM(nn.Module):
         self.encoder = Encoder(vocab_size, num_layers, num_heads, h_dim, ff_dim, dropout, max_seq_length,
                                pad_token_id, activation_checkpointing)
         self.lm_head = MLMHead(h_dim, vocab_size)
+        self.loss = MaskedLMLoss()  # no parameters: checkpoints are unchanged
         # Tie by sharing the Parameter between two modules (as Hugging Face does) rather than reading
         # the embedding's weight from the head: ZeRO-3 gathers a parameter in the pre-forward hook of
         # each module that owns it, so the head must own it too.
@@ -188,7 +197,7 @@ class RobertaMLM(nn.Module):
         logits = self.lm_head(x.flatten(0, 1).index_select(0, chosen))  # (M, V)
         # Mean over masked positions, clamped at 1: a micro-batch in which nothing was masked gives
         # a zero loss (and zero gradient) instead of NaN.
-        loss = F.cross_entropy(logits.float(), labels.index_select(0, chosen), reduction="sum") / max(len(chosen), 1)
+        loss = self.loss(logits, labels.index_select(0, chosen)) / max(len(chosen), 1)
         return {"logits": logits, "loss": loss}
 
     def num_params(self, non_embedding: bool = True) -> int:
