@@ -285,8 +285,8 @@ for part in "$@"; do
           --strategy.compile_scope stack > "$OUT/sync_sites/$s.log" 2>&1
         echo "sync_sites $s rc=$?"; grep "^rank 0:" "$OUT/sync_sites/$s.log" | head -n 8
       done ;;
-    scaling_sync)  # target 4 (and 1) after session 14 took the host-device waits out of the step on 2+ GPUs (the
-      # summed loss weight read back, DeepSpeed's norm mask): the fastest one-GPU engine and ZeRO-1 on one GPU,
+    scaling_sync)  # target 4 (and 1) after session 14 took the host-device waits out of the ZeRO step (DeepSpeed's
+      # norm mask; the loss-weight read it also removed is LoRA's, not MLM's): the fastest one-GPU engine and ZeRO-1 on one GPU,
       # 2 x ZeRO-1 with this code, then with OLD_SRC's (the waits in), all with the encoder as one CUDA-graphed
       # unit; OVERLAP=1 adds blocks compiled one by one with overlap_comm, so the reduction can overlap the backward
       old_src_on_path || continue

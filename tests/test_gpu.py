@@ -187,7 +187,7 @@ def test_an_mlm_training_step_never_waits_for_the_gpu(tmp_path, tiny_tokenizer_d
 def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage, fast_path):
     """DeepSpeed ZeRO-1/2's whole step, clip included, runs in torch's sync-debug "error" mode once the
     first two steps (which allocate) are done: zerotrain.zero_clip leaves DeepSpeed no host-device wait.
-    Without the fast path DeepSpeed's own clip waits, and the mode raises. In-process, so the mode wraps
+    Without the fast path DeepSpeed's own clip and norm mask wait, and the mode raises. In-process, so the mode wraps
     the engine's step alone (log steps read the loss outside it)."""
     import torch
 
