@@ -218,18 +218,25 @@ def test_example_data_with_roberta_tokenizer(shared_data):
     assert all(max(e["input_ids"]) < 50265 and e["labels"][-1] == task.tokenizer.eos_token_id for e in examples)
 
 
-def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenizer_dir):
-    """Two micro-batches with different target counts: the weighted losses add up to the one-batch loss."""
+def _weighing_setup(workdir, tok):
+    """A one-process gloo group, the LoRA task, its model and a plain engine, and two micro-batches with
+    different target counts (1 and 5 examples)."""
     from zerotrain.distributed import init_process_group
     from zerotrain.engine import TorchEngine
 
     init_process_group("gloo", use_deepspeed=False)
-    task = make_task(workdir, tiny_tokenizer_dir)
+    task = make_task(workdir, tok)
     torch.manual_seed(0)
     model = task.build_model().eval()
     examples = task.build_datasets().train
     small, large = task.collator()(examples[:1]), task.collator()(examples[1:6])
     engine = TorchEngine(model, task.cfg, torch.device("cpu"), "fp32", total_steps=1, steps_per_epoch=1)
+    return task, model, engine, small, large
+
+
+def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenizer_dir):
+    """Two micro-batches with different target counts: the weighted losses add up to the one-batch loss."""
+    task, model, engine, small, large = _weighing_setup(workdir, tiny_tokenizer_dir)
     factors = engine._loss_factors([small, large], task.loss_weight)
     w = [task.loss_weight(small), task.loss_weight(large)]
     assert w[0] != w[1] and factors == pytest.approx([2 * w[0] / sum(w), 2 * w[1] / sum(w)])
@@ -249,16 +256,7 @@ def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenize
 def test_across_ranks_the_loss_factors_stay_on_the_device_and_match_the_host_formula(workdir, tiny_tokenizer_dir):
     """With several ranks the factors are tensors (no read of the summed weight), equal bitwise to the
     float32 rounding of the host formula, and the weighted loss is bitwise the same."""
-    from zerotrain.distributed import init_process_group
-    from zerotrain.engine import TorchEngine
-
-    init_process_group("gloo", use_deepspeed=False)
-    task = make_task(workdir, tiny_tokenizer_dir)
-    torch.manual_seed(0)
-    model = task.build_model().eval()
-    examples = task.build_datasets().train
-    batches = [task.collator()(examples[:1]), task.collator()(examples[1:6])]
-    engine = TorchEngine(model, task.cfg, torch.device("cpu"), "fp32", total_steps=1, steps_per_epoch=1)
+    task, model, engine, *batches = _weighing_setup(workdir, tiny_tokenizer_dir)
     engine.world_size = 2  # as the second rank would see it; the one-process group sums this rank alone
     factors = engine._loss_factors(batches, task.loss_weight)
     w = [task.loss_weight(b) for b in batches]

@@ -385,6 +385,18 @@ def test_the_plan_cache_key_follows_the_config_not_the_run():
     assert plan_key("toy", base, "gpu") != plan_key("toy", base, "another gpu")
 
 
+def test_the_plan_cache_key_changes_with_zerotrains_code(monkeypatch):
+    """Another commit of zerotrain may train at another speed: its plans are not reused."""
+    from zerotrain.planner import plan_key
+
+    base = parse_config("toy", TOY)
+    monkeypatch.setenv("ZEROTRAIN_COMMIT", "aaaaaaa")
+    before = plan_key("toy", base, "gpu")
+    assert plan_key("toy", base, "gpu") == before
+    monkeypatch.setenv("ZEROTRAIN_COMMIT", "bbbbbbb")
+    assert plan_key("toy", base, "gpu") != before
+
+
 def test_the_probe_steps_once_at_every_padded_length_the_split_can_produce(tmp_path, tiny_tokenizer_dir):
     """Each new shape leaves kernel selections on a GPU run's host, so the probe's host figure comes after
     one step at each padded length: the lengths are those of single items, rounded up by the collator."""

@@ -118,7 +118,7 @@ class StrategyConfig:
     fast_path: bool = True
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     auto: bool = False
-    """Plan first (as `zerotrain plan` does: measure, predict, try the best few for a few seconds each) and train with the fastest configuration that fits: backend, ZeRO stage, offload, micro-batch and accumulation (same global batch), activation checkpointing. The plan is kept under <output_dir>/.plans and reused on this machine."""
+    """Plan first (as `zerotrain plan` does: measure, predict, try the best few for a few seconds each) and train with the fastest configuration that fits: backend, ZeRO stage, offload, micro-batch and accumulation (same global batch), activation checkpointing. The plan is kept under <output_dir>/.plans and reused on this machine until the flags or the versions of torch, DeepSpeed or zerotrain change."""
     deepspeed_config: Optional[str] = None
     """A DeepSpeed JSON/HJSON file of your own. Its "auto" values are filled from this config; explicit values win and are checked."""
 

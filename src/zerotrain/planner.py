@@ -398,14 +398,20 @@ def markdown(p: Plan) -> str:
 
 def plan_key(recipe: str, cfg: RunConfig, device_name: str) -> str:
     """What a cached plan is valid for: the recipe's resolved config (a ``--config`` file's contents,
-    not its name) without what names or lengthens the run, the GPUs, and the versions that set the speed."""
+    not its name) without what names or lengthens the run, the GPUs, and the versions that set the speed:
+    torch's, DeepSpeed's and zerotrain's own (its version and commit: session 14's fixes made ZeRO-1 13%
+    faster on two GPUs, which can change the pick)."""
     import deepspeed
+
+    from zerotrain import __version__
+    from zerotrain.rundir import commit
 
     tree = cfg.to_dict()
     for section, key in (("trainer", "run_name"), ("trainer", "output_dir"), ("trainer", "max_steps"),
                          ("trainer", "epochs"), ("checkpoint", "resume"), ("strategy", "auto")):
         tree[section].pop(key, None)
-    text = json.dumps([recipe, tree, device_name, torch.__version__, deepspeed.__version__], sort_keys=True, default=str)
+    versions = [torch.__version__, deepspeed.__version__, __version__, commit()]
+    text = json.dumps([recipe, tree, device_name, *versions], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
