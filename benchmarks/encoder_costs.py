@@ -9,7 +9,10 @@ stack`` does, in bf16, micro-batch x sequence as given, under variants that chan
 * ``no_dropout`` / ``no_attn_dropout`` / ``no_hidden_dropout``: what dropout costs, and where (diagnostic:
   these change the model, they are not offered as speed-ups);
 * ``sdpa_flash`` / ``sdpa_efficient`` / ``sdpa_cudnn``: one SDPA kernel family allowed;
-* ``max_autotune``: inductor's max-autotune-no-cudagraphs (Triton matmuls with fused epilogues), time-boxed.
+* ``max_autotune``: inductor's max-autotune-no-cudagraphs (Triton matmuls with fused epilogues), time-boxed;
+* ``autocast``: float32 weights under bf16 autocast, as ZeRO-0 and the plain engine run bf16, and
+  ``autocast_fp32_ln``: the same with torch's own LayerNorm, whose float32 output makes the residual stream float32;
+* ``align_random_eager``: inductor's dropout drawn as eager's kernel draws it (where this torch has the switch).
 
 and times scaled_dot_product_attention alone (forward + backward) for each kernel family, with and
 without dropout. Each variant is a fresh model and a fresh compile; times are CUDA-event medians.
@@ -32,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._inductor import config as inductor_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from zerotrain.models.roberta_mlm import Encoder, SelfAttention
@@ -40,7 +44,8 @@ DIMS = dict(vocab_size=50265, num_layers=12, num_heads=12, h_dim=768, ff_dim=307
             pad_token_id=1, activation_checkpointing=False)
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
             "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-SAME_MODEL = ("base", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "max_autotune")
+SAME_MODEL = ("base", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "max_autotune", "align_random_eager")
+AUTOCAST = ("autocast", "autocast_fp32_ln")
 
 
 def cuda_ms(fn, iters: int, warmup: int = 5) -> float:
@@ -60,7 +65,8 @@ def cuda_ms(fn, iters: int, warmup: int = 5) -> float:
 @contextmanager
 def variant_settings(name: str):
     backend = BACKENDS.get(name)
-    with sdpa_kernel([backend]) if backend else _nothing():
+    with sdpa_kernel([backend]) if backend else _nothing(), \
+            torch.autocast("cuda", dtype=torch.bfloat16) if name in AUTOCAST else _nothing():
         yield
 
 
@@ -72,7 +78,15 @@ def _nothing():
 def build(name: str, batch: int, seq: int):
     torch._dynamo.reset()
     dropout = 0.0 if name == "no_dropout" else 0.1
-    enc = Encoder(dropout=dropout, **DIMS).cuda().bfloat16().train()
+    enc = Encoder(dropout=dropout, **DIMS).cuda().train()
+    if name not in AUTOCAST:
+        enc.bfloat16()
+    if name == "autocast_fp32_ln":
+        for m in enc.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.__class__ = torch.nn.LayerNorm  # torch's forward: float32 out under autocast
+    if hasattr(inductor_config, "align_random_eager"):
+        inductor_config.align_random_eager = name == "align_random_eager"
     if name == "no_hidden_dropout":
         for m in enc.modules():
             if isinstance(m, torch.nn.Dropout):
@@ -87,6 +101,7 @@ def build(name: str, batch: int, seq: int):
     grad = torch.randn(batch, seq, DIMS["h_dim"], device="cuda", dtype=torch.bfloat16)
 
     def step():
+        enc.zero_grad(set_to_none=True)  # as a training step does: gradients are written, not accumulated
         enc(ids, None).backward(grad)
     return enc, step
 
@@ -165,6 +180,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--variants", default="base,no_dropout,no_attn_dropout,no_hidden_dropout,sdpa_flash,"
                                           "sdpa_efficient,sdpa_cudnn,max_autotune")
+    ap.add_argument("--profile", default="base", help="variants whose top kernels to list (and the fastest same-model one)")
     ap.add_argument("--max_autotune_budget_s", type=float, default=240.0)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +193,8 @@ def main() -> int:
             result["variants"].append({"variant": name, "status": "skipped: out of time"})
             continue
         try:
+            if name == "align_random_eager" and not hasattr(inductor_config, "align_random_eager"):
+                raise RuntimeError(f"torch {torch.__version__} has no inductor.config.align_random_eager")
             row = time_variant(name, args.batch, args.seq, args.iters)
         except Exception as e:  # noqa: BLE001 - a failed variant is a result row, the others still run
             row = {"variant": name, "status": f"failed: {str(e).splitlines()[0][:160]}"}
@@ -185,8 +203,8 @@ def main() -> int:
         _write(args.out, result)
     timed = [r for r in result["variants"] if "fwd_bwd_ms" in r]
     fastest = min((r for r in timed if r["same_model"]), key=lambda r: r["fwd_bwd_ms"], default=None)
-    result["top_kernels"] = {"base": top_kernels("base", args.batch, args.seq)}
-    if fastest and fastest["variant"] != "base":
+    result["top_kernels"] = {name: top_kernels(name, args.batch, args.seq) for name in args.profile.split(",") if name}
+    if fastest and fastest["variant"] not in result["top_kernels"]:
         result["top_kernels"][fastest["variant"]] = top_kernels(fastest["variant"], args.batch, args.seq)
     _write(args.out, result)
     return 0

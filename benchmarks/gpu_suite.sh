@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -313,6 +313,20 @@ for part in "$@"; do
         timeout 150 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
           --out "$OUT/bert_loss/fused_$rep" "${BERT[@]}" "${G[@]}" | tail -n 1
       done ;;
+    bert_ln)  # the MLM's LayerNorm returning autocast's bf16 (this code) against torch's float32 (OLD_SRC): ZeRO-0,
+      # the encoder as one CUDA-graphed graph, 200 steps each in turn, profiled, with the loss curves compared;
+      # then this code at micro-batch 64 (the GPU holds 8.5 GiB at 32)
+      old_src_on_path || continue
+      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+         --trainer.max_steps 200)
+      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" timeout 200 python3 -m \
+        zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 --out "$OUT/bert_ln/fp32_ln" "${BERT[@]}" \
+        "${G[@]}" | tail -n 1
+      timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
+        --out "$OUT/bert_ln/bf16_ln" "${BERT[@]}" "${G[@]}" | tail -n 1
+      python3 benchmarks/loss_curves.py "$OUT/bert_ln/curves.json" "$OUT/bert_ln/bf16_ln" "$OUT/bert_ln/fp32_ln"
+      timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
+        --out "$OUT/bert_ln/bf16_ln_mb64" "${BERT[@]}" "${G[@]}" --trainer.micro_batch_size 64 | tail -n 1 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

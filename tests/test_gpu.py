@@ -222,3 +222,26 @@ def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage
             main(argv)
         return
     assert main(argv) == 0 and len(strict) == 4
+
+
+def test_the_mlm_residual_stream_is_bf16_under_cuda_autocast():
+    """CUDA autocast returns layer_norm in float32; the MLM's LayerNorm hands its layers bf16 instead, rounded once."""
+    import torch
+
+    from zerotrain.models.roberta_mlm import LayerNorm, RobertaMLM
+
+    torch.manual_seed(0)
+    model = RobertaMLM(vocab_size=64, num_layers=2, num_heads=2, h_dim=32, ff_dim=64, dropout=0.0,
+                       max_seq_length=16, pad_token_id=1).cuda()
+    seen = []
+    for layer in model.encoder.layers:
+        layer.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    ln, x = model.encoder.layers[0].ln_ff, torch.randn(4, 32, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch_out = torch.nn.LayerNorm.forward(ln, x)
+        ours = ln(x)
+        model(torch.randint(3, 64, (2, 16), device="cuda"))["logits"].float().sum().backward()
+    assert isinstance(ln, LayerNorm) and torch_out.dtype == torch.float32
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, torch_out.bfloat16())
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)

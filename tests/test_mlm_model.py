@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from zerotrain.models.roberta_mlm import RobertaMLM, aligned_linear
+from zerotrain.models.roberta_mlm import LayerNorm, RobertaMLM, aligned_linear
 
 V, L, H, C, F, T, PAD = 50, 2, 4, 16, 32, 12, 1
 
@@ -114,3 +114,22 @@ def test_the_aligned_decoder_gives_the_plain_linears_logits_and_gradients():
     for g, r in zip(grads, ref_grads):
         assert g.shape == r.shape
         torch.testing.assert_close(g, r)
+
+
+
+def test_layernorm_is_torchs_without_autocast_and_returns_autocasts_dtype_under_it(monkeypatch):
+    ln = LayerNorm(16)
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-0.5, 0.5)
+    ref = torch.nn.LayerNorm(16)
+    ref.load_state_dict(ln.state_dict())  # same parameter names: checkpoints and exports are unchanged
+    x = torch.randn(4, 16)
+    assert torch.equal(ln(x), ref(x))
+    # CUDA autocast runs layer_norm in float32 and returns float32 (CPU autocast already returns bf16, so a
+    # CPU autocast region cannot show the difference): stand in for it with autocast reported on, float32 math.
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device=None: device == "cpu")
+    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device: torch.bfloat16)
+    y = ln(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, ref(x).bfloat16())  # normalised in float32, rounded once

@@ -20,6 +20,22 @@ from zerotrain.compiling import FusedLoss
 from zerotrain.data.collate import IGNORE_INDEX
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` whose output, under autocast, is in autocast's dtype rather than float32.
+
+    Autocast runs layer_norm in float32 and returns float32, and in a post-LN encoder that output is the
+    residual stream: every residual add, dropout and LayerNorm of every layer then reads and writes float32,
+    and each matmul casts its input back to bf16 first. Returned in bf16, the stream is what a model with bf16
+    weights (ZeRO-1/2's bf16 block) carries; the normalisation is still computed in float32. Without
+    autocast it is ``nn.LayerNorm``, and its parameters keep their names.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        device = x.device.type
+        return y.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else y
+
+
 class SelfAttention(nn.Module):
     def __init__(self, h_dim: int, num_heads: int, dropout: float):
         super().__init__()
@@ -47,10 +63,10 @@ class EncoderLayer(nn.Module):
     def __init__(self, h_dim: int, num_heads: int, ff_dim: int, dropout: float):
         super().__init__()
         self.attn = SelfAttention(h_dim, num_heads, dropout)
-        self.ln_attn = nn.LayerNorm(h_dim)
+        self.ln_attn = LayerNorm(h_dim)
         self.ff_in = nn.Linear(h_dim, ff_dim)
         self.ff_out = nn.Linear(ff_dim, h_dim)
-        self.ln_ff = nn.LayerNorm(h_dim)
+        self.ln_ff = LayerNorm(h_dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -67,7 +83,7 @@ class Encoder(nn.Module):
         super().__init__()
         self.token_embedding = nn.Embedding(vocab_size, h_dim, padding_idx=pad_token_id)
         self.position_embedding = nn.Embedding(max_seq_length, h_dim)
-        self.ln_emb = nn.LayerNorm(h_dim)
+        self.ln_emb = LayerNorm(h_dim)
         self.drop = nn.Dropout(dropout)
         self.layers = nn.ModuleList(EncoderLayer(h_dim, num_heads, ff_dim, dropout) for _ in range(num_layers))
         self.activation_checkpointing = activation_checkpointing
@@ -98,7 +114,7 @@ class MLMHead(nn.Module):
     def __init__(self, h_dim: int, vocab_size: int):
         super().__init__()
         self.dense = nn.Linear(h_dim, h_dim)
-        self.ln = nn.LayerNorm(h_dim)
+        self.ln = LayerNorm(h_dim)
         self.decoder = AlignedLinear(h_dim, vocab_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
