@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -327,6 +327,19 @@ for part in "$@"; do
       python3 benchmarks/loss_curves.py "$OUT/bert_ln/curves.json" "$OUT/bert_ln/bf16_ln" "$OUT/bert_ln/fp32_ln"
       timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
         --out "$OUT/bert_ln/bf16_ln_mb64" "${BERT[@]}" "${G[@]}" --trainer.micro_batch_size 64 | tail -n 1 ;;
+    bert_mb)  # target 2 by micro-batch: ZeRO-0 and ZeRO-1 at 64 and 128 sequences of 512, encoder CUDA-graphed,
+      # profiled; then the bert_ln pair again at 32 (OLD_SRC: torch's float32 LayerNorm) in the other order
+      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
+      for mb in 128 64; do
+        timeout 230 python3 -m zerotrain benchmark mlm --strategies zero0,zero1 --nproc 1 --profile 5 \
+          --out "$OUT/bert_mb/mb$mb" "${BERT[@]}" "${G[@]}" --trainer.micro_batch_size $mb | tail -n 3
+      done
+      old_src_on_path || continue
+      timeout 120 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --out "$OUT/bert_mb/bf16_ln_mb32" \
+        "${BERT[@]}" "${G[@]}" | tail -n 1
+      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" timeout 120 python3 -m \
+        zerotrain benchmark mlm --strategies zero0 --nproc 1 --out "$OUT/bert_mb/fp32_ln_mb32" "${BERT[@]}" \
+        "${G[@]}" | tail -n 1 ;;
     tests)
       z doctor > "$OUT/tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q tests/test_gpu.py > "$OUT/tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;
