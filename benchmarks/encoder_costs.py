@@ -30,7 +30,7 @@ import json
 import platform
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -65,14 +65,10 @@ def cuda_ms(fn, iters: int, warmup: int = 5) -> float:
 @contextmanager
 def variant_settings(name: str):
     backend = BACKENDS.get(name)
-    with sdpa_kernel([backend]) if backend else _nothing(), \
-            torch.autocast("cuda", dtype=torch.bfloat16) if name in AUTOCAST else _nothing():
+    with sdpa_kernel([backend]) if backend else nullcontext(), \
+            torch.autocast("cuda", dtype=torch.bfloat16) if name in AUTOCAST else nullcontext():
         yield
 
-
-@contextmanager
-def _nothing():
-    yield
 
 
 def build(name: str, batch: int, seq: int):
@@ -109,7 +105,7 @@ def build(name: str, batch: int, seq: int):
 def time_variant(name: str, batch: int, seq: int, iters: int) -> dict:
     with variant_settings(name):
         t0 = time.perf_counter()
-        enc, step = build(name, batch, seq)
+        _, step = build(name, batch, seq)
         step()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - t0

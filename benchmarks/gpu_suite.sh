@@ -315,7 +315,7 @@ for part in "$@"; do
       done ;;
     bert_ln)  # the MLM's LayerNorm returning autocast's bf16 (this code) against torch's float32 (OLD_SRC): ZeRO-0,
       # the encoder as one CUDA-graphed graph, 200 steps each in turn, profiled, with the loss curves compared;
-      # then this code at micro-batch 64 (the GPU holds 8.5 GiB at 32)
+      # then this code at micro-batch 64 (the GPU holds 7-7.6 GiB at 32)
       old_src_on_path || continue
       G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
          --trainer.max_steps 200)

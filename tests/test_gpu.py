@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import zerotrain_cmd
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # each test starts a `python -m zerotrain fit` process
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # most tests start a `python -m zerotrain fit` process
 
 
 def _fit(tmp_path: Path, *flags: str, env_extra: dict[str, str] | None = None) :

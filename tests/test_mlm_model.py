@@ -116,8 +116,7 @@ def test_the_aligned_decoder_gives_the_plain_linears_logits_and_gradients():
         torch.testing.assert_close(g, r)
 
 
-
-def test_layernorm_is_torchs_without_autocast_and_returns_autocasts_dtype_under_it(monkeypatch):
+def test_layernorm_is_torchs_without_autocast_and_returns_bf16_under_bf16_autocast():
     ln = LayerNorm(16)
     with torch.no_grad():
         ln.weight.uniform_(0.5, 1.5)
@@ -126,10 +125,22 @@ def test_layernorm_is_torchs_without_autocast_and_returns_autocasts_dtype_under_
     ref.load_state_dict(ln.state_dict())  # same parameter names: checkpoints and exports are unchanged
     x = torch.randn(4, 16)
     assert torch.equal(ln(x), ref(x))
-    # CUDA autocast runs layer_norm in float32 and returns float32 (CPU autocast already returns bf16, so a
-    # CPU autocast region cannot show the difference): stand in for it with autocast reported on, float32 math.
-    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device=None: device == "cpu")
-    monkeypatch.setattr(torch, "get_autocast_dtype", lambda device: torch.bfloat16)
-    y = ln(x)
-    assert y.dtype == torch.bfloat16
-    assert torch.equal(y, ref(x).bfloat16())  # normalised in float32, rounded once
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch_out, y = ref(x), ln(x)
+    assert torch_out.dtype == torch.float32  # autocast's: a float32 residual stream
+    assert y.dtype == torch.bfloat16 and torch.equal(y, torch_out.bfloat16())  # normalised in float32, rounded once
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert ln(x).dtype == torch.float32  # fp16 keeps autocast's float32
+
+
+def test_the_residual_stream_is_bf16_under_bf16_autocast():
+    model = _model().train()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * L + 2 and all(type(m) is LayerNorm for m in norms)  # embeddings, layers, head
+    seen = []
+    for layer in model.encoder.layers:
+        layer.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(4, V, (2, T)))["logits"].float().sum().backward()
+    assert seen == [torch.bfloat16] * L
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)

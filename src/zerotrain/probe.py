@@ -145,7 +145,8 @@ def variant(checkpointing: bool, sixteen_bit: bool) -> str:
     """``off``/``on`` (activation checkpointing) under autocast with the weights as built, as plain
     PyTorch and DeepSpeed's ZeRO-0 fast path run; ``off16``/``on16`` with the weights in 16 bits and no
     autocast, as DeepSpeed's bf16/fp16 blocks run (ZeRO-1/2/3). The two store different activations:
-    under autocast, layer norms and softmaxes keep fp32 outputs."""
+    under autocast, layer norms and softmaxes may keep fp32 outputs (torch's do; the MLM's LayerNorm returns bf16
+    under bf16 autocast, models.roberta_mlm.LayerNorm)."""
     return ("on" if checkpointing else "off") + ("16" if sixteen_bit else "")
 
 

@@ -21,19 +21,23 @@ from zerotrain.data.collate import IGNORE_INDEX
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` whose output, under autocast, is in autocast's dtype rather than float32.
+    """``nn.LayerNorm`` whose output, under bf16 autocast, is bf16 rather than float32.
 
-    Autocast runs layer_norm in float32 and returns float32, and in a post-LN encoder that output is the
-    residual stream: every residual add, dropout and LayerNorm of every layer then reads and writes float32,
-    and each matmul casts its input back to bf16 first. Returned in bf16, the stream is what a model with bf16
-    weights (ZeRO-1/2's bf16 block) carries; the normalisation is still computed in float32. Without
-    autocast it is ``nn.LayerNorm``, and its parameters keep their names.
+    Autocast returns layer_norm in float32 (of a float32 input, and on CUDA of any input), and in a post-LN
+    encoder that output is the residual stream: every residual add, dropout and LayerNorm of every layer then
+    reads and writes float32, and each matmul casts its input back to bf16 first (2.8 ms of a 31.5 ms BERT-base
+    encoder step on an H100, BENCHMARKS.md session 15). Returned in bf16, the stream is what a model with bf16
+    weights (ZeRO-1/2's bf16 block) carries; the normalisation is still computed in float32 and rounded once.
+    fp16 autocast keeps float32: fp16's narrow range is what autocast's float32 LayerNorm protects the stream
+    from. Without autocast it is ``nn.LayerNorm``, and its parameters keep their names.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         device = x.device.type
-        return y.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else y
+        if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16:
+            return y.to(torch.bfloat16)
+        return y
 
 
 class SelfAttention(nn.Module):
