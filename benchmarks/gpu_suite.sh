@@ -327,11 +327,11 @@ for part in "$@"; do
       python3 benchmarks/loss_curves.py "$OUT/bert_ln/curves.json" "$OUT/bert_ln/bf16_ln" "$OUT/bert_ln/fp32_ln"
       timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
         --out "$OUT/bert_ln/bf16_ln_mb64" "${BERT[@]}" "${G[@]}" --trainer.micro_batch_size 64 | tail -n 1 ;;
-    bert_mb)  # target 2 by micro-batch: ZeRO-0 and ZeRO-1 at 64 and 128 sequences of 512, encoder CUDA-graphed,
+    bert_mb)  # target 2 by micro-batch: ZeRO-0 and ZeRO-1 (BERT_STRATS) at 128 and 64 (MBS) sequences of 512, encoder CUDA-graphed,
       # profiled; then the bert_ln pair again at 32 (OLD_SRC: torch's float32 LayerNorm) in the other order
       G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
-      for mb in 128 64; do
-        timeout 230 python3 -m zerotrain benchmark mlm --strategies zero0,zero1 --nproc 1 --profile 5 \
+      for mb in ${MBS:-128 64}; do
+        timeout 230 python3 -m zerotrain benchmark mlm --strategies ${BERT_STRATS:-zero0,zero1} --nproc 1 --profile 5 \
           --out "$OUT/bert_mb/mb$mb" "${BERT[@]}" "${G[@]}" --trainer.micro_batch_size $mb | tail -n 3
       done
       old_src_on_path || continue

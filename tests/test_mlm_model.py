@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zerotrain.models.roberta_mlm import LayerNorm, RobertaMLM, aligned_linear
@@ -83,7 +84,9 @@ def test_flops_formula_matches_a_hand_count():
     assert m.num_params(non_embedding=True) == non_embedding
     assert m.num_params(non_embedding=False) == non_embedding + V * C + T * C
     assert m.flops_per_token(T) == 6 * non_embedding + 12 * L * C * T + 6 * C * V
-    assert m.flops_per_token(T, predicted_fraction=0.15) == 6 * non_embedding + 12 * L * C * T + 6 * C * V * 0.15
+    # the head (its own parameters and the tied decoder) runs on the predicted positions only
+    assert m.flops_per_token(T, predicted_fraction=0.15) == pytest.approx(
+        6 * (non_embedding - head) + 12 * L * C * T + 6 * (head + C * V) * 0.15)
 
 
 def test_no_mask_is_the_same_as_a_mask_of_ones():

@@ -231,18 +231,19 @@ class RobertaMLM(nn.Module):
     def flops_per_token(self, seq_len: int, predicted_fraction: float = 1.0) -> float:
         """Training FLOPs per token (forward + backward), nanoGPT/PaLM style::
 
-            6 * N + 12 * num_layers * h_dim * seq_len + 6 * h_dim * vocab_size * predicted_fraction
+            6 * N_encoder + 12 * num_layers * h_dim * seq_len + 6 * (N_head + h_dim * vocab_size) * predicted_fraction
 
-        where N is the non-embedding parameter count (every parameter except the token and position
-        embedding tables: layers, LayerNorms, MLM dense/LayerNorm, decoder bias), the second term is
-        the attention score and value matmuls, and the last is the tied decoder matmul, which the
-        parameter term misses because its weight is the (excluded) token embedding. The head runs
-        only on masked positions in training, so that term is scaled by the fraction of positions
-        predicted (the mask probability).
+        where N_encoder is the encoder's parameter count without the token and position embedding tables
+        (layers and LayerNorms), the second term is the attention score and value matmuls, N_head is the
+        MLM head's own parameters (dense, LayerNorm, decoder bias) and ``h_dim * vocab_size`` the tied
+        decoder matmul, which no parameter count holds because its weight is the token embedding. The
+        head runs only on masked positions in training, so its terms are scaled by the fraction of
+        positions predicted (the mask probability).
         """
-        return (6.0 * self.num_params(non_embedding=True)
+        head = sum(p.numel() for name, p in self.lm_head.named_parameters() if name != "decoder.weight")
+        return (6.0 * (self.num_params(non_embedding=True) - head)
                 + 12.0 * self.num_layers * self.h_dim * seq_len
-                + 6.0 * self.h_dim * self.vocab_size * predicted_fraction)
+                + 6.0 * (head + self.h_dim * self.vocab_size) * predicted_fraction)
 
 
 # ---- Hugging Face layout -----------------------------------------------------------------------
