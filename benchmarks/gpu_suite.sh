@@ -33,6 +33,8 @@ old_src_on_path() {
     echo "$part: needs OLD_SRC=<old checkout>/src and \$PWD/src on PYTHONPATH; skipped" >&2; return 1
   fi
 }
+# Runs a command with OLD_SRC's code in place of this checkout's, recorded under OLD_COMMIT (after old_src_on_path)
+old() { PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" "$@"; }
 sft() { python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000; }
 
 # zerotrain plan with --compare_strategies: the planner's own pick (its top 3 predicted, trialled) against every
@@ -295,7 +297,7 @@ for part in "$@"; do
         --strategy.compile_scope stack | tail -n 2
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu" "${BERT[@]}" "${G[@]}" \
         --strategy.compile_scope stack | tail -n 1
-      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" python3 -m zerotrain benchmark \
+      old python3 -m zerotrain benchmark \
         mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_old" "${BERT[@]}" "${G[@]}" \
         --strategy.compile_scope stack | tail -n 1
       if [ "${OVERLAP:-0}" = 1 ]; then
@@ -307,7 +309,7 @@ for part in "$@"; do
       old_src_on_path || continue
       G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
       for rep in 1 2; do
-        PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" timeout 150 python3 -m \
+        old timeout 150 python3 -m \
           zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 --out "$OUT/bert_loss/eager_$rep" "${BERT[@]}" \
           "${G[@]}" | tail -n 1
         timeout 150 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
@@ -319,7 +321,7 @@ for part in "$@"; do
       old_src_on_path || continue
       G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
          --trainer.max_steps 200)
-      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" timeout 200 python3 -m \
+      old timeout 200 python3 -m \
         zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 --out "$OUT/bert_ln/fp32_ln" "${BERT[@]}" \
         "${G[@]}" | tail -n 1
       timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 \
@@ -337,7 +339,7 @@ for part in "$@"; do
       old_src_on_path || continue
       timeout 120 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --out "$OUT/bert_mb/bf16_ln_mb32" \
         "${BERT[@]}" "${G[@]}" | tail -n 1
-      PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" timeout 120 python3 -m \
+      old timeout 120 python3 -m \
         zerotrain benchmark mlm --strategies zero0 --nproc 1 --out "$OUT/bert_mb/fp32_ln_mb32" "${BERT[@]}" \
         "${G[@]}" | tail -n 1 ;;
     tests)
