@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -35,6 +35,14 @@ old_src_on_path() {
 }
 # Runs a command with OLD_SRC's code in place of this checkout's, recorded under OLD_COMMIT (after old_src_on_path)
 old() { PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" "$@"; }
+# IMDB preset (b) for 2 epochs per engine, the second timed (every padded length seen once):
+# imdb_tax OUTDIR STRATEGIES [TIME LIMIT IN S]
+imdb_tax() {
+  timeout "${3:-0}" python3 -m zerotrain benchmark imdb --strategies "$2" --nproc 1 --out "$1" --config configs/imdb_b.yaml \
+    --data.pad_to_multiple_of ${PAD:-64} --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
+    --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
+    --checkpoint.save_final false | tail -n 6
+}
 sft() { python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000; }
 
 # zerotrain plan with --compare_strategies: the planner's own pick (its top 3 predicted, trialled) against every
@@ -83,10 +91,12 @@ for part in "$@"; do
     imdb_tax)  # preset (b), 2 epochs per engine, only the second timed (every padded length has been seen once):
       # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row.
       # PAD=8: batches padded as before session 8 (128 lengths, not 16); STRATS: fewer engines, to fit a call
-      z benchmark imdb --strategies ${STRATS:-ddp,zero0,zero1,zero2} --nproc 1 --out "$OUT/imdb_tax" \
-        --config configs/imdb_b.yaml --data.pad_to_multiple_of ${PAD:-64} \
-        --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 --trainer.warmup_steps_excluded 781 \
-        --trainer.evaluate false --trainer.export false --checkpoint.save_final false | tail -n 6 ;;
+      imdb_tax "$OUT/imdb_tax" ${STRATS:-ddp,zero0,zero1,zero2} ;;
+    imdb_tax_ab)  # imdb_tax with this code, then ZeRO-1/2 (AB_STRATS) with OLD_SRC's: zerotrain.zero_host's one-rank
+      # reduction skip and one-launch norm against DeepSpeed's per-tensor path
+      old_src_on_path || continue
+      imdb_tax "$OUT/imdb_tax_ab/new" ${STRATS:-ddp,zero0,zero1,zero2} ${NEW_S:-360}
+      old imdb_tax "$OUT/imdb_tax_ab/old" ${AB_STRATS:-zero1} ${OLD_S:-200} ;;
     profile_bert)  # where BERT-base's step time goes now: the plain engine and ZeRO-0, 5 profiled steps each,
       # eager and under torch.compile
       z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/eager" "${BERT[@]}" | tail -n 4

@@ -1,0 +1,108 @@
+"""ZeRO-1/2's per-tensor host work, cut where it computes nothing or fits in one launch.
+
+DeepSpeed (0.19.8) handles ZeRO-1/2's gradients one parameter tensor at a time in Python. On a small
+model the host then sets the pace: on one H100, IMDB preset (b) (79 parameter tensors, CUDA-graphed
+encoder) took 19 ms a step under ZeRO-1 against 8.4 ms in plain PyTorch, with 8.9 ms of host time in
+the backward and 8.9 ms in the optimizer step against 5.4 and 2.4 (BENCHMARKS.md, session 15). Two
+of those per-tensor costs buy nothing:
+
+* **The reduction on one rank.** Each gradient is bucketed, the bucket is flattened, divided by the
+  world size, all-reduced and copied back tensor by tensor. With one data-parallel rank that is the
+  identity (a division by 1.0, a sum over one rank, a copy of the same values).
+  :func:`skip_one_rank_reduction` has such an optimizer leave the gradients where backward put them;
+  ZeRO's epilogue then reads them exactly as it reads the reduced ones. It applies only where the
+  reduction is the identity bit for bit, see :func:`_reduction_is_identity`.
+* **The gradient norm.** DeepSpeed casts each gradient to float64 and takes its norm: two kernels and
+  a tensor allocation per parameter tensor. :func:`norm_in_one_launch` takes the same float64 norms
+  with ``torch._foreach_norm`` (one multi-tensor launch) and sums them as DeepSpeed does; on one rank
+  it also leaves out the all-reduce of the result with itself.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+
+def skip_one_rank_reduction(optimizer: Any) -> bool:
+    """Give a ZeRO-1/2 ``optimizer`` on one rank a no-op gradient reduction; False (nothing changed) where
+    the reduction is not the identity or the optimizer is not DeepSpeed's ZeRO-1/2."""
+    if not _is_zero12(optimizer) or not _reduction_is_identity(optimizer):
+        return False
+    optimizer.reduce_ready_partitions_and_remove_grads = types.MethodType(_leave_gradient, optimizer)
+    return True
+
+
+def _leave_gradient(self: Any, param: torch.nn.Parameter, i: int) -> None:
+    """Stands for ``reduce_ready_partitions_and_remove_grads``: the gradient stays in ``param.grad``,
+    where the epilogue (``independent_gradient_partition_epilogue``) reads it."""
+
+
+def _reduction_is_identity(opt: Any) -> bool:
+    """Whether reducing ``opt``'s gradients leaves every value as it is, so that skipping it is exact.
+
+    One rank in every data-parallel group; the gradients stay in ``param.grad`` (no contiguous
+    buffers, no CPU offload copies, no separate accumulation attribute, no compact fp32 partition);
+    no division other than by the world size (no sequence parallelism, no MoE expert groups); and
+    communication in the gradients' own dtype (a cast there would round).
+    """
+    from deepspeed import comm as dist
+
+    groups = [opt.dp_process_group, *opt.real_dp_process_group]
+    if any(dist.get_world_size(group=g) != 1 for g in groups):
+        return False
+    if (opt.contiguous_gradients or opt.cpu_offload or opt.use_grad_accum_attribute or opt.has_moe_layers
+            or getattr(opt, "zenflow", False) or getattr(opt, "sequence_parallel_size", 1) != 1):
+        return False
+    if any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
+        return False
+    params = [p for group in opt.bit16_groups for p in group]
+    return all(opt.get_param_comm_dtype(p) == p.dtype for p in params)
+
+
+def norm_in_one_launch(optimizer: Any) -> bool:
+    """Give a ZeRO-1/2 ``optimizer`` the one-launch gradient norm; False (nothing changed) where DeepSpeed's
+    per-tensor rules matter (pipeline-replicated parameters, a model-parallel rank other than 0)."""
+    from deepspeed.runtime.constants import PIPE_REPLICATED
+
+    if not _is_zero12(optimizer) or getattr(optimizer, "model_parallel_rank", 0) != 0:
+        return False
+    if any(hasattr(p, PIPE_REPLICATED) for group in optimizer.bit16_groups for p in group):
+        return False
+    optimizer.get_grad_norm_direct = types.MethodType(_grad_norm_direct, optimizer)
+    return True
+
+
+def _grad_norm_direct(self: Any, gradients: list[torch.Tensor], params: list[torch.nn.Parameter],
+                      norm_type: float = 2) -> torch.Tensor:
+    """``DeepSpeedZeroOptimizer.get_grad_norm_direct`` for the L2 norm: every gradient's norm in DeepSpeed's
+    norm dtype (float64 where the device has it), squared, summed, reduced and rooted in DeepSpeed's
+    order. The per-tensor norms come from one ``_foreach_norm``: a different kernel, so they may differ
+    from DeepSpeed's in the last bit of a float64, far below the float32 the norm is used in."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero import stage_1_and_2
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
+    if float(norm_type) != 2.0:
+        return stage_1_and_2.DeepSpeedZeroOptimizer.get_grad_norm_direct(self, gradients, params, norm_type)
+    grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
+    if grads:
+        norms = torch._foreach_norm(grads, 2, dtype=get_norm_dtype())
+        total = torch.stack(norms).pow(2).sum().float()
+    else:
+        total = torch.tensor(0.0, dtype=torch.float32).to(self.device)
+    if dist.get_world_size(group=self.dp_process_group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+    self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+    total = total.pow(0.5)
+    # The module's global, so that zero_clip's sync-free mask applies here as it does to DeepSpeed's method.
+    stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
+    return total
+
+
+def _is_zero12(optimizer: Any) -> bool:
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return isinstance(optimizer, DeepSpeedZeroOptimizer)

@@ -1,0 +1,122 @@
+"""zerotrain.zero_host: ZeRO-1/2 on one rank without the identity reduction, and the gradient norm in one launch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_fit import toy_config, train_log
+from test_zero_clip import RecordOps
+
+from zerotrain import zero_host
+from zerotrain.loop import fit
+from zerotrain.tasks.toy import ToyTask
+
+
+def _fit_counting_reductions(tmp_path, name: str, monkeypatch, **strategy) -> tuple[dict, int]:
+    """A toy fit's train log, and how many buckets DeepSpeed's ZeRO-1/2 reduced (``allreduce_and_copy`` calls)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    calls = []
+    original = DeepSpeedZeroOptimizer.allreduce_and_copy
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "allreduce_and_copy", counted)
+    cfg = toy_config(tmp_path, name, gradient_clipping=0.05, **strategy)
+    fit(ToyTask(cfg))
+    return train_log(tmp_path / name), len(calls)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_one_rank_skips_the_reduction_and_trains_bitwise_the_same(tmp_path, monkeypatch, stage, precision):
+    """One rank, with gradient accumulation (2 micro-batches) and a clip that bites: DeepSpeed's reduction
+    runs without the fast path's skip and never with it, and the loss and grad-norm curves are bitwise
+    the same (the skipped reduction divided by 1.0 and summed over one rank)."""
+    logs = {}
+    reductions = {}
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(zero_host, "_reduction_is_identity", lambda opt: False)
+        logs[skip], reductions[skip] = _fit_counting_reductions(tmp_path, f"skip-{skip}", monkeypatch,
+                                                                zero_stage=stage, precision=precision)
+    assert reductions[False] > 0 and reductions[True] == 0
+    assert sorted(logs[True]) == sorted(logs[False]) == list(range(1, 9))
+    for step, row in logs[True].items():
+        assert row["train_loss"] == logs[False][step]["train_loss"], step
+        assert row["grad_norm"] == logs[False][step]["grad_norm"], step
+
+
+def test_the_reduction_is_kept_where_it_is_not_the_identity(tmp_path, monkeypatch):
+    """Contiguous gradients (the buckets the epilogue reads from), and communication in another dtype
+    (a cast that rounds), keep DeepSpeed's reduction."""
+    real, verdicts = zero_host._reduction_is_identity, {}
+
+    def spy(opt):
+        """Asks for the real optimizer's verdict, then for the two variants' (the run keeps the first)."""
+        verdicts["as built"] = real(opt)
+        opt.contiguous_gradients = True
+        verdicts["contiguous"] = real(opt)
+        opt.contiguous_gradients, kept = False, opt.communication_data_type
+        opt.communication_data_type = torch.bfloat16  # the toy trains in fp32
+        verdicts["bf16 communication"] = real(opt)
+        opt.communication_data_type = kept
+        return verdicts["as built"]
+
+    monkeypatch.setattr(zero_host, "_reduction_is_identity", spy)
+    _, reductions = _fit_counting_reductions(tmp_path, "run", monkeypatch, zero_stage=2)
+    assert reductions == 0
+    assert verdicts == {"as built": True, "contiguous": False, "bf16 communication": False}
+    assert not zero_host.skip_one_rank_reduction(SimpleNamespace())  # not a ZeRO-1/2 optimizer
+
+
+def _norm(method, grads: list[torch.Tensor], monkeypatch) -> tuple[torch.Tensor, list]:
+    """``get_grad_norm_direct`` of an optimizer on one rank, and the ops it ran."""
+    from deepspeed import comm
+
+    monkeypatch.setattr(comm, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(comm, "all_reduce", lambda tensor, *args, **kwargs: None)  # one rank: the identity
+    opt = SimpleNamespace(model_parallel_rank=0, device="cpu", dp_process_group=None,
+                          _model_parallel_all_reduce=lambda tensor, op: None)
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    with RecordOps() as ops:
+        norm = method(opt, grads, params)
+    return norm, ops.ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_the_one_launch_norm_is_deepspeeds(monkeypatch, dtype, poison):
+    """The same float32 norm as DeepSpeed's per-tensor float64 norms (and its -1 for a gradient with inf
+    or NaN), a ZeRO padding tensor left out; the ops run do not grow with the number of tensors."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    torch.manual_seed(0)
+    grads = [torch.randn(*shape).to(dtype) * scale for shape, scale in
+             (((64, 32), 1e-3), ((32,), 10.0), ((7, 5, 3), 1.0), ((1000,), 1e-6))]
+    if poison is not None:
+        grads[2][1, 1, 1] = poison
+    padding = torch.zeros(5, dtype=dtype)
+    padding._zero_padding = True
+    theirs, _ = _norm(DeepSpeedZeroOptimizer.get_grad_norm_direct, [*grads, padding], monkeypatch)
+    ours, ops = _norm(zero_host._grad_norm_direct, [*grads, padding], monkeypatch)
+    assert ours.dtype == theirs.dtype == torch.float32
+    assert torch.equal(ours, theirs), (ours, theirs)
+    if poison is not None:
+        assert ours.item() == -1.0
+    _, more_ops = _norm(zero_host._grad_norm_direct, grads * 5, monkeypatch)
+    assert len(more_ops) == len(ops)
+
+
+def test_the_norm_of_another_order_is_deepspeeds(monkeypatch):
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    grads = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]
+    theirs, _ = _norm(lambda *a: DeepSpeedZeroOptimizer.get_grad_norm_direct(*a, norm_type=float("inf")), grads,
+                      monkeypatch)
+    ours, _ = _norm(lambda *a: zero_host._grad_norm_direct(*a, norm_type=float("inf")), grads, monkeypatch)
+    assert ours.item() == theirs.item() == 4.0
