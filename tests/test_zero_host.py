@@ -35,13 +35,15 @@ def _fit_counting_reductions(tmp_path, name: str, monkeypatch, **strategy) -> tu
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_one_rank_skips_the_reduction_and_trains_bitwise_the_same(tmp_path, monkeypatch, stage, precision):
     """One rank, with gradient accumulation (2 micro-batches) and a clip that bites: DeepSpeed's reduction
-    runs without the fast path's skip and never with it, and the loss and grad-norm curves are bitwise
-    the same (the skipped reduction divided by 1.0 and summed over one rank)."""
+    runs without zero_host and never with it, and the loss and grad-norm curves are bitwise the same (the
+    skipped reduction divided by 1.0 and summed over one rank; here the one-launch norm rounds to
+    DeepSpeed's float32 too)."""
     logs = {}
     reductions = {}
     for skip in (True, False):
         if not skip:
-            monkeypatch.setattr(zero_host, "_reduction_is_identity", lambda opt: False)
+            for patch in ("skip_one_rank_reduction", "norm_in_one_launch", "rebind_only_moved_weights"):
+                monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda opt: False)
         logs[skip], reductions[skip] = _fit_counting_reductions(tmp_path, f"skip-{skip}", monkeypatch,
                                                                 zero_stage=stage, precision=precision)
     assert reductions[False] > 0 and reductions[True] == 0
@@ -120,3 +122,38 @@ def test_the_norm_of_another_order_is_deepspeeds(monkeypatch):
                       monkeypatch)
     ours, _ = _norm(lambda *a: zero_host._grad_norm_direct(*a, norm_type=float("inf")), grads, monkeypatch)
     assert ours.item() == theirs.item() == 4.0
+
+
+def test_weights_are_rebound_only_when_one_has_moved(tmp_path, monkeypatch):
+    """After DeepSpeed's step every parameter already is its slice of the flat buffer, and DeepSpeed's
+    rebinding is skipped; a parameter moved elsewhere is put back, values and all."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    deepspeeds, rebinds, checked = DeepSpeedZeroOptimizer._update_model_bit16_weights, [], []
+
+    def counted(self, group_index):
+        rebinds.append(group_index)
+        return deepspeeds(self, group_index)
+
+    monkeypatch.setattr(DeepSpeedZeroOptimizer, "_update_model_bit16_weights", counted)
+    real = zero_host.rebind_only_moved_weights
+
+    def check(opt):
+        assert real(opt)
+        rebinds.clear()  # DeepSpeed's own, when the optimizer was built
+        flat, params = opt.bit16_groups_flat[0], opt.bit16_groups[0]
+        inside = [flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size()
+                  for p in params]
+        opt._update_model_bit16_weights(0)
+        assert all(inside) and rebinds == []  # in place: DeepSpeed's rebinding not run
+        moved = params[-1]
+        values = moved.detach().clone()
+        moved.data = values.clone()  # its own storage now, outside the flat buffer
+        opt._update_model_bit16_weights(0)
+        assert rebinds == [0] and flat.data_ptr() <= moved.data_ptr() and torch.equal(moved.detach(), values)
+        checked.append(True)
+        return True
+
+    monkeypatch.setattr("zerotrain.engine.rebind_only_moved_weights", check)
+    fit(ToyTask(toy_config(tmp_path, "run", zero_stage=1)))
+    assert checked == [True]

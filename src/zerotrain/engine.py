@@ -39,7 +39,7 @@ from zerotrain.offload_norm import read_offload_norm_once
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
 from zerotrain.zero_clip import clip_without_sync, mask_norms_without_sync
-from zerotrain.zero_host import norm_in_one_launch, skip_one_rank_reduction
+from zerotrain.zero_host import norm_in_one_launch, rebind_only_moved_weights, skip_one_rank_reduction
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +256,7 @@ class DeepSpeedEngine(Engine):
             clip_without_sync(self.ds.optimizer)
             norm_in_one_launch(self.ds.optimizer)
             skip_one_rank_reduction(self.ds.optimizer)
+            rebind_only_moved_weights(self.ds.optimizer)
         if cfg.strategy.compile:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace

@@ -16,6 +16,11 @@ of those per-tensor costs buy nothing:
   a tensor allocation per parameter tensor. :func:`norm_in_one_launch` takes the same float64 norms
   with ``torch._foreach_norm`` (one multi-tensor launch) and sums them as DeepSpeed does; on one rank
   it also leaves out the all-reduce of the result with itself.
+
+And one that repeats work already done: after every step DeepSpeed points each 16-bit parameter at its
+slice of the flat buffer again ("just to be safe", its comment says), though the step wrote into that
+buffer in place. :func:`rebind_only_moved_weights` keeps the rebinding for a parameter that has moved
+and skips it where every parameter already is that slice.
 """
 
 from __future__ import annotations
@@ -100,6 +105,33 @@ def _grad_norm_direct(self: Any, gradients: list[torch.Tensor], params: list[tor
     # The module's global, so that zero_clip's sync-free mask applies here as it does to DeepSpeed's method.
     stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
     return total
+
+
+def rebind_only_moved_weights(optimizer: Any) -> bool:
+    """Give a ZeRO-1/2 ``optimizer`` the rebinding that runs only when a parameter has left its slice of the
+    flat buffer; False (nothing changed) for any other optimizer."""
+    if not _is_zero12(optimizer):
+        return False
+    optimizer._update_model_bit16_weights = types.MethodType(_update_model_bit16_weights, optimizer)
+    return True
+
+
+def _update_model_bit16_weights(self: Any, group_index: int) -> None:
+    """``DeepSpeedZeroOptimizer._update_model_bit16_weights`` where it changes something. It sets each
+    parameter's ``.data`` to ``flat.narrow(0, offset, numel).view(shape)`` (in its round-robin order), then
+    each parameter of the group to its round-robin twin's ``.data``; when every parameter already is that
+    view (same address, shape and layout) and every twin is the parameter itself, both are no-ops."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    flat = self.bit16_groups_flat[group_index]
+    base, size = flat.data_ptr(), flat.element_size()
+    ordered = self.round_robin_bit16_groups[group_index]
+    in_place = all(p.data_ptr() == base + offset * size and p.shape == meta.shape and p.is_contiguous()
+                   for p, meta, offset in zip(ordered, self.round_robin_bit16_meta[group_index],
+                                              self.round_robin_bit16_offsets[group_index]))
+    indices = self.round_robin_bit16_indices[group_index]
+    if not (in_place and all(p is ordered[indices[k]] for k, p in enumerate(self.bit16_groups[group_index]))):
+        DeepSpeedZeroOptimizer._update_model_bit16_weights(self, group_index)
 
 
 def _is_zero12(optimizer: Any) -> bool:
