@@ -55,7 +55,7 @@ def test_one_rank_skips_the_reduction_and_trains_bitwise_the_same(tmp_path, monk
 
 def test_the_reduction_is_kept_where_it_is_not_the_identity(tmp_path, monkeypatch):
     """Contiguous gradients (the buckets the epilogue reads from), and communication in another dtype
-    (a cast that rounds), keep DeepSpeed's reduction."""
+    (a cast that rounds), keep DeepSpeed's reduction. Where it is skipped, ZeRO-2's gradient hooks go too."""
     real, verdicts = zero_host._reduction_is_identity, {}
 
     def spy(opt):
@@ -69,9 +69,19 @@ def test_the_reduction_is_kept_where_it_is_not_the_identity(tmp_path, monkeypatc
         opt.communication_data_type = kept
         return verdicts["as built"]
 
+    hooks = []
+
+    def skip(opt):  # ZeRO-2 has a gradient hook per parameter tensor; the skip drops them all
+        hooks.append(len(opt._grad_acc_hooks))
+        skipped = zero_host.skip_one_rank_reduction(opt)
+        hooks.append(len(opt._grad_acc_hooks))
+        return skipped
+
     monkeypatch.setattr(zero_host, "_reduction_is_identity", spy)
+    monkeypatch.setattr("zerotrain.engine.skip_one_rank_reduction", skip)
     _, reductions = _fit_counting_reductions(tmp_path, "run", monkeypatch, zero_stage=2)
     assert reductions == 0
+    assert hooks == [len(list(ToyTask(toy_config(tmp_path, "count")).build_model().parameters())), 0]
     assert verdicts == {"as built": True, "contiguous": False, "bf16 communication": False}
     assert not zero_host.skip_one_rank_reduction(SimpleNamespace())  # not a ZeRO-1/2 optimizer
 

@@ -9,8 +9,9 @@ of those per-tensor costs buy nothing:
 * **The reduction on one rank.** Each gradient is bucketed, the bucket is flattened, divided by the
   world size, all-reduced and copied back tensor by tensor. With one data-parallel rank that is the
   identity (a division by 1.0, a sum over one rank, a copy of the same values).
-  :func:`skip_one_rank_reduction` has such an optimizer leave the gradients where backward put them;
-  ZeRO's epilogue then reads them exactly as it reads the reduced ones. It applies only where the
+  :func:`skip_one_rank_reduction` has such an optimizer leave the gradients where backward put them
+  (and drops ZeRO-2's per-tensor gradient hooks, which only feed that reduction); ZeRO's epilogue then
+  reads them exactly as it reads the reduced ones. It applies only where the
   reduction is the identity bit for bit, see :func:`_reduction_is_identity`.
 * **The gradient norm.** DeepSpeed casts each gradient to float64 and takes its norm: two kernels and
   a tensor allocation per parameter tensor. :func:`norm_in_one_launch` takes the same float64 norms
@@ -37,6 +38,12 @@ def skip_one_rank_reduction(optimizer: Any) -> bool:
     if not _is_zero12(optimizer) or not _reduction_is_identity(optimizer):
         return False
     optimizer.reduce_ready_partitions_and_remove_grads = types.MethodType(_leave_gradient, optimizer)
+    # ZeRO-2's hooks, one per parameter tensor, run in every backward to bucket each gradient as it arrives
+    # and to count them. With nothing to reduce they have nothing to do: the engine runs the epilogue
+    # after backward (allreduce_gradients), as it does at ZeRO-1, which has no hooks.
+    for handle in optimizer._grad_acc_hooks:
+        handle.remove()
+    optimizer._grad_acc_hooks = []
     return True
 
 
