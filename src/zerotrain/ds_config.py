@@ -139,11 +139,13 @@ def fast_path(ds: dict[str, Any], device: str, world_size: int) -> None:
       alone there.) A ``--strategy.contiguous_gradients true`` is overridden too: ``false`` here
       changes no result, only speed.
 
-    Three more fixes are not config keys and so also apply to a user's own JSON (the engine applies them):
+    More fixes are not config keys and so also apply to a user's own JSON (the engine applies them):
     under ZeRO-1/2 with CPU optimizer offload the gradient norm is read to the host once a step, not
     once per gradient tensor (:mod:`zerotrain.offload_norm`); ZeRO-1/2 clip without reading the norm to
     the host at all; and ZeRO's optimizers mask an invalid norm without the two waits DeepSpeed's mask
-    makes (both :mod:`zerotrain.zero_clip`).
+    makes (both :mod:`zerotrain.zero_clip`). :mod:`zerotrain.zero_host` cuts ZeRO-1/2's per-tensor host
+    work the same way: the norm in one launch, no re-pointing of weights that have not moved, and on one
+    rank no reduction (the identity there) and no ZeRO-2 gradient hooks.
     """
     ds["timers"] = {"throughput": {"enabled": False}}
     stage = ds["zero_optimization"]["stage"]
