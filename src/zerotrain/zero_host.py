@@ -119,6 +119,12 @@ def rebind_only_moved_weights(optimizer: Any) -> bool:
     flat buffer; False (nothing changed) for any other optimizer."""
     if not _is_zero12(optimizer):
         return False
+    # DeepSpeed's second pass sets each parameter to its round-robin twin's .data: a no-op only where every
+    # twin is the parameter itself (zerotrain's one group always). Parameters never change object, so once.
+    for group, ordered, indices in zip(optimizer.bit16_groups, optimizer.round_robin_bit16_groups,
+                                       optimizer.round_robin_bit16_indices):
+        if any(p is not ordered[indices[k]] for k, p in enumerate(group)):
+            return False
     optimizer._update_model_bit16_weights = types.MethodType(_update_model_bit16_weights, optimizer)
     return True
 
@@ -126,8 +132,8 @@ def rebind_only_moved_weights(optimizer: Any) -> bool:
 def _update_model_bit16_weights(self: Any, group_index: int) -> None:
     """``DeepSpeedZeroOptimizer._update_model_bit16_weights`` where it changes something. It sets each
     parameter's ``.data`` to ``flat.narrow(0, offset, numel).view(shape)`` (in its round-robin order), then
-    each parameter of the group to its round-robin twin's ``.data``; when every parameter already is that
-    view (same address, shape and layout) and every twin is the parameter itself, both are no-ops."""
+    each parameter to its round-robin twin's ``.data``, the parameter itself (checked when patched): when
+    every parameter already is that view (same address, shape and layout), both are no-ops."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     flat = self.bit16_groups_flat[group_index]
@@ -136,8 +142,7 @@ def _update_model_bit16_weights(self: Any, group_index: int) -> None:
     in_place = all(p.data_ptr() == base + offset * size and p.shape == meta.shape and p.is_contiguous()
                    for p, meta, offset in zip(ordered, self.round_robin_bit16_meta[group_index],
                                               self.round_robin_bit16_offsets[group_index]))
-    indices = self.round_robin_bit16_indices[group_index]
-    if not (in_place and all(p is ordered[indices[k]] for k, p in enumerate(self.bit16_groups[group_index]))):
+    if not in_place:
         DeepSpeedZeroOptimizer._update_model_bit16_weights(self, group_index)
 
 
