@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -92,6 +92,16 @@ for part in "$@"; do
       # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row.
       # PAD=8: batches padded as before session 8 (128 lengths, not 16); STRATS: fewer engines, to fit a call
       imdb_tax "$OUT/imdb_tax" ${STRATS:-ddp,zero0,zero1,zero2} ;;
+    host_calls)  # IMDB preset (b) as shipped, 2 epochs per engine (HOST_STRATS), cProfile and the garbage collector
+      # watched over steps 900-1400 of the second epoch (every padded length recorded by then): benchmarks/host_calls.py
+      for s in ${HOST_STRATS:-ddp zero0 zero1}; do
+        st=(--strategy.zero_stage ${s#zero}); [ $s = ddp ] && st=(--strategy.backend ddp)
+        timeout ${HOST_S:-170} python3 benchmarks/host_calls.py --first 900 --last 1400 "$OUT/host_calls/$s" fit imdb \
+          --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
+          --trainer.evaluate false --trainer.export false --checkpoint.save_final false --logging.progress_bar false \
+          --trainer.output_dir /tmp/host_calls_runs "${st[@]}" > "$OUT/host_calls/$s.log" 2>&1
+        echo "$s rc=$?"; head -n 1 "$OUT/host_calls/$s/host_calls.md" 2>/dev/null || tail -n 3 "$OUT/host_calls/$s.log"
+      done ;;
     imdb_tax_ab)  # imdb_tax with this code, then ZeRO-1/2 (AB_STRATS) with OLD_SRC's: zerotrain.zero_host's one-rank
       # reduction skip and one-launch norm against DeepSpeed's per-tensor path
       old_src_on_path || continue
