@@ -36,12 +36,13 @@ old_src_on_path() {
 # Runs a command with OLD_SRC's code in place of this checkout's, recorded under OLD_COMMIT (after old_src_on_path)
 old() { PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" "$@"; }
 # IMDB preset (b) for 2 epochs per engine, the second timed (every padded length seen once):
-# imdb_tax OUTDIR STRATEGIES [TIME LIMIT IN S]; PREDICT=false: no memory prediction (its probe) per row
+# imdb_tax OUTDIR STRATEGIES [TIME LIMIT IN S]; PREDICT=false: no memory prediction (its probe) per row;
+# ROUNDS=N: every engine N times, alternating order, with the median tax of the rounds (zerotrain benchmark --rounds)
 imdb_tax() {
   timeout "${3:-0}" python3 -m zerotrain benchmark imdb --strategies "$2" --nproc 1 --out "$1" --config configs/imdb_b.yaml \
     --data.pad_to_multiple_of ${PAD:-64} --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
     --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
-    --checkpoint.save_final false --predict ${PREDICT:-true} | tail -n 6
+    --checkpoint.save_final false --predict ${PREDICT:-true} --rounds ${ROUNDS:-1} | tail -n $((6 + 4 * ${ROUNDS:-1}))
 }
 sft() { python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000; }
 

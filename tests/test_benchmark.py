@@ -100,3 +100,43 @@ def test_a_sweep_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
         benchmark.run_sweep("toy", ["ddp", "zero0"], [1], tmp_path / "b", [], predict=False)
     rows = json.loads((tmp_path / "b" / "benchmark.json").read_text())["rows"]
     assert [r["strategy"] for r in rows] == ["ddp"] and "| ddp |" in (tmp_path / "b" / "benchmark.md").read_text()
+
+
+def test_rounds_alternate_the_order_and_summarise_each_strategy_against_plain(tmp_path, monkeypatch):
+    """--rounds 3: every fit three times, the second round in reverse order; the summary pairs each
+    strategy with the plain engine of the same round (the tax is the median of those ratios) and says
+    how far one strategy's own runs spread. A failed run is left out of the summary, not counted as 0."""
+    from zerotrain import benchmark
+
+    seconds = {("ddp", 1): 0.010, ("zero0", 1): 0.011, ("ddp", 2): 0.020, ("zero0", 2): 0.021,
+               ("ddp", 3): 0.012, ("zero0", 3): None}  # round 2 ran on a slower machine; zero0 r3 failed
+    calls = []
+
+    def one(recipe, args, runs_dir, run_name, timeout_s, env):
+        name, rnd = run_name.split("-")[1], int(run_name.rsplit("-r", 1)[1])
+        calls.append((name, rnd))
+        s = seconds[(name, rnd)]
+        row = {"wall_s": 1.0, "command": "zerotrain fit toy", "nproc": 1, "n_gpus": 1,
+               "status": "ok" if s else "failed: boom", "throughput_sec_per_step": s}
+        return row if s else {**row, "error": "boom"}
+
+    monkeypatch.setattr(benchmark, "run_one", one)
+    result = benchmark.run_sweep("toy", ["ddp", "zero0"], [1], tmp_path / "b", [], predict=False, rounds=3)
+    assert calls == [("ddp", 1), ("zero0", 1), ("zero0", 2), ("ddp", 2), ("ddp", 3), ("zero0", 3)]
+    assert [r["round"] for r in result["rows"]] == [1, 1, 2, 2, 3, 3]
+    summary = {g["strategy"]: g for g in json.loads((tmp_path / "b" / "benchmark.json").read_text())["rounds"]}
+    assert summary["ddp"]["rounds_ok"] == 3 and summary["ddp"]["tax_median"] is None
+    assert summary["ddp"]["sec_per_step_median"] == pytest.approx(0.012)
+    assert summary["ddp"]["spread"] == pytest.approx(1.0)  # 0.020 against 0.010
+    z = summary["zero0"]
+    assert z["rounds_ok"] == 2 and z["baseline"] == "ddp"
+    assert z["tax_min"] == pytest.approx(0.05) and z["tax_max"] == pytest.approx(0.10)  # 0.021/0.020, 0.011/0.010
+    assert z["tax_median"] == pytest.approx(0.075)
+    table = (tmp_path / "b" / "benchmark.md").read_text()
+    assert "| zero0 r3 | 1 | failed: boom |" in table and "Over 3 rounds" in table
+    assert "| zero0 | 1 | 2 | 0.0160 | 0.0110 - 0.0210 | 90.9% | +7.5% vs ddp (+5.0%, +10.0%) |" in table
+
+
+def test_rounds_must_be_positive(tmp_path):
+    out = zerotrain_cmd(["benchmark", "toy", "--strategies", "ddp", "--rounds", "0"], cwd=tmp_path)
+    assert out.returncode == 2 and "--rounds" in out.stderr and "Traceback" not in out.stderr

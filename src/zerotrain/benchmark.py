@@ -137,11 +137,16 @@ def read_probe(path: Path) -> "Probe":
 
 def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Path, fit_args: list[str],
               timeout_s: int = 3600, profile_steps: int = 0, predict: bool = True,
-              probe_file: Optional[Path] = None) -> dict[str, Any]:
+              probe_file: Optional[Path] = None, rounds: int = 1) -> dict[str, Any]:
     """One fit per strategy and process count. With ``predict`` the memory model's peaks go next to the
     measured ones in each row: one probe (:mod:`zerotrain.probe`, a few seconds) before the first fit, or
     ``probe_file``, one taken earlier of the same workload on the same GPU kind (a big model's probe takes
-    minutes). The files are rewritten after every row: a sweep cut short keeps the rows it finished."""
+    minutes). The files are rewritten after every row: a sweep cut short keeps the rows it finished.
+
+    ``rounds`` > 1 runs every fit that many times, the strategies in reverse order every other round (a
+    drift over the session, a warmer machine, then falls on both sides of each pair), and adds
+    :func:`round_summary`: a host-bound step moves more between runs than the few per cent two engines
+    differ by, so one run per strategy cannot tell them apart."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
@@ -158,23 +163,65 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
     result = {"recipe": recipe, "fit_args": fit_args, "command": " ".join(["zerotrain", *sys.argv[1:]]),
               "environment": env, "probe": str(probe_file) if probe_file else ("probe.json" if probe else None),
               "rows": rows}
-    for n in nprocs:
-        for name in strategies:
-            run_name = f"{recipe}-{name}-{n}gpu"
-            args = [*fit_args, *STRATEGIES[name].flags(), *extra, "--launch.nproc_per_node", str(n)]
-            print(f"[benchmark] {name} x {n}: zerotrain fit {recipe} {shlex.join(args)}", flush=True)
-            row = {"strategy": name, **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}
-            row.update(_predicted_or_why(recipe, args, name, probe, no_probe))
-            run_dir = out_dir / "runs" / run_name
-            if (run_dir / "profile.md").is_file():
-                row["profile"] = json.loads((run_dir / "profile.json").read_text())
-                (out_dir / f"profile_{name}_{n}gpu.md").write_text((run_dir / "profile.md").read_text())
-            rows.append(row)
-            print(f"[benchmark] {name} x {n}: {_brief(row)}", flush=True)
-            write_json(out_dir / "benchmark.json", result)
-            (out_dir / "benchmark.md").write_text(markdown(result))
+    for rnd, n, name in _fit_order(strategies, nprocs, rounds):
+        suffix = f"-r{rnd}" if rounds > 1 else ""
+        run_name = f"{recipe}-{name}-{n}gpu{suffix}"
+        args = [*fit_args, *STRATEGIES[name].flags(), *extra, "--launch.nproc_per_node", str(n)]
+        print(f"[benchmark] {name} x {n}{suffix}: zerotrain fit {recipe} {shlex.join(args)}", flush=True)
+        row = {"strategy": name, **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}
+        if rounds > 1:
+            row["round"] = rnd
+        row.update(_predicted_or_why(recipe, args, name, probe, no_probe))
+        run_dir = out_dir / "runs" / run_name
+        if (run_dir / "profile.md").is_file():
+            row["profile"] = json.loads((run_dir / "profile.json").read_text())
+            (out_dir / f"profile_{name}_{n}gpu{suffix}.md").write_text((run_dir / "profile.md").read_text())
+        rows.append(row)
+        print(f"[benchmark] {name} x {n}{suffix}: {_brief(row)}", flush=True)
+        if rounds > 1:
+            result["rounds"] = round_summary(rows)
+        write_json(out_dir / "benchmark.json", result)
+        (out_dir / "benchmark.md").write_text(markdown(result))
     plot(result, out_dir / "benchmark.png")
     return result
+
+
+def _fit_order(strategies: list[str], nprocs: list[int], rounds: int) -> list[tuple[int, int, str]]:
+    """(round, processes, strategy) in the order the fits run: every other round reversed (ABBA)."""
+    order = []
+    for rnd in range(1, rounds + 1):
+        one = [(n, name) for n in nprocs for name in strategies]
+        order += [(rnd, n, name) for n, name in (one if rnd % 2 else one[::-1])]
+    return order
+
+
+def round_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per strategy and process count over the rounds that ran ok: the median, fastest and slowest s/step,
+    and the tax against the baseline of the same process count (the plain engine ``ddp`` where it ran,
+    else the first strategy) as the median of the rounds' own ratios. A round's ratio pairs two fits run
+    back to back, so the machine's drift over the session cancels in it as it does not across rounds."""
+    import statistics
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("throughput_sec_per_step")]
+    by: dict[tuple[str, int], dict[int, float]] = {}
+    for r in ok:
+        by.setdefault((r["strategy"], r["n_gpus"]), {})[r.get("round", 1)] = r["throughput_sec_per_step"]
+    out = []
+    for (name, n), times in by.items():
+        base_name = "ddp" if ("ddp", n) in by else next(s for s, m in by if m == n)
+        base = by[(base_name, n)]
+        paired = [times[k] / base[k] - 1 for k in sorted(times) if k in base]
+        values = list(times.values())
+        out.append({
+            "strategy": name, "n_gpus": n, "rounds_ok": len(values),
+            "sec_per_step_median": statistics.median(values), "sec_per_step_min": min(values),
+            "sec_per_step_max": max(values), "spread": max(values) / min(values) - 1,
+            "baseline": base_name,
+            "tax_median": statistics.median(paired) if paired and name != base_name else None,
+            "tax_min": min(paired) if paired and name != base_name else None,
+            "tax_max": max(paired) if paired and name != base_name else None,
+        })
+    return out
 
 
 def _standard_fields(recipe: str, row: dict[str, Any], run_dir: Path, env: dict[str, Any]) -> dict[str, Any]:
@@ -211,7 +258,7 @@ def plot(result: dict[str, Any], path: Path) -> Optional[Path]:
     for r in ok:
         mem = r.get("peak_gpu_mem_gib") or r.get("peak_host_mem_gib") or 0.0
         ax.scatter(mem, r["tokens_per_s"])
-        ax.annotate(f"{r['strategy']} x{r['n_gpus']}", (mem, r["tokens_per_s"]), textcoords="offset points",
+        ax.annotate(f"{_label(r)} x{r['n_gpus']}", (mem, r["tokens_per_s"]), textcoords="offset points",
                     xytext=(5, 5), fontsize=8)
     gpu = ok[0]["gpu"] if ok else "no successful run"
     ax.set_xlabel("peak GPU memory, rank 0 (GiB)" if any(r.get("peak_gpu_mem_gib") for r in ok)
@@ -234,6 +281,11 @@ def _failure(log_tail: str) -> str:
     return (ours or lines or ["no output"])[-1][:300]
 
 
+def _label(row: dict[str, Any]) -> str:
+    """The strategy, and the round of a sweep with ``rounds`` > 1."""
+    return row["strategy"] + (f" r{row['round']}" if "round" in row else "")
+
+
 def _brief(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"failed: {row['error']}"
@@ -253,11 +305,29 @@ def markdown(result: dict[str, Any]) -> str:
         "|" + "---|" * (len(COLUMNS) + 1),
     ]
     for row in result["rows"]:
+        name = _label(row)
         if "error" in row:
-            lines.append(f"| {row['strategy']} | {row['nproc']} | failed: {row['error']} |" + " |" * (len(COLUMNS) - 2))
+            lines.append(f"| {name} | {row['nproc']} | failed: {row['error']} |" + " |" * (len(COLUMNS) - 2))
             continue
-        cells = [fmt.format(row[key]) if row.get(key) is not None else "-" for _, key, fmt in COLUMNS]
+        cells = [name] + [fmt.format(row[key]) if row.get(key) is not None else "-" for _, key, fmt in COLUMNS[1:]]
         finals = ", ".join(f"{k}={row[k]:.4f}" for k in sorted(row) if k.startswith(("val_", "test_"))
                            and isinstance(row[k], float))
         lines.append("| " + " | ".join(cells) + f" | {finals} |")
+    if result.get("rounds"):
+        lines += _rounds_markdown(result["rounds"], max(r.get("round", 1) for r in result["rows"]))
     return "\n".join(lines) + "\n"
+
+
+def _rounds_markdown(summary: list[dict[str, Any]], rounds: int) -> list[str]:
+    def pct(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:+.1%}"
+
+    lines = ["", f"Over {rounds} rounds, every other one in reverse order (the rows above carry their round):", "",
+             "| strategy | gpus | rounds ok | median s/step | fastest - slowest | spread | tax, median of rounds "
+             "(lowest, highest) |", "|---|---|---|---|---|---|---|"]
+    for g in summary:
+        tax = ("baseline" if g["strategy"] == g["baseline"]
+               else f"{pct(g['tax_median'])} vs {g['baseline']} ({pct(g['tax_min'])}, {pct(g['tax_max'])})")
+        lines.append(f"| {g['strategy']} | {g['n_gpus']} | {g['rounds_ok']} | {g['sec_per_step_median']:.4f} | "
+                     f"{g['sec_per_step_min']:.4f} - {g['sec_per_step_max']:.4f} | {g['spread']:.1%} | {tax} |")
+    return lines

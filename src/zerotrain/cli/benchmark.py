@@ -2,7 +2,8 @@
 
 Runs one ``zerotrain fit`` per strategy and process count and writes ``DIR/benchmark.json`` and
 ``DIR/benchmark.md`` and a plot ``DIR/benchmark.png`` (tokens/s against peak GPU memory); with
-``--profile N``, a profile summary per run. Each row carries the memory model's predicted peaks next to
+``--profile N``, a profile summary per run; with ``--rounds N``, every fit N times in alternating order and
+a summary of the rounds (median s/step, spread, and each strategy's tax against the plain engine). Each row carries the memory model's predicted peaks next to
 the measured ones (``--predict false`` skips the probe they need; ``--probe FILE`` reads an earlier one). Flags it does not know are passed to every fit (e.g. ``--config FILE``).
 """
 
@@ -30,15 +31,20 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--probe", default=None, metavar="FILE",
                         help="predict from this probe file instead of probing first: one taken earlier of the same "
                              "workload on the same GPU kind (python -m zerotrain.probe, or a sweep's probe.json)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="run every fit N times, every other round in reverse order, and summarise the rounds "
+                             "(for steps that wait on the host, whose time moves from run to run)")
     args, fit_args = parser.parse_known_args(argv)
     try:
         nprocs = [int(n) for n in args.nproc.split(",")]
     except ValueError:
         raise UserError(f"--nproc must be comma-separated integers, got {args.nproc!r}") from None
+    if args.rounds < 1:
+        raise UserError(f"--rounds must be >= 1 (fits per strategy), got {args.rounds}")
     if args.profile < 0:
         raise UserError(f"--profile must be >= 0 (steps to profile), got {args.profile}")
     result = run_sweep(args.recipe, args.strategies.split(","), nprocs, Path(args.out), fit_args,
                        profile_steps=args.profile, predict=args.predict == "true",
-                       probe_file=Path(args.probe) if args.probe else None)
+                       probe_file=Path(args.probe) if args.probe else None, rounds=args.rounds)
     print((Path(args.out) / "benchmark.md").read_text())
     return 1 if all("error" in r for r in result["rows"]) else 0
