@@ -14,7 +14,7 @@ from zerotrain.loop import fit
 from zerotrain.tasks.toy import ToyTask
 
 
-def _fit_counting_reductions(tmp_path, name: str, monkeypatch, **strategy) -> tuple[dict, int]:
+def _fit_counting_reductions(tmp_path, name: str, monkeypatch, task=ToyTask, **strategy) -> tuple[dict, int]:
     """A toy fit's train log, and how many buckets DeepSpeed's ZeRO-1/2 reduced (``allreduce_and_copy`` calls)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -27,7 +27,7 @@ def _fit_counting_reductions(tmp_path, name: str, monkeypatch, **strategy) -> tu
 
     monkeypatch.setattr(DeepSpeedZeroOptimizer, "allreduce_and_copy", counted)
     cfg = toy_config(tmp_path, name, gradient_clipping=0.05, **strategy)
-    fit(ToyTask(cfg))
+    fit(task(cfg))
     return train_log(tmp_path / name), len(calls)
 
 
@@ -51,6 +51,47 @@ def test_one_rank_skips_the_reduction_and_trains_bitwise_the_same(tmp_path, monk
     for step, row in logs[True].items():
         assert row["train_loss"] == logs[False][step]["train_loss"], step
         assert row["grad_norm"] == logs[False][step]["grad_norm"], step
+
+
+class _ReentrantCheckpointed(torch.nn.Module):
+    """The toy MLP with its output layer under reentrant activation checkpointing, as a user's own model may
+    have it: that layer's backward runs in a second autograd pass, where ZeRO-2's gradient hooks fire apart.
+    (Its input comes from the first layer and requires grad: a reentrant block fed the data alone would get
+    no gradients at all.)"""
+
+    def __init__(self, mlp: torch.nn.Sequential):
+        super().__init__()
+        self.first, self.last = mlp[:3], mlp[3]
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.first(x)
+        return checkpoint(self.last, h, use_reentrant=True) if torch.is_grad_enabled() else self.last(h)
+
+
+class _ReentrantToyTask(ToyTask):
+    def build_model(self, pretrained: bool = True):
+        return _ReentrantCheckpointed(super().build_model(pretrained))
+
+
+def test_zero2_without_its_hooks_trains_the_same_under_reentrant_checkpointing(tmp_path, monkeypatch):
+    """ZeRO-2 on one rank with its gradient hooks removed (the epilogue after backward reads every gradient):
+    a model with a reentrant-checkpointed block, 2 micro-batches and a biting clip gives bitwise the loss and
+    grad-norm curves DeepSpeed's own hooks and reduction give."""
+    logs, reductions = {}, {}
+    for skip in (True, False):
+        if not skip:
+            for patch in ("skip_one_rank_reduction", "norm_in_one_launch", "rebind_only_moved_weights"):
+                monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda opt: False)
+        logs[skip], reductions[skip] = _fit_counting_reductions(tmp_path, f"reentrant-{skip}", monkeypatch,
+                                                                task=_ReentrantToyTask, zero_stage=2)
+    assert reductions[False] > 0 and reductions[True] == 0
+    assert sorted(logs[True]) == sorted(logs[False]) == list(range(1, 9))
+    for step, row in logs[True].items():
+        assert row["train_loss"] == logs[False][step]["train_loss"], step
+        assert row["grad_norm"] == logs[False][step]["grad_norm"], step
+    assert logs[True][8]["train_loss"] < logs[True][1]["train_loss"]  # and it trains
 
 
 def test_the_reduction_is_kept_where_it_is_not_the_identity(tmp_path, monkeypatch):
