@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from conftest import zerotrain_cmd
@@ -140,3 +141,33 @@ def test_rounds_alternate_the_order_and_summarise_each_strategy_against_plain(tm
 def test_rounds_must_be_positive(tmp_path):
     out = zerotrain_cmd(["benchmark", "toy", "--strategies", "ddp", "--rounds", "0"], cwd=tmp_path)
     assert out.returncode == 2 and "--rounds" in out.stderr and "Traceback" not in out.stderr
+
+
+LAUNCHER = """
+import signal, subprocess, sys, time
+# A worker in a session of its own, as torchelastic starts them, that ignores SIGTERM (busy saving, say)
+worker = subprocess.Popen([sys.executable, "-c",
+                           "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+                          start_new_session=True)
+print(worker.pid, flush=True)
+print("launcher says why", file=sys.stderr, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_timed_out_fit_is_stopped_with_its_workers(tmp_path):
+    """A trial or sweep fit past its time limit: the launcher and its workers (own session, SIGTERM ignored)
+    are all gone when the call returns, within the grace period, and the output up to then is kept."""
+    import sys
+
+    import psutil
+
+    from zerotrain.benchmark import run_bounded
+
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    t0 = time.perf_counter()
+    code, out, err, timed_out = run_bounded([sys.executable, str(tmp_path / "launcher.py")], timeout_s=5, grace_s=1)
+    assert timed_out and code != 0 and time.perf_counter() - t0 < 30
+    worker = int(out.split()[0])
+    assert "launcher says why" in err
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE

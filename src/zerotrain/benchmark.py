@@ -11,6 +11,7 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -48,15 +49,10 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
     cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, "--trainer.output_dir", str(runs_dir),
            "--trainer.run_name", run_name, "--logging.progress_bar", "false"]
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-        returncode, tail, log = proc.returncode, (proc.stderr or proc.stdout)[-4000:], proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        def text(out: Any) -> str:
-            return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
-
-        err = text(exc.stderr)
-        returncode, tail, log = -1, f"timed out after {timeout_s} s: {err[-2000:]}", text(exc.stdout) + err
+    returncode, out, err, timed_out = run_bounded(cmd, timeout_s)
+    tail, log = (err or out)[-4000:], out + err
+    if timed_out:
+        tail = f"timed out after {timeout_s} s: {err[-2000:]}"
     row: dict[str, Any] = {"wall_s": round(time.perf_counter() - t0, 1), "command": "zerotrain " + shlex.join(cmd[3:])}
     run_dir = runs_dir / run_name
     try:  # what the fit said, kept beside its summary (appended: a rerun into the same folder adds its own)
@@ -74,6 +70,60 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
     row["nproc"] = row.get("world_size") or _nproc(fit_args)
     row.update(_standard_fields(recipe, row, run_dir, env))
     return row
+
+
+STOP_GRACE_S = 30
+"""How long a timed-out fit and its workers get, after SIGTERM, before SIGKILL."""
+
+
+def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S) -> tuple[int, str, str, bool]:
+    """Run ``cmd``; (return code, -1 where it timed out; stdout; stderr; whether it timed out).
+
+    A fit of several processes is a launcher whose workers run in sessions of their own (torchelastic
+    starts them so): killing the launcher alone, as ``subprocess.run``'s timeout does, leaves them
+    running, holding their GPUs and the rendezvous port while the next trial starts. On a timeout, or
+    when this process is interrupted, the whole tree gets SIGTERM, then SIGKILL after ``grace_s``.
+    The output goes to files, not pipes, so a process that outlives its parent cannot hold the read open.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_process_tree(proc.pid, grace_s)
+        except BaseException:  # Ctrl-C, or a time limit's signal to this sweep: the fit must not outlive it
+            stop_process_tree(proc.pid, grace_s)
+            raise
+        proc.wait()  # already reaped by psutil where it was stopped: its code then reads 0, so -1 stands for it
+        out.seek(0)
+        err.seek(0)
+        return -1 if timed_out else proc.returncode, out.read(), err.read(), timed_out
+
+
+def stop_process_tree(pid: int, grace_s: float) -> None:
+    """SIGTERM to ``pid`` and every process below it (found before the first signal: a launcher that
+    exits first would leave its workers to init), SIGKILL to those still alive ``grace_s`` later."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
 
 
 def _nproc(fit_args: list[str]) -> int:
