@@ -433,7 +433,9 @@ class TorchEngine(Engine):
             ids = [device.index] if device.type == "cuda" else None
             self._wrapped = nn.parallel.DistributedDataParallel(self._module, device_ids=ids)
         o = cfg.optimizer
-        params = [p for p in self._module.parameters() if p.requires_grad]
+        # Kept: the clip needs them every step, and walking the module tree for them is host time a small
+        # model's step waits for (the parameters never change object)
+        self._params = params = [p for p in self._module.parameters() if p.requires_grad]
         cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
         kwargs = {"fused": True} if device.type == "cuda" else {}
         self.optimizer = cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kwargs)
@@ -469,9 +471,8 @@ class TorchEngine(Engine):
 
     def _optimizer_step(self) -> None:
         self.scaler.unscale_(self.optimizer)
-        params = [p for p in self._module.parameters() if p.requires_grad]
         max_norm = self.clip if self.clip > 0 else float("inf")
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()  # read when logged
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm).detach()  # read when logged
         self._lr = float(self.optimizer.param_groups[0]["lr"])
         scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
