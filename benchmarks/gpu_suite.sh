@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -185,7 +185,7 @@ for part in "$@"; do
         --lightning_log "$OUT/imdb_lightning/lightning.log" --out "$OUT/imdb_lightning/imdb_vs_lightning" \
         --zerotrain_command "${ZCMD[*]}" --lightning_command "${LCMD[*]}" ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: every one-GPU engine (the engine-tax target too), then ZeRO-1/2
-      # and DDP on two GPUs, and on four where the machine has them. S1/S2 narrow the strategies; EXTRA adds flags to
+      # and DDP on two GPUs, and on four where the machine has them. S1/S2/S4 narrow the strategies (S4 defaults to S2); EXTRA adds flags to
       # every row (session 12: EXTRA="--strategy.compile true --strategy.compile_scope stack"); S1=none skips the
       # one-GPU rows; TAG names the result folder (scaling$TAG) so variants of one call sit side by side
       dir="$OUT/scaling${TAG:-}"
@@ -194,7 +194,7 @@ for part in "$@"; do
       fi
       z benchmark mlm --strategies ${S2:-ddp,zero1,zero2} --nproc 2 --out "$dir/2gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 5
       if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 4 ]; then
-        z benchmark mlm --strategies ${S2:-ddp,zero1,zero2} --nproc 4 --out "$dir/4gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 5
+        z benchmark mlm --strategies ${S4:-${S2:-ddp,zero1,zero2}} --nproc 4 --out "$dir/4gpu" "${BERT[@]}" ${EXTRA:-} | tail -n 5
       fi ;;
     offload_5b)  # the fast-path issue's target 5(b): MLM 24 layers x 4096 (FFN 16384, 32 heads; 5.06B parameters),
       # ZeRO-2 + CPU optimizer offload, activation checkpointing, bf16, no evaluation, no export. The issue's
@@ -206,6 +206,15 @@ for part in "$@"; do
       for mb in ${MB:-4 32 48}; do
         z benchmark mlm --strategies zero2_offload --predict ${PREDICT:-false} --out "$OUT/offload_5b/mb$mb" "${BIG[@]}" \
           --trainer.micro_batch_size "$mb" | tail -n 3
+      done ;;
+    offload_12b)  # target 5(a) on a host with room for it (the 125 GiB host of offload_5b holds ~5-6B at most): MLM
+      # 60 layers x 4096 (FFN 16384, 32 heads; 12.31B parameters), full AdamW on the host (DeepSpeedCPUAdam), one GPU,
+      # activation checkpointing, bf16, 6 steps; STRATS: zero2_offload (fp32 master, moments and gradients on the host),
+      # zero3_offload (the bf16 weights too). No final checkpoint or export: ~200 GB. Predictions: `zerotrain estimate`
+      for mb in ${MB:-32}; do
+        timeout ${BIG_S:-560} python3 -m zerotrain benchmark mlm --strategies ${STRATS:-zero2_offload} --predict false \
+          --out "$OUT/offload_12b/mb$mb" "${BIG[@]}" --model.num_layers ${LAYERS:-60} --trainer.micro_batch_size "$mb" \
+          | tail -n 3
       done ;;
     export_5b)  # target 5(c): offload_5b's model at micro-batch 96, then its end-of-run export (bf16 weights, ~10 GB)
       # with the host nearly full; predictions in the row from session 9's probe of this model (PROBE=file)
