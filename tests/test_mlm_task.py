@@ -136,21 +136,25 @@ def test_training_masks_are_fresh_each_epoch_and_a_function_of_seed_epoch_and_in
     assert not torch.equal(labels(train, 0), labels(other_seed, 0))
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_the_stream_tells_the_dataset_its_epoch_and_a_resumed_stream_masks_alike(task, workers):
-    """micro_batch_stream sets the dataset's epoch before each epoch's loader starts its workers."""
+@pytest.mark.parametrize("workers, persistent", [(0, False), (1, False), (2, True)])
+def test_the_stream_tells_the_dataset_its_epoch_and_a_resumed_stream_masks_alike(task, workers, persistent):
+    """micro_batch_stream sets the dataset's epoch before each epoch's pass: forked workers copy it, persistent
+    ones (the training stream's) get it through EpochSynced. Every way, the masks are those of one process."""
     from zerotrain.data.loader import make_loader, micro_batch_stream
     from zerotrain.data.sampling import EpochBatches
 
     train = task.build_datasets().train
 
-    def stream(epoch, skip, n):
+    def stream(epoch, skip, n, workers=workers):
         sampler = EpochBatches(len(train), 2, rank=0, world_size=1, seed=0, shuffle=False)
-        it = micro_batch_stream(make_loader(train, sampler, task.collator(), workers, 0), sampler, epoch, skip)
+        loader = make_loader(train, sampler, task.collator(), workers, 0, persistent=persistent)
+        it = micro_batch_stream(loader, sampler, epoch, skip)
         return [next(it)[2]["labels"] for _ in range(n)], sampler.batches_per_epoch
 
     full, per_epoch = stream(0, 0, 0)
-    full, _ = stream(0, 0, per_epoch + 2)
+    full, _ = stream(0, 0, 2 * per_epoch + 2)
     resumed, _ = stream(1, 1, 1)
     assert torch.equal(resumed[0], full[per_epoch + 1])
     assert not torch.equal(full[0], full[per_epoch]), "epoch 1 reads block 0 again, with a fresh mask"
+    in_process, _ = stream(0, 0, 2 * per_epoch + 2, workers=0)
+    assert all(torch.equal(a, b) for a, b in zip(full, in_process, strict=True))

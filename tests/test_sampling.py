@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
+import torch
 
 from zerotrain.data.sampling import EpochBatches, eval_shard
 
@@ -136,3 +138,32 @@ def test_the_plan_depends_on_micro_batch_times_processes_only(bucketed):
         sampler.set_epoch(1, skip_batches=2)
     assert one.batches_per_epoch == two[0].batches_per_epoch == 12
     assert [a + b for a, b in zip(*two)] == list(one)
+
+
+class _Pids(torch.utils.data.Dataset):
+    """Each example is the id of the process that read it."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        return os.getpid()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_training_stream_forks_its_workers_once_not_every_epoch(persistent):
+    """An epoch boundary that forks the workers again stalls every rank (a 5% data wait on 4 GPUs); the
+    training stream's workers are persistent, so three epochs are read by the same two processes."""
+    from zerotrain.data.loader import make_loader, micro_batch_stream
+
+    sampler = EpochBatches(len(_Pids()), 2, rank=0, world_size=1, seed=0)
+    loader = make_loader(_Pids(), sampler, lambda items: items, workers=2, seed=0, persistent=persistent)
+    stream = micro_batch_stream(loader, sampler, 0, 0)
+    pids = {pid for _ in range(3 * sampler.batches_per_epoch) for pid in next(stream)[2]}
+    stream.close()
+    loader.close()  # as fit ends: no worker outlives it
+    assert os.getpid() not in pids
+    assert len(pids) == (2 if persistent else 6)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -115,7 +115,8 @@ def fit(task: Task) -> FitResult:
         evaluator = Evaluator(run.task, engine, tr)
         profiler = StepProfiler(tr.profile_steps, max(state.step, tr.warmup_steps_excluded), rt.device,
                                 run.run_dir, rt.is_main)
-        loader = make_loader(run.splits.train, run.sampler, run.task.collator(), tr.num_workers, tr.seed)
+        loader = make_loader(run.splits.train, run.sampler, run.task.collator(), tr.num_workers, tr.seed,
+                             persistent=True)
         stream = micro_batch_stream(loader, run.sampler, state.epoch, state.batches_in_epoch)
         results: dict[str, Any] = {}
         heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
@@ -156,6 +157,8 @@ def fit(task: Task) -> FitResult:
                 log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
             summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
         finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
+            stream.close()
+            loader.close()
             bar.close()
             heartbeat.close()
             tracker.close()
