@@ -175,8 +175,37 @@ def test_zerotrain_commit_wins_over_a_stale_git_head(monkeypatch):
     """A copied tree may carry an old .git: whoever set ZEROTRAIN_COMMIT said which code this is."""
     from zerotrain import rundir
 
-    monkeypatch.setattr(rundir, "_git", lambda args, cwd: "f3e8638\n")
+    monkeypatch.setattr(rundir, "_git", lambda args, cwd: "f3e8638\n" if args[0] == "rev-parse" else "")
     monkeypatch.setenv("ZEROTRAIN_COMMIT", "2a7768a")
     assert rundir.commit() == "2a7768a"
     monkeypatch.delenv("ZEROTRAIN_COMMIT")
     assert rundir.commit() == "f3e8638"
+
+
+def test_commit_is_marked_dirty_when_the_package_differs_from_head(tmp_path, monkeypatch):
+    """A tree whose code is not its HEAD's (edited, or copied with an older .git) must not be recorded as
+    that HEAD: git describe's -dirty mark, for changes under the package's folder only."""
+    import subprocess
+
+    from zerotrain import rundir
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout
+
+    monkeypatch.delenv("ZEROTRAIN_COMMIT", raising=False)
+    pkg = tmp_path / "src" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "engine.py").write_text("x = 1\n")
+    (tmp_path / "NOTES.md").write_text("notes\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = git("rev-parse", "HEAD").strip()
+    assert rundir.commit(pkg) == head
+    (tmp_path / "NOTES.md").write_text("edited outside the package\n")
+    assert rundir.commit(pkg) == head
+    (pkg / "new_module.py").write_text("y = 2\n")  # untracked code runs too
+    assert rundir.commit(pkg) == f"{head}-dirty"
+    (pkg / "new_module.py").unlink()
+    (pkg / "engine.py").write_text("x = 2\n")
+    assert rundir.commit(pkg) == f"{head}-dirty"

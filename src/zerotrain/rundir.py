@@ -237,12 +237,20 @@ def write_code_state(run: Path) -> None:
     (run / "gitdiff.log").write_text(_git(["diff", "HEAD"], cwd))
 
 
-def commit() -> str | None:
+def commit(here: Path = Path(__file__).resolve().parent) -> str | None:
     """The git commit of the zerotrain code that runs: ZEROTRAIN_COMMIT when set (a copied tree, such
-    as the one a GPU machine receives, may carry a stale .git whose HEAD is not the code), else its
-    source checkout's HEAD; None when neither says."""
-    here = Path(__file__).resolve().parent
-    return os.environ.get("ZEROTRAIN_COMMIT") or _git(["rev-parse", "HEAD"], here).strip() or None
+    as the one a GPU machine receives, may carry a stale .git whose HEAD is not the code), else the HEAD of
+    the checkout holding ``here`` (the package's folder), marked ``-dirty`` as ``git describe`` does when the
+    files under ``here`` differ from it, untracked ones included: such a HEAD does not name the code that
+    ran (BENCHMARKS.md session 18's rows read the session's first commit while later code ran); None when
+    neither says."""
+    named = os.environ.get("ZEROTRAIN_COMMIT")
+    if named:
+        return named
+    head = _git(["rev-parse", "HEAD"], here).strip()
+    if not head:
+        return None
+    return f"{head}-dirty" if _git(["status", "--porcelain", "--", "."], here).strip() else head
 
 
 def _program() -> str:
