@@ -208,3 +208,67 @@ def test_weights_are_rebound_only_when_one_has_moved(tmp_path, monkeypatch):
     monkeypatch.setattr("zerotrain.engine.rebind_only_moved_weights", check)
     fit(ToyTask(toy_config(tmp_path, "run", zero_stage=1)))
     assert checked == [True]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, precision):
+    """ZeRO-0 with the engine's gradients cleared from a list and its idle forward hooks removed: DeepSpeed's
+    own zero_grad never runs, the hooks are gone, and with 2 micro-batches and a biting clip the loss and
+    grad-norm curves are bitwise those of DeepSpeed's zero_grad and hooks. "autocast" is the GPU fast path's
+    ZeRO-0 bf16 (DeepSpeed's torch_autocast block), which a CPU run gets only by asking for it here."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from zerotrain import ds_config
+
+    if precision == "autocast":
+        real_fast_path = ds_config.fast_path
+        monkeypatch.setattr(ds_config, "fast_path", lambda ds, device, ws: real_fast_path(ds, "cuda", ws))
+    deepspeeds_zero_grad, calls, engines = DeepSpeedEngine.zero_grad, [], []
+
+    def counted(self):
+        calls.append(1)
+        return deepspeeds_zero_grad(self)
+
+    monkeypatch.setattr(DeepSpeedEngine, "zero_grad", counted)
+    real_drop = zero_host.drop_idle_forward_hooks
+    logs, zero_grads = {}, {}
+    for patched in (True, False):
+        calls.clear()
+        if patched:
+            monkeypatch.setattr("zerotrain.engine.drop_idle_forward_hooks", lambda e: engines.append(e) or real_drop(e))
+        else:
+            for patch in ("zero_grad_from_list", "drop_idle_forward_hooks"):
+                monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda engine: False)
+        cfg = toy_config(tmp_path, f"patched-{patched}", zero_stage=0, gradient_clipping=0.05,
+                         precision="fp32" if precision == "fp32" else "bf16")
+        fit(ToyTask(cfg))
+        logs[patched], zero_grads[patched] = train_log(tmp_path / f"patched-{patched}"), len(calls)
+    ds = engines[0]
+    assert ds.torch_autocast_enabled() == (precision == "autocast")
+    assert ds.module_forward_pre_hook is None and ds.module_forward_post_hook is None
+    assert not ds.module._forward_pre_hooks and not ds.module._forward_hooks
+    assert zero_grads[True] == 0 and zero_grads[False] == 8  # one per optimizer step
+    assert sorted(logs[True]) == sorted(logs[False]) == list(range(1, 9))
+    for step, row in logs[True].items():
+        assert row["train_loss"] == logs[False][step]["train_loss"], step
+        assert row["grad_norm"] == logs[False][step]["grad_norm"], step
+    assert logs[True][8]["train_loss"] < logs[True][1]["train_loss"]  # and it trains
+
+
+def test_zero0_engine_patches_stay_off_where_they_would_change_something():
+    """Another stage (its optimizer clears the gradients), or a forward hook with work to do, keeps DeepSpeed's."""
+    timers = SimpleNamespace(forward_timers=[])
+    engine = SimpleNamespace(zero_optimization=lambda: True)
+    assert not zero_host.zero_grad_from_list(engine)
+    base = dict(zero_optimization_partition_weights=lambda: False, flops_profiler_enabled=lambda: False,
+                random_ltd_enabled=lambda: False, fp16_auto_cast=lambda: False, memory_breakdown=lambda: False,
+                autotuning_profile_model_info=lambda: False, is_deepcompile_enabled=lambda: False,
+                engine_timers=timers, training_dataloader=None,
+                tput_timer=SimpleNamespace(config=SimpleNamespace(enabled=False)), module_forward_pre_hook=None,
+                module_forward_post_hook=None)
+    assert zero_host.drop_idle_forward_hooks(SimpleNamespace(**base))
+    for key, busy in (("flops_profiler_enabled", lambda: True), ("zero_optimization_partition_weights", lambda: True),
+                      ("fp16_auto_cast", lambda: True), ("memory_breakdown", lambda: True),
+                      ("engine_timers", SimpleNamespace(forward_timers=["forward_microstep"])),
+                      ("tput_timer", SimpleNamespace(config=SimpleNamespace(enabled=True)))):
+        assert not zero_host.drop_idle_forward_hooks(SimpleNamespace(**{**base, key: busy})), key

@@ -39,7 +39,13 @@ from zerotrain.offload_norm import read_offload_norm_once
 from zerotrain.schedule import make_scheduler
 from zerotrain.tasks.base import Batch, StepOutput
 from zerotrain.zero_clip import clip_without_sync, mask_norms_without_sync
-from zerotrain.zero_host import norm_in_one_launch, rebind_only_moved_weights, skip_one_rank_reduction
+from zerotrain.zero_host import (
+    drop_idle_forward_hooks,
+    norm_in_one_launch,
+    rebind_only_moved_weights,
+    skip_one_rank_reduction,
+    zero_grad_from_list,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +263,9 @@ class DeepSpeedEngine(Engine):
             norm_in_one_launch(self.ds.optimizer)
             skip_one_rank_reduction(self.ds.optimizer)
             rebind_only_moved_weights(self.ds.optimizer)
+            # And of its engine: at ZeRO-0 the gradients cleared from a list; at stages 0-2 no empty forward hooks.
+            zero_grad_from_list(self.ds)
+            drop_idle_forward_hooks(self.ds)
         if cfg.strategy.compile:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
