@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -216,6 +216,18 @@ for part in "$@"; do
           --out "$OUT/offload_12b/mb$mb" "${BIG[@]}" --model.num_layers ${LAYERS:-60} --trainer.micro_batch_size "$mb" \
           | tail -n 3
       done ;;
+    offload_host125)  # target 5(a) on the issue's machine (125 GiB host, 64 GiB disk): the largest MLM x 4096 that
+      # `zerotrain estimate --host_memory_gib 125` fits with ZeRO-2 + CPU offload once the offloaded states are not
+      # pinned (LAYERS=32: 6.67B; pinned blocks round up to powers of two and hold ~5B at most), GPU capped at
+      # GPU_GIB (an H100's 79 by default), 6 steps, host memory traced every 5 s
+      mkdir -p "$OUT/offload_host125"
+      (while sleep 5; do echo "$(date +%s) used_mib=$(free -m | awk '/Mem:/{print $3}')"; done) > "$OUT/offload_host125/mem_trace.log" &
+      trace=$!
+      timeout ${BIG_S:-480} python3 -m zerotrain benchmark mlm --strategies zero2_offload --predict false \
+        --out "$OUT/offload_host125/L${LAYERS:-32}_mb${MB:-16}" "${BIG[@]}" --model.num_layers ${LAYERS:-32} \
+        --trainer.micro_batch_size ${MB:-16} --strategy.offload_pin_memory false --trainer.gpu_memory_gib ${GPU_GIB:-79} \
+        | tail -n 3
+      kill $trace ;;
     export_5b)  # target 5(c): offload_5b's model at micro-batch 96, then its end-of-run export (bf16 weights, ~10 GB)
       # with the host nearly full; predictions in the row from session 9's probe of this model (PROBE=file)
       z benchmark mlm --strategies zero2_offload --out "$OUT/export_5b" \

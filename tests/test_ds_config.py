@@ -78,6 +78,14 @@ def test_cpu_optimizer_offload(stage, device, pinned):
     validate_ds_config(ds, 1)
 
 
+@pytest.mark.parametrize("pin", [True, False])
+def test_offload_pin_memory_overrides_the_device_default(pin):
+    cfg = make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", offload_pin_memory=pin)
+    cfg.validate()
+    zero = build_ds_config(cfg, 1, "cuda", "bf16")["zero_optimization"]
+    assert zero["offload_optimizer"]["pin_memory"] is pin and zero["offload_param"]["pin_memory"] is pin
+
+
 def test_cpu_param_and_optimizer_offload_stage3():
     ds = build_ds_config(make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="cpu"), 2, "cuda", "bf16")
     zero = ds["zero_optimization"]

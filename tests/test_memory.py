@@ -300,3 +300,31 @@ def test_estimate_picks_a_configured_nvme_offload_when_it_alone_fits(tmp_path):
     assert report.pick == "yours: zero3 nvme"
     text = format_report(report)
     assert "Pick: yours: zero3 nvme" in text and "--strategy.offload_optimizer nvme --strategy.offload_param nvme" in text
+
+
+def test_estimate_sizes_unpinned_offload_without_the_power_of_two():
+    """--strategy.offload_pin_memory false: the offloaded ZeRO-2 states are their bytes (fp32 master and
+    gradients, the bf16 copy, both moments: 18 a parameter), not rounded up to pinned blocks; rows
+    without an offload are unchanged."""
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate
+
+    def rows(pin):
+        cfg = parse_config("toy", ["--strategy.offload_pin_memory", pin])
+        return {row.name: row.memory for row in estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64).rows}
+
+    pinned, unpinned = rows("true"), rows("false")
+    n = count_toy_trainable()
+    assert unpinned["zero2_offload"].cpu_bytes == 18 * n
+    assert pinned["zero2_offload"].cpu_bytes > unpinned["zero2_offload"].cpu_bytes
+    assert pinned["zero2"] == unpinned["zero2"]
+
+
+def count_toy_trainable():
+    from zerotrain import recipes
+    from zerotrain.config_cli import parse_config
+    from zerotrain.memory import count_params
+
+    with torch.device("meta"):
+        model = recipes.get("toy")(parse_config("toy", [])).build_model(pretrained=False)
+    return count_params(model).trainable

@@ -84,6 +84,11 @@ class StrategyConfig:
     """Keep parameters on cpu or nvme between uses. Needs zero_stage 3."""
     nvme_path: Optional[str] = None
     """Folder on a fast local disk for nvme offload (required when an offload is nvme)."""
+    offload_pin_memory: Optional[bool] = None
+    """Pin the offloaded states in host memory (DeepSpeed's ``pin_memory``); default: on GPUs. PyTorch rounds each
+    pinned block up to a power of two, so pinning can take up to twice the host memory: false trades faster
+    host-GPU copies for about half the host memory at the largest sizes (``zerotrain estimate`` sizes either).
+    Without an offload it does nothing."""
     precision: Precision = "auto"
     """fp32, fp16 (dynamic loss scaling), bf16, or auto: bf16 on GPUs that support it, fp32 on CPU."""
     initial_scale_power: int = 16

@@ -99,7 +99,7 @@ def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Res
     }
     if s.zero_stage in (1, 2):
         zero["allgather_bucket_size"] = s.allgather_bucket_size
-    pin = device == "cuda"
+    pin = device == "cuda" if s.offload_pin_memory is None else s.offload_pin_memory
     if offloading:
         zero["offload_optimizer"] = _offload_block(s.offload_optimizer, s.nvme_path, pin)
     if s.offload_param != "none":
