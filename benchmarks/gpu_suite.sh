@@ -221,7 +221,7 @@ for part in "$@"; do
       # pinned (LAYERS=32: 6.67B; pinned blocks round up to powers of two and hold ~5B at most), GPU capped at
       # GPU_GIB (an H100's 79 by default), 6 steps, host memory traced every 5 s
       mkdir -p "$OUT/offload_host125"
-      (while sleep 5; do echo "$(date +%s) used_mib=$(free -m | awk '/Mem:/{print $3}')"; done) > "$OUT/offload_host125/mem_trace.log" &
+      (while sleep ${TRACE_S:-5}; do echo "$(date +%s) used_mib=$(free -m | awk '/Mem:/{print $3}') top_rss_mib=$(ps -eo rss= --sort=-rss | head -n 3 | awk '{printf "%d,", $1/1024}')"; done) > "$OUT/offload_host125/mem_trace_L${LAYERS:-32}.log" &
       trace=$!
       timeout ${BIG_S:-480} python3 -m zerotrain benchmark mlm --strategies zero2_offload --predict false \
         --out "$OUT/offload_host125/L${LAYERS:-32}_mb${MB:-16}" "${BIG[@]}" --model.num_layers ${LAYERS:-32} \
