@@ -284,3 +284,33 @@ def test_zero12_fast_path_follows_deepspeeds_default_path(tmp_path, stage):
     assert reads[True] == pytest.approx(reads[False] - 2)
     ds = json.loads((tmp_path / "fast-True" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["contiguous_gradients"] is False
+
+
+def test_the_training_workers_start_before_the_model_and_engine_exist(tmp_path, monkeypatch):
+    """Forked after the engine, a worker would share the engine's host memory page by page, and every page the
+    training process wrote later (an offloaded optimizer's states, each step) would be copied: a 5.5B ZeRO-2
+    offload outgrew its 125 GiB host that way. The workers must already be running when the model is built,
+    and the run must still train (the batches they loaded early are dropped, not trained on twice)."""
+    import psutil
+
+    from zerotrain import loop
+
+    children_at_build = []
+    build_engine = loop.build_engine
+
+    def recording(*args, **kwargs):
+        children_at_build.append(len(psutil.Process().children()))
+        return build_engine(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "build_engine", recording)
+    cfg = toy_config(tmp_path, "early", zero_stage=0)
+    cfg.trainer.num_workers = 2
+    early = fit(ToyTask(cfg))
+    assert children_at_build == [2]
+    assert not psutil.Process().children()  # stopped when fit returned
+
+    cfg = toy_config(tmp_path, "in_process", zero_stage=0)
+    same = fit(ToyTask(cfg))  # no workers: the batches are read in this process
+    a, b = train_log(early.run_dir), train_log(same.run_dir)
+    assert a.keys() == b.keys() == set(range(1, 9))
+    assert [a[s]["train_loss"] for s in a] == [b[s]["train_loss"] for s in b]

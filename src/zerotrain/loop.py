@@ -15,10 +15,11 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
 from zerotrain import rundir
 from zerotrain.checkpoint import (
@@ -77,6 +78,8 @@ class Run:
     sampler: EpochBatches
     total_steps: int
     engine: Engine
+    loader: DataLoader
+    """The training split's loader, its persistent workers already started (see ``start_workers``)."""
     flops_per_token: float
     n_params: int
     param_counts: ParamCounts
@@ -115,8 +118,7 @@ def fit(task: Task) -> FitResult:
         evaluator = Evaluator(run.task, engine, tr)
         profiler = StepProfiler(tr.profile_steps, max(state.step, tr.warmup_steps_excluded), rt.device,
                                 run.run_dir, rt.is_main)
-        loader = make_loader(run.splits.train, run.sampler, run.task.collator(), tr.num_workers, tr.seed,
-                             persistent=True)
+        loader = run.loader
         stream = micro_batch_stream(loader, run.sampler, state.epoch, state.batches_in_epoch)
         results: dict[str, Any] = {}
         heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
@@ -190,35 +192,48 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
                         f"({micro} x {grad_accum} x {rt.world_size}). Add data or lower --trainer.micro_batch_size")
     total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
     check_warmup(cfg.scheduler.warmup_steps, total_steps)  # epochs: the run's length is known only now
-    model = task.build_model()
-    # Counted on the whole model, before an engine may shard it.
-    flops_per_token = task.flops_per_token(model)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    param_counts = count_params(model)
-    engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
-                          task.deepspeed_hints(model))
-    seed_everything(tr.seed + 1000 * rt.rank)
+    loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
+    loader.start_workers()  # before the model and the engine fill this process's memory
+    with _closed_on_error(loader):
+        model = task.build_model()
+        # Counted on the whole model, before an engine may shard it.
+        flops_per_token = task.flops_per_token(model)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        param_counts = count_params(model)
+        engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
+                              task.deepspeed_hints(model))
+        seed_everything(tr.seed + 1000 * rt.rank)
 
-    if cfg.strategy.deepspeed_config and engine.ds_config is not None:
-        reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
-    if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
-        check_compatible(resume_from, shape_of(engine, task.name))
-    if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
-        one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
-        run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
-    # On rank 0, with its error shared: a lock held by another run stops every rank.
-    run_on_main(lambda: rundir.write_metadata(run_dir, task.name, cfg.to_dict(), engine.ds_config, lock))
-    if rt.is_main:
-        if engine.ds_config is not None and cfg.logging.print_ds_config:
-            print(json.dumps(engine.ds_config, indent=2), flush=True)
-    log.info("run directory: %s", run_dir)
-    log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s", task.name, n_params / 1e6,
-             n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
-    log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
-             total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
-    return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, flops_per_token, n_params,
-               param_counts)
+        if cfg.strategy.deepspeed_config and engine.ds_config is not None:
+            reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
+        if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
+            check_compatible(resume_from, shape_of(engine, task.name))
+        if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
+            one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
+            run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
+        # On rank 0, with its error shared: a lock held by another run stops every rank.
+        run_on_main(lambda: rundir.write_metadata(run_dir, task.name, cfg.to_dict(), engine.ds_config, lock))
+        if rt.is_main:
+            if engine.ds_config is not None and cfg.logging.print_ds_config:
+                print(json.dumps(engine.ds_config, indent=2), flush=True)
+        log.info("run directory: %s", run_dir)
+        log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s", task.name, n_params / 1e6,
+                 n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
+        log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
+                 total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
+        return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, loader, flops_per_token,
+                   n_params, param_counts)
+
+
+@contextlib.contextmanager
+def _closed_on_error(loader: DataLoader) -> Iterator[None]:
+    """Stops the loader's workers if what the block builds fails: ``fit`` may be called again in this process."""
+    try:
+        yield
+    except BaseException:
+        loader.close()
+        raise
 
 
 @contextlib.contextmanager

@@ -94,6 +94,16 @@ class _StopSignalSafeLoader(DataLoader):
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
+    def start_workers(self) -> None:
+        """Forks persistent workers now, while this process is small. Forked after the engine, a worker would
+        share every host page the engine allocated until then, and each page the training process writes later
+        (a CPU-offloaded optimizer rewrites its master weights and gradients each step) is copied on write: a
+        5.5B model's ZeRO-2 offload, unpinned, outgrew a 125 GiB host that way (BENCHMARKS.md, session 19). The
+        few batches the workers load meanwhile are dropped when the first pass starts (``DataLoader`` resets
+        persistent workers and drains what they had queued)."""
+        if self.persistent_workers and self._iterator is None:
+            iter(self)
+
     def close(self) -> None:
         """Ends persistent workers now, not whenever the loader is collected: ``fit`` may run again in this
         process. The loader keeps their iterator, whose deletion shuts them down (DataLoader has no public call)."""
