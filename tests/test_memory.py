@@ -328,3 +328,22 @@ def count_toy_trainable():
     with torch.device("meta"):
         model = recipes.get("toy")(parse_config("toy", [])).build_model(pretrained=False)
     return count_params(model).trainable
+
+
+def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
+    """A 1.1B toy on a 5 GiB GPU and a 20 GiB host: only ZeRO-2 offload fits the GPU, and its host states
+    fit only unpinned (28.5 GiB pinned, 19.1 GiB not). The report says so with the flags; a config that
+    pins the offload itself gets the plain 'nothing fits'."""
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate, format_report
+
+    def report(*flags):
+        cfg = parse_config("toy", ["--model.width", str(2**26), *flags])
+        return estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=20)
+
+    default = report()
+    assert default.pick is None and default.unpinned is not None and default.unpinned.name == "zero2_offload"
+    text = format_report(default)
+    assert "Nothing fits pinned" in text and "--strategy.offload_pin_memory false" in text
+    pinned = report("--strategy.offload_pin_memory", "true")
+    assert pinned.pick is None and pinned.unpinned is None and "Nothing fits:" in format_report(pinned)

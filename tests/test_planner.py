@@ -487,3 +487,37 @@ def test_a_zero3_export_gathers_the_whole_model_on_the_host():
     assert exported.rank0_extra_bytes == pytest.approx(2e9)
     assert fits(exported, probe, 12 * GIB + 2.1e9, 4) is None
     assert "host memory" in fits(exported, probe, 12 * GIB + 1.9e9, 4)
+
+
+def test_when_no_pinned_offload_fits_the_plan_tries_the_offloads_unpinned(tmp_path, monkeypatch):
+    """Pinned host blocks round up to powers of two (a 1.1B model's ZeRO-2 offload: 28.5 GiB pinned, 19.1 GiB
+    not). With nothing fitting pinned, the plan assesses the offloads unpinned, trials them, and the choice,
+    its plan.yaml and a cached plan read back by --strategy.auto all carry --strategy.offload_pin_memory false."""
+    from zerotrain import planner
+
+    args = [*TOY, "--model.width", str(2**26), "--trainer.micro_batch_size", "4", "--trainer.output_dir", str(tmp_path)]
+    cfg = parse_config("toy", args)
+    probe = fake_probe(gpu_total=8 * GIB, act_per_sample=0.01 * GIB, ckpt_per_sample=0.01 * GIB)
+    assert all(r.dropped for r in assess("toy", cfg, probe, candidates(cfg, "cuda"), 24 * GIB))
+
+    trialled = []
+
+    def trial(recipe, fit_args, row, out_dir, *rest):
+        trialled.append(row.candidate)
+        row.measured = {"status": "ok", "tokens_per_s": 100.0 + row.candidate.micro_batch_size}
+
+    monkeypatch.setattr(planner, "run_probe", lambda *a, **k: probe)
+    monkeypatch.setattr(planner, "_trial", trial)
+    result = planner.plan("toy", cfg, args, tmp_path / "plan", trials=2, host_memory_gib=24)
+    assert trialled and all(c.unpinned and STRATEGIES[c.strategy].offload_optimizer == "cpu" for c in trialled)
+    choice = result.choice.candidate
+    assert choice.flags()[-2:] == ["--strategy.offload_pin_memory", "false"] and "unpinned" in choice.label
+    saved = yaml.safe_load((tmp_path / "plan" / "plan.yaml").read_text())
+    assert saved["strategy"]["offload_pin_memory"] is False
+    cached = json.loads((tmp_path / "plan" / "plan.json").read_text())["choice"]
+    assert cached["offload_pin_memory"] is False
+
+    # A config that pins (or unpins) the offloads itself is planned as it says.
+    pinned = parse_config("toy", [*args, "--strategy.offload_pin_memory", "true"])
+    with pytest.raises(UserError, match="nothing fits"):
+        planner.plan("toy", pinned, args, tmp_path / "plan2", trials=2, host_memory_gib=24)

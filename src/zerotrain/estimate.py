@@ -59,6 +59,8 @@ class EstimateReport:
     activation_checkpointing: bool = False
     configured: dict[str, Strategy] = field(default_factory=dict)
     """Rows beyond :data:`~zerotrain.strategies.STRATEGIES`: the configured NVMe offload, by row name."""
+    unpinned: Optional[PlanRow] = None
+    """When nothing fits with the offloads pinned (the default on GPUs): the first that fits unpinned."""
 
     @property
     def pick(self) -> Optional[str]:
@@ -152,11 +154,17 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             ok = fits(pred, probe, host, per_node) is None and row.memory.nvme_bytes * per_node <= disk
             judged.append(PlanRow(row.name, row.memory, ok))
         rows = judged
+    alternative = None
+    if gpu is not None and device == "cuda" and s.offload_pin_memory is None and not any(r.fits for r in rows):
+        cfg.strategy.offload_pin_memory = False  # pinned blocks round up to powers of two: unpinned may fit
+        unpinned = estimate(recipe, cfg, gpu / GIB, host / GIB, reserve_gib, probe)
+        alternative = next((row for row in unpinned.rows if row.fits), None)
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
                           activation_checkpointing=cfg.strategy.activation_checkpointing,
-                          configured={k: v for k, v in strategies.items() if k not in STRATEGIES})
+                          configured={k: v for k, v in strategies.items() if k not in STRATEGIES},
+                          unpinned=alternative)
 
 
 def _free_disk(folder: Optional[str]) -> float:
@@ -204,7 +212,12 @@ def format_report(report: EstimateReport) -> str:
     if gpu is None:
         return "\n".join(lines)
     pick = report.pick
-    if pick is None:
+    if pick is None and report.unpinned is not None:
+        alt = report.unpinned
+        lines.append(f"Nothing fits pinned. Unpinned, {alt.name} fits ({alt.memory.cpu_bytes / GIB:.2f} GiB on the host, "
+                     f"slower host-GPU copies)   ->   zerotrain fit {report.recipe} ... "
+                     f"{' '.join(STRATEGIES[alt.name].flags())} --strategy.offload_pin_memory false")
+    elif pick is None:
         lines.append("Nothing fits: add GPUs (--launch.nproc_per_node, --launch.nnodes), train fewer parameters "
                      "(the lora recipe), or lower --reserve_gib.")
     else:

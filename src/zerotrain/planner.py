@@ -5,7 +5,8 @@
 2. **Candidates**: every backend/ZeRO stage/offload (:data:`~zerotrain.strategies.STRATEGIES`) x
    micro-batch (powers of two dividing the per-rank batch; accumulation keeps the global batch) x
    activation checkpointing, for the GPUs the launch flags name. Precision, global batch, optimizer
-   and everything else stay as configured.
+   and everything else stay as configured. When nothing fits, the offloads again with their host states
+   unpinned (``--strategy.offload_pin_memory false``), which holds them in about half the memory.
 3. **Memory model** (:func:`zerotrain.memory.predict`) drops what does not fit; the **speed model**
    (:mod:`zerotrain.speed`) ranks the rest.
 4. **Trials**: the best few (``trials``, at most two per strategy) run as short ``zerotrain fit``
@@ -22,6 +23,7 @@ zerotrain config with the choice: ``zerotrain fit RECIPE --config plan.yaml``) a
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import json
@@ -60,16 +62,20 @@ class Candidate:
     micro_batch_size: int
     grad_accum: int
     checkpointing: bool
+    unpinned: bool = False
+    """An offload whose host states are not pinned (``--strategy.offload_pin_memory false``): tried only when
+    no pinned candidate fits, as pinned copies are faster but pinned blocks round up to powers of two."""
 
     def flags(self) -> list[str]:
         return [*STRATEGIES[self.strategy].flags(), "--trainer.micro_batch_size", str(self.micro_batch_size),
                 "--strategy.gradient_accumulation_steps", str(self.grad_accum),
-                "--strategy.activation_checkpointing", str(self.checkpointing).lower()]
+                "--strategy.activation_checkpointing", str(self.checkpointing).lower(),
+                *(["--strategy.offload_pin_memory", "false"] if self.unpinned else [])]
 
     @property
     def label(self) -> str:
         return (f"{self.strategy} micro {self.micro_batch_size} x {self.grad_accum}"
-                + (" +ckpt" if self.checkpointing else ""))
+                + (" +ckpt" if self.checkpointing else "") + (" unpinned" if self.unpinned else ""))
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """A copy of ``cfg`` set to this candidate."""
@@ -77,6 +83,8 @@ class Candidate:
         s = cfg.strategy
         s.gradient_accumulation_steps, s.activation_checkpointing = self.grad_accum, self.checkpointing
         s.auto = False
+        if self.unpinned:
+            s.offload_pin_memory = False
         cfg.trainer.micro_batch_size = self.micro_batch_size
         return cfg
 
@@ -94,7 +102,8 @@ class Row:
     def to_dict(self, global_batch: int) -> dict[str, Any]:
         return {"candidate": self.candidate.label, "strategy": self.candidate.strategy,
                 "micro_batch_size": self.candidate.micro_batch_size, "grad_accum": self.candidate.grad_accum,
-                "activation_checkpointing": self.candidate.checkpointing, **self.memory.as_row(),
+                "activation_checkpointing": self.candidate.checkpointing,
+                "offload_pin_memory": False if self.candidate.unpinned else None, **self.memory.as_row(),
                 "predicted_step_s": self.time.total, "predicted_samples_per_s": global_batch / self.time.total,
                 "predicted_step_parts_s": {"compute": self.time.compute, "optimizer": self.time.optimizer,
                                            "communication": self.time.communication, "zero_host": self.time.zero_host},
@@ -131,6 +140,13 @@ def candidates(cfg: RunConfig, device: str, strategies: Optional[list[str]] = No
                            if device == "cuda" or s.offload_optimizer == "none"]  # offload needs a GPU to offload from
     return [Candidate(name, m, per_rank // m, ckpt) for name in names for m in micros
             for ckpt in ((False, True) if checkpointing else (False,))]
+
+
+def unpinned(cands: list[Candidate], cfg: RunConfig) -> list[Candidate]:
+    """The offload candidates again with unpinned host states, unless the config pins or unpins them itself."""
+    if cfg.strategy.offload_pin_memory is not None:
+        return []
+    return [dataclasses.replace(c, unpinned=True) for c in cands if STRATEGIES[c.strategy].offload_optimizer != "none"]
 
 
 def _meta_counts(recipe: str, cfg: RunConfig):
@@ -270,7 +286,11 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     print(f"[plan] probing {recipe} on this machine (micro-batch up to {per_rank})", flush=True)
     probe = run_probe(recipe, fit_args, out_dir / "probe.json", per_rank)
     host = host_memory_gib * GIB if host_memory_gib else float(psutil.virtual_memory().total)
-    rows = assess(recipe, checked, probe, candidates(cfg, probe.device, strategies), host)
+    cands = candidates(cfg, probe.device, strategies)
+    rows = assess(recipe, checked, probe, cands, host)
+    retry = unpinned(cands, cfg) if all(r.dropped for r in rows) and probe.device == "cuda" else []
+    if retry:  # unpinned, an offload's host states take their bytes, not power-of-two blocks
+        rows += assess(recipe, checked, probe, retry, host)
     if all(r.dropped for r in rows):
         raise _nothing_fits(rows, cfg)
     disk = _disk_problem(recipe, cfg, probe.precision)
@@ -430,5 +450,5 @@ def plan_for_fit(recipe: str, cfg: RunConfig, fit_args: list[str]) -> list[str]:
         choice = plan(recipe, cfg, fit_args, folder).choice.to_dict(1)
         print(f"[plan] --strategy.auto: {choice['candidate']}", flush=True)
     cand = Candidate(choice["strategy"], choice["micro_batch_size"], choice["grad_accum"],
-                     choice["activation_checkpointing"])
+                     choice["activation_checkpointing"], choice.get("offload_pin_memory") is False)
     return [*cand.flags(), "--strategy.auto", "false"]
