@@ -100,8 +100,8 @@ def main() -> None:
     lines = [f"# Peak host memory (PSS of the run's processes) by when the loader workers fork, on a CPU",
              "", f"Toy MLP, {params:,} parameters, ZeRO-2 with CPU optimizer offload (fp32), 2 workers, "
              f"{args.steps} steps; `{result['command']}`", "",
-             f"Commit {result['environment'].get('commit')}, torch {result['environment'].get('torch')}, "
-             f"DeepSpeed {result['environment'].get('deepspeed')}, {result['cpu']}, {result['host_gib']:.0f} GiB host.", "",
+             f"Commit {result['environment'].get('commit')}, torch {result['environment']['versions'].get('torch')}, "
+             f"DeepSpeed {result['environment']['versions'].get('deepspeed')}, {result['cpu']}, {result['host_gib']:.0f} GiB host.", "",
              "| workers fork | peak PSS (GiB) |", "|---|---|"]
     lines += [f"| {r['order']} the engine | {r['peak_pss_gib']:.2f} |" for r in rows]
     (args.out / "fork_memory.md").write_text("\n".join(lines) + "\n")
