@@ -45,8 +45,8 @@ def repredict(plan_path: Path, probe_path: Path, extra: tuple[str, ...] = ()) ->
     if cfg.trainer.max_steps is None and cfg.trainer.epochs is None:
         cfg.trainer.max_steps = 1  # the run's length changes no prediction; validate() wants one (as plan() does)
     trialled = [row for row in plan["rows"] if (row.get("measured") or {}).get("status") == "ok"]
-    cands = [Candidate(row["strategy"], row["micro_batch_size"], row["grad_accum"], row["activation_checkpointing"])
-             for row in trialled]
+    cands = [Candidate(row["strategy"], row["micro_batch_size"], row["grad_accum"], row["activation_checkpointing"],
+                       row.get("offload_pin_memory") is False) for row in trialled]
     assessed = assess(plan["recipe"], cfg, probe, cands, host_bytes=float("inf"))
     return [{"trial": row["candidate"], "predicted_then_gpu_gib": row["predicted_gpu_mem_gib"],
              "predicted_now_gpu_gib": new.memory.gpu_bytes / GIB, "measured_gpu_gib": row["measured"]["peak_gpu_mem_gib"],

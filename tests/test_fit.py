@@ -289,28 +289,46 @@ def test_zero12_fast_path_follows_deepspeeds_default_path(tmp_path, stage):
 def test_the_training_workers_start_before_the_model_and_engine_exist(tmp_path, monkeypatch):
     """Forked after the engine, a worker would share the engine's host memory page by page, and every page the
     training process wrote later (an offloaded optimizer's states, each step) would be copied: a 5.5B ZeRO-2
-    offload outgrew its 125 GiB host that way. The workers must already be running when the model is built,
-    and the run must still train (the batches they loaded early are dropped, not trained on twice)."""
+    offload outgrew its 125 GiB host that way. The workers must be running when the model is built; the run
+    trains on the same batches as one that reads in-process (the workers' early batches are dropped), also
+    when it resumes mid-epoch; and a failure after they started leaves none behind."""
     import psutil
 
     from zerotrain import loop
 
-    children_at_build = []
-    build_engine = loop.build_engine
+    before = len(psutil.Process().children())
+    seen = {}
 
-    def recording(*args, **kwargs):
-        children_at_build.append(len(psutil.Process().children()))
-        return build_engine(*args, **kwargs)
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            seen.setdefault(name, len(psutil.Process().children()) - before)
+            return original(*args, **kwargs)
+        return wrapper
 
-    monkeypatch.setattr(loop, "build_engine", recording)
-    cfg = toy_config(tmp_path, "early", zero_stage=0)
-    cfg.trainer.num_workers = 2
-    early = fit(ToyTask(cfg))
-    assert children_at_build == [2]
-    assert not psutil.Process().children()  # stopped when fit returned
+    monkeypatch.setattr(ToyTask, "build_model", counting("model", ToyTask.build_model))
+    monkeypatch.setattr(loop, "build_engine", counting("engine", loop.build_engine))
 
-    cfg = toy_config(tmp_path, "in_process", zero_stage=0)
-    same = fit(ToyTask(cfg))  # no workers: the batches are read in this process
-    a, b = train_log(early.run_dir), train_log(same.run_dir)
-    assert a.keys() == b.keys() == set(range(1, 9))
-    assert [a[s]["train_loss"] for s in a] == [b[s]["train_loss"] for s in b]
+    def cfg(name, workers, steps=8):
+        c = toy_config(tmp_path, name, zero_stage=0)
+        c.trainer.num_workers, c.trainer.max_steps = workers, steps
+        return c
+
+    early = fit(ToyTask(cfg("early", 2)))
+    assert seen == {"model": 2, "engine": 2}
+    assert len(psutil.Process().children()) == before  # stopped when fit returned
+    in_process = fit(ToyTask(cfg("in_process", 0)))
+    fit(ToyTask(cfg("resumed", 2, steps=4)))  # 3 steps an epoch: the resume lands mid-epoch
+    again = cfg("resumed", 2)
+    again.checkpoint.resume = "auto"
+    resumed = fit(ToyTask(again))
+    a, b, c = (train_log(r.run_dir) for r in (early, in_process, resumed))
+    assert a.keys() == b.keys() == c.keys() == set(range(1, 9))
+    assert [a[s]["train_loss"] for s in a] == [b[s]["train_loss"] for s in a] == [c[s]["train_loss"] for s in a]
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the tracker could not start")
+
+    monkeypatch.setattr(loop, "Tracker", failing)
+    with pytest.raises(RuntimeError, match="tracker") as held:  # the traceback, and its frames, still held here
+        fit(ToyTask(cfg("failing", 2)))
+    assert held.value and len(psutil.Process().children()) == before

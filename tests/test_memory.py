@@ -347,3 +347,19 @@ def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
     assert "Nothing fits pinned" in text and "--strategy.offload_pin_memory false" in text
     pinned = report("--strategy.offload_pin_memory", "true")
     assert pinned.pick is None and pinned.unpinned is None and "Nothing fits:" in format_report(pinned)
+
+
+def test_the_unpinned_alternative_can_be_a_configured_nvme_offload(tmp_path, monkeypatch):
+    """ZeRO-3 with NVMe offload keeps the fp32 gradient partition on the host, pinned by default: a 9B toy on a
+    60 GiB host fits only unpinned, and the report names that row (not among the built-in strategies)."""
+    from zerotrain import estimate as estimate_mod
+    from zerotrain.config_cli import parse_config
+
+    monkeypatch.setattr(estimate_mod, "_free_disk", lambda folder: 1e15)
+    cfg = parse_config("toy", ["--model.width", str(2**29), "--strategy.zero_stage", "3",
+                               "--strategy.offload_optimizer", "nvme", "--strategy.offload_param", "nvme",
+                               "--strategy.nvme_path", str(tmp_path)])
+    report = estimate_mod.estimate("toy", cfg, gpu_memory_gib=80, host_memory_gib=60)
+    assert report.pick is None and report.unpinned is not None and report.unpinned.name == "yours: zero3 nvme"
+    line = estimate_mod.format_report(report).splitlines()[-1]
+    assert "--strategy.offload_optimizer nvme" in line and line.endswith("--strategy.offload_pin_memory false")

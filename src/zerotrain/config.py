@@ -87,7 +87,7 @@ class StrategyConfig:
     offload_pin_memory: Optional[bool] = None
     """Pin the offloaded states in host memory (DeepSpeed's ``pin_memory``); default: on GPUs. PyTorch rounds each
     pinned block up to a power of two, so pinning can take up to twice the host memory: false trades faster
-    host-GPU copies for about half the host memory at the largest sizes (``zerotrain estimate`` sizes either).
+    host-GPU copies for up to half the host memory (``zerotrain estimate`` sizes either).
     Without an offload it does nothing."""
     precision: Precision = "auto"
     """fp32, fp16 (dynamic loss scaling), bf16, or auto: bf16 on GPUs that support it, fp32 on CPU."""

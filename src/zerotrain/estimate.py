@@ -215,8 +215,8 @@ def format_report(report: EstimateReport) -> str:
     if pick is None and report.unpinned is not None:
         alt = report.unpinned
         lines.append(f"Nothing fits pinned. Unpinned, {alt.name} fits ({alt.memory.cpu_bytes / GIB:.2f} GiB on the host, "
-                     f"slower host-GPU copies)   ->   zerotrain fit {report.recipe} ... "
-                     f"{' '.join(STRATEGIES[alt.name].flags())} --strategy.offload_pin_memory false")
+                     f"per process, slower host-GPU copies)   ->   zerotrain fit {report.recipe} ... "
+                     f"{' '.join({**STRATEGIES, **report.configured}[alt.name].flags())} --strategy.offload_pin_memory false")
     elif pick is None:
         lines.append("Nothing fits: add GPUs (--launch.nproc_per_node, --launch.nnodes), train fewer parameters "
                      "(the lora recipe), or lower --reserve_gib.")

@@ -79,7 +79,7 @@ class Run:
     total_steps: int
     engine: Engine
     loader: DataLoader
-    """The training split's loader, its persistent workers already started (see ``start_workers``)."""
+    """The training split's loader; its persistent workers (if any) were started before the model was built."""
     flops_per_token: float
     n_params: int
     param_counts: ParamCounts
@@ -100,72 +100,77 @@ def fit(task: Task) -> FitResult:
     task.cfg.validate()
     with setup(task.cfg) as rt, rundir.RunLock() as lock:  # rank 0 owns the run folder until fit returns
         run = _build(task, rt, lock)
-        tr = run.cfg.trainer
-        state, engine = TrainState(), run.engine
-        checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state, shape_of(engine, run.task.name))
-        if run.resume_from is not None:
-            checkpointer.load(run.resume_from, seed=tr.seed)  # the seed re-seeds RNG on another process count
-            log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", run.resume_from,
-                     state.step, state.epoch, state.batches_in_epoch)
-        start_step = state.step
-        barrier()  # the run folder exists before any rank writes into it
-        tracker = Tracker(run.run_dir, run.cfg.logging, run.cfg.to_dict(), rt.is_main,
-                          resumed_at=start_step if run.resume_from is not None else None)
-        meter = ThroughputMeter(rt.device, rt.world_size, run.flops_per_token, engine.precision,
-                                tr.warmup_steps_excluded, sum_across_ranks=engine.all_reduce_sum)
-        bar = progress_bar(run.cfg.logging.progress_bar and rt.is_main, run.total_steps, state.step)
-        logger = StepLogger(tr.log_every_steps, run.total_steps, engine, meter, tracker, bar)
-        evaluator = Evaluator(run.task, engine, tr)
-        profiler = StepProfiler(tr.profile_steps, max(state.step, tr.warmup_steps_excluded), rt.device,
-                                run.run_dir, rt.is_main)
-        loader = run.loader
-        stream = micro_batch_stream(loader, run.sampler, state.epoch, state.batches_in_epoch)
-        results: dict[str, Any] = {}
-        heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
-        engine.train()
-        meter.start()
-        try:
-            # A stop signal waits for the checkpoint at the next step boundary; out of GPU memory ends in one line.
-            with armed(rt.preemption), _out_of_memory_in_one_line(run, state):
-                while state.step < run.total_steps:
-                    t0 = time.perf_counter()
-                    drawn = [next(stream) for _ in range(engine.grad_accum)]
-                    meter.add_data_wait(time.perf_counter() - t0)
-                    stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
-                    state.advance(stats.loss, *drawn[-1][:2])
-                    heartbeat.beat(state.step)
-                    meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
-                                   sum(run.task.real_tokens(b) for _, _, b in drawn))
-                    last = state.step == run.total_steps
-                    if logger.should_log(state.step):
-                        results.update(logger.log(state))  # keeps the latest val_* next to the latest window
-                    bar.update(1)
-                    if profiler.step(state.step):
-                        meter.start()  # profiled steps run slower: they are not part of the throughput figures
-                    if tr.evaluate and evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
-                        if run.splits.val is not None:
-                            val = evaluator.run(run.splits.val, "val")
-                            tracker.log(state.step, val)
-                            results.update(val)
-                            log.info("step %d: %s", state.step, fmt(val))
-                        meter.start()  # evaluation time is not training time
-                    if not last and checkpointer.should_save(state.step):
-                        log.info("checkpoint: %s", checkpointer.save())
-                        meter.start()
-                    if not last:
-                        checkpointer.save_if_preempted(rt.preemption)  # raises Preempted once saved
-            bar.close()
-            if state.step == start_step:
-                log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
-            summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
-        finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
-            stream.close()
-            loader.close()
-            bar.close()
-            heartbeat.close()
-            tracker.close()
-        log.info("done: %s", run.run_dir)
-        return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
+        with contextlib.closing(run.loader):  # its workers end however the run does, set-up failures included
+            return _train(run)
+
+
+def _train(run: Run) -> FitResult:
+    """The loop: from the checkpoint to resume (if any) to the last step, then the run's end."""
+    rt = run.rt
+    tr = run.cfg.trainer
+    state, engine = TrainState(), run.engine
+    checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state, shape_of(engine, run.task.name))
+    if run.resume_from is not None:
+        checkpointer.load(run.resume_from, seed=tr.seed)  # the seed re-seeds RNG on another process count
+        log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", run.resume_from,
+                 state.step, state.epoch, state.batches_in_epoch)
+    start_step = state.step
+    barrier()  # the run folder exists before any rank writes into it
+    tracker = Tracker(run.run_dir, run.cfg.logging, run.cfg.to_dict(), rt.is_main,
+                      resumed_at=start_step if run.resume_from is not None else None)
+    meter = ThroughputMeter(rt.device, rt.world_size, run.flops_per_token, engine.precision,
+                            tr.warmup_steps_excluded, sum_across_ranks=engine.all_reduce_sum)
+    bar = progress_bar(run.cfg.logging.progress_bar and rt.is_main, run.total_steps, state.step)
+    logger = StepLogger(tr.log_every_steps, run.total_steps, engine, meter, tracker, bar)
+    evaluator = Evaluator(run.task, engine, tr)
+    profiler = StepProfiler(tr.profile_steps, max(state.step, tr.warmup_steps_excluded), rt.device,
+                            run.run_dir, rt.is_main)
+    stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
+    results: dict[str, Any] = {}
+    heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
+    engine.train()
+    meter.start()
+    try:
+        # A stop signal waits for the checkpoint at the next step boundary; out of GPU memory ends in one line.
+        with armed(rt.preemption), _out_of_memory_in_one_line(run, state):
+            while state.step < run.total_steps:
+                t0 = time.perf_counter()
+                drawn = [next(stream) for _ in range(engine.grad_accum)]
+                meter.add_data_wait(time.perf_counter() - t0)
+                stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
+                state.advance(stats.loss, *drawn[-1][:2])
+                heartbeat.beat(state.step)
+                meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
+                               sum(run.task.real_tokens(b) for _, _, b in drawn))
+                last = state.step == run.total_steps
+                if logger.should_log(state.step):
+                    results.update(logger.log(state))  # keeps the latest val_* next to the latest window
+                bar.update(1)
+                if profiler.step(state.step):
+                    meter.start()  # profiled steps run slower: they are not part of the throughput figures
+                if tr.evaluate and evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
+                    if run.splits.val is not None:
+                        val = evaluator.run(run.splits.val, "val")
+                        tracker.log(state.step, val)
+                        results.update(val)
+                        log.info("step %d: %s", state.step, fmt(val))
+                    meter.start()  # evaluation time is not training time
+                if not last and checkpointer.should_save(state.step):
+                    log.info("checkpoint: %s", checkpointer.save())
+                    meter.start()
+                if not last:
+                    checkpointer.save_if_preempted(rt.preemption)  # raises Preempted once saved
+        bar.close()
+        if state.step == start_step:
+            log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
+        summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
+    finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
+        stream.close()
+        bar.close()
+        heartbeat.close()
+        tracker.close()
+    log.info("done: %s", run.run_dir)
+    return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
 
 
 def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Run:

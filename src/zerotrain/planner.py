@@ -6,7 +6,7 @@
    micro-batch (powers of two dividing the per-rank batch; accumulation keeps the global batch) x
    activation checkpointing, for the GPUs the launch flags name. Precision, global batch, optimizer
    and everything else stay as configured. When nothing fits, the offloads again with their host states
-   unpinned (``--strategy.offload_pin_memory false``), which holds them in about half the memory.
+   unpinned (``--strategy.offload_pin_memory false``), which can halve their host memory.
 3. **Memory model** (:func:`zerotrain.memory.predict`) drops what does not fit; the **speed model**
    (:mod:`zerotrain.speed`) ranks the rest.
 4. **Trials**: the best few (``trials``, at most two per strategy) run as short ``zerotrain fit``

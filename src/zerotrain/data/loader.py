@@ -13,7 +13,7 @@ from zerotrain.data.sampling import EpochBatches
 
 
 def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], collate: Callable[[list[Any]], Any],
-                workers: int, seed: int, persistent: bool = False) -> DataLoader:
+                workers: int, seed: int, persistent: bool = False) -> "_StopSignalSafeLoader":
     """``persistent``: the worker processes live as long as the loader, not one pass over it. The training
     stream sets it: each new pass would fork them again, 80-190 ms of the main thread with a trainer's
     memory mapped (measured on a CPU), which every rank then waits for. On 4 GPUs, where BERT-base's
@@ -36,8 +36,8 @@ class EpochSynced(Dataset):
 
     Each worker reads its own copy of the dataset, made when it started. The epoch travels in a
     shared-memory tensor, and a worker hands a new one to its copy's ``set_epoch`` before the next read.
-    That is race-free because a persistent worker is idle between passes: the loader sends a pass's
-    indices only from ``iter()`` on, and :func:`micro_batch_stream` sets the epoch before that.
+    A pass's indices go out only from its ``iter()`` on, after :func:`micro_batch_stream` set the epoch;
+    what a worker still reads of an earlier pass then (the batches of ``start_workers``) is dropped.
     """
 
     def __init__(self, dataset: Dataset):
@@ -100,7 +100,8 @@ class _StopSignalSafeLoader(DataLoader):
         (a CPU-offloaded optimizer rewrites its master weights and gradients each step) is copied on write: a
         5.5B model's ZeRO-2 offload, unpinned, outgrew a 125 GiB host that way (BENCHMARKS.md, session 19). The
         few batches the workers load meanwhile are dropped when the first pass starts (``DataLoader`` resets
-        persistent workers and drains what they had queued)."""
+        persistent workers and drains what they had queued); a dataset that draws from a worker's global RNG
+        has drawn for them too."""
         if self.persistent_workers and self._iterator is None:
             iter(self)
 

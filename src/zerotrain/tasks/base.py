@@ -91,7 +91,11 @@ class Task(ABC, Generic[C]):
 
     @abstractmethod
     def build_datasets(self) -> Splits:
-        """Return the datasets. Items are whatever :meth:`collator` accepts."""
+        """Return the datasets. Items are whatever :meth:`collator` accepts.
+
+        The training loader's workers start, and read their first batches, right after this and before
+        :meth:`build_model` (a worker forked later would share the engine's memory): the datasets and the
+        collator must be complete without the model."""
 
     @abstractmethod
     def collator(self) -> Callable[[list[Any]], Batch]:
