@@ -467,3 +467,21 @@ def test_batch_shape_reads_a_user_file(tmp_path):
     path = write(tmp_path, '{"zero_optimization": {"stage": 1}}', "c.json")
     assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (4, 2)
     assert batch_shape(make_cfg(micro=4, gas=2)) == (4, 2)
+
+
+@pytest.mark.parametrize("block, expected", [
+    ({"device": "cpu", "pin_memory": True}, True),
+    ({"device": "cpu"}, False),  # DeepSpeed's default
+    (None, None),
+])
+def test_hparams_record_the_files_offload_pinning_not_the_flag(block, expected):
+    """With --strategy.deepspeed_config the file's offload block decides pinning; the run's recorded config
+    says what DeepSpeed ran with, whatever --strategy.offload_pin_memory said."""
+    from zerotrain.ds_config import reflect_ds_config
+
+    cfg = make_cfg(offload_pin_memory=not expected if expected is not None else True)
+    zero = {"stage": 2, **({"offload_optimizer": block} if block else {})}
+    reflect_ds_config(cfg, {"zero_optimization": zero, "train_micro_batch_size_per_gpu": 4,
+                            "gradient_accumulation_steps": 1}, "bf16")
+    assert cfg.strategy.offload_pin_memory is expected
+    assert cfg.strategy.offload_optimizer == ("cpu" if block else "none")

@@ -380,6 +380,10 @@ def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> Non
     for name in ("offload_optimizer", "offload_param"):
         device = _offload_device(zero.get(name))
         setattr(s, name, device if device in ("cpu", "nvme") else "none")
+    offloads = [zero[name] for name in ("offload_optimizer", "offload_param")
+                if _offload_device(zero.get(name)) in ("cpu", "nvme")]
+    # The file's pin_memory, not --strategy.offload_pin_memory, is what DeepSpeed ran with (its default: false).
+    s.offload_pin_memory = bool(offloads[0].get("pin_memory", False)) if offloads else None
     for name in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size"):
         if isinstance(zero.get(name), (bool, int)):
             setattr(s, name, zero[name])
