@@ -42,7 +42,7 @@ imdb_tax() {
   timeout "${3:-0}" python3 -m zerotrain benchmark imdb --strategies "$2" --nproc 1 --out "$1" --config configs/imdb_b.yaml \
     --data.pad_to_multiple_of ${PAD:-64} --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
     --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
-    --checkpoint.save_final false --predict ${PREDICT:-true} --rounds ${ROUNDS:-1} | tail -n $((6 + 4 * ${ROUNDS:-1}))
+    --checkpoint.save_final false --predict ${PREDICT:-true} --rounds ${ROUNDS:-1} --profile ${PROFILE:-0} | tail -n $((6 + 4 * ${ROUNDS:-1}))
 }
 sft() { python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000; }
 
@@ -91,7 +91,8 @@ for part in "$@"; do
         --model.num_heads 8 --model.h_dim 256 --model.ff_dim 512 --trainer.micro_batch_size 8; echo "probe hello rc=$?" ;;
     imdb_tax)  # preset (b), 2 epochs per engine, only the second timed (every padded length has been seen once):
       # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row.
-      # PAD=8: batches padded as before session 8 (128 lengths, not 16); STRATS: fewer engines, to fit a call
+      # PAD=8: batches padded as before session 8 (128 lengths, not 16); STRATS: fewer engines, to fit a call;
+      # PROFILE=N: a profile of N steps at the start of the timed epoch, per row
       imdb_tax "$OUT/imdb_tax" ${STRATS:-ddp,zero0,zero1,zero2} ;;
     host_calls)  # IMDB preset (b) as shipped, 2 epochs per engine (HOST_STRATS), cProfile and the garbage collector
       # watched over steps 900-1400 of the second epoch (every padded length recorded by then): benchmarks/host_calls.py

@@ -35,6 +35,39 @@ def test_rates_use_reported_flops_and_skip_warmup():
     assert summary["measured_steps"] == 2 and summary["tokens_per_s"] == pytest.approx(rates["tokens_per_s"])
 
 
+def test_the_meter_tells_a_busy_main_thread_from_a_waiting_one():
+    """host_cpu_frac is the loop thread's CPU time over the wall time: near 1 when the step spins on the host,
+    near 0 when it waits (on the GPU, on data). Bounds far apart, so a loaded machine cannot flip them."""
+    import time
+
+    def measured(wait: bool) -> dict:
+        meter = ThroughputMeter(torch.device("cpu"), 1, 1.0, "fp32", warmup_steps=0)
+        meter.start()
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            time.sleep(0.3) if wait else None
+        meter.add_step(micro_batches=1, samples=1, tokens=1)
+        return {**meter.read(), **{f"total_{k}": v for k, v in meter.summary().items()}}
+
+    busy, idle = measured(wait=False), measured(wait=True)
+    assert idle["host_cpu_frac"] < 0.2 < 0.5 < busy["host_cpu_frac"] <= 1.05
+    assert busy["total_host_cpu_frac"] == pytest.approx(busy["host_cpu_frac"])
+    assert busy["host_preemptions_per_step"] >= 0 and idle["total_host_preemptions_per_step"] >= 0
+
+
+def test_compile_counters_name_the_graphs_a_run_compiled():
+    from zerotrain.metrics import compile_counters
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    for n in (2, 3):  # a new static shape: a second graph
+        f(torch.ones(n))
+    c = compile_counters()
+    assert c["compile_unique_graphs"] == 2 and c["compile_frames"] == 2 and c["compile_graph_breaks"] == 0
+    assert c["compile_cudagraph_skips"] == 0
+
+
 def test_profile_summary_on_cpu(tmp_path):
     """The profile summary's format: per-step times, syncs, top operators, and its Markdown."""
     from zerotrain.metrics import StepProfiler, kernel_family

@@ -46,7 +46,7 @@ from zerotrain.errors import DataError, OutOfMemory
 from zerotrain.evaluate import Evaluator, fmt
 from zerotrain.launcher import Heartbeat
 from zerotrain.memory import Buckets, ParamCounts, count_params, model_state_memory
-from zerotrain.metrics import HostPeak, StepProfiler, ThroughputMeter, memory_snapshot
+from zerotrain.metrics import HostPeak, StepProfiler, ThroughputMeter, compile_counters, memory_snapshot
 from zerotrain.oom import describe_oom, failed_step
 from zerotrain.preemption import armed
 from zerotrain.strategies import Strategy
@@ -296,7 +296,7 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
                **memory_snapshot(run.rt.device), "device": meter.device_name, "world_size": run.rt.world_size,
                "precision": run.engine.precision, "final_step": state.step, "n_params": run.n_params,
                "micro_batch_size": run.engine.micro_batch_size, "grad_accum": run.engine.grad_accum,
-               "engine": run.engine.describe()}
+               "engine": run.engine.describe(), **compile_counters()}
     if run.rt.is_main and (state.step > start_step or not (run.run_dir / "summary.json").exists()):
         rundir.write_json(run.run_dir / "summary.json", summary)
     barrier()

@@ -7,6 +7,12 @@ Timing rules: the clock is read after a device synchronisation, and the first
 ``--trainer.warmup_steps_excluded`` optimizer steps are left out (kernel compilation, allocator
 growth, DeepSpeed's first-step bookkeeping).
 
+Host side: a small model's step waits on the Python thread that launches its kernels, so the same
+code can run at different speeds on a busier or slower host. The meter also reports that thread's
+CPU time as a share of the wall time (``host_cpu_frac``: near 1, the step is bound by the host) and
+how often the kernel took the CPU away from it (``host_preemptions_per_step``: other processes
+competing for its core).
+
 MFU = achieved model FLOP/s per GPU / peak FLOP/s of that GPU at the training precision, where
 achieved FLOP/s = ``flops_per_token`` x tokens / seconds. ``flops_per_token`` comes from the task
 (6 x parameters for forward + backward, plus the attention term 12 x layers x width x sequence,
@@ -116,6 +122,18 @@ class Window:
     tokens: int = 0
     flops: float = 0.0
     data_wait_s: float = 0.0
+    host_cpu_s: float = 0.0
+    host_preemptions: int = 0
+
+
+def main_thread_cpu() -> tuple[float, int]:
+    """CPU seconds of the calling thread and the involuntary context switches it has had (Linux's per-thread
+    rusage; elsewhere ``time.thread_time`` and no switch count)."""
+    try:
+        r = resource.getrusage(resource.RUSAGE_THREAD)
+        return r.ru_utime + r.ru_stime, r.ru_nivcsw
+    except (AttributeError, OSError):
+        return time.thread_time(), 0
 
 
 class ThroughputMeter:
@@ -140,12 +158,14 @@ class ThroughputMeter:
         self.window = Window()
         self.steps_seen = 0
         self._t0: Optional[float] = None
+        self._cpu0 = main_thread_cpu()
         self.total = Window()
         self.total_seconds = 0.0
 
     def start(self) -> None:
         synchronize(self.device)
         self._t0 = time.perf_counter()
+        self._cpu0 = main_thread_cpu()
         self.window = Window()
 
     def add_data_wait(self, seconds: float) -> None:
@@ -176,7 +196,9 @@ class ThroughputMeter:
         """Rates for the window since the last read, then start a new window. Empty during warm-up."""
         synchronize(self.device)
         now = time.perf_counter()
+        cpu = main_thread_cpu()
         w = self.window
+        w.host_cpu_s, w.host_preemptions = cpu[0] - self._cpu0[0], cpu[1] - self._cpu0[1]
         ws = self.world_size
         counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
                   "flops": w.flops}
@@ -194,14 +216,16 @@ class ThroughputMeter:
                 "real_tokens_per_s": w.real_tokens / elapsed,
                 "tflops_per_gpu": w.flops / ws / elapsed / 1e12,
                 "data_wait_frac": min(1.0, w.data_wait_s / elapsed),
+                "host_cpu_frac": w.host_cpu_s / elapsed,
+                "host_preemptions_per_step": w.host_preemptions / w.steps,
             }
             if self.peak:
                 out["mfu"] = out["tflops_per_gpu"] / self.peak
-            for k in ("steps", "micro_batches", "samples", "tokens", "real_tokens", "flops"):
+            for k in ("steps", "micro_batches", "samples", "tokens", "real_tokens", "flops", "data_wait_s",
+                      "host_cpu_s", "host_preemptions"):
                 setattr(self.total, k, getattr(self.total, k) + getattr(w, k))
-            self.total.data_wait_s += w.data_wait_s
             self.total_seconds += elapsed
-        self._t0 = now
+        self._t0, self._cpu0 = now, cpu
         self.window = Window()
         return out
 
@@ -218,11 +242,31 @@ class ThroughputMeter:
             "real_tokens_per_s": t.real_tokens / s,
             "tflops_per_gpu": t.flops / self.world_size / s / 1e12,
             "data_wait_frac": t.data_wait_s / s,
+            "host_cpu_frac": t.host_cpu_s / s,
+            "host_preemptions_per_step": t.host_preemptions / t.steps,
             "measured_steps": t.steps,
         }
         if self.peak:
             out["mfu"] = out["tflops_per_gpu"] / self.peak
         return out
+
+
+def compile_counters() -> dict[str, int]:
+    """What ``torch.compile`` did in this process, for a run's summary (empty when nothing was compiled): a
+    row that recompiled, broke its graph or fell back from CUDA graphs to eager launches says so here
+    instead of only being slower."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import counters
+
+    if not counters["frames"]["total"]:
+        return {}
+    inductor = counters["inductor"]
+    return {"compile_frames": counters["frames"]["ok"], "compile_unique_graphs": counters["stats"]["unique_graphs"],
+            "compile_graph_breaks": sum(counters["graph_break"].values()),
+            "compile_cudagraph_skips": inductor["cudagraph_skips"],
+            "compile_fxgraph_cache_hits": inductor["fxgraph_cache_hit"],
+            "compile_fxgraph_cache_misses": inductor["fxgraph_cache_miss"]}
 
 
 def memory_snapshot(device: torch.device) -> dict[str, float]:
