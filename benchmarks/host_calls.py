@@ -24,6 +24,7 @@ import gc
 import json
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class _Window:
         self.gc: dict[int, list] = {}  # generation -> [collections, seconds, objects collected]
         self._gc_t0: dict[int, float] = {}
         self.watching = False
+        self.threads: list[str] = []  # the process's Python threads at the last profiled step: GIL contenders
 
     def on_gc(self, phase: str, info: dict) -> None:
         if not self.watching:
@@ -75,6 +77,7 @@ class _Window:
                     self.prof.disable()
                     self.watching = False
                     self.t_last = time.perf_counter()
+                    self.threads = sorted(t.name for t in threading.enumerate())
         return step
 
 
@@ -127,6 +130,7 @@ def main() -> int:
         "ms_per_step_profiled": (window.t_last - window.t_first) * 1e3 / steps,
         "gc": {str(g): {"collections": n, "ms": t * 1e3, "collected": c} for g, (n, t, c) in sorted(window.gc.items())},
         "gc_tracked_objects": len(gc.get_objects()),
+        "python_threads": window.threads,
         "by_own_time": _rows(stats, 2, steps),
         "by_inclusive_time": _rows(stats, 3, steps),
     }
