@@ -485,3 +485,27 @@ def test_hparams_record_the_files_offload_pinning_not_the_flag(block, expected):
                             "gradient_accumulation_steps": 1}, "bf16")
     assert cfg.strategy.offload_pin_memory is expected
     assert cfg.strategy.offload_optimizer == ("cpu" if block else "none")
+
+
+@pytest.mark.parametrize("block, pin, refused", [
+    ({"device": "cpu", "pin_memory": True}, True, None),  # the flag agrees with the file: nothing to say
+    ({"device": "cpu", "pin_memory": True}, None, None),  # no flag: the file decides
+    ({"device": "cpu", "pin_memory": True}, False, "sets True"),
+    ({"device": "cpu"}, True, "leaves it out"),
+    (None, False, "offloads nothing"),
+])
+def test_a_pinning_flag_the_users_file_contradicts_is_refused_in_one_line(tmp_path, block, pin, refused):
+    """--strategy.offload_pin_memory cannot reach a user's file (its offload blocks decide); a flag that says
+    otherwise is refused with a line naming the flag, the file's key and what to do, not dropped silently."""
+    zero = {"stage": 2, **({"offload_optimizer": block} if block else {})}
+    path = write(tmp_path, json.dumps({"zero_optimization": zero}))
+    cfg = make_cfg(offload_pin_memory=pin, deepspeed_config=str(path))
+    if refused is None:
+        ds = make_ds_config(cfg, 1, "cuda", "bf16")
+        assert ds["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
+        return
+    with pytest.raises(ConfigError) as err:
+        make_ds_config(cfg, 1, "cuda", "bf16")
+    message = str(err.value)
+    assert "--strategy.offload_pin_memory" in message and refused in message and "\n" not in message
+    assert str(path) in message and "drop the flag" in message

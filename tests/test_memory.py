@@ -349,6 +349,19 @@ def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
     assert pinned.pick is None and pinned.unpinned is None and "Nothing fits:" in format_report(pinned)
 
 
+def test_estimate_with_a_users_file_does_not_retry_unpinned(tmp_path):
+    """With --strategy.deepspeed_config the file decides pinning: no unpinned re-estimate (which would set a
+    flag the file contradicts and fail on it), the plain 'nothing fits'."""
+    from zerotrain.config_cli import parse_config
+    from zerotrain.estimate import estimate, format_report
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}')
+    cfg = parse_config("toy", ["--model.width", str(2**26), "--strategy.deepspeed_config", str(path)])
+    report = estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=20)
+    assert report.pick is None and report.unpinned is None and "Nothing fits:" in format_report(report)
+
+
 def test_the_unpinned_alternative_can_be_a_configured_nvme_offload(tmp_path, monkeypatch):
     """ZeRO-3 with NVMe offload keeps the fp32 gradient partition on the host, pinned by default: a 9B toy on a
     60 GiB host fits only unpinned, and the report names that row (not among the built-in strategies)."""

@@ -441,6 +441,7 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         user = load_user_config(cfg.strategy.deepspeed_config)
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
+        _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
     validate_ds_config(ds, world_size, device)
@@ -452,6 +453,24 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
                           f"{s.deepspeed_config}, but CUDA graphs (--strategy.compile_mode reduce-overhead) would "
                           "overwrite the gradients accumulated so far: set it to 1 or --strategy.compile_mode default")
     return ds
+
+
+def _check_pinning_agrees(ds: dict[str, Any], pin: bool | None, path: str) -> None:
+    """A user's file decides its offload blocks' ``pin_memory``; an explicit --strategy.offload_pin_memory that
+    says otherwise would be dropped without a word, so it is refused instead."""
+    if pin is None:
+        return
+    zero = ds.get("zero_optimization") or {}
+    blocks = [name for name in ("offload_optimizer", "offload_param") if _offload_device(zero.get(name)) in ("cpu", "nvme")]
+    if not blocks:
+        raise ConfigError("--strategy.offload_pin_memory", f"has no effect: {path} (--strategy.deepspeed_config) "
+                          "offloads nothing; drop the flag")
+    for name in blocks:
+        value = zero[name].get("pin_memory", False)
+        if value != pin:
+            said = "leaves it out (DeepSpeed's default: false)" if "pin_memory" not in zero[name] else f"sets {value}"
+            raise ConfigError("--strategy.offload_pin_memory", f"is {str(pin).lower()}, but zero_optimization.{name}"
+                              f".pin_memory in {path} {said}, and the file decides: set it there, or drop the flag")
 
 
 # --- the DeepSpeed JSON for another trainer ---------------------------------------------------------------------

@@ -155,8 +155,10 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             judged.append(PlanRow(row.name, row.memory, ok))
         rows = judged
     alternative = None
-    if gpu is not None and device == "cuda" and s.offload_pin_memory is None and not any(r.fits for r in rows):
-        cfg.strategy.offload_pin_memory = False  # pinned blocks round up to powers of two: unpinned may fit
+    # Pinned blocks round up to powers of two: unpinned may fit. (A user's DeepSpeed file decides its own pinning.)
+    if (gpu is not None and device == "cuda" and s.offload_pin_memory is None and not s.deepspeed_config
+            and not any(r.fits for r in rows)):
+        cfg.strategy.offload_pin_memory = False
         unpinned = estimate(recipe, cfg, gpu / GIB, host / GIB, reserve_gib, probe)
         alternative = next((row for row in unpinned.rows if row.fits), None)
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
