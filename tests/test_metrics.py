@@ -52,7 +52,24 @@ def test_the_meter_tells_a_busy_main_thread_from_a_waiting_one():
     busy, idle = measured(wait=False), measured(wait=True)
     assert idle["host_cpu_frac"] < 0.2 < 0.5 < busy["host_cpu_frac"] <= 1.05
     assert busy["total_host_cpu_frac"] == pytest.approx(busy["host_cpu_frac"])
-    assert busy["host_preemptions_per_step"] >= 0 and idle["total_host_preemptions_per_step"] >= 0
+    for rates in (busy, idle):
+        assert rates["host_preemptions_per_step"] >= 0 and rates["total_host_preemptions_per_step"] >= 0
+        assert 0 <= rates["host_runqueue_frac"] and 0 <= rates["host_steal_frac"] <= 1.05
+        # Running, waiting for a CPU and blocked share the wall time: the first two cannot exceed it.
+        assert rates["host_cpu_frac"] + rates["host_runqueue_frac"] <= 1.1
+
+
+def test_host_clock_readings_subtract_and_never_run_backwards():
+    import time
+
+    from zerotrain.metrics import HostClock
+
+    start = HostClock.read()
+    end = time.perf_counter() + 0.05
+    while time.perf_counter() < end:
+        pass
+    d = HostClock.read() - start
+    assert d.cpu_s > 0 and d.runqueue_s >= 0 and d.steal_s >= 0 and d.preemptions >= 0
 
 
 def test_compile_counters_name_the_graphs_a_run_compiled():

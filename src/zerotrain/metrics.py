@@ -8,19 +8,17 @@ Timing rules: the clock is read after a device synchronisation, and the first
 growth, DeepSpeed's first-step bookkeeping).
 
 Host side: a small model's step waits on the Python thread that launches its kernels, so the same
-code can run at different speeds on a busier or slower host. The meter also reports that thread's
-CPU time as a share of the wall time (``host_cpu_frac``: near 1, the step is bound by the host) and
-how often the kernel took the CPU away from it (``host_preemptions_per_step``: other processes
-competing for its core).
-
-MFU = achieved model FLOP/s per GPU / peak FLOP/s of that GPU at the training precision, where
-achieved FLOP/s = ``flops_per_token`` x tokens / seconds. ``flops_per_token`` comes from the task
-(6 x parameters for forward + backward, plus the attention term 12 x layers x width x sequence,
-as in the PaLM paper's appendix B). Activation recomputation is not counted: MFU, not HFU.
+code can run at different speeds on a busier or slower host. For that thread the meter reports, as
+shares of the wall time: its CPU time (``host_cpu_frac``: near 1, the step is bound by the host), the
+time it was ready to run but waited for a CPU (``host_runqueue_frac``), and, for the whole machine,
+the CPU time a hypervisor took from this virtual machine (``host_steal_frac``, averaged over CPUs);
+what remains the thread spent blocked (a lock, the GIL, a device wait that sleeps). Also how often
+the kernel took the CPU from it (``host_preemptions_per_step``). Linux only; elsewhere the CPU time.
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -123,17 +121,49 @@ class Window:
     flops: float = 0.0
     data_wait_s: float = 0.0
     host_cpu_s: float = 0.0
+    host_runqueue_s: float = 0.0
+    host_steal_s: float = 0.0
     host_preemptions: int = 0
 
 
-def main_thread_cpu() -> tuple[float, int]:
-    """CPU seconds of the calling thread and the involuntary context switches it has had (Linux's per-thread
-    rusage; elsewhere ``time.thread_time`` and no switch count)."""
+@dataclass(frozen=True)
+class HostClock:
+    """Cumulative clocks of the calling thread and the machine (module docstring): subtract two readings."""
+
+    cpu_s: float
+    runqueue_s: float
+    steal_s: float  # per CPU
+    preemptions: int
+
+    @classmethod
+    def read(cls) -> "HostClock":
+        try:
+            r = resource.getrusage(resource.RUSAGE_THREAD)
+            cpu, preemptions = r.ru_utime + r.ru_stime, r.ru_nivcsw
+        except (AttributeError, OSError):
+            cpu, preemptions = time.thread_time(), 0
+        return cls(cpu, _runqueue_s(), _steal_s(), preemptions)
+
+    def __sub__(self, start: "HostClock") -> "HostClock":
+        return HostClock(self.cpu_s - start.cpu_s, self.runqueue_s - start.runqueue_s, self.steal_s - start.steal_s,
+                         self.preemptions - start.preemptions)
+
+
+def _runqueue_s() -> float:
+    """Seconds this thread was runnable but not running (the second field of Linux's schedstat)."""
     try:
-        r = resource.getrusage(resource.RUSAGE_THREAD)
-        return r.ru_utime + r.ru_stime, r.ru_nivcsw
-    except (AttributeError, OSError):
-        return time.thread_time(), 0
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _steal_s() -> float:
+    """Seconds a hypervisor ran something else on this machine's CPUs, per CPU (/proc/stat's steal)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") / (os.cpu_count() or 1)
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class ThroughputMeter:
@@ -158,14 +188,14 @@ class ThroughputMeter:
         self.window = Window()
         self.steps_seen = 0
         self._t0: Optional[float] = None
-        self._cpu0 = main_thread_cpu()
+        self._clock0 = HostClock.read()
         self.total = Window()
         self.total_seconds = 0.0
 
     def start(self) -> None:
         synchronize(self.device)
         self._t0 = time.perf_counter()
-        self._cpu0 = main_thread_cpu()
+        self._clock0 = HostClock.read()
         self.window = Window()
 
     def add_data_wait(self, seconds: float) -> None:
@@ -196,9 +226,11 @@ class ThroughputMeter:
         """Rates for the window since the last read, then start a new window. Empty during warm-up."""
         synchronize(self.device)
         now = time.perf_counter()
-        cpu = main_thread_cpu()
+        clock = HostClock.read()
         w = self.window
-        w.host_cpu_s, w.host_preemptions = cpu[0] - self._cpu0[0], cpu[1] - self._cpu0[1]
+        d = clock - self._clock0
+        w.host_cpu_s, w.host_runqueue_s, w.host_steal_s, w.host_preemptions = (d.cpu_s, d.runqueue_s, d.steal_s,
+                                                                               d.preemptions)
         ws = self.world_size
         counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
                   "flops": w.flops}
@@ -217,15 +249,17 @@ class ThroughputMeter:
                 "tflops_per_gpu": w.flops / ws / elapsed / 1e12,
                 "data_wait_frac": min(1.0, w.data_wait_s / elapsed),
                 "host_cpu_frac": w.host_cpu_s / elapsed,
+                "host_runqueue_frac": w.host_runqueue_s / elapsed,
+                "host_steal_frac": w.host_steal_s / elapsed,
                 "host_preemptions_per_step": w.host_preemptions / w.steps,
             }
             if self.peak:
                 out["mfu"] = out["tflops_per_gpu"] / self.peak
             for k in ("steps", "micro_batches", "samples", "tokens", "real_tokens", "flops", "data_wait_s",
-                      "host_cpu_s", "host_preemptions"):
+                      "host_cpu_s", "host_runqueue_s", "host_steal_s", "host_preemptions"):
                 setattr(self.total, k, getattr(self.total, k) + getattr(w, k))
             self.total_seconds += elapsed
-        self._t0, self._cpu0 = now, cpu
+        self._t0, self._clock0 = now, clock
         self.window = Window()
         return out
 
@@ -243,6 +277,8 @@ class ThroughputMeter:
             "tflops_per_gpu": t.flops / self.world_size / s / 1e12,
             "data_wait_frac": t.data_wait_s / s,
             "host_cpu_frac": t.host_cpu_s / s,
+            "host_runqueue_frac": t.host_runqueue_s / s,
+            "host_steal_frac": t.host_steal_s / s,
             "host_preemptions_per_step": t.host_preemptions / t.steps,
             "measured_steps": t.steps,
         }
