@@ -147,7 +147,8 @@ def _markdown(r: dict) -> str:
     lines = [f"Steps {r['first']}-{r['first'] + r['steps_profiled'] - 1} under cProfile: "
              f"{r['ms_per_step_profiled']:.2f} ms/step (unprofiled just before: "
              f"{'-' if unprofiled is None else f'{unprofiled:.2f}'} ms/step). Garbage collections in those steps: "
-             f"{gc_rows}; {r['gc_tracked_objects']} objects tracked at the end. Python threads: {', '.join(r['python_threads'])}.", "", f"`{r['command']}`", ""]
+             f"{gc_rows}; {r['gc_tracked_objects']} objects tracked at the end. "
+             f"Python threads: {', '.join(r['python_threads'])}.", "", f"`{r['command']}`", ""]
     for key, title in (("by_own_time", "own"), ("by_inclusive_time", "inclusive")):
         lines += [f"| function (by {title} time) | calls/step | own ms/step | incl. ms/step |", "|---|---|---|---|"]
         lines += [f"| `{x['function']}` | {x['calls_per_step']:.1f} | {x['own_ms_per_step']:.3f} | "

@@ -461,7 +461,8 @@ def _check_pinning_agrees(ds: dict[str, Any], pin: bool | None, path: str) -> No
     if pin is None:
         return
     zero = ds.get("zero_optimization") or {}
-    blocks = [name for name in ("offload_optimizer", "offload_param") if _offload_device(zero.get(name)) in ("cpu", "nvme")]
+    blocks = [name for name in ("offload_optimizer", "offload_param")
+              if _offload_device(zero.get(name)) in ("cpu", "nvme")]
     if not blocks:
         raise ConfigError("--strategy.offload_pin_memory", f"has no effect: {path} (--strategy.deepspeed_config) "
                           "offloads nothing; drop the flag")

@@ -22,7 +22,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -227,10 +227,9 @@ class ThroughputMeter:
         synchronize(self.device)
         now = time.perf_counter()
         clock = HostClock.read()
-        w = self.window
-        d = clock - self._clock0
-        w.host_cpu_s, w.host_runqueue_s, w.host_steal_s, w.host_preemptions = (d.cpu_s, d.runqueue_s, d.steal_s,
-                                                                               d.preemptions)
+        w, host = self.window, clock - self._clock0
+        w.host_cpu_s, w.host_runqueue_s, w.host_steal_s = host.cpu_s, host.runqueue_s, host.steal_s
+        w.host_preemptions = host.preemptions
         ws = self.world_size
         counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
                   "flops": w.flops}
@@ -240,24 +239,9 @@ class ThroughputMeter:
         out: dict[str, float] = {}
         if self._t0 is not None and w.steps > 0:
             elapsed = now - self._t0
-            out = {
-                "sec_per_step": elapsed / w.steps,
-                "sec_per_batch": elapsed / w.micro_batches,
-                "samples_per_s": w.samples / elapsed,
-                "tokens_per_s": w.tokens / elapsed,
-                "real_tokens_per_s": w.real_tokens / elapsed,
-                "tflops_per_gpu": w.flops / ws / elapsed / 1e12,
-                "data_wait_frac": min(1.0, w.data_wait_s / elapsed),
-                "host_cpu_frac": w.host_cpu_s / elapsed,
-                "host_runqueue_frac": w.host_runqueue_s / elapsed,
-                "host_steal_frac": w.host_steal_s / elapsed,
-                "host_preemptions_per_step": w.host_preemptions / w.steps,
-            }
-            if self.peak:
-                out["mfu"] = out["tflops_per_gpu"] / self.peak
-            for k in ("steps", "micro_batches", "samples", "tokens", "real_tokens", "flops", "data_wait_s",
-                      "host_cpu_s", "host_runqueue_s", "host_steal_s", "host_preemptions"):
-                setattr(self.total, k, getattr(self.total, k) + getattr(w, k))
+            out = self._rates(w, elapsed)
+            for f in fields(Window):
+                setattr(self.total, f.name, getattr(self.total, f.name) + getattr(w, f.name))
             self.total_seconds += elapsed
         self._t0, self._clock0 = now, clock
         self.window = Window()
@@ -268,19 +252,23 @@ class ThroughputMeter:
         t, s = self.total, self.total_seconds
         if not t.steps or s <= 0:
             return {}
+        return {**self._rates(t, s), "measured_steps": t.steps}
+
+    def _rates(self, w: Window, seconds: float) -> dict[str, float]:
+        """A window's counts as rates over ``seconds`` of wall time (samples and tokens job-wide, TFLOP/s per
+        GPU)."""
         out = {
-            "sec_per_step": s / t.steps,
-            "sec_per_batch": s / t.micro_batches,
-            "samples_per_s": t.samples / s,
-            "tokens_per_s": t.tokens / s,
-            "real_tokens_per_s": t.real_tokens / s,
-            "tflops_per_gpu": t.flops / self.world_size / s / 1e12,
-            "data_wait_frac": t.data_wait_s / s,
-            "host_cpu_frac": t.host_cpu_s / s,
-            "host_runqueue_frac": t.host_runqueue_s / s,
-            "host_steal_frac": t.host_steal_s / s,
-            "host_preemptions_per_step": t.host_preemptions / t.steps,
-            "measured_steps": t.steps,
+            "sec_per_step": seconds / w.steps,
+            "sec_per_batch": seconds / w.micro_batches,
+            "samples_per_s": w.samples / seconds,
+            "tokens_per_s": w.tokens / seconds,
+            "real_tokens_per_s": w.real_tokens / seconds,
+            "tflops_per_gpu": w.flops / self.world_size / seconds / 1e12,
+            "data_wait_frac": min(1.0, w.data_wait_s / seconds),
+            "host_cpu_frac": w.host_cpu_s / seconds,
+            "host_runqueue_frac": w.host_runqueue_s / seconds,
+            "host_steal_frac": w.host_steal_s / seconds,
+            "host_preemptions_per_step": w.host_preemptions / w.steps,
         }
         if self.peak:
             out["mfu"] = out["tflops_per_gpu"] / self.peak
