@@ -42,7 +42,8 @@ imdb_tax() {
   timeout "${3:-0}" python3 -m zerotrain benchmark imdb --strategies "$2" --nproc 1 --out "$1" --config configs/imdb_b.yaml \
     --data.pad_to_multiple_of ${PAD:-64} --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
     --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
-    --checkpoint.save_final false --predict ${PREDICT:-true} --rounds ${ROUNDS:-1} --profile ${PROFILE:-0} | tail -n $((6 + 4 * ${ROUNDS:-1}))
+    --checkpoint.save_final false --predict ${PREDICT:-true} --rounds ${ROUNDS:-1} --profile ${PROFILE:-0} \
+    | tail -n $((6 + 4 * ${ROUNDS:-1}))
 }
 sft() { python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" /tmp/sft.jsonl --n 2000; }
 

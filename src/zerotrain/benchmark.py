@@ -32,7 +32,7 @@ COLUMNS = [
     ("TFLOP/s/GPU", "throughput_tflops_per_gpu", "{:.1f}"),
     ("MFU", "throughput_mfu", "{:.1%}"),
     ("data wait", "throughput_data_wait_frac", "{:.1%}"),
-    ("host CPU busy", "throughput_host_cpu_frac", "{:.0%}"),
+    ("loop thread on CPU (rank 0)", "throughput_host_cpu_frac", "{:.0%}"),
     ("peak GPU mem (GiB, rank 0)", "gpu_mem_peak_gib", "{:.2f}"),
     ("peak host RSS (GiB, rank 0)", "host_rss_peak_gib", "{:.2f}"),
     ("predicted GPU (GiB)", "predicted_gpu_mem_gib", "{:.2f}"),

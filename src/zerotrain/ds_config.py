@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -465,13 +466,15 @@ def _check_pinning_agrees(ds: dict[str, Any], pin: bool | None, path: str) -> No
               if _offload_device(zero.get(name)) in ("cpu", "nvme")]
     if not blocks:
         raise ConfigError("--strategy.offload_pin_memory", f"has no effect: {path} (--strategy.deepspeed_config) "
-                          "offloads nothing; drop the flag")
+                          "offloads nothing; leave --strategy.offload_pin_memory unset")
     for name in blocks:
         value = zero[name].get("pin_memory", False)
         if value != pin:
-            said = "leaves it out (DeepSpeed's default: false)" if "pin_memory" not in zero[name] else f"sets {value}"
-            raise ConfigError("--strategy.offload_pin_memory", f"is {str(pin).lower()}, but zero_optimization.{name}"
-                              f".pin_memory in {path} {said}, and the file decides: set it there, or drop the flag")
+            said = ("leaves it out (DeepSpeed's default: false)" if "pin_memory" not in zero[name]
+                    else f"sets {json.dumps(value)}")
+            raise ConfigError("--strategy.offload_pin_memory", f"is {json.dumps(pin)}, but zero_optimization.{name}"
+                              f".pin_memory in {path} {said}, and the file decides: set it there, or leave "
+                              "--strategy.offload_pin_memory unset")
 
 
 # --- the DeepSpeed JSON for another trainer ---------------------------------------------------------------------

@@ -7,13 +7,21 @@ Timing rules: the clock is read after a device synchronisation, and the first
 ``--trainer.warmup_steps_excluded`` optimizer steps are left out (kernel compilation, allocator
 growth, DeepSpeed's first-step bookkeeping).
 
+MFU = achieved model FLOP/s per GPU / peak FLOP/s of that GPU at the training precision, where
+achieved FLOP/s = ``flops_per_token`` x tokens / seconds. ``flops_per_token`` comes from the task
+(6 x parameters for forward + backward, plus the attention term 12 x layers x width x sequence,
+as in the PaLM paper's appendix B). Activation recomputation is not counted: MFU, not HFU.
+
 Host side: a small model's step waits on the Python thread that launches its kernels, so the same
-code can run at different speeds on a busier or slower host. For that thread the meter reports, as
-shares of the wall time: its CPU time (``host_cpu_frac``: near 1, the step is bound by the host), the
-time it was ready to run but waited for a CPU (``host_runqueue_frac``), and, for the whole machine,
-the CPU time a hypervisor took from this virtual machine (``host_steal_frac``, averaged over CPUs);
-what remains the thread spent blocked (a lock, the GIL, a device wait that sleeps). Also how often
-the kernel took the CPU from it (``host_preemptions_per_step``). Linux only; elsewhere the CPU time.
+code can run at different speeds on a busier or slower host. For that thread (the loop's, which
+starts and reads the meter) the meter reports, as shares of the wall time: the time it ran on a CPU
+(``host_cpu_frac``: launching work, Python, and CUDA's waits for the GPU, which spin by default, so
+a high share does not by itself mean the host sets the pace), the time it was ready to run but waited
+for a CPU (``host_runqueue_frac``), and, for the whole machine, the CPU time a hypervisor took from
+this virtual machine (``host_steal_frac``, averaged over CPUs). What remains the thread spent off the
+CPU by its own choice: a lock, the GIL, a wait that sleeps. Also how often the kernel took the CPU
+from it (``host_preemptions_per_step``). A reading the system does not give (no schedstat, a
+``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0.
 """
 
 from __future__ import annotations
@@ -21,8 +29,9 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -81,8 +90,6 @@ class HostPeak:
     cannot tell a phase at the end, such as the export, from the training before it."""
 
     def __init__(self, interval_s: float = 0.05):
-        import threading
-
         self.interval_s, self._stop = interval_s, threading.Event()
         self._thread = threading.Thread(target=self._sample, name="zerotrain-host-peak", daemon=True)
         self.before_gib = self.peak_gib = 0.0
@@ -120,50 +127,62 @@ class Window:
     tokens: int = 0
     flops: float = 0.0
     data_wait_s: float = 0.0
-    host_cpu_s: float = 0.0
-    host_runqueue_s: float = 0.0
-    host_steal_s: float = 0.0
-    host_preemptions: int = 0
+    host: Optional["HostClock"] = None  # the loop thread's clocks over the window; None: not measured
 
 
 @dataclass(frozen=True)
 class HostClock:
-    """Cumulative clocks of the calling thread and the machine (module docstring): subtract two readings."""
+    """Cumulative clocks of the calling thread and the machine (module docstring): subtract two readings.
+    None where the system does not keep that clock."""
 
     cpu_s: float
-    runqueue_s: float
-    steal_s: float  # per CPU
-    preemptions: int
+    runqueue_s: Optional[float]
+    steal_s: Optional[float]  # per CPU
+    preemptions: Optional[int]
 
     @classmethod
-    def read(cls) -> "HostClock":
+    def read(cls, schedstat: Path = Path("/proc/thread-self/schedstat"),
+             stat: Path = Path("/proc/stat")) -> "HostClock":
+        runqueue = _runqueue_s(schedstat)
         try:
             r = resource.getrusage(resource.RUSAGE_THREAD)
-            cpu, preemptions = r.ru_utime + r.ru_stime, r.ru_nivcsw
+            cpu = r.ru_utime + r.ru_stime
+            # Without schedstat the kernel is not Linux's own (gVisor leaves the switch counts at 0 too)
+            preemptions: Optional[int] = r.ru_nivcsw if runqueue is not None else None
         except (AttributeError, OSError):
-            cpu, preemptions = time.thread_time(), 0
-        return cls(cpu, _runqueue_s(), _steal_s(), preemptions)
+            cpu, preemptions = time.thread_time(), None
+        return cls(cpu, runqueue, _steal_s(stat), preemptions)
 
     def __sub__(self, start: "HostClock") -> "HostClock":
-        return HostClock(self.cpu_s - start.cpu_s, self.runqueue_s - start.runqueue_s, self.steal_s - start.steal_s,
-                         self.preemptions - start.preemptions)
+        return self._combine(start, lambda a, b: a - b)
+
+    def __add__(self, other: "HostClock") -> "HostClock":
+        return self._combine(other, lambda a, b: a + b)
+
+    def _combine(self, other: "HostClock", op: Callable) -> "HostClock":
+        """Field by field; a clock one side lacks is lacking in the result."""
+        values = [None if a is None or b is None else op(a, b) for a, b in zip(astuple(self), astuple(other))]
+        return HostClock(*values)
 
 
-def _runqueue_s() -> float:
+def _runqueue_s(path: Path) -> Optional[float]:
     """Seconds this thread was runnable but not running (the second field of Linux's schedstat)."""
     try:
-        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+        return int(path.read_text().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
-def _steal_s() -> float:
-    """Seconds a hypervisor ran something else on this machine's CPUs, per CPU (/proc/stat's steal)."""
+def _steal_s(path: Path) -> Optional[float]:
+    """Seconds a hypervisor ran something else on this machine's CPUs, per CPU (/proc/stat's steal); None
+    where the file is missing or all zeros (gVisor), which would read as "no steal"."""
     try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK") / (os.cpu_count() or 1)
+        fields_ = [int(x) for x in path.read_text().split("\n", 1)[0].split()[1:]]
+        if not any(fields_):
+            return None
+        return fields_[7] / os.sysconf("SC_CLK_TCK") / (os.cpu_count() or 1)
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
 class ThroughputMeter:
@@ -188,14 +207,14 @@ class ThroughputMeter:
         self.window = Window()
         self.steps_seen = 0
         self._t0: Optional[float] = None
-        self._clock0 = HostClock.read()
-        self.total = Window()
+        self._clock0, self._thread = HostClock.read(), threading.get_ident()
+        self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0))
         self.total_seconds = 0.0
 
     def start(self) -> None:
         synchronize(self.device)
         self._t0 = time.perf_counter()
-        self._clock0 = HostClock.read()
+        self._clock0, self._thread = HostClock.read(), threading.get_ident()
         self.window = Window()
 
     def add_data_wait(self, seconds: float) -> None:
@@ -227,9 +246,9 @@ class ThroughputMeter:
         synchronize(self.device)
         now = time.perf_counter()
         clock = HostClock.read()
-        w, host = self.window, clock - self._clock0
-        w.host_cpu_s, w.host_runqueue_s, w.host_steal_s = host.cpu_s, host.runqueue_s, host.steal_s
-        w.host_preemptions = host.preemptions
+        w = self.window
+        # Thread clocks compare only within one thread: read from another, the window has none
+        w.host = clock - self._clock0 if threading.get_ident() == self._thread else None
         ws = self.world_size
         counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
                   "flops": w.flops}
@@ -241,7 +260,8 @@ class ThroughputMeter:
             elapsed = now - self._t0
             out = self._rates(w, elapsed)
             for f in fields(Window):
-                setattr(self.total, f.name, getattr(self.total, f.name) + getattr(w, f.name))
+                a, b = getattr(self.total, f.name), getattr(w, f.name)
+                setattr(self.total, f.name, None if a is None or b is None else a + b)
             self.total_seconds += elapsed
         self._t0, self._clock0 = now, clock
         self.window = Window()
@@ -265,11 +285,13 @@ class ThroughputMeter:
             "real_tokens_per_s": w.real_tokens / seconds,
             "tflops_per_gpu": w.flops / self.world_size / seconds / 1e12,
             "data_wait_frac": min(1.0, w.data_wait_s / seconds),
-            "host_cpu_frac": w.host_cpu_s / seconds,
-            "host_runqueue_frac": w.host_runqueue_s / seconds,
-            "host_steal_frac": w.host_steal_s / seconds,
-            "host_preemptions_per_step": w.host_preemptions / w.steps,
         }
+        h = w.host
+        if h is not None:
+            shares = {"host_cpu_frac": h.cpu_s, "host_runqueue_frac": h.runqueue_s, "host_steal_frac": h.steal_s}
+            out.update({k: v / seconds for k, v in shares.items() if v is not None})
+            if h.preemptions is not None:
+                out["host_preemptions_per_step"] = h.preemptions / w.steps
         if self.peak:
             out["mfu"] = out["tflops_per_gpu"] / self.peak
         return out
