@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -348,6 +348,18 @@ for part in "$@"; do
         z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_blocks_overlap" "${BERT[@]}" "${G[@]}" \
           --strategy.compile_scope blocks --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 1
       fi ;;
+    scaling_rs)  # target 4: 2 x ZeRO-1 reducing by reduce-scatter into each rank's partition (this code) against
+      # DeepSpeed's all-reduce and copy-back (OLD_SRC), in turn (new, old, new), after the fastest one-GPU engine;
+      # the encoder as one CUDA-graphed unit; the first 2-GPU row also takes a 10-step profile
+      old_src_on_path || continue
+      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+         --trainer.export false)
+      z benchmark mlm --strategies ${S1:-ddp} --nproc 1 --out "$OUT/scaling_rs/1gpu" "${BERT[@]}" "${G[@]}" | tail -n 2
+      z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_new1" "${BERT[@]}" "${G[@]}" \
+        --profile 10 | tail -n 1
+      old python3 -m zerotrain benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_old" \
+        "${BERT[@]}" "${G[@]}" | tail -n 1
+      z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_new2" "${BERT[@]}" "${G[@]}" | tail -n 1 ;;
     bert_loss)  # the MLM loss compiled on its own (inductor's fused cross-entropy, this code) against eager (OLD_SRC),
       # ZeRO-0, encoder as one CUDA-graphed graph, 5 steps profiled after the timed ones' warm-up, twice in turn
       old_src_on_path || continue

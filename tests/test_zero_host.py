@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -272,3 +273,64 @@ def test_zero0_engine_patches_stay_off_where_they_would_change_something():
                       ("engine_timers", SimpleNamespace(forward_timers=["forward_microstep"])),
                       ("tput_timer", SimpleNamespace(config=SimpleNamespace(enabled=True)))):
         assert not zero_host.drop_idle_forward_hooks(SimpleNamespace(**{**base, key: busy})), key
+
+
+_TWO_RANK_FIT = '''
+import json, os, sys
+from pathlib import Path
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+import zerotrain.engine
+from zerotrain.cli import main
+
+out, patched, argv = Path(sys.argv[1]), sys.argv[2] == "patched", sys.argv[3:]
+if not patched:
+    zerotrain.engine.reduce_scatter_into_partition = lambda opt: False
+record = out.with_suffix(f".rank{os.environ['RANK']}.json")
+calls = {"deepspeed": 0}
+record.write_text(json.dumps(calls))  # rewritten at each call: a finished worker leaves by os._exit
+original = DeepSpeedZeroOptimizer.allreduce_and_copy
+
+def counted(self, *args, **kwargs):
+    calls["deepspeed"] += 1
+    record.write_text(json.dumps(calls))
+    return original(self, *args, **kwargs)
+
+DeepSpeedZeroOptimizer.allreduce_and_copy = counted
+raise SystemExit(main(argv))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_ranks_reduce_scatter_into_their_partitions_bitwise_as_deepspeed(tmp_path, precision):
+    """ZeRO-1 on two Gloo ranks, 2 micro-batches a step and a clip that bites: with the reduce-scatter into each
+    rank's partition, DeepSpeed's all-reduce and copy-back never run, and the loss and grad-norm curves and
+    the exported weights are bitwise those of DeepSpeed's own reduction (each element is one addition of the
+    two ranks' halves either way)."""
+    from conftest import run_python
+    from safetensors.torch import load_file
+
+    script = tmp_path / "two_rank_fit.py"
+    script.write_text(_TWO_RANK_FIT)
+    logs, weights, reductions = {}, {}, {}
+    for mode in ("patched", "deepspeed"):
+        args = ["fit", "toy", "--trainer.max_steps", "6", "--trainer.log_every_steps", "1", "--trainer.num_workers",
+                "0", "--trainer.micro_batch_size", "4", "--strategy.gradient_accumulation_steps", "2",
+                "--strategy.zero_stage", "1", "--strategy.precision", precision,
+                "--strategy.gradient_clipping", "0.05", "--optimizer.lr", "1e-2", "--logging.progress_bar", "false",
+                "--trainer.output_dir", str(tmp_path), "--trainer.run_name", mode]
+        out = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(tmp_path / mode), mode, *args], tmp_path)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        logs[mode] = train_log(tmp_path / mode)
+        weights[mode] = load_file(tmp_path / mode / "model" / "model.safetensors")
+        reductions[mode] = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text())["deepspeed"] for r in (0, 1)]
+    assert reductions["patched"] == [0, 0] and min(reductions["deepspeed"]) >= 6
+    assert sorted(logs["patched"]) == sorted(logs["deepspeed"]) == list(range(1, 7))
+    for step, row in logs["patched"].items():
+        assert row["train_loss"] == logs["deepspeed"][step]["train_loss"], step
+        assert row["grad_norm"] == logs["deepspeed"][step]["grad_norm"], step
+    assert logs["patched"][6]["grad_norm"] > 0.05  # the clip bit
+    assert sorted(weights["patched"]) == sorted(weights["deepspeed"])
+    for name, tensor in weights["patched"].items():
+        assert torch.equal(tensor, weights["deepspeed"][name]), name

@@ -53,6 +53,91 @@ def skip_one_rank_reduction(optimizer: Any) -> bool:
     return True
 
 
+def reduce_scatter_into_partition(optimizer: Any) -> bool:
+    """Give a multi-rank ZeRO-1 ``optimizer`` a gradient reduction that reduce-scatters one flat buffer straight
+    into this rank's partition; False (nothing changed) where DeepSpeed's own path differs in what it computes.
+
+    DeepSpeed (0.19.8) all-reduces every gradient, although a rank updates only its partition; copies the
+    reduced values back into each ``param.grad`` (one copy per tensor); then cuts its partition out of those
+    tensors piece by piece, and its step flattens the pieces again. Here the gradients are flattened once, in
+    the layout of the flat 16-bit weights (so the partitions' bounds are the same), divided by the world size
+    as DeepSpeed divides them, and reduce-scattered: each rank receives its own summed partition and nothing
+    else (half the all-reduce's bytes on the wire). The step takes that partition as DeepSpeed's pre-flattened
+    one. On two ranks every element is the same one addition either way, so the result is bitwise
+    DeepSpeed's; on more, NCCL may add the ranks' values in another order (float rounding, not a different
+    sum).
+
+    Only ZeRO-1 (no gradient hooks: the reduction runs once, after the last micro-batch's backward), with the
+    gradients in ``param.grad`` (no contiguous buckets, no CPU offload, no accumulation attribute, no compact
+    fp32 partition), no MoE or sequence parallelism, communication in the gradients' own dtype, the flat
+    layout in parameter order without per-tensor padding, and :func:`norm_in_one_launch` applied (the norm
+    is taken of the one flat partition).
+    """
+    from deepspeed import comm as dist
+
+    if not _is_zero12(optimizer) or not _partitions_from_one_flat_buffer(optimizer):
+        return False
+    if not isinstance(getattr(optimizer, "get_grad_norm_direct", None), types.MethodType) or \
+            optimizer.get_grad_norm_direct.__func__ is not _grad_norm_direct:
+        return False
+    if any(dist.get_world_size(group=g) == 1 for g in optimizer.real_dp_process_group):
+        return False  # one rank: skip_one_rank_reduction leaves the gradients where they are instead
+    optimizer.reduce_gradients = types.MethodType(_reduce_scatter_gradients, optimizer)
+    return True
+
+
+def _partitions_from_one_flat_buffer(opt: Any) -> bool:
+    """The conditions of :func:`reduce_scatter_into_partition` on ``opt``'s configuration and layout."""
+    if (opt.partition_gradients or opt.overlap_comm or opt.contiguous_gradients or opt.cpu_offload
+            or opt.use_grad_accum_attribute or opt.has_moe_layers or getattr(opt, "zenflow", False)
+            or getattr(opt, "sequence_parallel_size", 1) != 1 or opt._grad_acc_hooks):
+        return False
+    if any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
+        return False
+    if opt.real_dp_process_group != [opt.dp_process_group] * len(opt.bit16_groups):
+        return False
+    for i, group in enumerate(opt.bit16_groups):
+        ordered, offsets = opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]
+        if len(ordered) != len(group) or any(p is not q for p, q in zip(group, ordered)):
+            return False
+        if any(opt.round_robin_bit16_padding[i]) or any(opt.get_param_comm_dtype(p) != p.dtype for p in group):
+            return False
+        starts = [0]
+        for p in group[:-1]:
+            starts.append(starts[-1] + p.numel())
+        if list(offsets) != starts or opt.bit16_groups_flat[i].numel() < starts[-1] + group[-1].numel():
+            return False
+    return True
+
+
+def _reduce_scatter_gradients(self: Any, pipeline_parallel: bool = False) -> None:
+    """Stands for ``DeepSpeedZeroOptimizer.reduce_gradients`` (with its epilogue) at ZeRO-1: each group's
+    gradients, flattened with zeros for a parameter that got none and for the flat buffer's tail padding,
+    averaged and reduce-scattered into this rank's partition, which the step reads as pre-flattened."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
+
+    for i, group in enumerate(self.bit16_groups):
+        process_group = self.real_dp_process_group[i]
+        world = dist.get_world_size(group=process_group)
+        flat_weights = self.bit16_groups_flat[i]
+        pieces = [p.grad.view(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                  for p in group]
+        tail = flat_weights.numel() - sum(piece.numel() for piece in pieces)
+        if tail:
+            pieces.append(torch.zeros(tail, dtype=flat_weights.dtype, device=flat_weights.device))
+        flat = torch.cat(pieces)
+        if self.gradient_average:
+            flat.div_(world)  # before the sum, as DeepSpeed's allreduce_bucket divides
+        partition = torch.empty(int(self.partition_size[i]), dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_fn(partition, flat, group=process_group)
+        self.averaged_gradients[i] = GradPartitionBufferGroup([partition], partition)
+        self.all_grad_tensors[i] = None
+    # DeepSpeed's epilogue ends the same way: no gradient left in .grad, this backward's reduction done.
+    self._clear_param_grad_only()
+    self._epilogue_ran_this_backward = True
+
+
 def _leave_gradient(self: Any, param: torch.nn.Parameter, i: int) -> None:
     """Stands for ``reduce_ready_partitions_and_remove_grads``: the gradient stays in ``param.grad``,
     where the epilogue (``independent_gradient_partition_epilogue``) reads it."""
