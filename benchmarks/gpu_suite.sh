@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -360,6 +360,15 @@ for part in "$@"; do
       old python3 -m zerotrain benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_old" \
         "${BERT[@]}" "${G[@]}" | tail -n 1
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_new2" "${BERT[@]}" "${G[@]}" | tail -n 1 ;;
+    scaling_rounds)  # target 4 measured in ROUNDS (default 2) alternating rounds on one machine: the fastest one-GPU
+      # engine (S1, default ddp) and 2 x ZeRO-1, one-GPU first in odd rounds, two-GPU first in even ones
+      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+         --trainer.export false)
+      for r in $(seq 1 "${ROUNDS:-2}"); do
+        one() { z benchmark mlm --strategies ${S1:-ddp} --nproc 1 --out "$OUT/scaling_rounds/r$r/1gpu" "${BERT[@]}" "${G[@]}" | tail -n 1; }
+        two() { z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rounds/r$r/2gpu" "${BERT[@]}" "${G[@]}" | tail -n 1; }
+        if [ $((r % 2)) = 1 ]; then one; two; else two; one; fi
+      done ;;
     bert_loss)  # the MLM loss compiled on its own (inductor's fused cross-entropy, this code) against eager (OLD_SRC),
       # ZeRO-0, encoder as one CUDA-graphed graph, 5 steps profiled after the timed ones' warm-up, twice in turn
       old_src_on_path || continue

@@ -300,15 +300,26 @@ raise SystemExit(main(argv))
 '''
 
 
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_two_ranks_reduce_scatter_into_their_partitions_bitwise_as_deepspeed(tmp_path, precision):
-    """ZeRO-1 on two Gloo ranks, 2 micro-batches a step and a clip that bites: with the reduce-scatter into each
-    rank's partition, DeepSpeed's all-reduce and copy-back never run, and the loss and grad-norm curves and
-    the exported weights are bitwise those of DeepSpeed's own reduction (each element is one addition of the
-    two ranks' halves either way)."""
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")]),
+])
+def test_two_ranks_reduce_scatter_into_their_partitions_bitwise_as_deepspeed(tmp_path, precision, device):
+    """ZeRO-1 on two ranks (Gloo on CPU, NCCL on 2 GPUs), 2 micro-batches a step and a clip that bites: with the
+    reduce-scatter into each rank's partition, DeepSpeed's all-reduce and copy-back never run, and the loss and
+    grad-norm curves and the exported weights are bitwise those of DeepSpeed's own reduction (each element is
+    one addition of the two ranks' halves either way)."""
     from conftest import run_python
     from safetensors.torch import load_file
+
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Gloo case runs where there is no GPU (the toy would train on the GPU here)")
 
     script = tmp_path / "two_rank_fit.py"
     script.write_text(_TWO_RANK_FIT)
