@@ -360,14 +360,16 @@ for part in "$@"; do
       old python3 -m zerotrain benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_old" \
         "${BERT[@]}" "${G[@]}" | tail -n 1
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_new2" "${BERT[@]}" "${G[@]}" | tail -n 1 ;;
-    scaling_rounds)  # target 4 measured in ROUNDS (default 2) alternating rounds on one machine: the fastest one-GPU
-      # engine (S1, default ddp) and 2 x ZeRO-1, one-GPU first in odd rounds, two-GPU first in even ones
+    scaling_rounds)  # target 4 on one machine: rows in the order ROWS gives, each NPROC:GC (default: the fastest
+      # one-GPU engine S1 (ddp) and 2 x ZeRO-1, in turn, twice); GC is --trainer.gc_every_steps (0: Python's own)
       G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
          --trainer.export false)
-      for r in $(seq 1 "${ROUNDS:-2}"); do
-        one() { z benchmark mlm --strategies ${S1:-ddp} --nproc 1 --out "$OUT/scaling_rounds/r$r/1gpu" "${BERT[@]}" "${G[@]}" | tail -n 1; }
-        two() { z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rounds/r$r/2gpu" "${BERT[@]}" "${G[@]}" | tail -n 1; }
-        if [ $((r % 2)) = 1 ]; then one; two; else two; one; fi
+      i=0
+      for row in ${ROWS:-1:50 2:50 2:50 1:50}; do
+        i=$((i + 1)); n=${row%%:*}; g=${row##*:}
+        if [ "$n" = 1 ]; then s=${S1:-ddp}; else s=zero1; fi
+        z benchmark mlm --strategies $s --nproc $n --out "$OUT/scaling_rounds/r${i}_${n}gpu_gc$g" "${BERT[@]}" "${G[@]}" \
+          --trainer.gc_every_steps $g | tail -n 1
       done ;;
     bert_loss)  # the MLM loss compiled on its own (inductor's fused cross-entropy, this code) against eager (OLD_SRC),
       # ZeRO-0, encoder as one CUDA-graphed graph, 5 steps profiled after the timed ones' warm-up, twice in turn

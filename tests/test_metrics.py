@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -36,7 +37,6 @@ def test_rates_use_reported_flops_and_skip_warmup():
 
 
 def _spin_or_sleep(seconds: float, sleep: bool) -> None:
-    import time
 
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -237,7 +237,6 @@ def test_profile_summary_keeps_collectives_apart_from_the_compute():
 
 def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():
     import mmap
-    import time
 
     from zerotrain.metrics import HostPeak, host_rss_gib
 
@@ -251,3 +250,38 @@ def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():
         held.close()
     assert peak.peak_gib - peak.before_gib >= 0.2
     assert host_rss_gib() < peak.peak_gib  # the moment has passed; the phase's peak remembers it
+
+
+class _Cycle:
+    """An object in a reference cycle with itself: only the garbage collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_the_meter_counts_time_in_garbage_collections():
+    """host_gc_ms_per_step: a step that makes the collector walk many objects reports its time, one that
+    collects nothing reports next to none; the total over the run adds the windows."""
+    import gc
+
+    meter = ThroughputMeter(torch.device("cpu"), 1, 1.0, "fp32", warmup_steps=0)
+    meter.start()
+    quiet = meter.read()  # an empty window: no steps, no rates
+    assert quiet == {}
+    meter.add_step(micro_batches=1, samples=1, tokens=1)
+    calm = meter.read()
+    gc.disable()  # no automatic collection while the garbage is made: the one below is all the window holds
+    try:
+        garbage = [_Cycle() for _ in range(300_000)]
+        del garbage
+    finally:
+        gc.enable()
+    start = time.perf_counter()
+    gc.collect()  # walks and frees the 300k cycles: tens of ms on any machine
+    took_ms = 1e3 * (time.perf_counter() - start)
+    meter.add_step(micro_batches=1, samples=1, tokens=1)
+    busy = meter.read()
+    assert calm["host_gc_ms_per_step"] < 0.5 * took_ms
+    assert 0.5 * took_ms <= busy["host_gc_ms_per_step"] <= took_ms + 1.0
+    assert meter.summary()["host_gc_ms_per_step"] == pytest.approx(
+        (calm["host_gc_ms_per_step"] + busy["host_gc_ms_per_step"]) / 2)

@@ -21,11 +21,14 @@ for a CPU (``host_runqueue_frac``), and, for the whole machine, the CPU time a h
 this virtual machine (``host_steal_frac``, averaged over CPUs). What remains the thread spent off the
 CPU by its own choice: a lock, the GIL, a wait that sleeps. Also how often the kernel took the CPU
 from it (``host_preemptions_per_step``). A reading the system does not give (no schedstat, a
-``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0.
+``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0. And the
+process's time in Python's garbage collections (``host_gc_ms_per_step``), which stop every Python
+thread, the loop's included (see :mod:`zerotrain.collector` for when they run).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import sys
@@ -139,6 +142,7 @@ class HostClock:
     runqueue_s: Optional[float]
     steal_s: Optional[float]  # per CPU
     preemptions: Optional[int]
+    gc_s: Optional[float] = None  # the process's time in Python's garbage collections (every thread waits)
 
     @classmethod
     def read(cls, schedstat: Path = Path("/proc/thread-self/schedstat"),
@@ -151,7 +155,7 @@ class HostClock:
             preemptions: Optional[int] = r.ru_nivcsw if runqueue is not None else None
         except (AttributeError, OSError):
             cpu, preemptions = time.thread_time(), None
-        return cls(cpu, runqueue, _steal_s(stat), preemptions)
+        return cls(cpu, runqueue, _steal_s(stat), preemptions, _GC_TIME.seconds())
 
     def __sub__(self, start: "HostClock") -> "HostClock":
         return self._combine(start, lambda a, b: a - b)
@@ -163,6 +167,33 @@ class HostClock:
         """Field by field; a clock one side lacks is lacking in the result."""
         values = [None if a is None or b is None else op(a, b) for a, b in zip(astuple(self), astuple(other))]
         return HostClock(*values)
+
+
+class _GcTime:
+    """Seconds spent in Python's garbage collections since the first :meth:`seconds` call (``gc.callbacks``,
+    registered then: a process that never reads the clock pays nothing). A collection holds the GIL, so it
+    stops every Python thread of the process, the training loop's included."""
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._began: Optional[float] = None
+        self._installed = False
+
+    def seconds(self) -> float:
+        if not self._installed:
+            gc.callbacks.append(self._callback)
+            self._installed = True
+        return self._total
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self._total += time.perf_counter() - self._began
+            self._began = None
+
+
+_GC_TIME = _GcTime()
 
 
 def _runqueue_s(path: Path) -> Optional[float]:
@@ -208,7 +239,7 @@ class ThroughputMeter:
         self.steps_seen = 0
         self._t0: Optional[float] = None
         self._clock0, self._thread = HostClock.read(), threading.get_ident()
-        self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0))
+        self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0, 0.0))
         self.total_seconds = 0.0
 
     def start(self) -> None:
@@ -292,6 +323,8 @@ class ThroughputMeter:
             out.update({k: v / seconds for k, v in shares.items() if v is not None})
             if h.preemptions is not None:
                 out["host_preemptions_per_step"] = h.preemptions / w.steps
+            if h.gc_s is not None:
+                out["host_gc_ms_per_step"] = 1e3 * h.gc_s / w.steps
         if self.peak:
             out["mfu"] = out["tflops_per_gpu"] / self.peak
         return out
