@@ -360,16 +360,16 @@ for part in "$@"; do
       old python3 -m zerotrain benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_old" \
         "${BERT[@]}" "${G[@]}" | tail -n 1
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_new2" "${BERT[@]}" "${G[@]}" | tail -n 1 ;;
-    scaling_rounds)  # target 4 on one machine: rows in the order ROWS gives, each NPROC:GC (default: the fastest
-      # one-GPU engine S1 (ddp) and 2 x ZeRO-1, in turn, twice); GC is --trainer.gc_every_steps (0: Python's own)
+    scaling_rounds)  # target 4 on one machine: rows in the order ROWS gives, each the GPU count (default: the fastest
+      # one-GPU engine S1 (ddp) and 2 x ZeRO-1, in turn, twice); EXTRA adds flags to every row
       G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
          --trainer.export false)
       i=0
-      for row in ${ROWS:-1:50 2:50 2:50 1:50}; do
-        i=$((i + 1)); n=${row%%:*}; g=${row##*:}
+      for n in ${ROWS:-1 2 2 1}; do
+        i=$((i + 1))
         if [ "$n" = 1 ]; then s=${S1:-ddp}; else s=zero1; fi
-        z benchmark mlm --strategies $s --nproc $n --out "$OUT/scaling_rounds/r${i}_${n}gpu_gc$g" "${BERT[@]}" "${G[@]}" \
-          --trainer.gc_every_steps $g | tail -n 1
+        z benchmark mlm --strategies $s --nproc $n --out "$OUT/scaling_rounds/r${i}_${n}gpu" "${BERT[@]}" "${G[@]}" \
+          ${EXTRA:-} | tail -n 1
       done ;;
     bert_loss)  # the MLM loss compiled on its own (inductor's fused cross-entropy, this code) against eager (OLD_SRC),
       # ZeRO-0, encoder as one CUDA-graphed graph, 5 steps profiled after the timed ones' warm-up, twice in turn

@@ -211,9 +211,6 @@ class TrainerConfig:
     """Evaluate on the validation and test splits; false trains only (the planner's short trials, benchmarks)."""
     export: bool = True
     """Write the trained model to <run>/model at the end; false skips it (short trials, benchmarks)."""
-    gc_every_steps: int = 50
-    """Python's garbage collection during training: every N optimizer steps, at the same step on every rank,
-    with automatic collection off (see zerotrain.collector); 0 leaves Python's automatic collection on."""
 
     def validate(self) -> None:
         if self.micro_batch_size < 1:
@@ -234,9 +231,6 @@ class TrainerConfig:
             raise ConfigError("--trainer.num_workers", f"must be >= 0, got {self.num_workers}")
         if self.profile_steps < 0:
             raise ConfigError("--trainer.profile_steps", f"must be >= 0, got {self.profile_steps}")
-        if self.gc_every_steps < 0:
-            raise ConfigError("--trainer.gc_every_steps", f"must be >= 0 (0: Python's automatic collection), "
-                              f"got {self.gc_every_steps}")
 
 
 @dataclass

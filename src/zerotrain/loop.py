@@ -30,7 +30,6 @@ from zerotrain.checkpoint import (
     preflight_space,
     shape_of,
 )
-from zerotrain.collector import collections_every
 from zerotrain.config import RunConfig, check_warmup
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
@@ -133,8 +132,7 @@ def _train(run: Run) -> FitResult:
     meter.start()
     try:
         # A stop signal waits for the checkpoint at the next step boundary; out of GPU memory ends in one line.
-        with armed(rt.preemption), _out_of_memory_in_one_line(run, state), \
-                collections_every(tr.gc_every_steps) as collect_garbage:
+        with armed(rt.preemption), _out_of_memory_in_one_line(run, state):
             while state.step < run.total_steps:
                 t0 = time.perf_counter()
                 drawn = [next(stream) for _ in range(engine.grad_accum)]
@@ -142,7 +140,6 @@ def _train(run: Run) -> FitResult:
                 stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
                 state.advance(stats.loss, *drawn[-1][:2])
                 heartbeat.beat(state.step)
-                collect_garbage(state.step)  # on every rank at once: see zerotrain.collector
                 meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
                                sum(run.task.real_tokens(b) for _, _, b in drawn))
                 last = state.step == run.total_steps

@@ -23,7 +23,7 @@ CPU by its own choice: a lock, the GIL, a wait that sleeps. Also how often the k
 from it (``host_preemptions_per_step``). A reading the system does not give (no schedstat, a
 ``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0. And the
 process's time in Python's garbage collections (``host_gc_ms_per_step``), which stop every Python
-thread, the loop's included (see :mod:`zerotrain.collector` for when they run).
+thread, the loop's included.
 """
 
 from __future__ import annotations
