@@ -487,6 +487,26 @@ def test_hparams_record_the_files_offload_pinning_not_the_flag(block, expected):
     assert cfg.strategy.offload_optimizer == ("cpu" if block else "none")
 
 
+@pytest.mark.parametrize("param_pin, expected", [(True, True), (False, None)])
+def test_hparams_record_no_pinning_where_the_files_offload_blocks_differ(tmp_path, param_pin, expected):
+    """Optimizer states pinned and parameters not: no one value says that, and any value recorded would make the
+    recorded config refuse its own file on a rerun. Unset, it reruns (the file decides again)."""
+    import json
+
+    from zerotrain.ds_config import make_ds_config, reflect_ds_config
+
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": param_pin}}
+    cfg = make_cfg(offload_pin_memory=None)
+    reflect_ds_config(cfg, {"zero_optimization": zero, "train_micro_batch_size_per_gpu": 4,
+                            "gradient_accumulation_steps": 1}, "bf16")
+    assert cfg.strategy.offload_pin_memory is expected
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": zero}))
+    rerun = make_cfg(offload_pin_memory=cfg.strategy.offload_pin_memory, deepspeed_config=str(path))
+    make_ds_config(rerun, 1, "cpu", "bf16")  # what the recorded config does on a rerun: no ConfigError
+
+
 @pytest.mark.parametrize("block, pin, refused", [
     ({"device": "cpu", "pin_memory": True}, True, None),  # the flag agrees with the file: nothing to say
     ({"device": "cpu", "pin_memory": True}, None, None),  # no flag: the file decides

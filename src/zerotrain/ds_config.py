@@ -384,7 +384,10 @@ def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> Non
     offloads = [zero[name] for name in ("offload_optimizer", "offload_param")
                 if _offload_device(zero.get(name)) in ("cpu", "nvme")]
     # The file's pin_memory, not --strategy.offload_pin_memory, is what DeepSpeed ran with (its default: false).
-    s.offload_pin_memory = bool(offloads[0].get("pin_memory", False)) if offloads else None
+    # Blocks that differ have no one value: unset, as the flag must be for that file (_check_pinning_agrees
+    # refuses any value there), so the recorded config reruns; ds_config.json beside it holds each block's.
+    pins = {bool(block.get("pin_memory", False)) for block in offloads}
+    s.offload_pin_memory = pins.pop() if len(pins) == 1 else None
     for name in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size"):
         if isinstance(zero.get(name), (bool, int)):
             setattr(s, name, zero[name])
