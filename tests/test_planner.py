@@ -14,7 +14,7 @@ from zerotrain.errors import UserError
 from zerotrain.memory import GIB, Buckets, ParamCounts, fits, predict
 from zerotrain.planner import Candidate, Row, assess, candidates, pick_trials
 from zerotrain.probe import Linear, Probe
-from zerotrain.speed import StepTime, step_time
+from zerotrain.speed import CPU_ADAM_PARAMS_PER_S, StepTime, step_time
 from zerotrain.strategies import STRATEGIES
 
 TOY = ["--trainer.num_workers", "0", "--trainer.micro_batch_size", "16", "--trainer.max_steps", "6",
@@ -236,6 +236,30 @@ def test_speed_model_charges_offload_zero_bookkeeping_and_communication():
     assert total("ddp", 2) > total("ddp", 1)  # the all-reduce
     checkpointed = step_time(STRATEGIES["ddp"], 8, 1, True, counts, probe, 1, 1, False)
     assert checkpointed.compute > step_time(STRATEGIES["ddp"], 8, 1, False, counts, probe, 1, 1, False).compute
+
+
+def test_an_unpinned_offload_moves_its_states_at_the_pageable_copy_speed():
+    """ZeRO-2 CPU offload moves 6 bytes a trainable parameter a step (fp32 gradients down, 16-bit weights up) at
+    the probe's pinned copy speed, or its pageable one when the states are not pinned; a probe that measured no
+    pageable copy (an older file) prices both alike."""
+    import dataclasses
+
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                         trainable_bytes=4 * 10**9, tensors=200)
+    probe = dataclasses.replace(fake_probe(), h2d_pageable_bytes_per_s=5e9)
+    offload, plain = STRATEGIES["zero2_offload"], STRATEGIES["zero2"]
+
+    def optimizer_s(p: Probe, pinned: bool) -> float:
+        return step_time(offload, 8, 1, False, counts, p, 1, 1, False, pinned=pinned).optimizer
+
+    adam = counts.trainable / CPU_ADAM_PARAMS_PER_S
+    assert optimizer_s(probe, pinned=True) == pytest.approx(adam + 6e9 / 20e9)
+    assert optimizer_s(probe, pinned=False) == pytest.approx(adam + 6e9 / 5e9)
+    older = dataclasses.replace(probe, h2d_pageable_bytes_per_s=None)
+    assert optimizer_s(older, pinned=False) == pytest.approx(optimizer_s(older, pinned=True))
+    # Nothing offloaded, nothing moved: pinning changes nothing
+    assert step_time(plain, 8, 1, False, counts, probe, 1, 1, False, pinned=False) == \
+        step_time(plain, 8, 1, False, counts, probe, 1, 1, False)
 
 
 def test_trials_are_the_fastest_that_fit_two_per_strategy_at_most():

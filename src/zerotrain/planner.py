@@ -186,7 +186,7 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
         run_mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
                           buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
-                         cfg.launch.nnodes, autocast)
+                         cfg.launch.nnodes, autocast, pinned=not cand.unpinned)
         dropped = fits(run_mem, probe, host_bytes, cfg.launch.nproc_per_node)
         if dropped is None and cand.checkpointing and not saves:
             dropped = "activation checkpointing saves no memory for this model (probe)"

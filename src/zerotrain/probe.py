@@ -105,6 +105,10 @@ class Probe:
     """GPU memory held before any tensor: the CUDA context, other processes."""
     h2d_bytes_per_s: Optional[float] = None
     """Pinned host-to-device copy speed (what optimizer offload moves each step)."""
+    h2d_pageable_bytes_per_s: Optional[float] = None
+    """The same copy from pageable host memory: what an unpinned offload (``--strategy.offload_pin_memory
+    false``) moves at. CUDA stages such a copy through a pinned buffer of its own, and the calling thread
+    waits for it. None in older probe files and on the CPU."""
     host_before_model_bytes: Optional[float] = None
     """Resident memory once the data is loaded, before any model is built (None in older probe files)."""
     kernel_workspace_bytes: float = 0.0
@@ -406,11 +410,11 @@ def _fp32_adam_fits(model: nn.Module, room: Optional[float]) -> bool:
     return counts.total_bytes + 3 * counts.trainable_bytes < 0.9 * room
 
 
-def _h2d_bytes_per_s(device: torch.device) -> Optional[float]:
+def _h2d_bytes_per_s(device: torch.device, pinned: bool = True) -> Optional[float]:
     if device.type != "cuda":
         return None
     n = 64 * 2**20
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)
     dev = torch.empty(n, dtype=torch.uint8, device=device)
     dev.copy_(host, non_blocking=True)
     return n / _timed(lambda: dev.copy_(host, non_blocking=True), device, repeats=5)
@@ -535,7 +539,8 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  activations=activations, forward_backward_s=seconds, at_first_gradient=at_first, optimizer_step_s=opt_s,
                  host_base_bytes=host_base, host_before_model_bytes=before_model, gpu_total_bytes=gpu_total,
                  gpu_context_bytes=context,
-                 h2d_bytes_per_s=_h2d_bytes_per_s(device), kernel_workspace_bytes=workspace,
+                 h2d_bytes_per_s=_h2d_bytes_per_s(device),
+                 h2d_pageable_bytes_per_s=_h2d_bytes_per_s(device, pinned=False), kernel_workspace_bytes=workspace,
                  host_lengths=swept or None, host_workers_bytes=workers, notes=notes)
 
 
