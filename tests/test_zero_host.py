@@ -345,3 +345,58 @@ def test_two_ranks_reduce_scatter_into_their_partitions_bitwise_as_deepspeed(tmp
     assert sorted(weights["patched"]) == sorted(weights["deepspeed"])
     for name, tensor in weights["patched"].items():
         assert torch.equal(tensor, weights["deepspeed"][name]), name
+
+
+_TWO_RANK_ENGINE = '''
+import json, os, sys
+import deepspeed, torch
+from deepspeed.utils import safe_get_full_grad
+from zerotrain.zero_host import norm_in_one_launch, reduce_scatter_into_partition
+
+out, patched, optimizer = sys.argv[1], sys.argv[2] == "patched", sys.argv[3]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config={
+    "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": optimizer, "params": {"lr": 0.02}},
+    "zero_optimization": {"stage": 1, "contiguous_gradients": False, "overlap_comm": False}})
+applied = False
+if patched:
+    norm_in_one_launch(engine.optimizer)
+    applied = reduce_scatter_into_partition(engine.optimizer)
+rank = int(os.environ["RANK"])
+data = torch.Generator().manual_seed(rank)
+grads = []
+for _ in range(3):
+    x, y = torch.randn(4, 12, generator=data), torch.randn(4, 3, generator=data)
+    engine.backward(((engine(x) - y) ** 2).mean())
+    # Between backward and step, DeepSpeed's API assembles each full gradient from the ranks' partitions
+    grads.append([safe_get_full_grad(p).flatten().tolist() for p in engine.module.parameters()])
+    engine.step()
+weights = [p.detach().flatten().tolist() for p in engine.module.parameters()]
+with open(f"{out}.rank{rank}.json", "w") as f:
+    json.dump({"applied": applied, "grads": grads, "weights": weights}, f)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+def test_the_reduce_scatter_keeps_deepspeeds_gradient_api_and_leaves_muon_alone(tmp_path, optimizer):
+    """DeepSpeed's ``safe_get_full_grad`` between backward and step reads each parameter's pieces of the partition:
+    with the reduce-scatter it returns DeepSpeed's own values. Muon's update is computed while DeepSpeed cuts
+    those pieces out, so under Muon the patch declines and the run is DeepSpeed's."""
+    from conftest import run_python
+
+    if torch.cuda.is_available():
+        pytest.skip("a Gloo case: it runs where there is no GPU")
+    script = tmp_path / "engine.py"
+    script.write_text(_TWO_RANK_ENGINE)
+    results = {}
+    for mode in ("patched", "deepspeed"):
+        out = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+                          str(tmp_path / mode), mode, optimizer], tmp_path)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        results[mode] = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["applied"] for r in results["patched"]] == [optimizer != "Muon"] * 2
+    for rank in (0, 1):
+        assert results["patched"][rank]["grads"] == results["deepspeed"][rank]["grads"]
+        assert results["patched"][rank]["weights"] == results["deepspeed"][rank]["weights"]

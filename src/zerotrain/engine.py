@@ -263,7 +263,7 @@ class DeepSpeedEngine(Engine):
             clip_without_sync(self.ds.optimizer)
             norm_in_one_launch(self.ds.optimizer)
             skip_one_rank_reduction(self.ds.optimizer)
-            reduce_scatter_into_partition(self.ds.optimizer)  # after the norm's patch, which it needs
+            reduce_scatter_into_partition(self.ds.optimizer)
             rebind_only_moved_weights(self.ds.optimizer)
             # And of its engine: at ZeRO-0 the gradients cleared from a list; at stages 0-2 no empty forward hooks.
             zero_grad_from_list(self.ds)

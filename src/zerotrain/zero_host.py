@@ -39,7 +39,7 @@ timers, profilers and ZeRO-3 bookkeeping that are off.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -61,7 +61,8 @@ def skip_one_rank_reduction(optimizer: Any) -> bool:
 
 def reduce_scatter_into_partition(optimizer: Any) -> bool:
     """Give a multi-rank ZeRO-1 ``optimizer`` a gradient reduction that reduce-scatters one flat buffer straight
-    into this rank's partition; False (nothing changed) where DeepSpeed's own path differs in what it computes.
+    into this rank's partition; False (nothing changed) where DeepSpeed's own path differs in what it computes
+    or in the memory it holds.
 
     DeepSpeed (0.19.8) all-reduces every gradient, although a rank updates only its partition; copies the
     reduced values back into each ``param.grad`` (one copy per tensor); then cuts its partition out of those
@@ -69,25 +70,26 @@ def reduce_scatter_into_partition(optimizer: Any) -> bool:
     the layout of the flat 16-bit weights (so the partitions' bounds are the same), divided by the world size
     as DeepSpeed divides them, and reduce-scattered: each rank receives its own summed partition and nothing
     else (half the all-reduce's bytes on the wire). The step takes that partition as DeepSpeed's pre-flattened
-    one. On two ranks every element is the same one addition either way, so the result is bitwise
-    DeepSpeed's; on more, NCCL may add the ranks' values in another order (float rounding, not a different
-    sum).
+    one, and everything that reads the per-parameter pieces (the gradient norm, the overflow check,
+    ``safe_get_full_grad``) finds them as views into it, in DeepSpeed's order. On two ranks every element is
+    the same one addition either way, so the result is bitwise DeepSpeed's; on more, NCCL may add the ranks'
+    values in another order (float rounding, not a different sum).
 
     Only ZeRO-1 (no gradient hooks: the reduction runs once, after the last micro-batch's backward), with the
     gradients in ``param.grad`` (no contiguous buckets, no CPU offload, no accumulation attribute, no compact
-    fp32 partition), no MoE or sequence parallelism, communication in the gradients' own dtype, the flat
-    layout in parameter order without per-tensor padding, and :func:`norm_in_one_launch` applied (the norm
-    is taken of the one flat partition).
+    fp32 partition), no MoE, sequence parallelism or Muon (whose update DeepSpeed computes while it cuts the
+    pieces out), communication in the gradients' own dtype, the flat layout in parameter order without
+    per-tensor padding, and each group within one reduce bucket (``reduce_bucket_size``): DeepSpeed then
+    flattens the whole group at once too, so the peak memory is the same. The ``reduce_scatter`` key does
+    not apply: DeepSpeed reads it only on the contiguous-gradients path.
     """
     from deepspeed import comm as dist
 
     if not _is_zero12(optimizer) or not _partitions_from_one_flat_buffer(optimizer):
         return False
-    if not isinstance(getattr(optimizer, "get_grad_norm_direct", None), types.MethodType) or \
-            optimizer.get_grad_norm_direct.__func__ is not _grad_norm_direct:
-        return False
     if any(dist.get_world_size(group=g) == 1 for g in optimizer.real_dp_process_group):
         return False  # one rank: skip_one_rank_reduction leaves the gradients where they are instead
+    optimizer._zerotrain_pieces = [_partition_pieces(optimizer, i) for i in range(len(optimizer.bit16_groups))]
     optimizer.reduce_gradients = types.MethodType(_reduce_scatter_gradients, optimizer)
     return True
 
@@ -106,38 +108,73 @@ def _partitions_from_one_flat_buffer(opt: Any) -> bool:
         ordered, offsets = opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]
         if len(ordered) != len(group) or any(p is not q for p, q in zip(group, ordered)):
             return False
+        if any(getattr(p, "use_muon", False) for p in group):
+            return False
         if any(opt.round_robin_bit16_padding[i]) or any(opt.get_param_comm_dtype(p) != p.dtype for p in group):
             return False
         starts = [0]
         for p in group[:-1]:
             starts.append(starts[-1] + p.numel())
-        if list(offsets) != starts or opt.bit16_groups_flat[i].numel() < starts[-1] + group[-1].numel():
+        total = starts[-1] + group[-1].numel()
+        if list(offsets) != starts or opt.bit16_groups_flat[i].numel() < total or total > opt.reduce_bucket_size:
             return False
     return True
+
+
+def _partition_pieces(opt: Any, i: int) -> list[tuple[int, int, Optional[torch.Size]]]:
+    """Where group ``i``'s per-parameter gradient pieces lie in this rank's partition, in DeepSpeed's order
+    (``params_in_partition``): (offset, elements, shape where the piece is a whole tensor, else None), and
+    (offset, elements, None) with elements < 0 for zero padding. Computed once: the layout never changes."""
+    from deepspeed import comm as dist
+
+    size, rank = int(opt.partition_size[i]), dist.get_rank(group=opt.real_dp_process_group[i])
+    pieces, filled = [], 0
+    for param in opt.params_in_partition[i]:
+        param_id = opt.get_param_id(param)
+        start = int(opt.grad_start_offset[i][rank][param_id])
+        offset = int(opt.grad_partition_insertion_offset[i][rank][param_id])
+        count = min(param.numel() - start, size - offset)
+        if offset > filled:
+            pieces.append((filled, -(offset - filled), None))
+        if count > 0:
+            pieces.append((offset, count, param.shape if start == 0 and count == param.numel() else None))
+            filled = offset + count
+    if filled < size:
+        pieces.append((filled, -(size - filled), None))
+    return pieces
 
 
 def _reduce_scatter_gradients(self: Any, pipeline_parallel: bool = False) -> None:
     """Stands for ``DeepSpeedZeroOptimizer.reduce_gradients`` (with its epilogue) at ZeRO-1: each group's
     gradients, flattened with zeros for a parameter that got none and for the flat buffer's tail padding,
-    averaged and reduce-scattered into this rank's partition, which the step reads as pre-flattened."""
+    averaged and reduce-scattered into this rank's partition, which the step reads as pre-flattened.
+    (``pipeline_parallel`` only makes DeepSpeed allocate contiguous buckets, which this path has none of.)"""
     from deepspeed import comm as dist
     from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
 
     for i, group in enumerate(self.bit16_groups):
         process_group = self.real_dp_process_group[i]
-        world = dist.get_world_size(group=process_group)
         flat_weights = self.bit16_groups_flat[i]
-        pieces = [p.grad.view(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                   for p in group]
         tail = flat_weights.numel() - sum(piece.numel() for piece in pieces)
         if tail:
             pieces.append(torch.zeros(tail, dtype=flat_weights.dtype, device=flat_weights.device))
         flat = torch.cat(pieces)
+        del pieces
+        for p in group:
+            p.grad = None  # the flat copy holds them now: their memory is free for the partition
         if self.gradient_average:
-            flat.div_(world)  # before the sum, as DeepSpeed's allreduce_bucket divides
+            flat.div_(dist.get_world_size(group=process_group))  # before the sum, as DeepSpeed's allreduce_bucket
         partition = torch.empty(int(self.partition_size[i]), dtype=flat.dtype, device=flat.device)
         dist.reduce_scatter_fn(partition, flat, group=process_group)
-        self.averaged_gradients[i] = GradPartitionBufferGroup([partition], partition)
+        views = []
+        for offset, count, shape in self._zerotrain_pieces[i]:
+            view = partition.narrow(0, offset, abs(count))
+            if count < 0:
+                view._zero_padding = True  # DeepSpeed's mark: the norm leaves it out
+            views.append(view.view(shape) if shape is not None else view)
+        self.averaged_gradients[i] = GradPartitionBufferGroup(views, partition)
         self.all_grad_tensors[i] = None
     # DeepSpeed's epilogue ends the same way: no gradient left in .grad, this backward's reduction done.
     self._clear_param_grad_only()
