@@ -22,7 +22,7 @@ On several ranks ZeRO-1 reduces more than it uses: every gradient is all-reduced
 only its partition, and then copied back, tensor by tensor, and cut out again.
 :func:`reduce_scatter_into_partition` flattens the gradients once and reduce-scatters them, so each rank
 receives its partition and nothing else (on 2 x H200, BERT-base: 1,023,908 against 998,915 tokens/s,
-BENCHMARKS.md session 21).
+BENCHMARKS.md session 21, measured before the partition was handed over as per-parameter views).
 
 And one that repeats work already done: after every step DeepSpeed points each 16-bit parameter at its
 slice of the flat buffer again ("just to be safe", its comment says), though the step wrote into that
