@@ -203,7 +203,7 @@ def test_resume_after_a_kill_logs_what_an_uninterrupted_run_logs(tmp_path, backe
 
 @pytest.mark.parametrize("backend", ["deepspeed", "ddp"])
 def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
-    """No process group, launcher variable, backend flag or log handler outlives fit(), and the
+    """No process group, launcher variable, backend flag, log handler or gc callback outlives fit(), and the
     config it was handed is not rewritten (precision stays 'auto'); a second fit in the same process works."""
     import logging
     import os
@@ -217,7 +217,10 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     import signal
 
+    import gc
+
     signal_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    gc_callbacks = list(gc.callbacks)
     cfg = toy_config(tmp_path, f"clean-{backend}", backend=backend)
     cfg.trainer.max_steps = 2
     fit(ToyTask(cfg))
@@ -228,6 +231,7 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32
     assert cfg.strategy.precision == "auto"
     assert {s: signal.getsignal(s) for s in signal_handlers} == signal_handlers  # the pre-emption handlers are gone
+    assert gc.callbacks == gc_callbacks  # the meter's garbage-collection clock is gone too
     cfg.trainer.run_name = f"again-{backend}"
     assert fit(ToyTask(cfg)).final_step == 2
 

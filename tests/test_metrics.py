@@ -285,3 +285,6 @@ def test_the_meter_counts_time_in_garbage_collections():
     assert 0.5 * took_ms <= busy["host_gc_ms_per_step"] <= took_ms + 1.0
     assert meter.summary()["host_gc_ms_per_step"] == pytest.approx(
         (calm["host_gc_ms_per_step"] + busy["host_gc_ms_per_step"]) / 2)
+    watching = len(gc.callbacks)
+    meter.close()
+    assert len(gc.callbacks) == watching - 1  # closed, the meter no longer watches the collector

@@ -169,6 +169,7 @@ def _train(run: Run) -> FitResult:
         bar.close()
         heartbeat.close()
         tracker.close()
+        meter.close()
     log.info("done: %s", run.run_dir)
     return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
 

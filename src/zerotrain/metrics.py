@@ -170,9 +170,10 @@ class HostClock:
 
 
 class _GcTime:
-    """Seconds spent in Python's garbage collections since the first :meth:`seconds` call (``gc.callbacks``,
-    registered then: a process that never reads the clock pays nothing). A collection holds the GIL, so it
-    stops every Python thread of the process, the training loop's included."""
+    """Seconds spent in Python's garbage collections while a callback in ``gc.callbacks`` watches: registered at
+    the first :meth:`seconds` call (a process that never reads the clock pays nothing), removed by :meth:`stop`
+    (a fit leaves the process as it found it). A collection holds the GIL, so it stops every Python thread of
+    the process, the training loop's included."""
 
     def __init__(self) -> None:
         self._total = 0.0
@@ -184,6 +185,11 @@ class _GcTime:
             gc.callbacks.append(self._callback)
             self._installed = True
         return self._total
+
+    def stop(self) -> None:
+        if self._installed:
+            gc.callbacks.remove(self._callback)
+            self._installed, self._began = False, None
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -297,6 +303,10 @@ class ThroughputMeter:
         self._t0, self._clock0 = now, clock
         self.window = Window()
         return out
+
+    def close(self) -> None:
+        """Stop watching the garbage collector (the clocks read after this lack ``gc_s``'s later collections)."""
+        _GC_TIME.stop()
 
     def summary(self) -> dict[str, float]:
         """Rates over the whole run after warm-up (what a benchmark reports)."""

@@ -6,8 +6,8 @@ A step is the sum of (seconds, all per rank):
   :mod:`zerotrain.probe` on this device with this model (so attention, kernels and dtype are in it);
 * **optimizer**: the probe's Adam step over the trainable parameters, divided by the ranks that
   share it (ZeRO >= 1); with optimizer offload, DeepSpeed's CPU Adam over this rank's share plus
-  moving its gradients down (fp32: DeepSpeed casts them on the GPU first) and its 16-bit weights back
-  up, at the host-device speed the probe measured from pinned memory, or from pageable memory for an
+  moving its gradients down (fp32: DeepSpeed casts them on the GPU first) and its weights back up
+  (16-bit where the model runs in 16 bits), at the host-device speed the probe measured from pinned memory, or from pageable memory for an
   unpinned offload;
 * **communication** (several ranks): the gradient all-reduce (or reduce-scatter + all-gather, the
   same volume), ZeRO-3's two weight all-gathers per step, at :data:`LINK_BYTES_PER_S`, minus what
@@ -64,19 +64,20 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
     """Predicted seconds of one optimizer step (module docstring); ``pinned`` False: the offloaded states sit in
     pageable memory (``--strategy.offload_pin_memory false``)."""
     n = world_size
-    traced = probe.key(checkpointing, sixteen_bit(strategy, probe.precision, autocast))
+    half = sixteen_bit(strategy, probe.precision, autocast)
+    traced = probe.key(checkpointing, half)
     compute = grad_accum * probe.forward_backward_s[traced].at(micro_batch_size)
     stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
     share = 1 / n if stage >= 1 else 1.0
     # An older probe measured no pageable copy: its pinned speed stands in, as before it was measured
     link_to_host = (probe.h2d_bytes_per_s if pinned else probe.h2d_pageable_bytes_per_s or probe.h2d_bytes_per_s) or 10e9
     if strategy.offload_optimizer != "none":
-        moved = (4 + 2) * counts.trainable * share  # fp32 gradients down, 16-bit weights up
+        moved = (4 + (2 if half else 4)) * counts.trainable * share  # fp32 gradients down, the model's weights up
         optimizer = counts.trainable * share / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
     else:
         optimizer = probe.optimizer_step_s * share
     if strategy.offload_param != "none":
-        optimizer += 2 * 2 * counts.total * share / link_to_host  # 16-bit weights up for forward and backward
+        optimizer += 2 * (2 if half else 4) * counts.total * share / link_to_host  # weights up for forward and backward
     communication = 0.0
     if n > 1:
         link = LINK_BYTES_PER_S["gloo" if probe.device == "cpu" else "network" if nnodes > 1 else "nvlink"]
