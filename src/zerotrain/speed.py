@@ -7,8 +7,8 @@ A step is the sum of (seconds, all per rank):
 * **optimizer**: the probe's Adam step over the trainable parameters, divided by the ranks that
   share it (ZeRO >= 1); with optimizer offload, DeepSpeed's CPU Adam over this rank's share plus
   moving its gradients down (fp32: DeepSpeed casts them on the GPU first) and its weights back up
-  (16-bit where the model runs in 16 bits), at the host-device speed the probe measured from pinned memory, or from pageable memory for an
-  unpinned offload;
+  (16-bit where the model runs in 16 bits), at the host-device speed the probe measured from pinned
+  memory, or from pageable memory for an unpinned offload;
 * **communication** (several ranks): the gradient all-reduce (or reduce-scatter + all-gather, the
   same volume), ZeRO-3's two weight all-gathers per step, at :data:`LINK_BYTES_PER_S`, minus what
   overlaps the backward pass;
