@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -370,6 +370,18 @@ for part in "$@"; do
         if [ "$n" = 1 ]; then s=${S1:-ddp}; else s=zero1; fi
         z benchmark mlm --strategies $s --nproc $n --out "$OUT/scaling_rounds/r${i}_${n}gpu" "${BERT[@]}" "${G[@]}" \
           ${EXTRA:-} | tail -n 1
+      done ;;
+    scaling_gc)  # target 4's rows with Python's heap frozen after the warm-up (--trainer.gc_freeze true, the
+      # default) and not, in turn on one machine: ROWS lists GPUS:FREEZE per row; each row's summary carries every
+      # rank's garbage-collection time (gc_ms_per_step_all_ranks), to tell a rank's long collection from other stalls
+      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+         --trainer.export false)
+      i=0
+      for row in ${ROWS:-4:false 4:true 4:false 4:true}; do
+        i=$((i + 1)); n=${row%%:*}; f=${row#*:}
+        if [ "$n" = 1 ]; then s=${S1:-ddp}; else s=zero1; fi
+        z benchmark mlm --strategies $s --nproc $n --out "$OUT/scaling_gc/r${i}_${n}gpu_freeze_$f" "${BERT[@]}" \
+          "${G[@]}" --trainer.gc_freeze $f | tail -n 1
       done ;;
     bert_loss)  # the MLM loss compiled on its own (inductor's fused cross-entropy, this code) against eager (OLD_SRC),
       # ZeRO-0, encoder as one CUDA-graphed graph, 5 steps profiled after the timed ones' warm-up, twice in turn

@@ -203,7 +203,7 @@ def test_resume_after_a_kill_logs_what_an_uninterrupted_run_logs(tmp_path, backe
 
 @pytest.mark.parametrize("backend", ["deepspeed", "ddp"])
 def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
-    """No process group, launcher variable, backend flag, log handler or gc callback outlives fit(), and the
+    """No process group, launcher variable, backend flag, log handler, gc callback or frozen heap outlives fit(), and the
     config it was handed is not rewritten (precision stays 'auto'); a second fit in the same process works."""
     import logging
     import os
@@ -221,9 +221,12 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
 
     signal_handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     gc_callbacks = list(gc.callbacks)
+    freezes = []
+    monkeypatch.setattr(gc, "freeze", lambda freeze=gc.freeze: freezes.append(1) or freeze())
     cfg = toy_config(tmp_path, f"clean-{backend}", backend=backend)
     cfg.trainer.max_steps = 2
     fit(ToyTask(cfg))
+    assert freezes == [1] and gc.get_freeze_count() == 0  # the heap frozen after the warm-up is thawed again
     assert not torch.distributed.is_initialized()
     assert {k: v for k, v in os.environ.items() if k not in env} == {}
     assert {k for k in env if os.environ.get(k) != env[k]} == set()

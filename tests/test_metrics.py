@@ -288,3 +288,32 @@ def test_the_meter_counts_time_in_garbage_collections():
     watching = len(gc.callbacks)
     meter.close()
     assert len(gc.callbacks) == watching - 1  # closed, the meter no longer watches the collector
+
+
+def test_the_gc_time_of_every_rank_is_added_in_the_counts_all_reduce():
+    """gc_ms_per_step_all_ranks: this rank's collections plus the other ranks', carried in the all-reduce that
+    adds the counts (here a stand-in where a second rank collected for 0.4 s); one process without that
+    all-reduce reports its own, several without it report none rather than guess."""
+    import gc
+
+    other_rank = {"gc_s": 0.4, "samples": 1.0, "tokens": 1.0, "real_tokens": 1.0, "flops": 1.0}
+    added = ThroughputMeter(torch.device("cpu"), 2, 1.0, "fp32", warmup_steps=0,
+                            sum_across_ranks=lambda mine: {k: v + other_rank[k] for k, v in mine.items()})
+    alone = ThroughputMeter(torch.device("cpu"), 1, 1.0, "fp32", warmup_steps=0)
+    unsummed = ThroughputMeter(torch.device("cpu"), 2, 1.0, "fp32", warmup_steps=0)
+    try:
+        for meter in (added, alone, unsummed):
+            meter.start()
+            meter.add_step(micro_batches=1, samples=1, tokens=1)
+            meter.add_step(micro_batches=1, samples=1, tokens=1)
+        gc.collect()  # this rank's own collection, in every meter's window
+        rates = {name: m.read() for name, m in (("added", added), ("alone", alone), ("unsummed", unsummed))}
+    finally:
+        for meter in (added, alone, unsummed):
+            meter.close()
+    own_ms = rates["added"]["host_gc_ms_per_step"]
+    assert own_ms > 0
+    assert rates["added"]["gc_ms_per_step_all_ranks"] == pytest.approx(own_ms + 1e3 * 0.4 / 2)
+    assert rates["alone"]["gc_ms_per_step_all_ranks"] == pytest.approx(rates["alone"]["host_gc_ms_per_step"])
+    assert "gc_ms_per_step_all_ranks" not in rates["unsummed"]
+    assert added.summary()["gc_ms_per_step_all_ranks"] == pytest.approx(rates["added"]["gc_ms_per_step_all_ranks"])

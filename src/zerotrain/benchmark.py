@@ -34,6 +34,7 @@ COLUMNS = [
     ("data wait", "throughput_data_wait_frac", "{:.1%}"),
     ("loop thread on CPU (rank 0)", "throughput_host_cpu_frac", "{:.0%}"),
     ("Python GC (ms/step, rank 0)", "throughput_host_gc_ms_per_step", "{:.2f}"),
+    ("Python GC (ms/step, all ranks added)", "throughput_gc_ms_per_step_all_ranks", "{:.2f}"),
     ("peak GPU mem (GiB, rank 0)", "gpu_mem_peak_gib", "{:.2f}"),
     ("peak host RSS (GiB, rank 0)", "host_rss_peak_gib", "{:.2f}"),
     ("predicted GPU (GiB)", "predicted_gpu_mem_gib", "{:.2f}"),

@@ -44,6 +44,7 @@ from zerotrain.ds_config import batch_shape, reflect_ds_config
 from zerotrain.engine import Engine, build_engine
 from zerotrain.errors import DataError, OutOfMemory
 from zerotrain.evaluate import Evaluator, fmt
+from zerotrain.heap import FrozenHeap
 from zerotrain.launcher import Heartbeat
 from zerotrain.memory import Buckets, ParamCounts, count_params, model_state_memory
 from zerotrain.metrics import HostPeak, StepProfiler, ThroughputMeter, compile_counters, memory_snapshot
@@ -128,6 +129,7 @@ def _train(run: Run) -> FitResult:
     stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
     results: dict[str, Any] = {}
     heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
+    heap = FrozenHeap(tr.gc_freeze, tr.warmup_steps_excluded)
     engine.train()
     meter.start()
     try:
@@ -143,6 +145,10 @@ def _train(run: Run) -> FitResult:
                 meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
                                sum(run.task.real_tokens(b) for _, _, b in drawn))
                 last = state.step == run.total_steps
+                if (collected_s := heap.step()) is not None:
+                    log.info("step %d: Python's heap collected (%.2f s) and frozen", state.step, collected_s)
+                    if meter.steps_seen <= meter.warmup_steps:
+                        meter.start()  # a one-off cost of the warm-up, like compilation
                 if logger.should_log(state.step):
                     results.update(logger.log(state))  # keeps the latest val_* next to the latest window
                 bar.update(1)
@@ -170,6 +176,7 @@ def _train(run: Run) -> FitResult:
         heartbeat.close()
         tracker.close()
         meter.close()
+        heap.close()
     log.info("done: %s", run.run_dir)
     return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
 

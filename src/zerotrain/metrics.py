@@ -23,7 +23,9 @@ CPU by its own choice: a lock, the GIL, a wait that sleeps. Also how often the k
 from it (``host_preemptions_per_step``). A reading the system does not give (no schedstat, a
 ``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0. And the
 process's time in Python's garbage collections (``host_gc_ms_per_step``), which stop every Python
-thread, the loop's included.
+thread, the loop's included; and every rank's, added up (``gc_ms_per_step_all_ranks``): a long
+collection on one rank holds every rank up at the step's next collective, though rank 0's own clocks
+show only the wait.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class Window:
     flops: float = 0.0
     data_wait_s: float = 0.0
     host: Optional["HostClock"] = None  # the loop thread's clocks over the window; None: not measured
+    gc_s_all_ranks: Optional[float] = None  # every rank's garbage-collection time, added up; None: not measured
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,7 @@ class ThroughputMeter:
         self.steps_seen = 0
         self._t0: Optional[float] = None
         self._clock0, self._thread = HostClock.read(), threading.get_ident()
-        self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0, 0.0))
+        self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0, 0.0), gc_s_all_ranks=0.0)
         self.total_seconds = 0.0
 
     def start(self) -> None:
@@ -289,7 +292,14 @@ class ThroughputMeter:
         ws = self.world_size
         counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
                   "flops": w.flops}
-        job = self._sum(counts) if self._sum else {k: v * ws for k, v in counts.items()}
+        # Process-wide (any thread may read it); carried in the same all-reduce as the counts
+        gc_s = None if clock.gc_s is None or self._clock0.gc_s is None else clock.gc_s - self._clock0.gc_s
+        if self._sum:
+            job = self._sum({**counts, **({"gc_s": gc_s} if gc_s is not None else {})})
+            w.gc_s_all_ranks = job.get("gc_s")
+        else:
+            job = {k: v * ws for k, v in counts.items()}
+            w.gc_s_all_ranks = gc_s if ws == 1 else None  # the other ranks' collections are not this rank's
         w.samples, w.tokens, w.real_tokens = int(job["samples"]), int(job["tokens"]), int(job["real_tokens"])
         w.flops = job["flops"]
         out: dict[str, float] = {}
@@ -335,6 +345,8 @@ class ThroughputMeter:
                 out["host_preemptions_per_step"] = h.preemptions / w.steps
             if h.gc_s is not None:
                 out["host_gc_ms_per_step"] = 1e3 * h.gc_s / w.steps
+        if w.gc_s_all_ranks is not None:
+            out["gc_ms_per_step_all_ranks"] = 1e3 * w.gc_s_all_ranks / w.steps
         if self.peak:
             out["mfu"] = out["tflops_per_gpu"] / self.peak
         return out
