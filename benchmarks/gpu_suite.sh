@@ -378,7 +378,7 @@ for part in "$@"; do
          --trainer.export false)
       i=0
       for row in ${ROWS:-4:false 4:true 4:false 4:true}; do
-        i=$((i + 1)); n=${row%%:*}; f=${row#*:}
+        i=$((i + 1)); n=${row%%:*}; f=${row#*:}; [ "$f" = "$row" ] && f=true  # no ":": the default
         if [ "$n" = 1 ]; then s=${S1:-ddp}; else s=zero1; fi
         z benchmark mlm --strategies $s --nproc $n --out "$OUT/scaling_gc/r${i}_${n}gpu_freeze_$f" "${BERT[@]}" \
           "${G[@]}" --trainer.gc_freeze $f | tail -n 1

@@ -224,9 +224,9 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     freezes = []
     monkeypatch.setattr(gc, "freeze", lambda freeze=gc.freeze: freezes.append(1) or freeze())
     cfg = toy_config(tmp_path, f"clean-{backend}", backend=backend)
-    cfg.trainer.max_steps = 2
+    cfg.trainer.max_steps, cfg.trainer.warmup_steps_excluded = 2, 1  # the heap is frozen after step 1
     fit(ToyTask(cfg))
-    assert freezes == [1] and gc.get_freeze_count() == 0  # the heap frozen after the warm-up is thawed again
+    assert freezes == [1] and gc.get_freeze_count() == 0  # and thawed again
     assert not torch.distributed.is_initialized()
     assert {k: v for k, v in os.environ.items() if k not in env} == {}
     assert {k for k in env if os.environ.get(k) != env[k]} == set()
@@ -237,6 +237,43 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     assert gc.callbacks == gc_callbacks  # the meter's garbage-collection clock is gone too
     cfg.trainer.run_name = f"again-{backend}"
     assert fit(ToyTask(cfg)).final_step == 2
+
+
+def test_a_resumed_run_profiles_the_steps_after_its_own_warm_up(tmp_path):
+    """The warm-up restarts with the process, so does the profile's start: a run resumed past the first
+    run's warm-up still writes its profile (it used to wait for a step it had already passed)."""
+    first = toy_config(tmp_path, "profiled", backend="ddp")
+    first.trainer.max_steps = 4
+    fit(ToyTask(first))
+    second = toy_config(tmp_path, "profiled", backend="ddp")
+    second.checkpoint.resume = "auto"
+    second.trainer.profile_steps, second.trainer.warmup_steps_excluded = 2, 2  # steps 7 and 8 of the 8
+    run = fit(ToyTask(second)).run_dir
+    assert json.loads((run / "profile.json").read_text())["steps"] == 2
+
+
+class _FailsAtStep3(ToyTask):
+    """The toy task whose third optimizer step raises (two micro-batches a step)."""
+
+    micro_batches = 0
+
+    def training_step(self, model, batch):
+        type(self).micro_batches += 1
+        if type(self).micro_batches > 4:
+            raise RuntimeError("step 3 fails")
+        return super().training_step(model, batch)
+
+
+def test_a_fit_that_fails_after_the_heap_froze_thaws_it(tmp_path, monkeypatch):
+    import gc
+
+    freezes = []
+    monkeypatch.setattr(gc, "freeze", lambda freeze=gc.freeze: freezes.append(1) or freeze())
+    cfg = toy_config(tmp_path, "fails")
+    cfg.trainer.warmup_steps_excluded = 1
+    with pytest.raises(RuntimeError, match="step 3 fails"):
+        fit(_FailsAtStep3(cfg))
+    assert freezes == [1] and gc.get_freeze_count() == 0
 
 
 def _fast_and_default_logs(tmp_path: Path, stage: int, steps: int, profile_steps: int = 0,

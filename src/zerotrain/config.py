@@ -206,8 +206,9 @@ class TrainerConfig:
     warmup_steps_excluded: int = 2
     """Optimizer steps left out of the throughput figures at the start (compilation, allocator warm-up)."""
     gc_freeze: bool = True
-    """After the warm-up's last step, collect Python's garbage once on every rank and freeze what survives
-    (``gc.freeze``): later collections skip what compilation built, so no rank pauses for long at another step."""
+    """After the warm-up's last step (the first, with no warm-up: then its time is in the first window),
+    collect Python's garbage once on every rank and freeze what survives (``gc.freeze``): later full
+    collections skip what set-up and compilation built, so they no longer hold the other ranks up for long."""
     profile_steps: int = 0
     """Profile this many optimizer steps after the warm-up; writes <run>/profile.json and profile.md (0: off)."""
     evaluate: bool = True

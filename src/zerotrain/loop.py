@@ -124,12 +124,13 @@ def _train(run: Run) -> FitResult:
     bar = progress_bar(run.cfg.logging.progress_bar and rt.is_main, run.total_steps, state.step)
     logger = StepLogger(tr.log_every_steps, run.total_steps, engine, meter, tracker, bar)
     evaluator = Evaluator(run.task, engine, tr)
-    profiler = StepProfiler(tr.profile_steps, max(state.step, tr.warmup_steps_excluded), rt.device,
-                            run.run_dir, rt.is_main)
+    # The meter's warm-up restarts with every process, a resumed one too; its first step compiles
+    after_warmup = max(1, tr.warmup_steps_excluded)
+    profiler = StepProfiler(tr.profile_steps, state.step + after_warmup, rt.device, run.run_dir, rt.is_main)
     stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
     results: dict[str, Any] = {}
     heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
-    heap = FrozenHeap(tr.gc_freeze, tr.warmup_steps_excluded)
+    heap = FrozenHeap(tr.gc_freeze, after_warmup, run.total_steps - state.step)
     engine.train()
     meter.start()
     try:
@@ -147,7 +148,7 @@ def _train(run: Run) -> FitResult:
                 last = state.step == run.total_steps
                 if (collected_s := heap.step()) is not None:
                     log.info("step %d: Python's heap collected (%.2f s) and frozen", state.step, collected_s)
-                    if meter.steps_seen <= meter.warmup_steps:
+                    if meter.steps_seen <= meter.warmup_steps:  # with no warm-up, the first window holds it
                         meter.start()  # a one-off cost of the warm-up, like compilation
                 if logger.should_log(state.step):
                     results.update(logger.log(state))  # keeps the latest val_* next to the latest window
@@ -171,12 +172,12 @@ def _train(run: Run) -> FitResult:
             log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
         summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
     finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
+        heap.close()  # first: it cannot fail, and the closings below may
         stream.close()
         bar.close()
         heartbeat.close()
         tracker.close()
         meter.close()
-        heap.close()
     log.info("done: %s", run.run_dir)
     return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
 

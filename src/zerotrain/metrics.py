@@ -292,11 +292,11 @@ class ThroughputMeter:
         ws = self.world_size
         counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
                   "flops": w.flops}
-        # Process-wide (any thread may read it); carried in the same all-reduce as the counts
-        gc_s = None if clock.gc_s is None or self._clock0.gc_s is None else clock.gc_s - self._clock0.gc_s
+        # Process-wide (any thread may read it); carried in the same all-reduce as the counts, by every rank
+        gc_s = (clock.gc_s or 0.0) - (self._clock0.gc_s or 0.0)
         if self._sum:
-            job = self._sum({**counts, **({"gc_s": gc_s} if gc_s is not None else {})})
-            w.gc_s_all_ranks = job.get("gc_s")
+            job = self._sum({**counts, "gc_s": gc_s})
+            w.gc_s_all_ranks = job["gc_s"]
         else:
             job = {k: v * ws for k, v in counts.items()}
             w.gc_s_all_ranks = gc_s if ws == 1 else None  # the other ranks' collections are not this rank's
