@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc|imdb_tax_square|pyspy_imdb
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -105,6 +105,47 @@ for part in "$@"; do
           --trainer.output_dir /tmp/host_calls_runs "${st[@]}" > "$OUT/host_calls/$s.log" 2>&1
         echo "$s rc=$?"; head -n 1 "$OUT/host_calls/$s/host_calls.md" 2>/dev/null || tail -n 3 "$OUT/host_calls/$s.log"
       done ;;
+    imdb_tax_square)  # target 1 at IMDB (b) on every GPU at once: GPU g runs the engines in an order rotated by g
+      # (a Latin square: at any moment the GPUs run different engines, and each engine runs on every GPU), ROUNDS
+      # times (every other round reversed), each process on its own slice of the CPUs; benchmarks/tax_square.py
+      # pairs each row with a plain row, on its GPU and in its time slot. CPUS=all: no slices; LIMIT_S: each GPU's
+      # time limit (the rows done by then are kept)
+      n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n ))
+      S=${STRATS:-ddp,zero0,zero1,zero2}; E=(${S//,/ }); k=${#E[@]}
+      for g in $(seq 0 $((n - 1))); do
+        r=$(( g * k / n )); rot=("${E[@]:r}" "${E[@]:0:r}"); order=$(IFS=,; echo "${rot[*]}")
+        ( [ "${CPUS:-}" = all ] || [ "$per" -lt 1 ] || taskset -cp $(( g * per ))-$(( g * per + per - 1 )) $BASHPID
+          CUDA_VISIBLE_DEVICES=$g PREDICT=false imdb_tax "$OUT/imdb_tax_square/gpu$g" "$order" ${LIMIT_S:-0}
+        ) > "$OUT/imdb_tax_square/gpu$g.log" 2>&1 &
+      done
+      wait
+      python3 benchmarks/tax_square.py "$OUT/imdb_tax_square" | sed -n '/^| engine/,/^$/p' ;;
+    pyspy_imdb)  # where IMDB (b)'s loop thread is, on a CPU or not, while it trains: py-spy (carried in .whl) attached
+      # after step 850 of a 4-epoch run, one engine of STRATS per GPU at once; four 3 s recordings per engine, raw
+      # stacks: all threads' samples (--idle), only on-CPU ones, only GIL holders (--gil), native frames (100 Hz)
+      i=0
+      for s in ${STRATS:-ddp zero0}; do
+        CUDA_VISIBLE_DEVICES=$i z benchmark imdb --strategies $s --nproc 1 --predict false --out "$OUT/pyspy_imdb/$s" \
+          --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 4 \
+          --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
+          --checkpoint.save_final false > "$OUT/pyspy_imdb/$s.log" 2>&1 &
+        ( m="$OUT/pyspy_imdb/$s/runs/imdb-$s-1gpu/metrics.jsonl"
+          for _ in $(seq 300); do grep -q '"step": 850,' "$m" 2>/dev/null && break; sleep 1; done
+          pid=  # the training process: zerotrain's loop on its stack, and not a loader worker forked from it
+          for p in $(pgrep -f "run_name imdb-$s-1gpu"); do
+            d=$(py-spy dump -p "$p" 2>/dev/null); [[ $d == *loop.py* && $d != *_worker_loop* ]] && pid=$p
+          done
+          echo "$s: training process ${pid:-not found}" >&2
+          for rec in "idle --idle --nonblocking -r 500" "oncpu --nonblocking -r 500" "gil --gil --nonblocking -r 500" \
+                     "native --idle --native -r 100"; do
+            set -- $rec; name=$1; shift
+            py-spy record -p "$pid" --threads -d 3 -f raw -o "$OUT/pyspy_imdb/${s}_$name.txt" "$@" \
+              > "$OUT/pyspy_imdb/${s}_$name.log" 2>&1
+          done ) &
+        i=$((i + 1))
+      done
+      wait
+      tail -n 2 "$OUT"/pyspy_imdb/*.log ;;
     imdb_tax_ab)  # imdb_tax with this code, then ZeRO-1/2 (AB_STRATS) with OLD_SRC's: zerotrain.zero_host's one-rank
       # reduction skip and one-launch norm against DeepSpeed's per-tensor path
       old_src_on_path || continue
