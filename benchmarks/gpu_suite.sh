@@ -107,13 +107,14 @@ for part in "$@"; do
       done ;;
     embedding_ab)  # the token embedding's backward, zerotrain's (no read-back to the host) against torch's, at IMDB (b):
       # first embedding_sync.py (does each backward wait for the GPU?), then plain and ZeRO-0 with each backward, the
-      # four fits at once on four GPUs (each on its own CPU slice), ROUNDS times, the rows moving one GPU per round
+      # four fits on as many GPUs at once as there are (each on its own CPU slice), ROUNDS times, every row one GPU
+      # further each round
       python3 benchmarks/embedding_sync.py --out "$OUT/embedding_ab/embedding_sync.json" | tail -n 7
       n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n ))
       for r in $(seq ${ROUNDS:-2}); do
         i=0
         for row in ddp:zerotrain ddp:torch zero0:zerotrain zero0:torch; do
-          e=${row%%:*}; v=${row#*:}; g=$(( (i + r - 1) % n )); i=$((i + 1))
+          e=${row%%:*}; v=${row#*:}; g=$(( (i + r - 1) % n ))
           case $e in ddp) f=(--strategy.backend ddp) ;; *) f=(--strategy.backend deepspeed --strategy.zero_stage 0) ;; esac
           ( taskset -cp $(( g * per ))-$(( g * per + per - 1 )) $BASHPID
             CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT_S:-150} python3 benchmarks/embedding_ab.py $v fit imdb \
@@ -122,6 +123,7 @@ for part in "$@"; do
               --checkpoint.save_final false --logging.progress_bar false "${f[@]}" \
               --trainer.output_dir "$OUT/embedding_ab" --trainer.run_name "r${r}_gpu${g}_${e}_$v"
           ) > "$OUT/embedding_ab/r${r}_gpu${g}_${e}_$v.log" 2>&1 &
+          i=$((i + 1)); [ $(( i % n )) -eq 0 ] && wait  # one fit per GPU at a time
         done
         wait
       done
