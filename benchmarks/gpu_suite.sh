@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc|imdb_tax_square|pyspy_imdb|embedding_ab
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc|imdb_tax_square|pyspy_imdb
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -104,31 +104,6 @@ for part in "$@"; do
           --trainer.evaluate false --trainer.export false --checkpoint.save_final false --logging.progress_bar false \
           --trainer.output_dir /tmp/host_calls_runs "${st[@]}" > "$OUT/host_calls/$s.log" 2>&1
         echo "$s rc=$?"; head -n 1 "$OUT/host_calls/$s/host_calls.md" 2>/dev/null || tail -n 3 "$OUT/host_calls/$s.log"
-      done ;;
-    embedding_ab)  # the token embedding's backward, zerotrain's (no read-back to the host) against torch's, at IMDB (b):
-      # first embedding_sync.py (does each backward wait for the GPU?), then plain and ZeRO-0 with each backward, the
-      # four fits on as many GPUs at once as there are (each on its own CPU slice), ROUNDS times, every row one GPU
-      # further each round
-      python3 benchmarks/embedding_sync.py --out "$OUT/embedding_ab/embedding_sync.json" | tail -n 7
-      n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n ))
-      for r in $(seq ${ROUNDS:-2}); do
-        i=0
-        for row in ddp:zerotrain ddp:torch zero0:zerotrain zero0:torch; do
-          e=${row%%:*}; v=${row#*:}; g=$(( (i + r - 1) % n ))
-          case $e in ddp) f=(--strategy.backend ddp) ;; *) f=(--strategy.backend deepspeed --strategy.zero_stage 0) ;; esac
-          ( taskset -cp $(( g * per ))-$(( g * per + per - 1 )) $BASHPID
-            CUDA_VISIBLE_DEVICES=$g timeout ${LIMIT_S:-150} python3 benchmarks/embedding_ab.py $v fit imdb \
-              --config configs/imdb_b.yaml --data.pad_to_multiple_of 64 --data.path "$D/imdb" --data.tokenizer "$TOK" \
-              --trainer.epochs 2 --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
-              --checkpoint.save_final false --logging.progress_bar false "${f[@]}" \
-              --trainer.output_dir "$OUT/embedding_ab" --trainer.run_name "r${r}_gpu${g}_${e}_$v"
-          ) > "$OUT/embedding_ab/r${r}_gpu${g}_${e}_$v.log" 2>&1 &
-          i=$((i + 1)); [ $(( i % n )) -eq 0 ] && wait  # one fit per GPU at a time
-        done
-        wait
-      done
-      for s in "$OUT"/embedding_ab/r*/summary.json; do
-        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-2], round(1000 * d['throughput_sec_per_step'], 3), 'ms/step')" "$s"
       done ;;
     imdb_tax_square)  # target 1 at IMDB (b) on every GPU at once: GPU g runs the engines in an order rotated by g
       # (a Latin square: at any moment the GPUs run different engines, and each engine runs on every GPU), ROUNDS

@@ -18,7 +18,6 @@ from torch.utils.checkpoint import checkpoint
 
 from zerotrain.compiling import FusedLoss
 from zerotrain.data.collate import IGNORE_INDEX
-from zerotrain.models.embedding import TokenEmbedding
 
 
 class LayerNorm(nn.LayerNorm):
@@ -86,7 +85,7 @@ class Encoder(nn.Module):
     def __init__(self, vocab_size: int, num_layers: int, num_heads: int, h_dim: int, ff_dim: int,
                  dropout: float, max_seq_length: int, pad_token_id: int, activation_checkpointing: bool):
         super().__init__()
-        self.token_embedding = TokenEmbedding(vocab_size, h_dim, padding_idx=pad_token_id)
+        self.token_embedding = nn.Embedding(vocab_size, h_dim, padding_idx=pad_token_id)
         self.position_embedding = nn.Embedding(max_seq_length, h_dim)
         self.ln_emb = LayerNorm(h_dim)
         self.drop = nn.Dropout(dropout)
