@@ -37,7 +37,8 @@ def read_rows(folder: Path) -> list[dict[str, Any]]:
             if row.get("status") == "ok" and row.get("throughput_sec_per_step"):
                 rows.append({"gpu": gpu, "round": row.get("round", 1), "slot": slot, "strategy": row["strategy"],
                              "sec_per_step": row["throughput_sec_per_step"],
-                             "host_cpu_frac": row.get("throughput_host_cpu_frac")})
+                             "host_cpu_frac": row.get("throughput_host_cpu_frac"),
+                             "backward_cpu_frac": row.get("throughput_host_backward_cpu_frac")})
     return rows
 
 
@@ -93,10 +94,12 @@ def markdown(s: dict[str, Any]) -> str:
                      f"{e['slowest_ms']:.2f} | {tax(e['tax_same_gpu'])} | {tax(e['tax_same_slot'])} |")
     lines += ["", "Median ms/step per GPU (all engines): "
               + ", ".join(f"GPU {g} {ms:.2f}" for g, ms in s["median_ms_per_gpu"].items()), "",
-              "| GPU | round | slot | engine | ms/step | loop thread on CPU |", "|---|---|---|---|---|---|"]
+              "| GPU | round | slot | engine | ms/step | loop thread on CPU | backward thread on CPU |",
+              "|---|---|---|---|---|---|---|"]
     for r in sorted(s["rows"], key=lambda r: (r["slot"], r["gpu"])):
-        cpu = f"{r['host_cpu_frac']:.0%}" if r.get("host_cpu_frac") is not None else "-"
-        lines.append(f"| {r['gpu']} | {r['round']} | {r['slot']} | {r['strategy']} | {1000 * r['sec_per_step']:.2f} | {cpu} |")
+        shares = [f"{r[k]:.0%}" if r.get(k) is not None else "-" for k in ("host_cpu_frac", "backward_cpu_frac")]
+        lines.append(f"| {r['gpu']} | {r['round']} | {r['slot']} | {r['strategy']} | {1000 * r['sec_per_step']:.2f} | "
+                     f"{shares[0]} | {shares[1]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -112,6 +112,42 @@ def test_host_clocks_the_system_does_not_keep_are_missing_not_zero(tmp_path):
     assert d.steal_s is None and d.runqueue_s == 0.0 and d.cpu_s >= 0
 
 
+def test_the_backward_clock_adds_up_autograds_device_threads_only(tmp_path):
+    """A CUDA backward's host side runs on autograd's pt_autograd_<device> threads while the loop thread sleeps:
+    their schedstat on-CPU times are added; other threads, and a thread gone between listing and reading, are
+    not. With none (a CPU run: the loop thread runs its backward) the clock is missing, not 0."""
+    from zerotrain.metrics import HostClock
+
+    def thread(tid: int, name: str, on_cpu_ns: int | None) -> None:
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "comm").write_text(name + "\n")
+        if on_cpu_ns is not None:
+            (tmp_path / str(tid) / "schedstat").write_text(f"{on_cpu_ns} 5 7\n")
+
+    assert HostClock.read(tasks=tmp_path).backward_cpu_s is None
+    assert HostClock.read(tasks=tmp_path / "absent").backward_cpu_s is None
+    thread(10, "python3", 9_000_000_000)
+    thread(11, "pt_autograd_0", 1_500_000_000)
+    thread(12, "pt_autograd_1", 250_000_000)
+    thread(13, "pt_autograd_2", None)  # ended after the listing
+    start = HostClock.read(tasks=tmp_path)
+    assert start.backward_cpu_s == pytest.approx(1.75)
+    (tmp_path / "11" / "schedstat").write_text("2500000000 5 7\n")
+    assert (HostClock.read(tasks=tmp_path) - start).backward_cpu_s == pytest.approx(1.0)
+
+
+def test_a_cpu_runs_meter_has_no_backward_share():
+    """On a CPU the backward runs on the loop thread: no pt_autograd thread, no share (rather than a 0)."""
+    meter = ThroughputMeter(torch.device("cpu"), 1, 1.0, "fp32", warmup_steps=0)
+    meter.start()
+    x = torch.ones(8, requires_grad=True)
+    (x * 2).sum().backward()
+    meter.add_step(micro_batches=1, samples=1, tokens=1)
+    rates = meter.read()
+    assert "host_cpu_frac" in rates and "host_backward_cpu_frac" not in rates
+    assert "host_backward_cpu_frac" not in meter.summary()
+
+
 def test_host_clock_readings_subtract_and_never_run_backwards():
     from zerotrain.metrics import HostClock
 

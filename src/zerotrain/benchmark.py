@@ -33,6 +33,7 @@ COLUMNS = [
     ("MFU", "throughput_mfu", "{:.1%}"),
     ("data wait", "throughput_data_wait_frac", "{:.1%}"),
     ("loop thread on CPU (rank 0)", "throughput_host_cpu_frac", "{:.0%}"),
+    ("backward thread on CPU (rank 0)", "throughput_host_backward_cpu_frac", "{:.0%}"),
     ("Python GC (ms/step, rank 0)", "throughput_host_gc_ms_per_step", "{:.2f}"),
     ("Python GC (ms/step, all ranks added)", "throughput_gc_ms_per_step_all_ranks", "{:.2f}"),
     ("peak GPU mem (GiB, rank 0)", "gpu_mem_peak_gib", "{:.2f}"),

@@ -21,7 +21,14 @@ for a CPU (``host_runqueue_frac``), and, for the whole machine, the CPU time a h
 this virtual machine (``host_steal_frac``, averaged over CPUs). What remains the thread spent off the
 CPU by its own choice: a lock, the GIL, a wait that sleeps. Also how often the kernel took the CPU
 from it (``host_preemptions_per_step``). A reading the system does not give (no schedstat, a
-``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0. And the
+``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0.
+
+The loop thread does not run a CUDA backward's host side itself: ``loss.backward()`` hands it to
+autograd's thread for that device (torch names it ``pt_autograd_<device>``) and sleeps until it is done.
+Their time on a CPU is ``host_backward_cpu_frac`` (absent on a CPU run, whose backward runs on the loop
+thread). The two threads take turns, so ``host_cpu_frac + host_backward_cpu_frac`` near 1 says the host
+sets the step's pace; on IMDB preset (b) the backward was ~47% of the loop thread's wall time, which its
+own clock showed only as sleep (BENCHMARKS.md, session 23). And the
 process's time in Python's garbage collections (``host_gc_ms_per_step``), which stop every Python
 thread, the loop's included; and every rank's, added up (``gc_ms_per_step_all_ranks``): a long
 collection on one rank holds every rank up at the step's next collective, though rank 0's own clocks
@@ -146,10 +153,11 @@ class HostClock:
     steal_s: Optional[float]  # per CPU
     preemptions: Optional[int]
     gc_s: Optional[float] = None  # the process's time in Python's garbage collections (every thread waits)
+    backward_cpu_s: Optional[float] = None  # autograd's device threads' time on a CPU (module docstring)
 
     @classmethod
-    def read(cls, schedstat: Path = Path("/proc/thread-self/schedstat"),
-             stat: Path = Path("/proc/stat")) -> "HostClock":
+    def read(cls, schedstat: Path = Path("/proc/thread-self/schedstat"), stat: Path = Path("/proc/stat"),
+             tasks: Path = Path("/proc/self/task")) -> "HostClock":
         runqueue = _runqueue_s(schedstat)
         try:
             r = resource.getrusage(resource.RUSAGE_THREAD)
@@ -158,7 +166,7 @@ class HostClock:
             preemptions: Optional[int] = r.ru_nivcsw if runqueue is not None else None
         except (AttributeError, OSError):
             cpu, preemptions = time.thread_time(), None
-        return cls(cpu, runqueue, _steal_s(stat), preemptions, _GC_TIME.seconds())
+        return cls(cpu, runqueue, _steal_s(stat), preemptions, _GC_TIME.seconds(), _backward_cpu_s(tasks))
 
     def __sub__(self, start: "HostClock") -> "HostClock":
         return self._combine(start, lambda a, b: a - b)
@@ -213,6 +221,24 @@ def _runqueue_s(path: Path) -> Optional[float]:
         return None
 
 
+def _backward_cpu_s(tasks: Path) -> Optional[float]:
+    """Seconds autograd's device threads (``pt_autograd_*``) of this process have run on a CPU (the first field
+    of each one's schedstat); None where there is none yet, or no /proc."""
+    total, found = 0, False
+    try:
+        threads = list(tasks.iterdir())
+    except OSError:
+        return None
+    for thread in threads:
+        try:
+            if (thread / "comm").read_text().startswith("pt_autograd_"):
+                total += int((thread / "schedstat").read_text().split()[0])
+                found = True
+        except (OSError, IndexError, ValueError):  # a thread that ended between the listing and the read
+            continue
+    return total / 1e9 if found else None
+
+
 def _steal_s(path: Path) -> Optional[float]:
     """Seconds a hypervisor ran something else on this machine's CPUs, per CPU (/proc/stat's steal); None
     where the file is missing or all zeros (gVisor), which would read as "no steal"."""
@@ -248,7 +274,7 @@ class ThroughputMeter:
         self.steps_seen = 0
         self._t0: Optional[float] = None
         self._clock0, self._thread = HostClock.read(), threading.get_ident()
-        self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0, 0.0), gc_s_all_ranks=0.0)
+        self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0, 0.0, 0.0), gc_s_all_ranks=0.0)
         self.total_seconds = 0.0
 
     def start(self) -> None:
@@ -339,7 +365,8 @@ class ThroughputMeter:
         }
         h = w.host
         if h is not None:
-            shares = {"host_cpu_frac": h.cpu_s, "host_runqueue_frac": h.runqueue_s, "host_steal_frac": h.steal_s}
+            shares = {"host_cpu_frac": h.cpu_s, "host_runqueue_frac": h.runqueue_s, "host_steal_frac": h.steal_s,
+                      "host_backward_cpu_frac": h.backward_cpu_s}
             out.update({k: v / seconds for k, v in shares.items() if v is not None})
             if h.preemptions is not None:
                 out["host_preemptions_per_step"] = h.preemptions / w.steps
