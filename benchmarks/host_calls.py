@@ -13,7 +13,9 @@ longer under it; compare engines by their rows, not by the profiled step time.
 
 Writes ``OUT_DIR/host_calls.json`` and ``host_calls.md``: steps profiled, wall ms per step with and
 without cProfile's overhead (the unprofiled steps right before), the top functions by own time and by
-inclusive time (ms per step), and GC collections per generation with their time.
+inclusive time (ms per step), GC collections per generation with their time, and every function's calls
+per step (``calls_per_step``: counts, unlike times, do not depend on the machine, so two engines' host
+work compares even on a CPU).
 """
 
 from __future__ import annotations
@@ -86,12 +88,17 @@ def _sync(torch) -> None:
         torch.cuda.synchronize()
 
 
+def _name(function: tuple[str, int, str]) -> str:
+    file, line, name = function
+    return f"{Path(file).name}:{line}({name})" if file != "~" else name
+
+
 def _rows(stats: pstats.Stats, key: int, steps: int) -> list[dict]:
     """Top functions by own (key 2) or inclusive (key 3) time, in ms per profiled step."""
     entries = sorted(stats.stats.items(), key=lambda kv: kv[1][key], reverse=True)[:TOP]
-    return [{"function": f"{Path(file).name}:{line}({name})" if file != "~" else name,
+    return [{"function": _name(function),
              "calls_per_step": nc / steps, "own_ms_per_step": tt * 1e3 / steps, "incl_ms_per_step": ct * 1e3 / steps}
-            for (file, line, name), (_, nc, tt, ct, _) in entries]
+            for function, (_, nc, tt, ct, _) in entries]
 
 
 def main() -> int:
@@ -133,6 +140,7 @@ def main() -> int:
         "python_threads": window.threads,
         "by_own_time": _rows(stats, 2, steps),
         "by_inclusive_time": _rows(stats, 3, steps),
+        "calls_per_step": {_name(f): nc / steps for f, (_, nc, _, _, _) in sorted(stats.stats.items(), key=str)},
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "host_calls.json").write_text(json.dumps(result, indent=1))
