@@ -121,8 +121,10 @@ for part in "$@"; do
       wait
       python3 benchmarks/tax_square.py "$OUT/imdb_tax_square" | sed -n '/^| engine/,/^$/p' ;;
     pyspy_imdb)  # where IMDB (b)'s loop thread is, on a CPU or not, while it trains: py-spy (carried in .whl) attached
-      # after step 850 of a 4-epoch run, one engine of STRATS per GPU at once; four 3 s recordings per engine, raw
-      # stacks: all threads' samples (--idle), only on-CPU ones, only GIL holders (--gil), native frames (100 Hz)
+      # after step 850 of a 4-epoch run, one engine of STRATS per GPU at once; three 3 s recordings per engine, raw
+      # stacks, the most telling first (session 23's limit cut all but the first): every thread's samples, running or
+      # not (--idle), the same with native frames (100 Hz: the process is paused for each), only GIL holders (--gil).
+      # Read them with benchmarks/stack_shares.py
       i=0
       for s in ${STRATS:-ddp zero0}; do
         CUDA_VISIBLE_DEVICES=$i z benchmark imdb --strategies $s --nproc 1 --predict false --out "$OUT/pyspy_imdb/$s" \
@@ -136,8 +138,7 @@ for part in "$@"; do
             d=$(py-spy dump -p "$p" 2>/dev/null); [[ $d == *loop.py* && $d != *_worker_loop* ]] && pid=$p
           done
           echo "$s: training process ${pid:-not found}" >&2
-          for rec in "idle --idle --nonblocking -r 500" "oncpu --nonblocking -r 500" "gil --gil --nonblocking -r 500" \
-                     "native --idle --native -r 100"; do
+          for rec in "idle --idle --nonblocking -r 500" "native --idle --native -r 100" "gil --gil --nonblocking -r 500"; do
             set -- $rec; name=$1; shift
             py-spy record -p "$pid" --threads -d 3 -f raw -o "$OUT/pyspy_imdb/${s}_$name.txt" "$@" \
               > "$OUT/pyspy_imdb/${s}_$name.log" 2>&1
