@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 def work(n: int) -> int:
-    """Interpreter work alike a training loop's host side: calls, attribute and dict lookups, small ints."""
+    """Interpreter work like a training loop's host side: calls, attribute and dict lookups, small ints."""
     table: dict[int, int] = {}
     total = 0
     for i in range(n):

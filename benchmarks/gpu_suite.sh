@@ -105,20 +105,29 @@ for part in "$@"; do
           --trainer.output_dir /tmp/host_calls_runs "${st[@]}" > "$OUT/host_calls/$s.log" 2>&1
         echo "$s rc=$?"; head -n 1 "$OUT/host_calls/$s/host_calls.md" 2>/dev/null || tail -n 3 "$OUT/host_calls/$s.log"
       done ;;
-    imdb_tax_square)  # target 1 at IMDB (b) on every GPU at once: GPU g runs the engines in an order rotated by g
-      # (a Latin square: at any moment the GPUs run different engines, and each engine runs on every GPU), ROUNDS
-      # times (every other round reversed), each process on its own slice of the CPUs; benchmarks/tax_square.py
-      # pairs each row with a plain row, on its GPU and in its time slot. CPUS=all: no slices; LIMIT_S: each GPU's
-      # time limit (the rows done by then are kept)
-      n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n ))
+    imdb_tax_square)  # target 1 at IMDB (b) on every GPU at once, as a Latin square: in each time slot every GPU runs one
+      # fit, and the next slot starts when all have ended; GPU g takes the engines in an order rotated by g (so a slot's
+      # GPUs run different engines, and each engine runs on every GPU), ROUNDS times (every other round reversed), each
+      # GPU's fits on their own slice of the CPUs. benchmarks/tax_square.py pairs each row with a plain row, on its GPU
+      # and in its round, and at the same time. Uses as many GPUs as there are engines at most. CPUS=all: no slices;
+      # LIMIT_S: each fit's time limit
       S=${STRATS:-ddp,zero0,zero1,zero2}; E=(${S//,/ }); k=${#E[@]}
-      for g in $(seq 0 $((n - 1))); do
-        r=$(( g * k / n )); rot=("${E[@]:r}" "${E[@]:0:r}"); order=$(IFS=,; echo "${rot[*]}")
-        ( [ "${CPUS:-}" = all ] || [ "$per" -lt 1 ] || taskset -cp $(( g * per ))-$(( g * per + per - 1 )) $BASHPID
-          CUDA_VISIBLE_DEVICES=$g PREDICT=false imdb_tax "$OUT/imdb_tax_square/gpu$g" "$order" ${LIMIT_S:-0}
-        ) > "$OUT/imdb_tax_square/gpu$g.log" 2>&1 &
+      n=$(nvidia-smi -L | wc -l); [ "$n" -gt "$k" ] && n=$k
+      cpus=($(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)))")); per=$(( ${#cpus[@]} / n ))
+      for t in $(seq 0 $(( ${ROUNDS:-2} * k - 1 ))); do
+        for g in $(seq 0 $((n - 1))); do
+          r=$(( g * k / n )); rot=("${E[@]:r}" "${E[@]:0:r}")
+          i=$(( t % k )); [ $(( t / k % 2 )) -eq 1 ] && i=$(( k - 1 - i ))  # every other round reversed
+          mkdir -p "$OUT/imdb_tax_square/gpu$g"
+          ( if [ "${CPUS:-}" != all ] && [ "$per" -ge 1 ]; then
+              slice=$(IFS=,; echo "${cpus[*]:$(( g * per )):per}")
+              taskset -cp "$slice" $BASHPID || exit 1
+            fi
+            CUDA_VISIBLE_DEVICES=$g PREDICT=false ROUNDS=1 imdb_tax "$OUT/imdb_tax_square/gpu$g/slot$t" "${rot[i]}" ${LIMIT_S:-0}
+          ) >> "$OUT/imdb_tax_square/gpu$g.log" 2>&1 &
+        done
+        wait  # the slot ends with its slowest fit
       done
-      wait
       python3 benchmarks/tax_square.py "$OUT/imdb_tax_square" | sed -n '/^| engine/,/^$/p' ;;
     pyspy_imdb)  # where IMDB (b)'s loop thread is, on a CPU or not, while it trains: py-spy (carried in .whl) attached
       # after step 850 of a 4-epoch run, one engine of STRATS per GPU at once; three 3 s recordings per engine, raw
@@ -126,7 +135,8 @@ for part in "$@"; do
       # not (--idle), the same with native frames (100 Hz: the process is paused for each), only GIL holders (--gil).
       # Read them with benchmarks/stack_shares.py
       i=0
-      for s in ${STRATS:-ddp zero0}; do
+      S=${STRATS:-ddp,zero0}
+      for s in ${S//,/ }; do
         CUDA_VISIBLE_DEVICES=$i z benchmark imdb --strategies $s --nproc 1 --predict false --out "$OUT/pyspy_imdb/$s" \
           --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 4 \
           --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
@@ -138,6 +148,7 @@ for part in "$@"; do
             d=$(py-spy dump -p "$p" 2>/dev/null); [[ $d == *loop.py* && $d != *_worker_loop* ]] && pid=$p
           done
           echo "$s: training process ${pid:-not found}" >&2
+          [ -n "$pid" ] || exit 0
           for rec in "idle --idle --nonblocking -r 500" "native --idle --native -r 100" "gil --gil --nonblocking -r 500"; do
             set -- $rec; name=$1; shift
             py-spy record -p "$pid" --threads -d 3 -f raw -o "$OUT/pyspy_imdb/${s}_$name.txt" "$@" \

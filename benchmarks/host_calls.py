@@ -25,6 +25,7 @@ import cProfile
 import gc
 import json
 import pstats
+import re
 import sys
 import threading
 import time
@@ -89,8 +90,18 @@ def _sync(torch) -> None:
 
 
 def _name(function: tuple[str, int, str]) -> str:
+    """``file.py:line(name)``; a built-in's name without the object address cProfile gives it, which differs from
+    one process to the next."""
     file, line, name = function
-    return f"{Path(file).name}:{line}({name})" if file != "~" else name
+    return f"{Path(file).name}:{line}({name})" if file != "~" else re.sub(r" at 0x[0-9a-fA-F]+", "", name)
+
+
+def _calls_per_step(stats: pstats.Stats, steps: int) -> dict[str, float]:
+    """Every function's calls per step, by :func:`_name` (functions that share one, added up)."""
+    calls: dict[str, float] = {}
+    for function, (_, nc, _, _, _) in stats.stats.items():
+        calls[_name(function)] = calls.get(_name(function), 0.0) + nc / steps
+    return dict(sorted(calls.items()))
 
 
 def _rows(stats: pstats.Stats, key: int, steps: int) -> list[dict]:
@@ -140,7 +151,7 @@ def main() -> int:
         "python_threads": window.threads,
         "by_own_time": _rows(stats, 2, steps),
         "by_inclusive_time": _rows(stats, 3, steps),
-        "calls_per_step": {_name(f): nc / steps for f, (_, nc, _, _, _) in sorted(stats.stats.items(), key=str)},
+        "calls_per_step": _calls_per_step(stats, steps),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "host_calls.json").write_text(json.dumps(result, indent=1))

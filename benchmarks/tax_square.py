@@ -1,25 +1,32 @@
-"""The engine tax from a Latin square: one ``zerotrain benchmark`` per GPU, all running at once.
+"""The engine tax from a Latin square: the engines run on several GPUs at once, in rotated orders.
 
-GPU g ran the engines in an order rotated by g (``gpu_suite.sh imdb_tax_square``), so at any moment the GPUs
-ran different engines, and each engine ran on every GPU. On one GPU a host-bound step moves more from one
-process to the next than two engines differ by (IMDB (b): 6.2 and 8.6 ms for the same engine, BENCHMARKS.md
-session 22); many rows, paired two ways, say what the engine itself costs:
+``gpu_suite.sh imdb_tax_square`` runs one fit per GPU in each time slot and waits for all of them before
+the next slot; GPU g takes the engines in an order rotated by g, so in each slot the GPUs run different
+engines, and each engine runs on every GPU. On one GPU a host-bound step moves more from one process to the
+next than two engines differ by (IMDB (b): 6.2 and 8.6 ms for the same engine, BENCHMARKS.md session 22);
+many rows, paired two ways, say what the engine itself costs:
 
 * **same GPU, same round**: each row against the plain row that ran on its GPU in its round (cancels
   what differs between GPUs and their CPU slices);
-* **same time slot**: each row against the plain row that ran at the same time on another GPU (cancels
-  what the whole machine did at that moment).
+* **at the same time**: each row against the plain row, on another GPU, whose timed steps overlapped its own
+  most closely (cancels what the whole machine did at that moment). A row no plain row overlapped is left
+  unpaired: sweeps that were not held in step drift apart (session 23's first square: GPUs 2-3 fell a row
+  behind GPUs 0-1 after a slower first fit), and rows that ran at different times are not a pair.
 
-Writes ``tax_square.json``, ``tax_square.md`` and ``tax_square.png`` (every row's s/step per engine) into
-the folder it reads.
+Reads ``gpu<g>/slot<t>/benchmark.json`` (one fit each) or ``gpu<g>/benchmark.json`` (one sweep per GPU). A row's
+timed window ends with its fit (the timed steps are the last) and lasts its steps times its s/step; its start
+is the row's ``started_unix``, or, in files written before rows had it, the sum of its sweep's earlier rows'
+``wall_s`` (every sweep started at the same moment). Writes ``tax_square.json``, ``tax_square.md`` and
+``tax_square.png`` (every row's s/step per engine) into the folder it reads.
 
-    python benchmarks/tax_square.py OUT/imdb_tax_square   # reads OUT/imdb_tax_square/gpu*/benchmark.json
+    python benchmarks/tax_square.py OUT/imdb_tax_square
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -27,42 +34,82 @@ from typing import Any
 BASELINE = "ddp"
 
 
+def _number(path: Path, prefix: str) -> int:
+    return int(path.name.removeprefix(prefix))
+
+
+def result_files(folder: Path) -> list[tuple[int, Path]]:
+    """(GPU, file) for every benchmark.json of the square, by GPU and then slot."""
+    gpus = sorted((p for p in folder.glob("gpu*") if re.fullmatch(r"gpu\d+", p.name)), key=lambda p: _number(p, "gpu"))
+    files = []
+    for gpu in gpus:
+        slots = sorted((p for p in gpu.glob("slot*") if re.fullmatch(r"slot\d+", p.name)), key=lambda p: _number(p, "slot"))
+        files += [(_number(gpu, "gpu"), s / "benchmark.json") for s in slots if (s / "benchmark.json").is_file()]
+        if (gpu / "benchmark.json").is_file():
+            files.append((_number(gpu, "gpu"), gpu / "benchmark.json"))
+    return files
+
+
 def read_rows(folder: Path) -> list[dict[str, Any]]:
-    """Every ok row of ``folder/gpu*/benchmark.json`` with its GPU, round and time slot (its place in its
-    GPU's run order, which the rotation lines up across GPUs)."""
-    rows = []
-    for path in sorted(folder.glob("gpu*/benchmark.json")):
-        gpu = int(path.parent.name.removeprefix("gpu"))
-        for slot, row in enumerate(json.loads(path.read_text())["rows"]):
-            if row.get("status") == "ok" and row.get("throughput_sec_per_step"):
-                rows.append({"gpu": gpu, "round": row.get("round", 1), "slot": slot, "strategy": row["strategy"],
-                             "sec_per_step": row["throughput_sec_per_step"],
-                             "host_cpu_frac": row.get("throughput_host_cpu_frac"),
-                             "backward_cpu_frac": row.get("throughput_host_backward_cpu_frac")})
+    """Every ok row of the square with its GPU, round and timed window (seconds: when its timed steps began
+    and ended)."""
+    rows: list[dict[str, Any]] = []
+    elapsed: dict[int, float] = {}  # per GPU: the wall time of its rows so far
+    place: dict[int, int] = {}  # per GPU: the rows so far
+    all_rows = [(gpu, row) for gpu, path in result_files(folder) for row in json.loads(path.read_text())["rows"]]
+    engines = len({row["strategy"] for _, row in all_rows}) or 1
+    timestamps = all(row.get("started_unix") is not None for _, row in all_rows)
+    for gpu, row in all_rows:
+        start = row["started_unix"] if timestamps else elapsed.get(gpu, 0.0)
+        wall = float(row.get("wall_s") or 0.0)
+        elapsed[gpu] = elapsed.get(gpu, 0.0) + wall
+        n = place[gpu] = place.get(gpu, -1) + 1
+        if row.get("status") != "ok" or not row.get("throughput_sec_per_step"):
+            continue
+        timed = row["throughput_sec_per_step"] * (row.get("throughput_measured_steps") or 0)
+        rows.append({"gpu": gpu, "round": row.get("round", n // engines + 1), "strategy": row["strategy"],
+                     "sec_per_step": row["throughput_sec_per_step"], "timed_from": start + wall - timed,
+                     "timed_to": start + wall, "host_cpu_frac": row.get("throughput_host_cpu_frac"),
+                     "backward_cpu_frac": row.get("throughput_host_backward_cpu_frac")})
     return rows
 
 
-def paired_taxes(rows: list[dict[str, Any]], key: tuple[str, ...]) -> dict[str, list[float]]:
-    """Per engine, each row's s/step over the baseline row's that shares ``key`` with it, minus 1."""
-    base = {tuple(r[k] for k in key): r["sec_per_step"] for r in rows if r["strategy"] == BASELINE}
+def taxes_same_gpu(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per engine, each row's s/step over the plain row's of its GPU and round, minus 1."""
+    base = {(r["gpu"], r["round"]): r["sec_per_step"] for r in rows if r["strategy"] == BASELINE}
     taxes: dict[str, list[float]] = {}
     for r in rows:
-        ref = base.get(tuple(r[k] for k in key))
+        ref = base.get((r["gpu"], r["round"]))
         if r["strategy"] != BASELINE and ref:
             taxes.setdefault(r["strategy"], []).append(r["sec_per_step"] / ref - 1)
     return taxes
 
 
+def taxes_same_time(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per engine, each row's s/step over that of the plain row on another GPU whose timed window overlapped
+    its own the longest, minus 1; rows no plain row overlapped are left out."""
+    plain = [r for r in rows if r["strategy"] == BASELINE]
+    taxes: dict[str, list[float]] = {}
+    for r in rows:
+        if r["strategy"] == BASELINE:
+            continue
+        overlaps = [(min(r["timed_to"], p["timed_to"]) - max(r["timed_from"], p["timed_from"]), p)
+                    for p in plain if p["gpu"] != r["gpu"]]
+        best = max(overlaps, key=lambda o: o[0], default=(0.0, None))
+        if best[0] > 0:
+            taxes.setdefault(r["strategy"], []).append(r["sec_per_step"] / best[1]["sec_per_step"] - 1)
+    return taxes
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    same_gpu = paired_taxes(rows, ("gpu", "round"))
-    same_slot = paired_taxes(rows, ("slot",))
+    same_gpu, same_time = taxes_same_gpu(rows), taxes_same_time(rows)
     engines = []
     for name in dict.fromkeys(r["strategy"] for r in rows):
         times = sorted(r["sec_per_step"] for r in rows if r["strategy"] == name)
         engines.append({
             "strategy": name, "rows": len(times), "median_ms": 1000 * statistics.median(times),
             "fastest_ms": 1000 * times[0], "slowest_ms": 1000 * times[-1],
-            "tax_same_gpu": _spread(same_gpu.get(name)), "tax_same_slot": _spread(same_slot.get(name)),
+            "tax_same_gpu": _spread(same_gpu.get(name)), "tax_same_time": _spread(same_time.get(name)),
         })
     gpus = sorted({r["gpu"] for r in rows})
     per_gpu = {g: 1000 * statistics.median(r["sec_per_step"] for r in rows if r["gpu"] == g) for g in gpus}
@@ -84,22 +131,23 @@ def markdown(s: dict[str, Any]) -> str:
         return f"{t['median']:+.1%} ({t['lowest']:+.1%} to {t['highest']:+.1%}, n={t['n']})"
 
     env = s.get("environment", {})
+    t0 = min(r["timed_from"] for r in s["rows"])
     lines = [f"GPUs: {', '.join(env.get('gpus', []))}; torch {env.get('versions', {}).get('torch')}, DeepSpeed "
              f"{env.get('versions', {}).get('deepspeed')}; commit {env.get('commit')}.", "",
-             *[f"- GPU {g}: `{c}`" for g, c in enumerate(s.get("commands", []))], "",
-             "| engine | rows | median ms/step | fastest - slowest | tax, same GPU and round | tax, same time slot |",
+             f"First file's command (the others differ in the strategies and --out): `{s['commands'][0]}`", "",
+             "| engine | rows | median ms/step | fastest - slowest | tax, same GPU and round | tax, at the same time |",
              "|---|---|---|---|---|---|"]
     for e in s["engines"]:
         lines.append(f"| {e['strategy']} | {e['rows']} | {e['median_ms']:.2f} | {e['fastest_ms']:.2f} - "
-                     f"{e['slowest_ms']:.2f} | {tax(e['tax_same_gpu'])} | {tax(e['tax_same_slot'])} |")
+                     f"{e['slowest_ms']:.2f} | {tax(e['tax_same_gpu'])} | {tax(e['tax_same_time'])} |")
     lines += ["", "Median ms/step per GPU (all engines): "
               + ", ".join(f"GPU {g} {ms:.2f}" for g, ms in s["median_ms_per_gpu"].items()), "",
-              "| GPU | round | slot | engine | ms/step | loop thread on CPU | backward thread on CPU |",
+              "| GPU | round | engine | ms/step | timed steps, s from the first | loop thread on CPU | backward thread on CPU |",
               "|---|---|---|---|---|---|---|"]
-    for r in sorted(s["rows"], key=lambda r: (r["slot"], r["gpu"])):
+    for r in sorted(s["rows"], key=lambda r: (r["timed_from"], r["gpu"])):
         shares = [f"{r[k]:.0%}" if r.get(k) is not None else "-" for k in ("host_cpu_frac", "backward_cpu_frac")]
-        lines.append(f"| {r['gpu']} | {r['round']} | {r['slot']} | {r['strategy']} | {1000 * r['sec_per_step']:.2f} | "
-                     f"{shares[0]} | {shares[1]} |")
+        lines.append(f"| {r['gpu']} | {r['round']} | {r['strategy']} | {1000 * r['sec_per_step']:.2f} | "
+                     f"{r['timed_from'] - t0:.0f}-{r['timed_to'] - t0:.0f} | {shares[0]} | {shares[1]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,9 +179,11 @@ def main() -> None:
     args = parser.parse_args()
     rows = read_rows(args.folder)
     if not rows:
-        raise SystemExit(f"tax_square: no ok rows in {args.folder}/gpu*/benchmark.json")
-    results = [json.loads(p.read_text()) for p in sorted(args.folder.glob("gpu*/benchmark.json"))]
-    s = {**summarize(rows), "environment": results[0]["environment"], "commands": [r["command"] for r in results]}
+        raise SystemExit(f"tax_square: no ok rows in {args.folder}/gpu*/[slot*/]benchmark.json")
+    results = {str(path.relative_to(args.folder)): json.loads(path.read_text()) for _, path in result_files(args.folder)}
+    first = next(iter(results.values()))
+    s = {**summarize(rows), "environment": first["environment"], "commands": [r["command"] for r in results.values()],
+         "files": list(results)}
     (args.folder / "tax_square.json").write_text(json.dumps(s, indent=1) + "\n")
     (args.folder / "tax_square.md").write_text(markdown(s))
     plot(s, args.folder / "tax_square.png")

@@ -247,18 +247,19 @@ def test_the_mlm_residual_stream_is_bf16_under_cuda_autocast():
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
 
 
-def test_the_meter_clocks_autograds_device_thread_on_a_cuda_backward():
-    """A CUDA backward runs on torch's pt_autograd_<device> thread: the meter finds it and its CPU time grows with
-    backward work (on a CPU there is no such thread, and the clock is missing: tests/test_metrics.py)."""
+def test_the_backward_clock_finds_autograds_thread_for_the_gpu_and_it_runs():
+    """A CUDA backward runs on torch's pt_autograd_<index> thread: the clock finds the thread by that name and its
+    CPU time grows with backward work (no such clock on a CPU device: tests/test_metrics.py)."""
     import torch
 
-    from zerotrain.metrics import HostClock
+    from zerotrain.metrics import BackwardThreadClock, HostClock
 
     x = torch.randn(256, 256, device="cuda", requires_grad=True)
-    (x @ x).sum().backward()  # the first CUDA backward starts the device's autograd thread
-    start = HostClock.read()
+    (x @ x).sum().backward()  # the first backward starts autograd's device threads
+    clock = BackwardThreadClock(torch.device("cuda"))
+    start = HostClock.read(backward=clock)
     for _ in range(200):
         (x @ x).relu().sum().backward()
     torch.cuda.synchronize()
     assert start.backward_cpu_s is not None
-    assert (HostClock.read() - start).backward_cpu_s > 0
+    assert (HostClock.read(backward=clock) - start).backward_cpu_s > 0

@@ -112,32 +112,58 @@ def test_host_clocks_the_system_does_not_keep_are_missing_not_zero(tmp_path):
     assert d.steal_s is None and d.runqueue_s == 0.0 and d.cpu_s >= 0
 
 
-def test_the_backward_clock_adds_up_autograds_device_threads_only(tmp_path):
-    """A CUDA backward's host side runs on autograd's pt_autograd_<device> threads while the loop thread sleeps:
-    their schedstat on-CPU times are added; other threads, and a thread gone between listing and reading, are
-    not. With none (a CPU run: the loop thread runs its backward) the clock is missing, not 0."""
-    from zerotrain.metrics import HostClock
+def _thread(tasks, tid: int, name: str, on_cpu_ns: int | None) -> None:
+    (tasks / str(tid)).mkdir(exist_ok=True)
+    (tasks / str(tid) / "comm").write_text(name + "\n")
+    if on_cpu_ns is not None:
+        (tasks / str(tid) / "schedstat").write_text(f"{on_cpu_ns} 5 7\n")
 
-    def thread(tid: int, name: str, on_cpu_ns: int | None) -> None:
-        (tmp_path / str(tid)).mkdir()
-        (tmp_path / str(tid) / "comm").write_text(name + "\n")
-        if on_cpu_ns is not None:
-            (tmp_path / str(tid) / "schedstat").write_text(f"{on_cpu_ns} 5 7\n")
 
-    assert HostClock.read(tasks=tmp_path).backward_cpu_s is None
-    assert HostClock.read(tasks=tmp_path / "absent").backward_cpu_s is None
-    thread(10, "python3", 9_000_000_000)
-    thread(11, "pt_autograd_0", 1_500_000_000)
-    thread(12, "pt_autograd_1", 250_000_000)
-    thread(13, "pt_autograd_2", None)  # ended after the listing
-    start = HostClock.read(tasks=tmp_path)
-    assert start.backward_cpu_s == pytest.approx(1.75)
-    (tmp_path / "11" / "schedstat").write_text("2500000000 5 7\n")
-    assert (HostClock.read(tasks=tmp_path) - start).backward_cpu_s == pytest.approx(1.0)
+def test_the_backward_clock_reads_its_own_devices_autograd_thread(tmp_path):
+    """A CUDA backward's host side runs on autograd's pt_autograd_<index> thread while the loop thread sleeps:
+    the clock reads the schedstat on-CPU time of its own device's thread, by exact name, not another device's;
+    it looks again where its thread has ended. Before the thread exists, and for a CPU device, it is missing
+    (None), not 0."""
+    from zerotrain.metrics import BackwardThreadClock, HostClock
+
+    clock = BackwardThreadClock(torch.device("cuda", 1), tasks=tmp_path)
+    assert clock.name == "pt_autograd_1" and clock.seconds() is None
+    assert BackwardThreadClock(torch.device("cpu"), tasks=tmp_path).seconds() is None
+    assert BackwardThreadClock(torch.device("cuda", 1), tasks=tmp_path / "absent").seconds() is None
+    _thread(tmp_path, 10, "python3", 9_000_000_000)
+    _thread(tmp_path, 11, "pt_autograd_0", 1_500_000_000)  # another GPU's
+    _thread(tmp_path, 12, "pt_autograd_1", 250_000_000)
+    _thread(tmp_path, 13, "pt_autograd_10", 700_000_000)  # a prefix match would take it
+    start = HostClock.read(backward=clock)
+    assert start.backward_cpu_s == pytest.approx(0.25)
+    (tmp_path / "12" / "schedstat").write_text("1250000000 5 7\n")
+    assert (HostClock.read(backward=clock) - start).backward_cpu_s == pytest.approx(1.0)
+    (tmp_path / "12" / "schedstat").unlink()  # the thread ended; a new one took the name
+    _thread(tmp_path, 14, "pt_autograd_1", 50_000_000)
+    assert clock.seconds() == pytest.approx(0.05)
+    assert BackwardThreadClock(torch.device("cpu"), tasks=tmp_path).seconds() is None
+
+
+def test_a_backward_thread_born_inside_a_window_counts_from_its_start(tmp_path):
+    """With no warm-up the meter starts before the first backward starts autograd's thread: the window's share
+    counts that thread from 0, and the run's total keeps it, instead of losing it for the whole run."""
+    from zerotrain.metrics import BackwardThreadClock
+
+    meter = ThroughputMeter(torch.device("cpu"), 1, 1.0, "fp32", warmup_steps=0)
+    meter._backward = BackwardThreadClock(torch.device("cuda", 0), tasks=tmp_path)  # a fake /proc
+    meter.start()
+    _thread(tmp_path, 21, "pt_autograd_0", 0)
+    _spin_or_sleep(0.2, sleep=True)
+    (tmp_path / "21" / "schedstat").write_text("100000000 5 7\n")  # 0.1 s on a CPU
+    meter.add_step(micro_batches=1, samples=1, tokens=1)
+    rates = meter.read()
+    assert 0 < rates["host_backward_cpu_frac"] <= 0.1 / 0.2
+    assert meter.summary()["host_backward_cpu_frac"] == pytest.approx(rates["host_backward_cpu_frac"])
 
 
 def test_a_cpu_runs_meter_has_no_backward_share():
-    """On a CPU the backward runs on the loop thread: no pt_autograd thread, no share (rather than a 0)."""
+    """On a CPU the backward runs on the loop thread: no share (rather than a 0), whatever threads torch
+    started for any GPU."""
     meter = ThroughputMeter(torch.device("cpu"), 1, 1.0, "fp32", warmup_steps=0)
     meter.start()
     x = torch.ones(8, requires_grad=True)

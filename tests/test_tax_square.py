@@ -19,41 +19,72 @@ def _main(monkeypatch, folder):
     tax_square.main()
 
 
-def _write(folder, gpu, rows):
-    (folder / f"gpu{gpu}").mkdir(parents=True)
-    result = {"command": f"zerotrain benchmark imdb --gpu {gpu}", "rows": rows,
+def _write(folder, where, rows):
+    (folder / where).mkdir(parents=True)
+    result = {"command": f"zerotrain benchmark imdb --out {where}", "rows": rows,
               "environment": {"gpus": ["GPU"], "versions": {"torch": "t", "deepspeed": "d"}, "commit": "abc"}}
-    (folder / f"gpu{gpu}" / "benchmark.json").write_text(json.dumps(result))
+    (folder / where / "benchmark.json").write_text(json.dumps(result))
 
 
-def _row(strategy, ms, rnd=1, status="ok"):
-    return {"strategy": strategy, "round": rnd, "status": status, "throughput_sec_per_step": ms / 1000,
-            "throughput_host_cpu_frac": 0.5}
+def _row(strategy, ms, wall_s=10.0, steps=100, rnd=None, status="ok", started=None):
+    row = {"strategy": strategy, "status": status, "throughput_sec_per_step": ms / 1000, "wall_s": wall_s,
+           "throughput_measured_steps": steps, "throughput_host_cpu_frac": 0.5}
+    if rnd is not None:
+        row["round"] = rnd
+    if started is not None:
+        row["started_unix"] = started
+    return row
 
 
-def test_the_square_pairs_rows_by_gpu_and_round_and_by_time_slot(tmp_path, monkeypatch):
-    # GPU 0 ran ddp then zero0; GPU 1 zero0 then ddp. GPU 1 is 2x slower, the second slot 1.5x slower.
-    _write(tmp_path, 0, [_row("ddp", 10.0), _row("zero0", 16.5)])  # zero0 +10% over its slot's factor
-    _write(tmp_path, 1, [_row("zero0", 22.0), _row("ddp", 30.0), _row("zero1", 1.0, status="failed")])
+def _engine(s, name):
+    return next(e for e in s["engines"] if e["strategy"] == name)
+
+
+def test_one_sweep_per_gpu_pairs_by_gpu_and_round_and_by_overlapping_timed_steps(tmp_path, monkeypatch):
+    # Sweeps started together; rows end at the sums of wall_s, their timed steps last the ends' last steps x s/step.
+    # GPU 0: ddp timed 9.0-10.0 s, zero0 18.35-20.0, zero1 timed 69.0-70.0 (after a slow 50 s fit: no plain then).
+    # GPU 1: zero0 timed 7.8-10.0, ddp 17.0-20.0, then a failed row.
+    _write(tmp_path, "gpu0", [_row("ddp", 10.0, rnd=1), _row("zero0", 16.5, rnd=1), _row("zero1", 10.0, 50.0, rnd=1)])
+    _write(tmp_path, "gpu1", [_row("zero0", 22.0, rnd=1), _row("ddp", 30.0, rnd=1),
+                              _row("zero1", 1.0, rnd=1, status="failed")])
     _main(monkeypatch, tmp_path)
     s = json.loads((tmp_path / "tax_square.json").read_text())
-    zero0 = next(e for e in s["engines"] if e["strategy"] == "zero0")
-    # same GPU and round: 16.5/10 - 1 and 22/30 - 1, the second slot's slowdown still in them
+    zero0 = _engine(s, "zero0")
+    # same GPU and round: 16.5/10 - 1 and 22/30 - 1
     assert zero0["tax_same_gpu"]["n"] == 2
     assert zero0["tax_same_gpu"]["lowest"] == pytest.approx(22 / 30 - 1)
     assert zero0["tax_same_gpu"]["highest"] == pytest.approx(0.65)
-    # same slot: 22/10 - 1 (slot 0), 16.5/30 - 1 (slot 1); the failed row is left out
-    assert sorted(zero0["tax_same_slot"][k] for k in ("lowest", "highest")) == pytest.approx([16.5 / 30 - 1, 1.2])
-    assert [e["strategy"] for e in s["engines"]] == ["ddp", "zero0"]
-    assert s["median_ms_per_gpu"] == {"0": pytest.approx(13.25), "1": pytest.approx(26.0)}
+    # at the same time: GPU 1's zero0 against GPU 0's ddp (22/10 - 1), GPU 0's zero0 against GPU 1's ddp
+    assert zero0["tax_same_time"]["n"] == 2
+    assert sorted(zero0["tax_same_time"][k] for k in ("lowest", "highest")) == pytest.approx([16.5 / 30 - 1, 1.2])
+    # zero1 ran when no plain row did: paired on its GPU and round only; the failed row is left out
+    assert _engine(s, "zero1")["tax_same_gpu"]["n"] == 1 and _engine(s, "zero1")["tax_same_time"] is None
+    assert [e["strategy"] for e in s["engines"]] == ["ddp", "zero0", "zero1"]
+    assert s["median_ms_per_gpu"] == {"0": pytest.approx(10.0), "1": pytest.approx(26.0)}
     md = (tmp_path / "tax_square.md").read_text()
-    assert "commit abc" in md and "zerotrain benchmark imdb --gpu 1" in md
+    assert "commit abc" in md and "zerotrain benchmark imdb --out gpu0" in md
     assert "| zero0 | 2 | 19.25 |" in md
     pytest.importorskip("matplotlib")
     assert (tmp_path / "tax_square.png").stat().st_size > 0
 
 
+def test_one_fit_per_slot_takes_rounds_from_the_slots_and_times_from_the_rows(tmp_path, monkeypatch):
+    # Two engines, two rounds, two GPUs, every slot started together (started_unix); GPU 1's order reversed.
+    for g, order in ((0, ["ddp", "zero0", "zero0", "ddp"]), (1, ["zero0", "ddp", "ddp", "zero0"])):
+        for t, name in enumerate(order):
+            ms = {"ddp": 10.0, "zero0": 11.0}[name] * (2 if t >= 2 else 1)  # the machine slows in round 2
+            _write(tmp_path, f"gpu{g}/slot{t}", [_row(name, ms, started=1000.0 + 100 * t)])
+    _main(monkeypatch, tmp_path)
+    s = json.loads((tmp_path / "tax_square.json").read_text())
+    assert sorted({(r["gpu"], r["round"]) for r in s["rows"]}) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    zero0 = _engine(s, "zero0")
+    for pairing in ("tax_same_gpu", "tax_same_time"):  # every pair ran in one round: +10% each time
+        assert zero0[pairing]["n"] == 4
+        assert zero0[pairing]["lowest"] == pytest.approx(0.1) and zero0[pairing]["highest"] == pytest.approx(0.1)
+    assert len(s["files"]) == 8 and s["files"][0] == "gpu0/slot0/benchmark.json"
+
+
 def test_the_square_with_no_finished_row_says_so(tmp_path, monkeypatch):
-    _write(tmp_path, 0, [_row("ddp", 10.0, status="failed")])
+    _write(tmp_path, "gpu0", [_row("ddp", 10.0, status="failed")])
     with pytest.raises(SystemExit, match="no ok rows"):
         _main(monkeypatch, tmp_path)

@@ -52,12 +52,14 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
     env = env or environment()
     cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, "--trainer.output_dir", str(runs_dir),
            "--trainer.run_name", run_name, "--logging.progress_bar", "false"]
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     returncode, out, err, timed_out = run_bounded(cmd, timeout_s)
     tail, log = (err or out)[-4000:], out + err
     if timed_out:
         tail = f"timed out after {timeout_s} s: {err[-2000:]}"
-    row: dict[str, Any] = {"wall_s": round(time.perf_counter() - t0, 1), "command": "zerotrain " + shlex.join(cmd[3:])}
+    # started_unix: when the fit began, to line up rows of benchmarks that ran side by side (benchmarks/tax_square.py)
+    row: dict[str, Any] = {"started_unix": round(started, 3), "wall_s": round(time.perf_counter() - t0, 1),
+                           "command": "zerotrain " + shlex.join(cmd[3:])}
     run_dir = runs_dir / run_name
     try:  # what the fit said, kept beside its summary (appended: a rerun into the same folder adds its own)
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -24,10 +24,10 @@ from it (``host_preemptions_per_step``). A reading the system does not give (no 
 ``/proc/stat`` of zeros as under gVisor, not Linux) is left out, not reported as 0.
 
 The loop thread does not run a CUDA backward's host side itself: ``loss.backward()`` hands it to
-autograd's thread for that device (torch names it ``pt_autograd_<device>``) and sleeps until it is done.
-Their time on a CPU is ``host_backward_cpu_frac`` (absent on a CPU run, whose backward runs on the loop
-thread). The two threads take turns, so ``host_cpu_frac + host_backward_cpu_frac`` near 1 says the host
-sets the step's pace; on IMDB preset (b) the backward was ~47% of the loop thread's wall time, which its
+autograd's thread for that device (torch names it ``pt_autograd_<index>``) and sleeps until it is done.
+That thread's time on a CPU is ``host_backward_cpu_frac`` (absent on a CPU run, whose backward runs on the
+loop thread). The two threads take turns, so ``host_cpu_frac + host_backward_cpu_frac`` near 1 says the
+host sets the step's pace; on IMDB preset (b) the backward was ~47% of the loop thread's wall time, which its
 own clock showed only as sleep (BENCHMARKS.md, session 23). And the
 process's time in Python's garbage collections (``host_gc_ms_per_step``), which stop every Python
 thread, the loop's included; and every rank's, added up (``gc_ms_per_step_all_ranks``): a long
@@ -37,6 +37,7 @@ show only the wait.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import resource
@@ -153,11 +154,11 @@ class HostClock:
     steal_s: Optional[float]  # per CPU
     preemptions: Optional[int]
     gc_s: Optional[float] = None  # the process's time in Python's garbage collections (every thread waits)
-    backward_cpu_s: Optional[float] = None  # autograd's device threads' time on a CPU (module docstring)
+    backward_cpu_s: Optional[float] = None  # autograd's thread for the device, on a CPU (module docstring)
 
     @classmethod
     def read(cls, schedstat: Path = Path("/proc/thread-self/schedstat"), stat: Path = Path("/proc/stat"),
-             tasks: Path = Path("/proc/self/task")) -> "HostClock":
+             backward: Optional["BackwardThreadClock"] = None) -> "HostClock":
         runqueue = _runqueue_s(schedstat)
         try:
             r = resource.getrusage(resource.RUSAGE_THREAD)
@@ -166,7 +167,8 @@ class HostClock:
             preemptions: Optional[int] = r.ru_nivcsw if runqueue is not None else None
         except (AttributeError, OSError):
             cpu, preemptions = time.thread_time(), None
-        return cls(cpu, runqueue, _steal_s(stat), preemptions, _GC_TIME.seconds(), _backward_cpu_s(tasks))
+        return cls(cpu, runqueue, _steal_s(stat), preemptions, _GC_TIME.seconds(),
+                   backward.seconds() if backward is not None else None)
 
     def __sub__(self, start: "HostClock") -> "HostClock":
         return self._combine(start, lambda a, b: a - b)
@@ -221,22 +223,44 @@ def _runqueue_s(path: Path) -> Optional[float]:
         return None
 
 
-def _backward_cpu_s(tasks: Path) -> Optional[float]:
-    """Seconds autograd's device threads (``pt_autograd_*``) of this process have run on a CPU (the first field
-    of each one's schedstat); None where there is none yet, or no /proc."""
-    total, found = 0, False
-    try:
-        threads = list(tasks.iterdir())
-    except OSError:
+class BackwardThreadClock:
+    """Seconds on a CPU of autograd's thread for one CUDA device, which torch names ``pt_autograd_<index>``
+    (the first field of its schedstat); None for a CPU device, before the first backward starts the thread,
+    or without /proc. The name is matched exactly: torch starts one such thread for every visible GPU at the
+    first backward, CPU or CUDA, and the meter reads its own device's. (A thread started from it would inherit
+    the name; the first one found is read.)"""
+
+    def __init__(self, device: torch.device, tasks: Path = Path("/proc/self/task")):
+        index = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+        self.name = f"pt_autograd_{index}" if device.type == "cuda" else None
+        self._tasks, self._thread = tasks, None  # the thread's /proc folder, once found
+
+    def seconds(self) -> Optional[float]:
+        if self.name is None:
+            return None
+        for _ in range(2):  # the cached folder, then a fresh look where that thread has ended
+            if self._thread is None:
+                self._thread = self._find()
+                if self._thread is None:
+                    return None
+            try:
+                return int((self._thread / "schedstat").read_text().split()[0]) / 1e9
+            except (OSError, IndexError, ValueError):
+                self._thread = None
         return None
-    for thread in threads:
+
+    def _find(self) -> Optional[Path]:
         try:
-            if (thread / "comm").read_text().startswith("pt_autograd_"):
-                total += int((thread / "schedstat").read_text().split()[0])
-                found = True
-        except (OSError, IndexError, ValueError):  # a thread that ended between the listing and the read
-            continue
-    return total / 1e9 if found else None
+            threads = list(self._tasks.iterdir())
+        except OSError:
+            return None
+        for thread in threads:
+            try:
+                if (thread / "comm").read_text().strip() == self.name:
+                    return thread
+            except (OSError, ValueError):  # a thread that ended between the listing and the read
+                continue
+        return None
 
 
 def _steal_s(path: Path) -> Optional[float]:
@@ -273,15 +297,19 @@ class ThroughputMeter:
         self.window = Window()
         self.steps_seen = 0
         self._t0: Optional[float] = None
-        self._clock0, self._thread = HostClock.read(), threading.get_ident()
+        self._backward = BackwardThreadClock(device)
+        self._clock0, self._thread = self._host_clock(), threading.get_ident()
         self.total = Window(host=HostClock(0.0, 0.0, 0.0, 0, 0.0, 0.0), gc_s_all_ranks=0.0)
         self.total_seconds = 0.0
 
     def start(self) -> None:
         synchronize(self.device)
         self._t0 = time.perf_counter()
-        self._clock0, self._thread = HostClock.read(), threading.get_ident()
+        self._clock0, self._thread = self._host_clock(), threading.get_ident()
         self.window = Window()
+
+    def _host_clock(self) -> HostClock:
+        return HostClock.read(backward=self._backward)
 
     def add_data_wait(self, seconds: float) -> None:
         self.window.data_wait_s += seconds
@@ -311,10 +339,14 @@ class ThroughputMeter:
         """Rates for the window since the last read, then start a new window. Empty during warm-up."""
         synchronize(self.device)
         now = time.perf_counter()
-        clock = HostClock.read()
+        clock = self._host_clock()
         w = self.window
+        start = self._clock0
+        if start.backward_cpu_s is None and clock.backward_cpu_s is not None:
+            # The first backward of the window started autograd's thread: its clock counts from its start
+            start = dataclasses.replace(start, backward_cpu_s=0.0)
         # Thread clocks compare only within one thread: read from another, the window has none
-        w.host = clock - self._clock0 if threading.get_ident() == self._thread else None
+        w.host = clock - start if threading.get_ident() == self._thread else None
         ws = self.world_size
         counts = {"samples": float(w.samples), "tokens": float(w.tokens), "real_tokens": float(w.real_tokens),
                   "flops": w.flops}
