@@ -109,10 +109,13 @@ for part in "$@"; do
       # fit, and the next slot starts when all have ended; GPU g takes the engines in an order rotated by g (so a slot's
       # GPUs run different engines, and each engine runs on every GPU), ROUNDS times (every other round reversed), each
       # GPU's fits on their own slice of the CPUs. benchmarks/tax_square.py pairs each row with a plain row, on its GPU
-      # and in its round, and at the same time. Uses as many GPUs as there are engines at most. CPUS=all: no slices;
+      # and in its round, and at the same time (with fewer GPUs than engines, the plain engine meets only some of the
+      # others in a slot). Uses as many GPUs as there are engines at most. CPUS=all: no slices;
       # LIMIT_S: each fit's time limit
       S=${STRATS:-ddp,zero0,zero1,zero2}; E=(${S//,/ }); k=${#E[@]}
       n=$(nvidia-smi -L | wc -l); [ "$n" -gt "$k" ] && n=$k
+      rm -rf "$OUT/imdb_tax_square"; mkdir -p "$OUT/imdb_tax_square"  # a rerun's old slots would mix in
+      echo "${E[*]}" > "$OUT/imdb_tax_square/engines.txt"  # the slots' rounds, for tax_square.py
       cpus=($(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)))")); per=$(( ${#cpus[@]} / n ))
       for t in $(seq 0 $(( ${ROUNDS:-2} * k - 1 ))); do
         for g in $(seq 0 $((n - 1))); do

@@ -9,9 +9,11 @@ many rows, paired two ways, say what the engine itself costs:
 * **same GPU, same round**: each row against the plain row that ran on its GPU in its round (cancels
   what differs between GPUs and their CPU slices);
 * **at the same time**: each row against the plain row, on another GPU, whose timed steps overlapped its own
-  most closely (cancels what the whole machine did at that moment). A row no plain row overlapped is left
-  unpaired: sweeps that were not held in step drift apart (session 23's first square: GPUs 2-3 fell a row
-  behind GPUs 0-1 after a slower first fit), and rows that ran at different times are not a pair.
+  the longest, if for at least half of the shorter of the two (cancels what the whole machine did at that
+  moment). Other rows are left unpaired: fits of different engines take different times, so even fits started
+  together end their timed steps apart, and sweeps not held in step drift apart (session 23's first square:
+  GPUs 2-3 fell a fit behind GPUs 0-1 after a slower first fit). With fewer GPUs than engines the plain engine
+  shares its slots with some engines only, and the others get no pair of this kind.
 
 Reads ``gpu<g>/slot<t>/benchmark.json`` (one fit each) or ``gpu<g>/benchmark.json`` (one sweep per GPU). A row's
 timed window ends with its fit (the timed steps are the last) and lasts its steps times its s/step; its start
@@ -38,15 +40,20 @@ def _number(path: Path, prefix: str) -> int:
     return int(path.name.removeprefix(prefix))
 
 
-def result_files(folder: Path) -> list[tuple[int, Path]]:
-    """(GPU, file) for every benchmark.json of the square, by GPU and then slot."""
+def result_files(folder: Path) -> list[tuple[int, int | None, Path]]:
+    """(GPU, slot, file) for every benchmark.json of the square, by GPU and then slot; slot None for a GPU's
+    whole sweep. One layout only: a folder holding both is a rerun over old results, which would mix."""
     gpus = sorted((p for p in folder.glob("gpu*") if re.fullmatch(r"gpu\d+", p.name)), key=lambda p: _number(p, "gpu"))
-    files = []
+    files: list[tuple[int, int | None, Path]] = []
     for gpu in gpus:
         slots = sorted((p for p in gpu.glob("slot*") if re.fullmatch(r"slot\d+", p.name)), key=lambda p: _number(p, "slot"))
-        files += [(_number(gpu, "gpu"), s / "benchmark.json") for s in slots if (s / "benchmark.json").is_file()]
+        files += [(_number(gpu, "gpu"), _number(s, "slot"), s / "benchmark.json") for s in slots
+                  if (s / "benchmark.json").is_file()]
         if (gpu / "benchmark.json").is_file():
-            files.append((_number(gpu, "gpu"), gpu / "benchmark.json"))
+            files.append((_number(gpu, "gpu"), None, gpu / "benchmark.json"))
+    if len({slot is None for _, slot, _ in files}) > 1:
+        raise SystemExit(f"tax_square: {folder} holds both gpu*/benchmark.json and gpu*/slot*/benchmark.json: "
+                         "results of two runs; give it one run's folder")
     return files
 
 
@@ -56,10 +63,12 @@ def read_rows(folder: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     elapsed: dict[int, float] = {}  # per GPU: the wall time of its rows so far
     place: dict[int, int] = {}  # per GPU: the rows so far
-    all_rows = [(gpu, row) for gpu, path in result_files(folder) for row in json.loads(path.read_text())["rows"]]
-    engines = len({row["strategy"] for _, row in all_rows}) or 1
-    timestamps = all(row.get("started_unix") is not None for _, row in all_rows)
-    for gpu, row in all_rows:
+    all_rows = [(gpu, slot, row) for gpu, slot, path in result_files(folder)
+                for row in json.loads(path.read_text())["rows"]]
+    listed = folder / "engines.txt"  # written by the gpu_suite part: the engines of one round, whatever finished
+    engines = (len(listed.read_text().split()) if listed.is_file() else len({row["strategy"] for *_, row in all_rows})) or 1
+    timestamps = all(row.get("started_unix") is not None for *_, row in all_rows)
+    for gpu, slot, row in all_rows:
         start = row["started_unix"] if timestamps else elapsed.get(gpu, 0.0)
         wall = float(row.get("wall_s") or 0.0)
         elapsed[gpu] = elapsed.get(gpu, 0.0) + wall
@@ -67,7 +76,9 @@ def read_rows(folder: Path) -> list[dict[str, Any]]:
         if row.get("status") != "ok" or not row.get("throughput_sec_per_step"):
             continue
         timed = row["throughput_sec_per_step"] * (row.get("throughput_measured_steps") or 0)
-        rows.append({"gpu": gpu, "round": row.get("round", n // engines + 1), "strategy": row["strategy"],
+        # A slot's round is its number's (a slot whose fit left no file shifts nothing); a sweep's rows carry theirs
+        rnd = slot // engines + 1 if slot is not None else row.get("round", n // engines + 1)
+        rows.append({"gpu": gpu, "round": rnd, "strategy": row["strategy"],
                      "sec_per_step": row["throughput_sec_per_step"], "timed_from": start + wall - timed,
                      "timed_to": start + wall, "host_cpu_frac": row.get("throughput_host_cpu_frac"),
                      "backward_cpu_frac": row.get("throughput_host_backward_cpu_frac")})
@@ -85,19 +96,27 @@ def taxes_same_gpu(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     return taxes
 
 
+MIN_OVERLAP = 0.5  # of the shorter timed window: less, and the two rows mostly ran at different moments
+
+
 def taxes_same_time(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Per engine, each row's s/step over that of the plain row on another GPU whose timed window overlapped
-    its own the longest, minus 1; rows no plain row overlapped are left out."""
+    its own the longest, minus 1, where that overlap is at least MIN_OVERLAP of the shorter window; other rows
+    are left out. Each row records its best overlap (``overlap``: the share of the shorter window)."""
     plain = [r for r in rows if r["strategy"] == BASELINE]
     taxes: dict[str, list[float]] = {}
     for r in rows:
         if r["strategy"] == BASELINE:
             continue
-        overlaps = [(min(r["timed_to"], p["timed_to"]) - max(r["timed_from"], p["timed_from"]), p)
-                    for p in plain if p["gpu"] != r["gpu"]]
-        best = max(overlaps, key=lambda o: o[0], default=(0.0, None))
-        if best[0] > 0:
-            taxes.setdefault(r["strategy"], []).append(r["sec_per_step"] / best[1]["sec_per_step"] - 1)
+        best, partner = 0.0, None
+        for p in plain:
+            shorter = min(r["timed_to"] - r["timed_from"], p["timed_to"] - p["timed_from"])
+            both = min(r["timed_to"], p["timed_to"]) - max(r["timed_from"], p["timed_from"])
+            if p["gpu"] != r["gpu"] and shorter > 0 and both / shorter > best:
+                best, partner = both / shorter, p
+        r["overlap"] = round(best, 3)
+        if partner is not None and best >= MIN_OVERLAP:
+            taxes.setdefault(r["strategy"], []).append(r["sec_per_step"] / partner["sec_per_step"] - 1)
     return taxes
 
 
@@ -134,6 +153,7 @@ def markdown(s: dict[str, Any]) -> str:
     t0 = min(r["timed_from"] for r in s["rows"])
     lines = [f"GPUs: {', '.join(env.get('gpus', []))}; torch {env.get('versions', {}).get('torch')}, DeepSpeed "
              f"{env.get('versions', {}).get('deepspeed')}; commit {env.get('commit')}.", "",
+             f"Pairs at the same time need timed steps overlapping by {MIN_OVERLAP:.0%} of the shorter window.", "",
              f"First file's command (the others differ in the strategies and --out): `{s['commands'][0]}`", "",
              "| engine | rows | median ms/step | fastest - slowest | tax, same GPU and round | tax, at the same time |",
              "|---|---|---|---|---|---|"]
@@ -142,12 +162,12 @@ def markdown(s: dict[str, Any]) -> str:
                      f"{e['slowest_ms']:.2f} | {tax(e['tax_same_gpu'])} | {tax(e['tax_same_time'])} |")
     lines += ["", "Median ms/step per GPU (all engines): "
               + ", ".join(f"GPU {g} {ms:.2f}" for g, ms in s["median_ms_per_gpu"].items()), "",
-              "| GPU | round | engine | ms/step | timed steps, s from the first | loop thread on CPU | backward thread on CPU |",
-              "|---|---|---|---|---|---|---|"]
+              "| GPU | round | engine | ms/step | timed steps, s from the first | best overlap with a plain row "
+              "| loop thread on CPU | backward thread on CPU |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(s["rows"], key=lambda r: (r["timed_from"], r["gpu"])):
-        shares = [f"{r[k]:.0%}" if r.get(k) is not None else "-" for k in ("host_cpu_frac", "backward_cpu_frac")]
+        shares = [f"{r[k]:.0%}" if r.get(k) is not None else "-" for k in ("overlap", "host_cpu_frac", "backward_cpu_frac")]
         lines.append(f"| {r['gpu']} | {r['round']} | {r['strategy']} | {1000 * r['sec_per_step']:.2f} | "
-                     f"{r['timed_from'] - t0:.0f}-{r['timed_to'] - t0:.0f} | {shares[0]} | {shares[1]} |")
+                     f"{r['timed_from'] - t0:.0f}-{r['timed_to'] - t0:.0f} | {' | '.join(shares)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -180,7 +200,7 @@ def main() -> None:
     rows = read_rows(args.folder)
     if not rows:
         raise SystemExit(f"tax_square: no ok rows in {args.folder}/gpu*/[slot*/]benchmark.json")
-    results = {str(path.relative_to(args.folder)): json.loads(path.read_text()) for _, path in result_files(args.folder)}
+    results = {str(path.relative_to(args.folder)): json.loads(path.read_text()) for *_, path in result_files(args.folder)}
     first = next(iter(results.values()))
     s = {**summarize(rows), "environment": first["environment"], "commands": [r["command"] for r in results.values()],
          "files": list(results)}

@@ -138,7 +138,7 @@ def test_the_backward_clock_reads_its_own_devices_autograd_thread(tmp_path):
     assert start.backward_cpu_s == pytest.approx(0.25)
     (tmp_path / "12" / "schedstat").write_text("1250000000 5 7\n")
     assert (HostClock.read(backward=clock) - start).backward_cpu_s == pytest.approx(1.0)
-    (tmp_path / "12" / "schedstat").unlink()  # the thread ended; a new one took the name
+    (tmp_path / "12" / "schedstat").unlink()  # the thread ended (its comm still there); a new one took the name
     _thread(tmp_path, 14, "pt_autograd_1", 50_000_000)
     assert clock.seconds() == pytest.approx(0.05)
     assert BackwardThreadClock(torch.device("cpu"), tasks=tmp_path).seconds() is None

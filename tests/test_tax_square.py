@@ -84,6 +84,38 @@ def test_one_fit_per_slot_takes_rounds_from_the_slots_and_times_from_the_rows(tm
     assert len(s["files"]) == 8 and s["files"][0] == "gpu0/slot0/benchmark.json"
 
 
+def test_a_slot_that_left_no_file_shifts_no_later_row_into_another_round(tmp_path, monkeypatch):
+    # As above, but GPU 0's slot 1 fit was killed before it wrote anything: its round-2 rows stay in round 2
+    (tmp_path / "engines.txt").write_text("ddp zero0\n")
+    for g, order in ((0, ["ddp", None, "zero0", "ddp"]), (1, ["zero0", "ddp", "ddp", "zero0"])):
+        for t, name in enumerate(order):
+            if name:
+                ms = {"ddp": 10.0, "zero0": 11.0}[name] * (2 if t >= 2 else 1)
+                _write(tmp_path, f"gpu{g}/slot{t}", [_row(name, ms, started=1000.0 + 100 * t)])
+    _main(monkeypatch, tmp_path)
+    s = json.loads((tmp_path / "tax_square.json").read_text())
+    assert [r["round"] for r in s["rows"] if r["gpu"] == 0] == [1, 2, 2]
+    same_gpu = _engine(s, "zero0")["tax_same_gpu"]
+    assert same_gpu["n"] == 3 and same_gpu["highest"] == pytest.approx(0.1)  # no round-2 row against round 1's 10 ms
+
+
+def test_rows_whose_timed_steps_barely_overlap_are_no_pair(tmp_path, monkeypatch):
+    # ddp timed 9.0-10.0 s; zero0 timed 9.8-11.8 s: 0.2 s in common, 20% of the shorter window
+    _write(tmp_path, "gpu0", [_row("ddp", 10.0, rnd=1)])
+    _write(tmp_path, "gpu1", [_row("zero0", 20.0, wall_s=11.8, rnd=1)])
+    _main(monkeypatch, tmp_path)
+    s = json.loads((tmp_path / "tax_square.json").read_text())
+    assert _engine(s, "zero0")["tax_same_time"] is None
+    assert next(r for r in s["rows"] if r["strategy"] == "zero0")["overlap"] == pytest.approx(0.2)
+
+
+def test_a_folder_with_two_runs_layouts_is_refused(tmp_path, monkeypatch):
+    _write(tmp_path, "gpu0", [_row("ddp", 10.0, rnd=1)])
+    _write(tmp_path, "gpu0/slot0", [_row("ddp", 10.0, started=1.0)])
+    with pytest.raises(SystemExit, match="two runs"):
+        _main(monkeypatch, tmp_path)
+
+
 def test_the_square_with_no_finished_row_says_so(tmp_path, monkeypatch):
     _write(tmp_path, "gpu0", [_row("ddp", 10.0, status="failed")])
     with pytest.raises(SystemExit, match="no ok rows"):

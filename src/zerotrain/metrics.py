@@ -257,8 +257,9 @@ class BackwardThreadClock:
         for thread in threads:
             try:
                 if (thread / "comm").read_text().strip() == self.name:
+                    int((thread / "schedstat").read_text().split()[0])  # a thread that has ended reads no more
                     return thread
-            except (OSError, ValueError):  # a thread that ended between the listing and the read
+            except (OSError, IndexError, ValueError):  # a thread that ended between the listing and the read
                 continue
         return None
 
@@ -342,8 +343,9 @@ class ThroughputMeter:
         clock = self._host_clock()
         w = self.window
         start = self._clock0
-        if start.backward_cpu_s is None and clock.backward_cpu_s is not None:
-            # The first backward of the window started autograd's thread: its clock counts from its start
+        if clock.backward_cpu_s is not None and (start.backward_cpu_s is None or clock.backward_cpu_s < start.backward_cpu_s):
+            # Autograd's thread started in this window (the first backward), or a new one replaced it: its clock
+            # counts from its own start
             start = dataclasses.replace(start, backward_cpu_s=0.0)
         # Thread clocks compare only within one thread: read from another, the window has none
         w.host = clock - start if threading.get_ident() == self._thread else None
