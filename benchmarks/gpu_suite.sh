@@ -35,12 +35,12 @@ old_src_on_path() {
 }
 # Runs a command with OLD_SRC's code in place of this checkout's, recorded under OLD_COMMIT (after old_src_on_path)
 old() { PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" ZEROTRAIN_COMMIT="${OLD_COMMIT:-old}" "$@"; }
-# IMDB preset (b) for 2 epochs per engine, the second timed (every padded length seen once):
+# IMDB preset (b) for 2 epochs per engine (EPOCHS), all but the first timed (every padded length seen once):
 # imdb_tax OUTDIR STRATEGIES [TIME LIMIT IN S]; PREDICT=false: no memory prediction (its probe) per row;
 # ROUNDS=N: every engine N times, alternating order, with the median tax of the rounds (zerotrain benchmark --rounds)
 imdb_tax() {
   timeout "${3:-0}" python3 -m zerotrain benchmark imdb --strategies "$2" --nproc 1 --out "$1" --config configs/imdb_b.yaml \
-    --data.pad_to_multiple_of ${PAD:-64} --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
+    --data.pad_to_multiple_of ${PAD:-64} --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs ${EPOCHS:-2} \
     --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
     --checkpoint.save_final false --predict ${PREDICT:-true} --rounds ${ROUNDS:-1} --profile ${PROFILE:-0} \
     | tail -n $((6 + 4 * ${ROUNDS:-1}))
@@ -110,7 +110,8 @@ for part in "$@"; do
       # GPUs run different engines, and each engine runs on every GPU), ROUNDS times (every other round reversed), each
       # GPU's fits on their own slice of the CPUs. benchmarks/tax_square.py pairs each row with a plain row, on its GPU
       # and in its round, and at the same time (with fewer GPUs than engines, the plain engine meets only some of the
-      # others in a slot). Uses as many GPUs as there are engines at most. CPUS=all: no slices;
+      # others in a slot). Uses as many GPUs as there are engines at most. EPOCHS (default 3): all but the first
+      # timed, ~10 s, so that fits of engines that start or end a few seconds apart still share most of it; CPUS=all: no slices;
       # LIMIT_S: each fit's time limit
       S=${STRATS:-ddp,zero0,zero1,zero2}; E=(${S//,/ }); k=${#E[@]}
       n=$(nvidia-smi -L | wc -l); [ "$n" -gt "$k" ] && n=$k
@@ -126,7 +127,8 @@ for part in "$@"; do
               slice=$(IFS=,; echo "${cpus[*]:$(( g * per )):per}")
               taskset -cp "$slice" $BASHPID || exit 1
             fi
-            CUDA_VISIBLE_DEVICES=$g PREDICT=false ROUNDS=1 imdb_tax "$OUT/imdb_tax_square/gpu$g/slot$t" "${rot[i]}" ${LIMIT_S:-0}
+            CUDA_VISIBLE_DEVICES=$g PREDICT=false ROUNDS=1 EPOCHS=${EPOCHS:-3} imdb_tax "$OUT/imdb_tax_square/gpu$g/slot$t" \
+              "${rot[i]}" ${LIMIT_S:-0}
           ) >> "$OUT/imdb_tax_square/gpu$g.log" 2>&1 &
         done
         wait  # the slot ends with its slowest fit
