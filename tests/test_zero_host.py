@@ -166,6 +166,56 @@ def test_the_one_launch_norm_is_deepspeeds(monkeypatch, dtype, poison):
     assert len(more_ops) == len(ops)
 
 
+def _global_norm(method, grads: list[torch.Tensor], monkeypatch, groups: int = 1,
+                 device: str = "cpu") -> tuple[torch.Tensor, list]:
+    """``scaled_global_norm`` of a one-rank optimizer whose ``groups`` parameter groups each hold ``grads``
+    (DeepSpeed's per-group norm inside), and the ops it ran."""
+    from deepspeed import comm
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    monkeypatch.setattr(comm, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(comm, "all_reduce", lambda tensor, *args, **kwargs: None)  # one rank: the identity
+    params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
+    grads = [g.to(device) for g in grads]
+    params = [p.to(device) for p in params]
+    opt = SimpleNamespace(model_parallel_rank=0, device=device, dp_process_group=None, cpu_offload=False,
+                          has_moe_layers=False, bit16_groups=[params] * groups, params_in_partition=[params] * groups,
+                          averaged_gradients=[grads] * groups, _muon_update_lacks_loss_scale=lambda i: False,
+                          _model_parallel_all_reduce=lambda tensor, op: None)
+    opt.get_grad_norm_direct = lambda *a: DeepSpeedZeroOptimizer.get_grad_norm_direct(opt, *a)
+    with RecordOps() as ops:
+        norm = method(opt)
+    return norm, ops.ops
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan"), 3e38])
+def test_the_one_group_global_norm_is_deepspeeds(monkeypatch, poison, device):
+    """One parameter group: DeepSpeed's masked norm and combination of groups, bitwise, in fewer ops: a
+    finite norm as it is, inf for a gradient with inf or NaN, and inf where the norm itself overflows."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    torch.manual_seed(0)
+    grads = [torch.randn(64, 32) * 1e-3, torch.randn(32) * 10.0, torch.randn(7, 5, 3)]
+    if poison is not None:
+        grads[2][1, 1, 1] = poison
+    theirs, their_ops = _global_norm(DeepSpeedZeroOptimizer.scaled_global_norm, grads, monkeypatch, device=device)
+    ours, our_ops = _global_norm(zero_host._scaled_global_norm, grads, monkeypatch, device=device)
+    assert ours.dtype == theirs.dtype == torch.float32
+    assert torch.equal(ours, theirs), (ours, theirs)
+    assert (ours.item() == float("inf")) == (poison is not None)
+    assert len(our_ops) < len(their_ops) - 8, (our_ops, their_ops)
+
+
+def test_the_global_norm_of_several_groups_is_deepspeeds_own(monkeypatch):
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    grads = [torch.tensor([3.0, -4.0])]
+    theirs, their_ops = _global_norm(DeepSpeedZeroOptimizer.scaled_global_norm, grads, monkeypatch, groups=2)
+    ours, our_ops = _global_norm(zero_host._scaled_global_norm, grads, monkeypatch, groups=2)
+    assert torch.equal(ours, theirs) and our_ops == their_ops
+
+
 def test_the_norm_of_another_order_is_deepspeeds(monkeypatch):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

@@ -44,10 +44,14 @@ def _unscale_and_clip_grads(self: Any, grad_groups_flat: list, total_norm: Any) 
         return None
     combined_scale = self.loss_scale
     if self.clip_grad > 0.0:
-        valid = torch.isfinite(total_norm) & (total_norm >= 0)
-        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
-        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad  # the norm is norm * loss scale
-        combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+        # Invalid (not finite, or DeepSpeed's -1) becomes inf: a NaN and the -1 fail ">= 0", inf stays inf.
+        clip_norm = torch.where(total_norm >= 0, total_norm, float("inf"))
+        if self.loss_scale != 1.0:  # bf16 and fp32 train at 1.0, where both operations return x exactly
+            clip_norm = clip_norm / self.loss_scale  # the norm is norm * loss scale
+        clip = (clip_norm + 1e-6) / self.clip_grad
+        combined_scale = torch.clamp(clip, min=1.0)
+        if self.loss_scale != 1.0:
+            combined_scale = combined_scale * self.loss_scale
     for grad in grad_groups_flat:
         for g in grad if isinstance(grad, list) else [grad]:
             g.data.mul_(1.0 / combined_scale)

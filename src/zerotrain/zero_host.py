@@ -16,7 +16,10 @@ of those per-tensor costs buy nothing:
 * **The gradient norm.** DeepSpeed casts each gradient to float64 and takes its norm: two kernels and
   a tensor allocation per parameter tensor. :func:`norm_in_one_launch` takes the same float64 norms
   with ``torch._foreach_norm`` (one multi-tensor launch) and sums them as DeepSpeed does; on one rank
-  it also leaves out the all-reduce of the result with itself.
+  it also leaves out the all-reduce of the result with itself. With one parameter group (zerotrain's always),
+  :func:`_scaled_global_norm` also skips what DeepSpeed wraps around that norm: an inf/NaN mask to -1 and a
+  combination of the groups that turns the -1 back into inf, ~13 small launches and their Python for one
+  value (py-spy, IMDB (b) on one H200: 6% of ZeRO-1's loop thread, BENCHMARKS.md session 24).
 
 On several ranks ZeRO-1 reduces more than it uses: every gradient is all-reduced, though a rank updates
 only its partition, and then copied back, tensor by tensor, and cut out again.
@@ -218,6 +221,7 @@ def norm_in_one_launch(optimizer: Any) -> bool:
     if any(hasattr(p, PIPE_REPLICATED) for group in optimizer.bit16_groups for p in group):
         return False
     optimizer.get_grad_norm_direct = types.MethodType(_grad_norm_direct, optimizer)
+    optimizer.scaled_global_norm = types.MethodType(_scaled_global_norm, optimizer)
     return True
 
 
@@ -227,12 +231,22 @@ def _grad_norm_direct(self: Any, gradients: list[torch.Tensor], params: list[tor
     norm dtype (float64 where the device has it), squared, summed, reduced and rooted in DeepSpeed's
     order. The per-tensor norms come from one ``_foreach_norm``: a different kernel, so they may differ
     from DeepSpeed's in the last bit of a float64, far below the float32 the norm is used in."""
-    from deepspeed import comm as dist
     from deepspeed.runtime.zero import stage_1_and_2
-    from deepspeed.runtime.zero.utils import get_norm_dtype
 
     if float(norm_type) != 2.0:
         return stage_1_and_2.DeepSpeedZeroOptimizer.get_grad_norm_direct(self, gradients, params, norm_type)
+    total = _l2_norm(self, gradients)
+    # The module's global, so that zero_clip's sync-free mask applies here as it does to DeepSpeed's method.
+    stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
+    return total
+
+
+def _l2_norm(self: Any, gradients: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of a ZeRO-1/2 optimizer's ``gradients`` over every rank, as DeepSpeed takes it before masking:
+    inf or NaN where a gradient holds one."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.utils import get_norm_dtype
+
     grads = [g for g in gradients if not getattr(g, "_zero_padding", False)]
     if grads:
         norms = torch._foreach_norm(grads, 2, dtype=get_norm_dtype())
@@ -242,10 +256,22 @@ def _grad_norm_direct(self: Any, gradients: list[torch.Tensor], params: list[tor
     if dist.get_world_size(group=self.dp_process_group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.dp_process_group)
     self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-    total = total.pow(0.5)
-    # The module's global, so that zero_clip's sync-free mask applies here as it does to DeepSpeed's method.
-    stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
-    return total
+    return total.pow(0.5)
+
+
+def _scaled_global_norm(self: Any, norm_type: float = 2) -> torch.Tensor:
+    """``DeepSpeedZeroOptimizer.scaled_global_norm`` for one parameter group, bitwise.
+
+    DeepSpeed masks the group's inf/NaN norm to -1, then ``combine_grad_norm_groups`` takes the L2 norm of the
+    groups' norms and returns inf where one is -1 (or not finite). For one group that is the L2 norm of the one
+    value where it is finite and inf where it is not: three launches instead of ~16."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if (len(self.bit16_groups) != 1 or self.cpu_offload or self.has_moe_layers or float(norm_type) != 2.0
+            or self._muon_update_lacks_loss_scale(0)):
+        return stage_1_and_2.DeepSpeedZeroOptimizer.scaled_global_norm(self, norm_type)
+    norm = _l2_norm(self, self.averaged_gradients[0])
+    return torch.where(torch.isfinite(norm), torch.linalg.vector_norm(norm), float("inf"))
 
 
 def rebind_only_moved_weights(optimizer: Any) -> bool:
