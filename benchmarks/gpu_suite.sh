@@ -141,6 +141,7 @@ for part in "$@"; do
       # Read them with benchmarks/stack_shares.py
       i=0
       S=${STRATS:-ddp,zero0}
+      rm -rf "$OUT/pyspy_imdb"; mkdir -p "$OUT/pyspy_imdb"  # a rerun's fit would refuse the old run's folder
       for s in ${S//,/ }; do
         CUDA_VISIBLE_DEVICES=$i z benchmark imdb --strategies $s --nproc 1 --predict false --out "$OUT/pyspy_imdb/$s" \
           --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 4 \

@@ -10,8 +10,9 @@ frames are also grouped by the innermost zerotrain frame above them (what zerotr
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Optional
 
 
 def _short(frame: str) -> str:
@@ -20,8 +21,10 @@ def _short(frame: str) -> str:
     return f"{name} ({where.rsplit('/', 1)[-1]}" if where else frame
 
 
-def shares(lines: list[str]) -> dict[str, tuple[int, Counter, Counter]]:
-    """Per thread: its samples, and its samples by innermost frame and by innermost zerotrain frame > frame."""
+def shares(lines: list[str], phases: Optional[defaultdict] = None) -> dict[str, tuple[int, Counter, Counter]]:
+    """Per thread: its samples, and its samples by innermost frame and by innermost zerotrain frame > frame;
+    by step phase (:func:`phase`) into ``phases`` where given."""
+    phases = defaultdict(Counter) if phases is None else phases
     threads: dict[str, tuple[int, Counter, Counter]] = {}
     for line in lines:
         stack, _, count = line.rpartition(" ")
@@ -35,8 +38,24 @@ def shares(lines: list[str]) -> dict[str, tuple[int, Counter, Counter]]:
         leaf[inner] += n
         zt = [f for f in calls if "zerotrain/" in f]
         ours[f"{_short(zt[-1]) if zt else '-'} > {inner}"] += n
+        phases[thread][phase(calls)] += n
         threads[thread] = (total + n, leaf, ours)
     return threads
+
+
+def phase(calls: list[str]) -> str:
+    """The part of zerotrain's training step a stack is in, from the frame that ``Engine.train_step`` called:
+    its backward or optimizer-step hook, or its own lines (the forward, moving the batch, adding up the loss)."""
+    for i, frame in enumerate(calls):
+        name, _, where = frame.partition(" (")
+        if name.endswith("train_step") and "zerotrain/engine.py" in where:
+            callee = calls[i + 1].partition(" (")[0] if i + 1 < len(calls) else ""
+            if callee.endswith("._backward"):
+                return "backward"
+            if callee.endswith("._optimizer_step"):
+                return "optimizer step"
+            return "forward and the step's own lines"
+    return "outside the step"
 
 
 def main() -> None:
@@ -47,10 +66,16 @@ def main() -> None:
     args = parser.parse_args()
     wanted = [t for t in args.threads.split(",") if t]
     out = [f"py-spy samples from `{args.raw.name}`, share of each thread's samples", ""]
-    for thread, (total, leaf, ours) in sorted(shares(args.raw.read_text().splitlines()).items(), key=lambda x: -x[1][0]):
+    phases: defaultdict = defaultdict(Counter)
+    threads = shares(args.raw.read_text().splitlines(), phases)
+    for thread, (total, leaf, ours) in sorted(threads.items(), key=lambda x: -x[1][0]):
         if wanted and not any(w in thread for w in wanted):
             continue
-        out += [f"### {thread}: {total} samples", "", "| share | innermost frame |", "|---|---|"]
+        out += [f"### {thread}: {total} samples", ""]
+        if set(phases[thread]) != {"outside the step"}:  # the loop's thread
+            out += ["| share | part of the training step |", "|---|---|"]
+            out += [f"| {c / total:.1%} | {k} |" for k, c in phases[thread].most_common()] + [""]
+        out += ["| share | innermost frame |", "|---|---|"]
         out += [f"| {c / total:.1%} | `{k}` |" for k, c in leaf.most_common(args.top)]
         if any(not k.startswith("- >") for k in ours):
             out += ["", "| share | innermost zerotrain frame > innermost frame |", "|---|---|"]
