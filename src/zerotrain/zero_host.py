@@ -18,8 +18,10 @@ of those per-tensor costs buy nothing:
   with ``torch._foreach_norm`` (one multi-tensor launch) and sums them as DeepSpeed does; on one rank
   it also leaves out the all-reduce of the result with itself. With one parameter group (zerotrain's always),
   :func:`_scaled_global_norm` also skips what DeepSpeed wraps around that norm: an inf/NaN mask to -1 and a
-  combination of the groups that turns the -1 back into inf, ~13 small launches and their Python for one
-  value (py-spy, IMDB (b) on one H200: 6% of ZeRO-1's loop thread, BENCHMARKS.md session 24).
+  combination of the groups that turns the -1 back into inf: ~13 small launches and their Python for one
+  value, where py-spy found 6% of ZeRO-1's loop thread at IMDB (b) on an H200. The same values, in fewer
+  launches; timed alone, the step's host time did not move beyond that machine's noise (BENCHMARKS.md,
+  session 24).
 
 On several ranks ZeRO-1 reduces more than it uses: every gradient is all-reduced, though a rank updates
 only its partition, and then copied back, tensor by tensor, and cut out again.
