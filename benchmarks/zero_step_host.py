@@ -2,16 +2,19 @@
 
 A host-bound step (IMDB preset (b): ~80 parameter tensors, a ~7 ms step) moves by more from run to run than
 one change to the optimizer step is worth, so this times the step alone. One engine (IMDB (b)'s model,
-17.9M parameters, bf16, clip 1.0) takes a forward and backward on a fixed batch, waits for the GPU, and
-then the host time of ``engine.step()`` is read: until it returns, the GPU is idle behind it, so this is
-the time the host needs to queue the step. The variants take turns in blocks of ``--steps`` steps, so the
+17.9M parameters, bf16, clip 1.0, the JSON rewritten by zerotrain's ``ds_config.fast_path``) takes a forward
+and backward on a fixed batch, waits for the GPU, and then the host time of ``engine.step()`` is read. The
+script first runs zerotrain's step under CUDA's sync-debug "error" mode: it never waits for the GPU, so its
+host time is the time the host needs to queue the step. (Session 24's first run, without the rewrite, had
+DeepSpeed's overflow check and throughput timer wait inside every variant's step: its times are not this.) The variants take turns in blocks of ``--steps`` steps, so the
 host's drifting speed (BENCHMARKS.md, session 23) falls on every variant alike:
 
 * ``zerotrain``: the engine's optimizer as zerotrain's fast path leaves it;
 * ``without one-group norm``: the same with DeepSpeed's ``scaled_global_norm`` (its mask and group
   combination around zerotrain's one-launch norm);
 * ``deepspeed``: every zerotrain method on the optimizer removed: DeepSpeed 0.19.8's own step (its norm,
-  clip and rebinding). zerotrain's sync-free norm mask is a module global and stays in all three.
+  clip and rebinding; its clip reads the norm to the host, so this variant's time includes that wait).
+  zerotrain's sync-free norm mask is a module global and stays in all three, as do the JSON rewrites.
 
     python benchmarks/zero_step_host.py OUT_DIR [--steps 100] [--blocks 8]
 
@@ -42,6 +45,7 @@ def build(stage: int, micro_batch: int, seq: int):
     """IMDB preset (b)'s model under zerotrain's engine setup for ZeRO ``stage``, and one batch for it."""
     import deepspeed
 
+    from zerotrain.ds_config import fast_path
     from zerotrain.models.sentiment import SentimentClassifier
     from zerotrain.zero_clip import clip_without_sync, mask_norms_without_sync
     from zerotrain.zero_host import norm_in_one_launch, rebind_only_moved_weights, skip_one_rank_reduction
@@ -51,7 +55,9 @@ def build(stage: int, micro_batch: int, seq: int):
                                 max_len=1024, dropout=0.2, pad_token_id=1)
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "optimizer": {"type": "Adam", "params": {"lr": 2e-4}},
-              "zero_optimization": {"stage": stage, "contiguous_gradients": False, "overlap_comm": False}}
+              "zero_optimization": {"stage": stage, "overlap_comm": False}}
+    # zerotrain's rewrites of the JSON (no bf16 overflow check, no throughput timer: both make the step wait)
+    fast_path(config, "cuda" if torch.cuda.is_available() else "cpu", world_size=1)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     mask_norms_without_sync(True)
     clip_without_sync(engine.optimizer)
@@ -74,10 +80,11 @@ def set_variant(optimizer, removed: tuple[str, ...], saved: dict) -> None:
         optimizer.__dict__.pop(name, None)
 
 
-def timed_steps(engine, batch, n: int) -> list[float]:
+def timed_steps(engine, batch, n: int, sync=None) -> list[float]:
     """Host milliseconds of ``engine.step()`` for ``n`` steps, each started with the GPU idle (on a CPU, the
     whole step: a check that the script runs, not a measurement)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    if sync is None:
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     out = []
     for _ in range(n):
         loss = engine(**batch)["loss"]
@@ -111,6 +118,14 @@ def main() -> None:
     opt = engine.optimizer
     saved = {name: opt.__dict__[name] for name in PATCHES if name in opt.__dict__}
     timed_steps(engine, batch, args.warmup)  # warm-up: the allocator, FusedAdam's first launch
+    if torch.cuda.is_available():
+        # The premise: zerotrain's step never waits for the GPU, so its host time is what it costs to queue it.
+        # Under sync-debug "error" a wait raises (DeepSpeed's own clip, in the "deepspeed" variant, does wait).
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            timed_steps(engine, batch, 2, sync=lambda: None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     blocks: dict[str, list[float]] = {v: [] for v in VARIANTS}
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     order = list(VARIANTS)

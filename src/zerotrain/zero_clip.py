@@ -43,14 +43,16 @@ def _unscale_and_clip_grads(self: Any, grad_groups_flat: list, total_norm: Any) 
     if self.clip_grad == 0.0 and self.loss_scale == 1.0:
         return None
     combined_scale = self.loss_scale
+    # Only a Python 1.0 is skipped: comparing a tensor scale (override_loss_scale) would read it to the host
+    unit_scale = isinstance(self.loss_scale, (int, float)) and self.loss_scale == 1.0
     if self.clip_grad > 0.0:
         # Invalid (not finite, or DeepSpeed's -1) becomes inf: a NaN and the -1 fail ">= 0", inf stays inf.
         clip_norm = torch.where(total_norm >= 0, total_norm, float("inf"))
-        if self.loss_scale != 1.0:  # bf16 and fp32 train at 1.0, where both operations return x exactly
+        if not unit_scale:  # bf16 and fp32 train at 1.0, where both operations return x exactly
             clip_norm = clip_norm / self.loss_scale  # the norm is norm * loss scale
         clip = (clip_norm + 1e-6) / self.clip_grad
         combined_scale = torch.clamp(clip, min=1.0)
-        if self.loss_scale != 1.0:
+        if not unit_scale:
             combined_scale = combined_scale * self.loss_scale
     for grad in grad_groups_flat:
         for g in grad if isinstance(grad, list) else [grad]:

@@ -20,8 +20,7 @@ of those per-tensor costs buy nothing:
   :func:`_scaled_global_norm` also skips what DeepSpeed wraps around that norm: an inf/NaN mask to -1 and a
   combination of the groups that turns the -1 back into inf: 16 small ops (3 left) and their Python for one
   value, where py-spy found 6% of ZeRO-1's loop thread at IMDB (b) on an H200. The same values, in fewer
-  launches; timed alone, the step's host time did not move beyond that machine's noise (BENCHMARKS.md,
-  session 24).
+  launches; what that saves in time is not measured yet (BENCHMARKS.md, session 24).
 
 On several ranks ZeRO-1 reduces more than it uses: every gradient is all-reduced, though a rank updates
 only its partition, and then copied back, tensor by tensor, and cut out again.
@@ -223,7 +222,12 @@ def norm_in_one_launch(optimizer: Any) -> bool:
     if any(hasattr(p, PIPE_REPLICATED) for group in optimizer.bit16_groups for p in group):
         return False
     optimizer.get_grad_norm_direct = types.MethodType(_grad_norm_direct, optimizer)
-    optimizer.scaled_global_norm = types.MethodType(_scaled_global_norm, optimizer)
+    # Bitwise only against the DeepSpeed that combines groups keeping the -1 invalid (0.19.8); an older one
+    # combined it into 1.0, and keeps its own method
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    if hasattr(stage_1_and_2, "combine_grad_norm_groups") and hasattr(optimizer, "_muon_update_lacks_loss_scale"):
+        optimizer.scaled_global_norm = types.MethodType(_scaled_global_norm, optimizer)
     return True
 
 
