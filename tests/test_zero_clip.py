@@ -32,7 +32,7 @@ def _clip(method, clip_grad: float, loss_scale: float, norm: torch.Tensor) -> tu
 
 
 @pytest.mark.parametrize("clip_grad", [0.0, 0.05, 1.0, 100.0])
-@pytest.mark.parametrize("loss_scale", [1.0, 1024.0])
+@pytest.mark.parametrize("loss_scale", [1.0, 1, 1024.0])
 @pytest.mark.parametrize("norm", [0.01, 3.0, 5e4, float("inf"), float("nan"), -1.0])
 def test_same_gradients_as_deepspeed_and_no_read(clip_grad, loss_scale, norm):
     """Bitwise DeepSpeed's result for a clip that bites, one that does not, no clipping, a loss scale,

@@ -187,6 +187,7 @@ def _global_norm(method, grads: list[torch.Tensor], monkeypatch, groups: int = 1
                              "has_moe_layers": False, "bit16_groups": [params] * groups,
                              "params_in_partition": [params] * groups, "averaged_gradients": [grads] * groups,
                              "loss_scale": 1.0, "_muon_update_lacks_loss_scale": lambda i: muon,
+                             "groups_lacking_loss_scale": {0} if muon else set(),
                              "_model_parallel_all_reduce": lambda tensor, op: None, **flags})
     opt._average_expert_grad_norms = lambda norms: None
     opt.get_grad_norm_direct = types.MethodType(zero_host._grad_norm_direct, opt)
@@ -196,12 +197,12 @@ def _global_norm(method, grads: list[torch.Tensor], monkeypatch, groups: int = 1
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("poison, scale", [(None, 1.0), (None, 1e-20), (1e19, 1.0), (float("inf"), 1.0),
+@pytest.mark.parametrize("poison, scale", [(None, 1.0), (None, 1e-20), (None, 1e-22), (1e19, 1.0), (float("inf"), 1.0),
                                            (float("nan"), 1.0), (3e38, 1.0)])
 def test_the_one_group_global_norm_is_deepspeeds(monkeypatch, poison, scale, device):
     """One parameter group: bitwise DeepSpeed's method around the same one-launch norm (its -1 mask and its
-    combination of groups), 12 fewer ops: a finite norm (tiny, or near float32's square root of its largest
-    number) as it is, inf for a gradient with inf or NaN, and inf where the summed squares overflow float32."""
+    combination of groups), 12 fewer ops: a finite norm (tiny, down to one whose square is subnormal, or near
+    float32's square root of its largest number) as it is, inf for a gradient with inf or NaN, and inf where the summed squares overflow float32."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     torch.manual_seed(0)
@@ -218,7 +219,7 @@ def test_the_one_group_global_norm_is_deepspeeds(monkeypatch, poison, scale, dev
 
 @pytest.mark.parametrize("flags", [{"groups": 2}, {"has_moe_layers": True}, {"muon": True},
                                    {"cpu_offload": True,  # whose norm DeepSpeed takes its own way: a stand-in
-                                    "complete_grad_norm_calculation_for_cpu_offload": lambda params: torch.tensor(5.0)}])
+                                    "complete_grad_norm_calculation_for_cpu_offload": lambda params: torch.tensor(7.0)}])
 def test_the_global_norm_is_deepspeeds_own_where_one_group_does_not_say_it_all(monkeypatch, flags):
     """Several groups, CPU offload (another norm), MoE (expert norms averaged) or a Muon update that lacks the
     loss scale: DeepSpeed's method runs, op for op."""

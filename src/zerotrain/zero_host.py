@@ -18,7 +18,7 @@ of those per-tensor costs buy nothing:
   with ``torch._foreach_norm`` (one multi-tensor launch) and sums them as DeepSpeed does; on one rank
   it also leaves out the all-reduce of the result with itself. With one parameter group (zerotrain's always),
   :func:`_scaled_global_norm` also skips what DeepSpeed wraps around that norm: an inf/NaN mask to -1 and a
-  combination of the groups that turns the -1 back into inf: 16 small ops (3 left) and their Python for one
+  combination of the groups that turns the -1 back into inf: 16 small ops (4 left) and their Python for one
   value, where py-spy found 6% of ZeRO-1's loop thread at IMDB (b) on an H200. The same values, in fewer
   launches; what that saves in time is not measured yet (BENCHMARKS.md, session 24).
 
@@ -270,12 +270,13 @@ def _scaled_global_norm(self: Any, norm_type: float = 2) -> torch.Tensor:
 
     DeepSpeed masks the group's inf/NaN norm to -1, then ``combine_grad_norm_groups`` takes the L2 norm of the
     groups' norms and returns inf where one is -1 (or not finite). For one group that is the L2 norm of the one
-    value where it is finite and inf where it is not: 3 ops after the norm instead of 16 (``norm < inf`` is
+    value where it is finite and inf where it is not: 4 ops after the norm instead of 16 (``norm < inf`` is
     false for inf and NaN alike, in one op where ``isfinite`` takes four)."""
     from deepspeed.runtime.zero import stage_1_and_2
 
+    # The group's membership first: DeepSpeed's Muon check compares the loss scale, a read where it is a tensor
     if (len(self.bit16_groups) != 1 or self.cpu_offload or self.has_moe_layers or float(norm_type) != 2.0
-            or self._muon_update_lacks_loss_scale(0)):
+            or (0 in getattr(self, "groups_lacking_loss_scale", ()) and self._muon_update_lacks_loss_scale(0))):
         return stage_1_and_2.DeepSpeedZeroOptimizer.scaled_global_norm(self, norm_type)
     norm = _l2_norm(self, self.averaged_gradients[0])
     return torch.where(norm < float("inf"), torch.linalg.vector_norm(norm), float("inf"))
