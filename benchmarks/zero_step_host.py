@@ -4,10 +4,10 @@ A host-bound step (IMDB preset (b): ~80 parameter tensors, a ~7 ms step) moves b
 one change to the optimizer step is worth, so this times the step alone. One engine (IMDB (b)'s model,
 17.9M parameters, bf16, clip 1.0, the JSON rewritten by zerotrain's ``ds_config.fast_path``) takes a forward
 and backward on a fixed batch, waits for the GPU, and then the host time of ``engine.step()`` is read. The
-script first runs zerotrain's step under CUDA's sync-debug "error" mode: it never waits for the GPU, so its
-host time is the time the host needs to queue the step. (Session 24's first run, without the rewrite, had
-DeepSpeed's overflow check and throughput timer wait inside every variant's step: its times are not this.) The variants take turns in blocks of ``--steps`` steps, so the
-host's drifting speed (BENCHMARKS.md, session 23) falls on every variant alike:
+script first runs the two compared variants' steps under CUDA's sync-debug "error" mode: they never wait for
+the GPU, so their host time is the time the host needs to queue the step. (Session 24's first run, without
+the rewrite, had DeepSpeed's overflow check and throughput timer wait inside every variant's step: its times
+are not this.) The variants take turns in blocks of ``--steps`` steps, so the host's drifting speed (BENCHMARKS.md, session 23) falls on every variant alike:
 
 * ``zerotrain``: the engine's optimizer as zerotrain's fast path leaves it;
 * ``without one-group norm``: the same with DeepSpeed's ``scaled_global_norm`` (its mask and group
@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -115,6 +113,8 @@ def main() -> None:
     ap.add_argument("--micro_batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=256)
     args = ap.parse_args()
+    from zerotrain.rundir import environment
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ.setdefault("RANK", "0")
@@ -146,8 +146,10 @@ def main() -> None:
     rows = {name: {"median_ms": statistics.median(samples[name]), "p10_ms": _quantile(samples[name], 0.1),
                    "p90_ms": _quantile(samples[name], 0.9), "block_medians_ms": blocks[name],
                    "removed": list(VARIANTS[name]), "deepspeeds_methods": deepspeeds[name]} for name in VARIANTS}
-    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", "torch": torch.__version__, "deepspeed": _version("deepspeed"),
-              "python": platform.python_version(), "commit": _commit(), "command": " ".join(["python", *sys.argv]),
+    env = environment()  # zerotrain's own record of versions and commit, as every run directory has it
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+              "torch": env["versions"]["torch"], "deepspeed": env["versions"]["deepspeed"], "python": env["python"],
+              "commit": env["commit"], "command": " ".join(["python", *sys.argv]),
               "stage": args.stage, "steps_per_block": args.steps, "blocks": args.blocks,
               "micro_batch": args.micro_batch, "seq": args.seq,
               "parameter_tensors": sum(len(g) for g in opt.bit16_groups), "rows": rows}
@@ -193,21 +195,6 @@ def plot(result: dict, path: Path) -> None:
 
 def _quantile(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def _version(module: str) -> str:
-    try:
-        return __import__(module).__version__
-    except ImportError:
-        return "-"
-
-
-def _commit() -> str:
-    if os.environ.get("ZEROTRAIN_COMMIT"):
-        return os.environ["ZEROTRAIN_COMMIT"]
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent)
-    return out.stdout.strip() or "-"
 
 
 if __name__ == "__main__":
