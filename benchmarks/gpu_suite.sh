@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc|imdb_tax_square|pyspy_imdb
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc|imdb_tax_square|pyspy_imdb|tests_parallel
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -134,6 +134,20 @@ for part in "$@"; do
         wait  # the slot ends with its slowest fit
       done
       python3 benchmarks/tax_square.py "$OUT/imdb_tax_square" | sed -n '/^| engine/,/^$/p' ;;
+    tests_parallel)  # pytest -m gpu spread over the GPUs in GPUS (default: all): the one-GPU tests dealt out
+      # round-robin, one pytest per GPU, then the two-GPU ones (named two_ranks) on the first two; a log per pytest
+      IFS=, read -ra G <<< "${GPUS:-$(seq -s, 0 $(( $(nvidia-smi -L | wc -l) - 1 )))}"
+      python3 -m pytest -m gpu --collect-only -q tests | grep '::' > "$OUT/$part/ids.txt"
+      for k in "${!G[@]}"; do
+        grep -v two_ranks "$OUT/$part/ids.txt" | awk -v n=${#G[@]} -v k=$k 'NR % n == k' > "$OUT/$part/ids_gpu${G[k]}.txt"
+        [ -s "$OUT/$part/ids_gpu${G[k]}.txt" ] || continue
+        CUDA_VISIBLE_DEVICES=${G[k]} xargs -a "$OUT/$part/ids_gpu${G[k]}.txt" -d '\n' python3 -m pytest -q -m gpu \
+          > "$OUT/$part/pytest_gpu${G[k]}.txt" 2>&1 &
+      done
+      wait
+      grep two_ranks "$OUT/$part/ids.txt" | CUDA_VISIBLE_DEVICES=${G[0]},${G[1]:-} xargs -d '\n' python3 -m pytest -q -m gpu \
+        > "$OUT/$part/pytest_two_gpus.txt" 2>&1
+      tail -n 1 "$OUT/$part"/pytest_*.txt ;;
     pyspy_imdb)  # where IMDB (b)'s loop thread is, on a CPU or not, while it trains: py-spy (carried in .whl) attached
       # after step 850 of a 4-epoch run, one engine of STRATS per GPU at once; three 3 s recordings per engine, raw
       # stacks, the most telling first (session 23's limit cut all but the first): every thread's samples, running or
