@@ -112,12 +112,22 @@ for part in "$@"; do
       # and in its round, and at the same time (with fewer GPUs than engines, the plain engine meets only some of the
       # others in a slot). Uses as many GPUs as there are engines at most. EPOCHS (default 3): all but the first
       # timed, ~10 s, so that fits of engines that start or end a few seconds apart still share most of it; CPUS=all: no slices;
-      # LIMIT_S: each fit's time limit
+      # LIMIT_S: each fit's time limit. benchmarks/tax_square.py A B ... --out DIR pools several squares' pairs
       S=${STRATS:-ddp,zero0,zero1,zero2}; E=(${S//,/ }); k=${#E[@]}
       n=$(nvidia-smi -L | wc -l); [ "$n" -gt "$k" ] && n=$k
       rm -rf "$OUT/imdb_tax_square"; mkdir -p "$OUT/imdb_tax_square"  # a rerun's old slots would mix in
       echo "${E[*]}" > "$OUT/imdb_tax_square/engines.txt"  # the slots' rounds, for tax_square.py
       cpus=($(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)))")); per=$(( ${#cpus[@]} / n ))
+      # WARMUP=0 leaves it out: first, one untimed epoch per GPU, GPU g training engine g, so that the compiler's
+      # caches hold every engine's graphs before slot 0 (session 25: on a fresh machine, or the first square
+      # on one, slot 0's fits all ran past a 150 s LIMIT_S and left no row); its files stay out of the square
+      if [ "${WARMUP:-1}" != 0 ]; then
+        for g in $(seq 0 $((n - 1))); do
+          CUDA_VISIBLE_DEVICES=$g PREDICT=false ROUNDS=1 EPOCHS=1 imdb_tax "$OUT/imdb_tax_square/warmup/gpu$g" \
+            "${E[g % k]}" ${LIMIT_S:-0} >> "$OUT/imdb_tax_square/warmup.log" 2>&1 &
+        done
+        wait
+      fi
       for t in $(seq 0 $(( ${ROUNDS:-2} * k - 1 ))); do
         for g in $(seq 0 $((n - 1))); do
           r=$(( g * k / n )); rot=("${E[@]:r}" "${E[@]:0:r}")

@@ -21,7 +21,10 @@ is the row's ``started_unix``, or, in files written before rows had it, the sum 
 ``wall_s`` (every sweep started at the same moment). Writes ``tax_square.json``, ``tax_square.md`` and
 ``tax_square.png`` (every row's s/step per engine) into the folder it reads.
 
-    python benchmarks/tax_square.py OUT/imdb_tax_square
+Given several squares' folders (runs of the part on one kind of machine, each square paired within itself)
+and ``--out``, it also pools their pairs: ``tax_pooled.json``, ``.md`` and ``.png`` (every pair's tax) there.
+
+    python benchmarks/tax_square.py OUT/imdb_tax_square [MORE_SQUARES ... --out POOLED_DIR]
 """
 
 from __future__ import annotations
@@ -193,21 +196,95 @@ def plot(s: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folder", type=Path, help="holds gpu0/benchmark.json, gpu1/benchmark.json, ...")
-    args = parser.parse_args()
-    rows = read_rows(args.folder)
+def square(folder: Path) -> dict[str, Any]:
+    """One square's summary, its files written into its folder."""
+    rows = read_rows(folder)
     if not rows:
-        raise SystemExit(f"tax_square: no ok rows in {args.folder}/gpu*/[slot*/]benchmark.json")
-    results = {str(path.relative_to(args.folder)): json.loads(path.read_text()) for *_, path in result_files(args.folder)}
+        raise SystemExit(f"tax_square: no ok rows in {folder}/gpu*/[slot*/]benchmark.json")
+    results = {str(path.relative_to(folder)): json.loads(path.read_text()) for *_, path in result_files(folder)}
     first = next(iter(results.values()))
     s = {**summarize(rows), "environment": first["environment"], "commands": [r["command"] for r in results.values()],
          "files": list(results)}
-    (args.folder / "tax_square.json").write_text(json.dumps(s, indent=1) + "\n")
-    (args.folder / "tax_square.md").write_text(markdown(s))
-    plot(s, args.folder / "tax_square.png")
-    print(markdown(s))
+    (folder / "tax_square.json").write_text(json.dumps(s, indent=1) + "\n")
+    (folder / "tax_square.md").write_text(markdown(s))
+    plot(s, folder / "tax_square.png")
+    return s
+
+
+def pool(folders: list[Path], squares: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every square's pairs together: per engine, the taxes of both kinds of pair from all squares, each pair
+    formed within its own square (rows of different squares never ran together)."""
+    taxes: dict[str, dict[str, list[float]]] = {}
+    for s in squares:
+        for kind, found in (("same_gpu", taxes_same_gpu(s["rows"])), ("same_time", taxes_same_time(s["rows"]))):
+            for engine, values in found.items():
+                taxes.setdefault(engine, {"same_gpu": [], "same_time": []})[kind] += values
+    return {"baseline": BASELINE, "squares": [str(f) for f in folders],
+            "commits": [s["environment"].get("commit") for s in squares],
+            "gpus": sorted({g for s in squares for g in s["environment"].get("gpus", [])}),
+            "engines": [{"strategy": e, "tax_same_gpu": _spread(t["same_gpu"]), "tax_same_time": _spread(t["same_time"]),
+                         "taxes_same_gpu": t["same_gpu"], "taxes_same_time": t["same_time"]} for e, t in taxes.items()]}
+
+
+def pooled_markdown(p: dict[str, Any]) -> str:
+    def tax(t: dict[str, Any] | None) -> str:
+        if t is None:
+            return "-"
+        return (f"{t['median']:+.1%} ({t['lowest']:+.1%} to {t['highest']:+.1%}, n={t['n']}; within 5%: "
+                f"{t['within_5pct']}, within 10%: {t['within_10pct']})")
+
+    lines = [f"Pairs of {len(p['squares'])} squares pooled (each pair within its own square); GPUs: "
+             f"{', '.join(p['gpus'])}; commits {', '.join(str(c) for c in p['commits'])}.", "",
+             "Squares: " + ", ".join(f"`{s}`" for s in p["squares"]), "",
+             "| engine | tax, same GPU and round: median (range, pairs) | tax, at the same time: median (range, pairs) |",
+             "|---|---|---|"]
+    for e in p["engines"]:
+        lines.append(f"| {e['strategy']} | {tax(e['tax_same_gpu'])} | {tax(e['tax_same_time'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def pooled_plot(p: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, e in enumerate(p["engines"]):
+        for shift, kind, marker in ((-0.12, "taxes_same_gpu", "o"), (0.12, "taxes_same_time", "s")):
+            ys = [100 * t for t in e[kind]]
+            ax.scatter([i + shift] * len(ys), ys, marker=marker, s=16,
+                       label=("same GPU and round" if kind == "taxes_same_gpu" else "at the same time") if i == 0 else None)
+            if ys:
+                ax.hlines(statistics.median(ys), i + shift - 0.1, i + shift + 0.1, color="k")
+    for level in (5, 10):
+        ax.axhline(level, color="grey", linestyle=":", linewidth=1)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(p["engines"])), [e["strategy"] for e in p["engines"]])
+    ax.set_ylabel(f"tax against {p['baseline']}, % (line: median)")
+    ax.set_title(f"Engine tax, pairs of {len(p['squares'])} squares")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", type=Path, nargs="+", help="a square's folder: gpu0/slot0/benchmark.json, ...")
+    parser.add_argument("--out", type=Path, help="with several folders: where the pooled files go")
+    args = parser.parse_args()
+    if len(args.folders) > 1 and args.out is None:
+        parser.error("--out: several squares are pooled into a folder; name it")
+    squares = [square(folder) for folder in args.folders]
+    if len(args.folders) == 1:
+        print(markdown(squares[0]))
+        return
+    pooled = pool(args.folders, squares)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tax_pooled.json").write_text(json.dumps(pooled, indent=1) + "\n")
+    (args.out / "tax_pooled.md").write_text(pooled_markdown(pooled))
+    pooled_plot(pooled, args.out / "tax_pooled.png")
+    print(pooled_markdown(pooled))
 
 
 if __name__ == "__main__":
