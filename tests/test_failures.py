@@ -113,6 +113,51 @@ def _lost(timed_out: bool, step: int, at: float = 100.0) -> dict:
     return {"message": "...", "timestamp": int(at), LOST_FILE_KEY: {"timed_out": timed_out, "step": step, "time": at}}
 
 
+
+@pytest.mark.parametrize("writer", ["user error", "rank lost"])
+def test_a_worker_stopped_while_it_writes_its_error_file_leaves_none_and_a_whole_one_parses(tmp_path, monkeypatch,
+                                                                                           writer):
+    """Once a worker fails, torchelastic stops the others and parses each failed worker's error file: a file cut
+    short by the stop would fail that parse (CI once saw an empty one end a job as "could not start the worker
+    processes"). The workers' files appear whole or not at all: stopped mid-write (a signal raising there), none
+    is left; written, torchelastic reads it."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    import zerotrain.cli as cli
+    import zerotrain.data.io as io
+    from zerotrain.launcher import HEARTBEAT_ENV
+
+    path = tmp_path / "attempt_0" / "1" / "error.json"
+    path.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv(HEARTBEAT_ENV, str(tmp_path / "heartbeats"))
+    monkeypatch.setattr(cli, "_end_process_group", lambda: None)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)  # _rank_lost would end this process otherwise
+
+    def write():
+        if writer == "user error":
+            cli._tell_launcher("zerotrain toy: error: out of GPU memory", printed=False, code=5)
+        else:
+            cli._rank_lost("toy", timed_out=False)
+
+    real_fsync = io.os.fsync
+
+    def stopped(fd):  # the data is in the file, not yet in place
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(io.os, "fsync", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write()
+    assert list(path.parent.iterdir()) == []
+    ProcessFailure(local_rank=1, pid=1, exitcode=5, error_file=str(path))  # no file: a worker that left no reply
+
+    monkeypatch.setattr(io.os, "fsync", real_fsync)
+    write()
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=5, error_file=str(path))
+    key = "zerotrain_user_error" if writer == "user error" else LOST_FILE_KEY
+    assert key in failure.error_file_data and failure.message.startswith("zerotrain toy")
+    assert [p.name for p in path.parent.iterdir()] == ["error.json"]
+
 @pytest.fixture
 def run_with_checkpoints(tmp_path) -> Path:
     """A run folder with complete checkpoints at steps 5 and 10 and an incomplete one at 15."""

@@ -139,7 +139,6 @@ def _rank_lost(name: str, timed_out: bool) -> int:
     each stood (heartbeat files), prints the one line. Under another launcher each surviving rank
     says it in one line. Either way the status is ``RANK_LOST_EXIT``.
     """
-    import json
     import time
 
     from zerotrain.launcher import (
@@ -156,12 +155,8 @@ def _rank_lost(name: str, timed_out: bool) -> int:
     line = f"zerotrain {name}: rank {_rank()}: a collective {why}, {step}; the job stopped"
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path and HEARTBEAT_ENV in os.environ:
-        try:
-            with open(path, "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time()),
-                           LOST_FILE_KEY: {"timed_out": timed_out, "step": where["step"], "time": time.time()}}, f)
-        except OSError:
-            pass
+        _write_error_file(path, {"message": line, "timestamp": int(time.time()),
+                                 LOST_FILE_KEY: {"timed_out": timed_out, "step": where["step"], "time": time.time()}})
     else:
         from zerotrain.launcher import _last_checkpoint_hint
 
@@ -184,13 +179,24 @@ def _tell_launcher(line: str, printed: bool, code: int = 2) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
-    import json
     import time
 
+    _write_error_file(path, {"message": line, "timestamp": int(time.time()),
+                             "zerotrain_user_error": {"printed": printed, "exit": code}})
+
+
+def _write_error_file(path: str, record: dict) -> None:
+    """Write a worker's torchelastic error file whole or not at all (beside it, then renamed).
+
+    Once one worker has failed, torchelastic stops the others and parses every failed worker's file; a file it
+    finds cut short, by a worker stopped while it wrote, fails that parse, and the launcher could then only
+    report "could not start the worker processes" (seen in CI: rank 0 lost its all-reduce to rank 1's OOM and was
+    stopped while it wrote). A file never written is read as a worker that left no reply, which the launcher
+    reports as it should."""
+    from zerotrain.data.io import write_json
+
     try:
-        with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time()),
-                       "zerotrain_user_error": {"printed": printed, "exit": code}}, f)
+        write_json(path, record, indent=None)
     except OSError:
         pass
 
