@@ -118,13 +118,16 @@ for part in "$@"; do
       rm -rf "$OUT/imdb_tax_square"; mkdir -p "$OUT/imdb_tax_square"  # a rerun's old slots would mix in
       echo "${E[*]}" > "$OUT/imdb_tax_square/engines.txt"  # the slots' rounds, for tax_square.py
       cpus=($(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)))")); per=$(( ${#cpus[@]} / n ))
-      # WARMUP=0 leaves it out: first, one untimed epoch per GPU, GPU g training engine g, so that the compiler's
-      # caches hold every engine's graphs before slot 0 (session 25: on a fresh machine, or the first square
-      # on one, slot 0's fits all ran past a 150 s LIMIT_S and left no row); its files stay out of the square
+      # WARMUP=0 leaves it out: first, one untimed epoch of every engine, engine i on GPU i mod n, so that the
+      # compiler's and DeepSpeed's caches hold every engine's before slot 0 (session 25: on a fresh machine slot 0's
+      # fits had done 50-250 of 2,343 steps at a 150 s LIMIT_S; on the first square of another, ZeRO-1/2's had logged
+      # none). WARMUP_LIMIT_S (default 600) bounds each; its files (warmup/) stay out of the square
       if [ "${WARMUP:-1}" != 0 ]; then
-        for g in $(seq 0 $((n - 1))); do
-          CUDA_VISIBLE_DEVICES=$g PREDICT=false ROUNDS=1 EPOCHS=1 imdb_tax "$OUT/imdb_tax_square/warmup/gpu$g" \
-            "${E[g % k]}" ${LIMIT_S:-0} >> "$OUT/imdb_tax_square/warmup.log" 2>&1 &
+        mkdir -p "$OUT/imdb_tax_square/warmup"
+        for i in "${!E[@]}"; do
+          ( CUDA_VISIBLE_DEVICES=$(( i % n )) PREDICT=false ROUNDS=1 EPOCHS=1 imdb_tax "$OUT/imdb_tax_square/warmup/${E[i]}" \
+              "${E[i]}" ${WARMUP_LIMIT_S:-600} > "$OUT/imdb_tax_square/warmup/${E[i]}.log" 2>&1
+            echo "warm-up ${E[i]} on GPU $(( i % n )): rc=$?" ) &
         done
         wait
       fi
@@ -151,12 +154,13 @@ for part in "$@"; do
       for k in "${!G[@]}"; do
         grep -v two_ranks "$OUT/$part/ids.txt" | awk -v n=${#G[@]} -v k=$k 'NR % n == k' > "$OUT/$part/ids_gpu${G[k]}.txt"
         [ -s "$OUT/$part/ids_gpu${G[k]}.txt" ] || continue
-        CUDA_VISIBLE_DEVICES=${G[k]} xargs -a "$OUT/$part/ids_gpu${G[k]}.txt" -d '\n' python3 -m pytest -q -m gpu \
+        CUDA_VISIBLE_DEVICES=${G[k]} xargs -r -a "$OUT/$part/ids_gpu${G[k]}.txt" -d '\n' python3 -m pytest -q -m gpu \
           > "$OUT/$part/pytest_gpu${G[k]}.txt" 2>&1 &
       done
       wait
-      grep two_ranks "$OUT/$part/ids.txt" | CUDA_VISIBLE_DEVICES=${G[0]},${G[1]:-} xargs -d '\n' python3 -m pytest -q -m gpu \
-        > "$OUT/$part/pytest_two_gpus.txt" 2>&1
+      # xargs -r: no ids, no pytest (one without ids would run the whole suite)
+      [ ${#G[@]} -ge 2 ] && grep two_ranks "$OUT/$part/ids.txt" | CUDA_VISIBLE_DEVICES=${G[0]},${G[1]} \
+        xargs -r -d '\n' python3 -m pytest -q -m gpu > "$OUT/$part/pytest_two_gpus.txt" 2>&1
       tail -n 1 "$OUT/$part"/pytest_*.txt ;;
     pyspy_imdb)  # where IMDB (b)'s loop thread is, on a CPU or not, while it trains: py-spy (carried in .whl) attached
       # after step 850 of a 4-epoch run, one engine of STRATS per GPU at once; three 3 s recordings per engine, raw

@@ -22,7 +22,8 @@ is the row's ``started_unix``, or, in files written before rows had it, the sum 
 ``tax_square.png`` (every row's s/step per engine) into the folder it reads.
 
 Given several squares' folders (runs of the part on one kind of machine, each square paired within itself)
-and ``--out``, it also pools their pairs: ``tax_pooled.json``, ``.md`` and ``.png`` (every pair's tax) there.
+and ``--out``, it writes each square's files as above (rewriting them in its folder) and pools their pairs:
+``tax_pooled.json``, ``.md`` and ``.png`` (every pair's tax) in ``--out``.
 
     python benchmarks/tax_square.py OUT/imdb_tax_square [MORE_SQUARES ... --out POOLED_DIR]
 """
@@ -214,7 +215,9 @@ def square(folder: Path) -> dict[str, Any]:
 def pool(folders: list[Path], squares: list[dict[str, Any]]) -> dict[str, Any]:
     """Every square's pairs together: per engine, the taxes of both kinds of pair from all squares, each pair
     formed within its own square (rows of different squares never ran together)."""
-    taxes: dict[str, dict[str, list[float]]] = {}
+    # engines in the first square's order (the plain one first where it came first), then any new to later ones
+    taxes: dict[str, dict[str, list[float]]] = {e["strategy"]: {"same_gpu": [], "same_time": []}
+                                                for s in squares for e in s["engines"] if e["strategy"] != BASELINE}
     for s in squares:
         for kind, found in (("same_gpu", taxes_same_gpu(s["rows"])), ("same_time", taxes_same_time(s["rows"]))):
             for engine, values in found.items():
@@ -243,10 +246,13 @@ def pooled_markdown(p: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pooled_plot(p: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def pooled_plot(p: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
 
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, e in enumerate(p["engines"]):
@@ -266,6 +272,7 @@ def pooled_plot(p: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main() -> None:
@@ -275,6 +282,10 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.folders) > 1 and args.out is None:
         parser.error("--out: several squares are pooled into a folder; name it")
+    if len(args.folders) == 1 and args.out is not None:
+        parser.error("--out: pools several squares; one square's files go into its own folder")
+    if len({f.resolve() for f in args.folders}) < len(args.folders):
+        parser.error("a square is named twice: its pairs would count twice")
     squares = [square(folder) for folder in args.folders]
     if len(args.folders) == 1:
         print(markdown(squares[0]))

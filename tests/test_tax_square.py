@@ -123,30 +123,49 @@ def test_the_square_with_no_finished_row_says_so(tmp_path, monkeypatch):
 
 
 def test_several_squares_pool_their_pairs_each_formed_within_its_own_square(tmp_path, monkeypatch):
-    # Square A: zero0 +8% against ddp; square B, a slower machine an hour later: zero0 +20%. Had rows been paired
-    # across squares, B's 24 ms zero0 would meet A's 10 ms ddp (+140%) or A's 10.8 ms zero0 B's 20 ms ddp (-46%).
+    # Square A: zero0 +8% against ddp; square B, a slower machine an hour later: zero0 +20%. In both, GPU 1 runs
+    # everything 1.5x slower, so the two kinds of pair differ: on one GPU the tax alone, at the same time that and
+    # the GPUs' difference. Had rows been paired across squares, B's rows would meet A's at twice their times.
     for name, base, tax, start in (("a", 10.0, 1.08, 1000.0), ("b", 20.0, 1.2, 4600.0)):
         for g, order in ((0, ["ddp", "zero0"]), (1, ["zero0", "ddp"])):
             for t, engine in enumerate(order):
-                ms = base * (tax if engine == "zero0" else 1.0)
+                ms = base * (tax if engine == "zero0" else 1.0) * (1.5 if g == 1 else 1.0)
                 _write(tmp_path / name, f"gpu{g}/slot{t}", [_row(engine, ms, started=start + 100 * t)])
     out = tmp_path / "pooled"
     monkeypatch.setattr(sys, "argv", ["tax_square.py", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
     tax_square.main()
     pooled = json.loads((out / "tax_pooled.json").read_text())
     zero0 = _engine(pooled, "zero0")
-    for kind in ("taxes_same_gpu", "taxes_same_time"):
-        assert sorted(zero0[kind]) == pytest.approx([0.08, 0.08, 0.2, 0.2])
-    assert zero0["tax_same_time"]["median"] == pytest.approx(0.14) and zero0["tax_same_time"]["within_10pct"] == 2
+    assert sorted(zero0["taxes_same_gpu"]) == pytest.approx([0.08, 0.08, 0.2, 0.2])
+    assert sorted(zero0["taxes_same_time"]) == pytest.approx([1.08 / 1.5 - 1, 1.2 / 1.5 - 1, 1.5 * 1.08 - 1, 1.5 * 1.2 - 1])
+    assert zero0["tax_same_gpu"]["median"] == pytest.approx(0.14) and zero0["tax_same_gpu"]["within_10pct"] == 2
     assert (tmp_path / "a" / "tax_square.json").is_file() and (tmp_path / "b" / "tax_square.md").is_file()
     md = (out / "tax_pooled.md").read_text()
-    assert "Pairs of 2 squares" in md and "| zero0 | +14.0% (+8.0% to +20.0%, n=4; within 5%: 0, within 10%: 2)" in md
+    assert "Pairs of 2 squares" in md
+    assert ("| zero0 | +14.0% (+8.0% to +20.0%, n=4; within 5%: 0, within 10%: 2) | "
+            "+21.0% (-28.0% to +80.0%, n=4; within 5%: 0, within 10%: 0) |") in md
     pytest.importorskip("matplotlib")
     assert (out / "tax_pooled.png").stat().st_size > 0
 
 
-def test_several_squares_need_a_folder_for_the_pool(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["tax_square.py", str(tmp_path / "a"), str(tmp_path / "b")])
+def test_pooling_keeps_the_first_squares_engine_order(tmp_path, monkeypatch):
+    for name in ("a", "b"):
+        for g, order in ((0, ["ddp", "zero2", "zero1"]), (1, ["zero1", "ddp", "zero2"])):
+            for t, engine in enumerate(order):
+                _write(tmp_path / name, f"gpu{g}/slot{t}", [_row(engine, 10.0, started=100.0 * t)])
+    out = tmp_path / "pooled"
+    monkeypatch.setattr(sys, "argv", ["tax_square.py", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
+    tax_square.main()
+    first = [e["strategy"] for e in json.loads((tmp_path / "a" / "tax_square.json").read_text())["engines"]]
+    pooled = [e["strategy"] for e in json.loads((out / "tax_pooled.json").read_text())["engines"]]
+    assert pooled == [e for e in first if e != "ddp"]
+
+
+@pytest.mark.parametrize("argv, says", [(["a", "b"], "--out: several squares"), (["a", "--out", "p"], "--out: pools"),
+                                        (["a", "a", "--out", "p"], "named twice")])
+def test_pooling_arguments_that_cannot_mean_what_they_say_are_refused(tmp_path, monkeypatch, capsys, argv, says):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["tax_square.py", *argv])
     with pytest.raises(SystemExit):
         tax_square.main()
-    assert "--out" in capsys.readouterr().err
+    assert says in capsys.readouterr().err

@@ -20,7 +20,7 @@ of those per-tensor costs buy nothing:
   :func:`_scaled_global_norm` also skips what DeepSpeed wraps around that norm: an inf/NaN mask to -1 and a
   combination of the groups that turns the -1 back into inf: 16 small ops (4 left) and their Python for one
   value, where py-spy found 6% of ZeRO-1's loop thread at IMDB (b) on an H200. The same values, in fewer
-  launches: 0.48 ms less host time in each ZeRO-1 step there (2.09 against 2.57 ms, BENCHMARKS.md, session 25).
+  launches: a median 0.48 ms less host time in a ZeRO-1 step there (2.09 against 2.57 ms, BENCHMARKS.md, session 25).
 
 On several ranks ZeRO-1 reduces more than it uses: every gradient is all-reduced, though a rank updates
 only its partition, and then copied back, tensor by tensor, and cut out again.

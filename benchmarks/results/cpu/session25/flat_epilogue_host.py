@@ -1,3 +1,8 @@
+"""Host ms of backward + step, one-rank ZeRO-1/2, with the flat epilogue of flat_epilogue.patch on and off in turns.
+
+    git apply benchmarks/results/cpu/session25/flat_epilogue.patch
+    PYTHONPATH=src python benchmarks/results/cpu/session25/flat_epilogue_host.py STAGE
+"""
 import os, sys, time, statistics
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29562", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 import torch, deepspeed
@@ -15,6 +20,7 @@ opt = engine.optimizer
 mask_norms_without_sync(True); clip_without_sync(opt); zero_host.norm_in_one_launch(opt); zero_host.rebind_only_moved_weights(opt)
 assert zero_host.skip_one_rank_reduction(opt)
 flat = {k: opt.__dict__[k] for k in ("reduce_gradients", "overlapping_partition_gradients_reduce_epilogue") if k in opt.__dict__}
+assert flat, "zero_host.py without the flat epilogue: apply flat_epilogue.patch (this folder) first"
 x = torch.randn(4, 16, dtype=torch.bfloat16)
 res = {"old": [], "new": []}
 def run(n):
