@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -113,18 +115,15 @@ def _lost(timed_out: bool, step: int, at: float = 100.0) -> dict:
     return {"message": "...", "timestamp": int(at), LOST_FILE_KEY: {"timed_out": timed_out, "step": step, "time": at}}
 
 
-
 @pytest.mark.parametrize("writer", ["user error", "rank lost"])
-def test_a_worker_stopped_while_it_writes_its_error_file_leaves_none_and_a_whole_one_parses(tmp_path, monkeypatch,
-                                                                                           writer):
+def test_a_worker_stopped_anywhere_in_writing_its_error_file_leaves_none_or_a_whole_one(tmp_path, monkeypatch, writer):
     """Once a worker fails, torchelastic stops the others and parses each failed worker's error file: a file cut
     short by the stop would fail that parse (CI once saw an empty one end a job as "could not start the worker
-    processes"). The workers' files appear whole or not at all: stopped mid-write (a signal raising there), none
-    is left; written, torchelastic reads it."""
+    processes"). The write is stopped at each of its Python events in turn (an exception raised by a trace
+    hook stands for the signal); after every stop the file is absent or parses."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     import zerotrain.cli as cli
-    import zerotrain.data.io as io
     from zerotrain.launcher import HEARTBEAT_ENV
 
     path = tmp_path / "attempt_0" / "1" / "error.json"
@@ -140,23 +139,62 @@ def test_a_worker_stopped_while_it_writes_its_error_file_leaves_none_and_a_whole
         else:
             cli._rank_lost("toy", timed_out=False)
 
-    real_fsync = io.os.fsync
+    write()  # imports done, so that the stops below fall in the write itself
+    path.unlink()
+    stops = 0
+    while True:
+        events = 0
 
-    def stopped(fd):  # the data is in the file, not yet in place
-        raise KeyboardInterrupt
+        def stop_at_the_next_new_event(frame, event, arg):
+            nonlocal events
+            events += 1
+            if events == stops + 1:
+                raise KeyboardInterrupt
+            return stop_at_the_next_new_event
 
-    monkeypatch.setattr(io.os, "fsync", stopped)
-    with pytest.raises(KeyboardInterrupt):
-        write()
-    assert list(path.parent.iterdir()) == []
-    ProcessFailure(local_rank=1, pid=1, exitcode=5, error_file=str(path))  # no file: a worker that left no reply
-
-    monkeypatch.setattr(io.os, "fsync", real_fsync)
-    write()
+        sys.settrace(stop_at_the_next_new_event)
+        try:
+            write()
+            break  # ran to its end: every event before the last has been a stop
+        except KeyboardInterrupt:
+            stops += 1
+        finally:
+            sys.settrace(None)
+        if path.exists():
+            ProcessFailure(local_rank=1, pid=1, exitcode=5, error_file=str(path))  # raises if cut short
+            path.unlink()
+        for leftover in path.parent.iterdir():  # a stop inside the clean-up of the temporary file
+            leftover.unlink()
+    assert stops > 10
     failure = ProcessFailure(local_rank=1, pid=1, exitcode=5, error_file=str(path))
     key = "zerotrain_user_error" if writer == "user error" else LOST_FILE_KEY
     assert key in failure.error_file_data and failure.message.startswith("zerotrain toy")
     assert [p.name for p in path.parent.iterdir()] == ["error.json"]
+
+
+@pytest.mark.parametrize("content", ["", '{"message": "zerotrain to', "[1, 2]", b"\xff\xfe"])
+def test_the_launcher_reads_an_error_file_it_cannot_parse_as_none(tmp_path, content):
+    """A worker's error file torchelastic cannot parse (a user's ``@record`` handler killed mid-write) must not end
+    the launcher's run in a parse error that hides the job's failures: while the launcher runs, such a file
+    reads as a worker that left no reply; afterwards torchelastic is as it was."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from zerotrain.launcher import _unparsable_error_files_read_as_none
+
+    path = tmp_path / "error.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    undo = _unparsable_error_files_read_as_none()
+    try:
+        failure = ProcessFailure(local_rank=0, pid=7, exitcode=-15, error_file=str(path))
+        whole = tmp_path / "whole.json"
+        whole.write_text(json.dumps({"message": "zerotrain toy: error: out of GPU memory", "timestamp": 5}))
+        assert ProcessFailure(local_rank=1, pid=8, exitcode=5, error_file=str(whole)).message.startswith("zerotrain toy")
+    finally:
+        undo()
+    assert failure.message == "Signal 15 (SIGTERM) received by PID 7"
+    with pytest.raises(Exception):
+        ProcessFailure(local_rank=0, pid=7, exitcode=-15, error_file=str(path))
+
 
 @pytest.fixture
 def run_with_checkpoints(tmp_path) -> Path:

@@ -118,6 +118,7 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     heartbeats, own_heartbeats = _heartbeat_dir()
     stopped: set[int] = set()
     undo_close = _continue_stopped_workers(stopped)
+    undo_parse = _unparsable_error_files_read_as_none()
     try:
         run(parser.parse_args(args))
     except ChildFailedError as exc:  # lists every failed rank of this node, the ones torchelastic stopped too
@@ -145,10 +146,12 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
                   f"with --launch.node_rank 0..{launch.nnodes - 1} on every node, and check that this node reaches "
                   f"that address ({type(exc).__name__})", file=sys.stderr)
         else:
-            print(f"zerotrain: could not start the worker processes: {' '.join(str(exc).split())}", file=sys.stderr)
+            print(f"zerotrain: could not start the worker processes: {type(exc).__name__}: {' '.join(str(exc).split())}",
+                  file=sys.stderr)
         return 1
     finally:
         undo_close()
+        undo_parse()
         _restore_sigint(saved_sigint)
         _restore_levels(saved_levels)
         if own_heartbeats:
@@ -447,6 +450,28 @@ def _heartbeat_dir() -> tuple[str, bool]:
     folder = tempfile.mkdtemp(prefix="zerotrain-heartbeat-")
     os.environ[HEARTBEAT_ENV] = folder
     return folder, True
+
+
+def _unparsable_error_files_read_as_none():
+    """Have torchelastic read a worker's error file that it cannot parse as no file at all; return the undo.
+
+    torchelastic's ``ProcessFailure`` re-raises such a parse error, which escapes its ``run`` and hides every
+    failure of the job (an out-of-memory line and its status included) behind "could not start the worker
+    processes". zerotrain's workers write their files whole or not at all (``zerotrain.cli``), but a worker
+    killed while torchelastic's own error handler wrote one (a user's ``@record``) leaves it cut short."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    parse = ProcessFailure.__post_init__
+
+    def parse_or_none(failure) -> None:
+        try:
+            parse(failure)
+        except Exception:  # empty, cut short, not JSON, no "message", not decodable
+            failure.error_file = ""  # not a file: torchelastic's reading of a worker that left no reply
+            parse(failure)
+
+    ProcessFailure.__post_init__ = parse_or_none
+    return lambda: setattr(ProcessFailure, "__post_init__", parse)
 
 
 def _continue_stopped_workers(stopped: set[int]):

@@ -191,12 +191,15 @@ def _write_error_file(path: str, record: dict) -> None:
     Once one worker has failed, torchelastic stops the others and parses every failed worker's file; a file it
     finds cut short, by a worker stopped while it wrote, fails that parse, and the launcher could then only
     report "could not start the worker processes" (seen in CI: rank 0 lost its all-reduce to rank 1's OOM and was
-    stopped while it wrote). A file never written is read as a worker that left no reply, which the launcher
+    killed while it wrote). A file never written is read as a worker that left no reply, which the launcher
     reports as it should."""
-    from zerotrain.data.io import write_json
+    import json
+
+    from zerotrain.data.io import atomic_write_text
 
     try:
-        write_json(path, record, indent=None)
+        # ASCII (json's default): torchelastic reads the file in the locale's encoding, which may not be UTF-8
+        atomic_write_text(path, json.dumps(record) + "\n")
     except OSError:
         pass
 
