@@ -147,12 +147,16 @@ def _spread(values: list[float] | None) -> dict[str, Any] | None:
             "within_5pct": sum(abs(x) <= 0.05 for x in v), "within_10pct": sum(abs(x) <= 0.10 for x in v)}
 
 
-def markdown(s: dict[str, Any]) -> str:
-    def tax(t: dict[str, Any] | None) -> str:
-        if t is None:
-            return "-"
-        return f"{t['median']:+.1%} ({t['lowest']:+.1%} to {t['highest']:+.1%}, n={t['n']})"
+def _tax_text(t: dict[str, Any] | None, counts: bool = False) -> str:
+    """A spread of taxes as "median (lowest to highest, n=pairs)"; ``counts``: with how many lie within 5% and 10%."""
+    if t is None:
+        return "-"
+    within = f"; within 5%: {t['within_5pct']}, within 10%: {t['within_10pct']}" if counts else ""
+    return f"{t['median']:+.1%} ({t['lowest']:+.1%} to {t['highest']:+.1%}, n={t['n']}{within})"
 
+
+def markdown(s: dict[str, Any]) -> str:
+    tax = _tax_text
     env = s.get("environment", {})
     t0 = min(r["timed_from"] for r in s["rows"])
     lines = [f"GPUs: {', '.join(env.get('gpus', []))}; torch {env.get('versions', {}).get('torch')}, DeepSpeed "
@@ -175,12 +179,20 @@ def markdown(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(s: dict[str, Any], path: Path) -> bool:
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files; None where matplotlib is not installed (the plots are skipped)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(s: dict[str, Any], path: Path) -> bool:
+    plt = _pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     names = [e["strategy"] for e in s["engines"]]
@@ -231,10 +243,7 @@ def pool(folders: list[Path], squares: list[dict[str, Any]]) -> dict[str, Any]:
 
 def pooled_markdown(p: dict[str, Any]) -> str:
     def tax(t: dict[str, Any] | None) -> str:
-        if t is None:
-            return "-"
-        return (f"{t['median']:+.1%} ({t['lowest']:+.1%} to {t['highest']:+.1%}, n={t['n']}; within 5%: "
-                f"{t['within_5pct']}, within 10%: {t['within_10pct']})")
+        return _tax_text(t, counts=True)
 
     lines = [f"Pairs of {len(p['squares'])} squares pooled (each pair within its own square); GPUs: "
              f"{', '.join(p['gpus'])}; commits {', '.join(str(c) for c in p['commits'])}.", "",
@@ -247,13 +256,9 @@ def pooled_markdown(p: dict[str, Any]) -> str:
 
 
 def pooled_plot(p: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
-
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, e in enumerate(p["engines"]):
         for shift, kind, marker in ((-0.12, "taxes_same_gpu", "o"), (0.12, "taxes_same_time", "s")):
