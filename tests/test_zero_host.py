@@ -278,10 +278,11 @@ def test_weights_are_rebound_only_when_one_has_moved(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("precision", ["fp32", "autocast"])
 def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, precision):
-    """ZeRO-0 with the engine's gradients cleared from a list and its idle forward hooks removed: DeepSpeed's
-    own zero_grad never runs, the hooks are gone, and with 2 micro-batches and a biting clip the loss and
-    grad-norm curves are bitwise those of DeepSpeed's zero_grad and hooks. "autocast" is the GPU fast path's
-    ZeRO-0 bf16 (DeepSpeed's torch_autocast block), which a CPU run gets only by asking for it here."""
+    """ZeRO-0 with the engine's gradients cleared from a list, its idle forward hooks removed and its forward
+    and backward run directly: DeepSpeed's own zero_grad, forward and backward never run, the hooks are gone,
+    and with 2 micro-batches and a biting clip the loss and grad-norm curves are bitwise those of DeepSpeed's
+    zero_grad, hooks, forward and backward. "autocast" is the GPU fast path's ZeRO-0 bf16 (DeepSpeed's
+    torch_autocast block), which a CPU run gets only by asking for it here."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from zerotrain import ds_config
@@ -289,31 +290,38 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
     if precision == "autocast":
         real_fast_path = ds_config.fast_path
         monkeypatch.setattr(ds_config, "fast_path", lambda ds, device, ws: real_fast_path(ds, "cuda", ws))
-    deepspeeds_zero_grad, calls, engines = DeepSpeedEngine.zero_grad, [], []
+    calls, engines = {"zero_grad": 0, "forward": 0, "backward": 0}, []
 
-    def counted(self):
-        calls.append(1)
-        return deepspeeds_zero_grad(self)
+    def counting(name):
+        deepspeeds = getattr(DeepSpeedEngine, name)
 
-    monkeypatch.setattr(DeepSpeedEngine, "zero_grad", counted)
+        def counted(self, *args, **kwargs):
+            calls[name] += 1
+            return deepspeeds(self, *args, **kwargs)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(DeepSpeedEngine, name, counting(name))
     real_drop = zero_host.drop_idle_forward_hooks
-    logs, zero_grads = {}, {}
+    logs, counts = {}, {}
     for patched in (True, False):
-        calls.clear()
+        calls.update(dict.fromkeys(calls, 0))
         if patched:
             monkeypatch.setattr("zerotrain.engine.drop_idle_forward_hooks", lambda e: engines.append(e) or real_drop(e))
         else:
-            for patch in ("zero_grad_from_list", "drop_idle_forward_hooks"):
+            for patch in ("zero_grad_from_list", "drop_idle_forward_hooks", "forward_backward_add_nothing"):
                 monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda engine: False)
         cfg = toy_config(tmp_path, f"patched-{patched}", zero_stage=0, gradient_clipping=0.05,
                          precision="fp32" if precision == "fp32" else "bf16")
         fit(ToyTask(cfg))
-        logs[patched], zero_grads[patched] = train_log(tmp_path / f"patched-{patched}"), len(calls)
+        logs[patched], counts[patched] = train_log(tmp_path / f"patched-{patched}"), dict(calls)
     ds = engines[0]
     assert ds.torch_autocast_enabled() == (precision == "autocast")
     assert ds.module_forward_pre_hook is None and ds.module_forward_post_hook is None
     assert not ds.module._forward_pre_hooks and not ds.module._forward_hooks
-    assert zero_grads[True] == 0 and zero_grads[False] == 8  # one per optimizer step
+    assert counts[True] == {"zero_grad": 0, "forward": 0, "backward": 0}
+    # one zero_grad per optimizer step; a forward and a backward per micro-batch (evaluation's forwards besides)
+    assert counts[False]["zero_grad"] == 8 and counts[False]["backward"] == 16 and counts[False]["forward"] >= 16
     assert sorted(logs[True]) == sorted(logs[False]) == list(range(1, 9))
     for step, row in logs[True].items():
         assert row["train_loss"] == logs[False][step]["train_loss"], step
@@ -338,6 +346,24 @@ def test_zero0_engine_patches_stay_off_where_they_would_change_something():
                       ("engine_timers", SimpleNamespace(forward_timers=["forward_microstep"])),
                       ("tput_timer", SimpleNamespace(config=SimpleNamespace(enabled=True)))):
         assert not zero_host.drop_idle_forward_hooks(SimpleNamespace(**{**base, key: busy})), key
+
+
+def test_deepspeeds_forward_and_backward_stay_where_they_do_something():
+    """ZeRO-1..3, an fp16 or bf16 optimizer wrapper, an autocast GradScaler, a gradient all-reduce, DeepCompile,
+    compiled autograd or one of DeepSpeed's timers and profilers each keep DeepSpeed's forward and backward."""
+    plain = object()
+    base = dict(zero_optimization=lambda: False, optimizer=plain, basic_optimizer=plain,
+                torch_autocast_z0_gradscaler=None, enable_backward_allreduce=False, is_deepcompile_enabled=lambda: False,
+                _is_compiled_autograd_enabled=False, wall_clock_breakdown=lambda: False,
+                flops_profiler_enabled=lambda: False, memory_breakdown=lambda: False,
+                autotuning_profile_model_info=lambda: False)
+    assert zero_host.forward_backward_add_nothing(SimpleNamespace(**base))
+    for key, busy in (("zero_optimization", lambda: True), ("optimizer", object()),
+                      ("torch_autocast_z0_gradscaler", object()), ("enable_backward_allreduce", True),
+                      ("is_deepcompile_enabled", lambda: True), ("_is_compiled_autograd_enabled", True),
+                      ("wall_clock_breakdown", lambda: True), ("flops_profiler_enabled", lambda: True),
+                      ("memory_breakdown", lambda: True), ("autotuning_profile_model_info", lambda: True)):
+        assert not zero_host.forward_backward_add_nothing(SimpleNamespace(**{**base, key: busy})), key
 
 
 _TWO_RANK_FIT = '''

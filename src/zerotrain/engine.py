@@ -41,6 +41,7 @@ from zerotrain.tasks.base import Batch, StepOutput
 from zerotrain.zero_clip import clip_without_sync, mask_norms_without_sync
 from zerotrain.zero_host import (
     drop_idle_forward_hooks,
+    forward_backward_add_nothing,
     norm_in_one_launch,
     rebind_only_moved_weights,
     reduce_scatter_into_partition,
@@ -283,6 +284,10 @@ class DeepSpeedEngine(Engine):
             self.ds.enable_backward_allreduce = False
         self._norm: Optional[torch.Tensor] = None
         self._lr: Optional[float] = None
+        # Where DeepSpeed's forward and backward wrap only autograd (ZeRO-0 on one rank), they are run
+        # directly: the same arithmetic without their host work (see forward_backward_add_nothing)
+        self._direct = cfg.strategy.fast_path and forward_backward_add_nothing(self.ds)
+        self._autocast_dtype = self.ds.torch_autocast_dtype() if self.ds.torch_autocast_enabled() else None
 
     def describe(self) -> str:
         zero = self.ds_config.get("zero_optimization", {})
@@ -297,11 +302,24 @@ class DeepSpeedEngine(Engine):
 
     @property
     def forward_model(self) -> nn.Module:
-        return self.ds
+        return self.ds.module if self._direct else self.ds
+
+    def _autocast(self) -> ContextManager:
+        if not self._direct or self._autocast_dtype is None:
+            return contextlib.nullcontext()  # DeepSpeed's forward applies its own
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)  # as DeepSpeed's forward would
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
 
     def _backward(self, loss: torch.Tensor, micro_batches: int, last: bool) -> None:
-        # DeepSpeed divides by gradient_accumulation_steps itself.
-        self.ds.backward(loss)
+        if self._direct:
+            (loss / self.grad_accum).backward()  # what DeepSpeed's backward computes here
+        else:
+            self.ds.backward(loss)  # it divides by gradient_accumulation_steps itself
         if not last:
             self.ds.step()  # off the accumulation boundary this only counts the micro-batch
 

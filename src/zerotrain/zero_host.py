@@ -359,6 +359,25 @@ def drop_idle_forward_hooks(engine: Any) -> bool:
     return True
 
 
+def forward_backward_add_nothing(engine: Any) -> bool:
+    """Whether a DeepSpeed ``engine``'s ``forward`` and ``backward`` compute nothing beyond autocast around its
+    module and ``(loss / gradient_accumulation_steps).backward()``, so the caller may run those directly.
+
+    That holds at ZeRO-0 when the optimizer is the plain one (no ZeRO, fp16 or bf16 wrapper, no autocast
+    GradScaler) and the gradients are not all-reduced after backward (one rank, where zerotrain's clip
+    switches the identity reduction off). DeepSpeed (0.19.8) still wraps every forward in a context of its
+    deep compiler, a hook on the output that runs its backward prologue, and every backward in lock-guarded
+    counters, a graph tracker with its own hook, timers that are off and a memory report that is off: host
+    time a small model's step waits for (its backward ~0.2 ms against ``loss.backward()`` and its forward
+    ~0.1 ms more than the module's on a 2-core CPU, BENCHMARKS.md session 18). Its ``step`` (optimizer,
+    schedule, counters) is still called, so checkpoints and the schedule are DeepSpeed's own."""
+    return (not engine.zero_optimization() and engine.optimizer is engine.basic_optimizer
+            and engine.torch_autocast_z0_gradscaler is None and not engine.enable_backward_allreduce
+            and not engine.is_deepcompile_enabled() and not engine._is_compiled_autograd_enabled
+            and not engine.wall_clock_breakdown() and not engine.flops_profiler_enabled()
+            and not engine.memory_breakdown() and not engine.autotuning_profile_model_info())
+
+
 def _is_zero12(optimizer: Any) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 

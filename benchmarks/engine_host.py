@@ -1,0 +1,189 @@
+"""Host time of one IMDB (b) training step per engine, in one process, the engines taking turns.
+
+Target 1 of the fast-path issue compares whole fits, and a host-bound fit's step time moves by more from run to
+run than the tax it is meant to show (the host's CPUs change speed, BENCHMARKS.md session 23). This times only
+what each engine makes the host do. One process builds every compared engine the way ``zerotrain fit`` does
+(``build_engine``, IMDB preset (b)'s config and the flags given: on a GPU its compiled stack replayed as CUDA
+graphs), each on its own copy of the same initial weights, and times ``Engine.train_step`` on one fixed batch,
+started with the GPU idle: its host time is then the time the host needs to queue one step, and a step of a
+host-bound loop takes about that long. The engines take turns in blocks (every other round reversed), so a drift
+of the host's speed falls on all of them alike. Variants:
+
+* ``plain``: plain PyTorch (``--strategy.backend ddp``);
+* ``zero0``: DeepSpeed ZeRO-0 as zerotrain runs it, its forward and backward run directly;
+* ``zero0 via deepspeed``: the same engine with DeepSpeed's ``forward`` and ``backward`` (the path before
+  ``zero_host.forward_backward_add_nothing``);
+* ``zero1``, ``zero2``: DeepSpeed ZeRO-1/2 as zerotrain runs them.
+
+    python benchmarks/engine_host.py OUT_DIR [--steps 50] [--blocks 8] [--seq 320] [--variants ...] [-- fit flags]
+
+Writes ``OUT_DIR/engine_host.json``, ``.md`` and ``.png`` (each block's median per variant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("plain", "zero0", "zero0 via deepspeed", "zero1", "zero2")
+
+
+def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int):
+    """The task that built the model (its ``training_step`` needs it), the engines (one per variant; both ZeRO-0
+    variants share one) and a batch of IMDB (b)'s shape."""
+    from zerotrain import recipes
+    from zerotrain.config_cli import parse_config
+    from zerotrain.engine import build_engine
+
+    base = ["--config", "configs/imdb_b.yaml", "--trainer.micro_batch_size", str(micro_batch), *fit_flags]
+    cfg = parse_config("imdb", base)
+    torch.manual_seed(cfg.trainer.seed)
+    task = recipes.get("imdb")(cfg)
+    model = task.build_model(pretrained=False)
+    engines, by_strategy = {}, {}
+    for name in variants:
+        strategy = "zero0" if name.startswith("zero0") else name
+        if strategy not in by_strategy:
+            flags = ["--strategy.backend", "ddp"] if strategy == "plain" else ["--strategy.zero_stage", strategy[-1]]
+            vcfg = parse_config("imdb", [*base, *flags])
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            precision = "bf16" if device.type == "cuda" else "fp32"
+            by_strategy[strategy] = build_engine(copy.deepcopy(model), vcfg, device, precision, 10**6, 781, 1)
+        engines[name] = by_strategy[strategy]
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(3, len(task.tokenizer), (micro_batch, seq), generator=g),
+             "attention_mask": torch.ones(micro_batch, seq, dtype=torch.long),
+             "labels": torch.randint(0, 2, (micro_batch,), generator=g)}
+    return task, engines, batch
+
+
+def timed_steps(engine, direct, batch, step_fn, n: int) -> tuple[list[float], list[float]]:
+    """Host ms (to return from ``train_step``) and whole ms (until the GPU is done) of ``n`` steps, each started
+    with the GPU idle. ``direct``: for the ZeRO-0 engine, whether its forward and backward bypass DeepSpeed's."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    if direct is not None:
+        engine._direct = direct
+    host, whole = [], []
+    for _ in range(n):
+        sync()
+        t0 = time.perf_counter()
+        engine.train_step([batch], step_fn)
+        t1 = time.perf_counter()
+        sync()
+        host.append((t1 - t0) * 1e3)
+        whole.append((time.perf_counter() - t0) * 1e3)
+    return host, whole
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    fit_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--steps", type=int, default=50, help="steps per block")
+    ap.add_argument("--blocks", type=int, default=8, help="blocks per variant, the variants taking turns")
+    ap.add_argument("--warmup", type=int, default=30, help="untimed steps of every variant first")
+    ap.add_argument("--micro_batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=320, help="the batch's padded length (preset (b) pads to 64s)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    from zerotrain import distributed
+    from zerotrain.config_cli import parse_config
+    from zerotrain.rundir import environment
+
+    setup_cfg = parse_config("imdb", ["--config", "configs/imdb_b.yaml", *fit_flags])
+    with distributed.setup(setup_cfg):
+        task, engines, batch = build(variants, fit_flags, args.micro_batch, args.seq)
+        step_fn = task.training_step
+        direct = {name: (name == "zero0") if name.startswith("zero0") else None for name in variants}
+        if "zero0" in engines and not engines["zero0"]._direct:
+            sys.exit("engine_host: zerotrain's ZeRO-0 engine does not run its forward and backward directly here")
+        for name in variants:
+            timed_steps(engines[name], direct[name], batch, step_fn, args.warmup)
+        host = {v: [] for v in variants}
+        whole = {v: [] for v in variants}
+        blocks = {v: [] for v in variants}
+        for b in range(args.blocks):
+            for name in (variants if b % 2 == 0 else variants[::-1]):
+                h, w = timed_steps(engines[name], direct[name], batch, step_fn, args.steps)
+                host[name] += h
+                whole[name] += w
+                blocks[name].append(statistics.median(h))
+        env = environment()
+        rows = {v: {"host_median_ms": statistics.median(host[v]), "host_p10_ms": _quantile(host[v], 0.1),
+                    "host_p90_ms": _quantile(host[v], 0.9), "whole_median_ms": statistics.median(whole[v]),
+                    "block_host_medians_ms": blocks[v]} for v in variants}
+        result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+                  "torch": env["versions"]["torch"], "deepspeed": env["versions"]["deepspeed"],
+                  "python": env["python"], "commit": env["commit"], "command": " ".join(["python", *sys.argv]),
+                  "steps_per_block": args.steps, "blocks": args.blocks, "micro_batch": args.micro_batch,
+                  "seq": args.seq, "fit_flags": fit_flags, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine_host.json").write_text(json.dumps(result, indent=1))
+    (args.out / "engine_host.md").write_text(markdown(result))
+    plot(result, args.out / "engine_host.png")
+    print(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    rows = result["rows"]
+    base = rows.get("plain", next(iter(rows.values())))["host_median_ms"]
+    against = "plain" if "plain" in rows else next(iter(rows))
+    lines = [f"Host time of one `Engine.train_step` (IMDB (b), micro-batch {result['micro_batch']} x {result['seq']} "
+             f"tokens, one {result['gpu']}), {result['blocks']} blocks of {result['steps_per_block']} steps per "
+             f"variant, taking turns. torch {result['torch']}, DeepSpeed {result['deepspeed']}, commit "
+             f"{result['commit']}. Command: `{result['command']}`", "",
+             f"| variant | host median ms | p10 - p90 ms | vs {against} | block by block vs {against}: median "
+             f"difference (blocks lower) | whole step median ms | block medians ms |",
+             "|---|---|---|---|---|---|---|"]
+    base_blocks = rows[against]["block_host_medians_ms"]
+    for name, row in rows.items():
+        # Blocks of one index ran next to each other in time: their difference leaves the host's drift out
+        diffs = [b - a for a, b in zip(base_blocks, row["block_host_medians_ms"])]
+        lower = sum(d < 0 for d in diffs)
+        paired = "-" if name == against else f"{statistics.median(diffs):+.3f} ms ({lower} of {len(diffs)})"
+        lines.append(f"| {name} | {row['host_median_ms']:.3f} | {row['host_p10_ms']:.3f} - {row['host_p90_ms']:.3f} "
+                     f"| {row['host_median_ms'] / base - 1:+.1%} | {paired} | {row['whole_median_ms']:.3f} | "
+                     f"{', '.join(f'{m:.3f}' for m in row['block_host_medians_ms'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, row in result["rows"].items():
+        blocks = row["block_host_medians_ms"]
+        ax.plot(range(1, len(blocks) + 1), blocks, marker="o", label=name)
+    ax.set_xlabel("block (variants take turns)")
+    ax.set_ylabel("median host ms of train_step")
+    ax.set_title(f"IMDB (b) step, host time per engine, {result['gpu']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+if __name__ == "__main__":
+    main()
