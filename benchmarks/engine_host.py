@@ -48,7 +48,9 @@ def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int)
     task = recipes.get("imdb")(cfg)
     model = task.build_model(pretrained=False)
     engines, by_strategy = {}, {}
-    for name in variants:
+    # ZeRO-0 last: on a GPU it runs DeepSpeed's torch_autocast, which sets a process-wide flag that ZeRO-1/2
+    # optimizers built after it read (their gradients' communication dtypes)
+    for name in sorted(variants, key=lambda v: v.startswith("zero0")):
         strategy = "zero0" if name.startswith("zero0") else name
         if strategy not in by_strategy:
             flags = ["--strategy.backend", "ddp"] if strategy == "plain" else ["--strategy.zero_stage", strategy[-1]]
@@ -57,6 +59,7 @@ def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int)
             precision = "bf16" if device.type == "cuda" else "fp32"
             by_strategy[strategy] = build_engine(copy.deepcopy(model), vcfg, device, precision, 10**6, 781, 1)
         engines[name] = by_strategy[strategy]
+    engines = {name: engines[name] for name in variants}
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(3, len(task.tokenizer), (micro_batch, seq), generator=g),
              "attention_mask": torch.ones(micro_batch, seq, dtype=torch.long),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind BENCHMARKS.md. Run from the repository root on a GPU machine with the
 # data in .data/ (imdb/, roberta-tokenizer/, gutenberg/). Results go to ${OUT:-benchmarks/results}/<part>/.
-#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc|imdb_tax_square|pyspy_imdb|tests_parallel
+#   bash benchmarks/gpu_suite.sh tests|fastpath|mlm|imdb_b|imdb_sweep|lora|lora_hf|plan_imdb_b|plan_bert|plan_hello|plan_bert_2gpu|imdb_tax|profile_bert|profile_lora|probe_mlm|lora_vs_hf|plan_imdb_lora|plan_lora|plan_offload|imdb_compile|scaling|bert_compile|offload_5b|profile_lora2|imdb_pad|lora_compiled|imdb_lightning|probe_5b|export_5b|offload_12b|offload_host125|imdb_compiled_full|bert_mfu|imdb_scope|bert_decoder|host|bert_graphs|bert_head|bert_sync|sync_sites|scaling_sync|bert_loss|bert_ln|bert_mb|imdb_tax_ab|host_calls|scaling_rs|scaling_rounds|scaling_gc|imdb_tax_square|pyspy_imdb|tests_parallel|engine_host
 #   (lora_hf: the Trainer row alone)
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -147,6 +147,11 @@ for part in "$@"; do
         wait  # the slot ends with its slowest fit
       done
       python3 benchmarks/tax_square.py "$OUT/imdb_tax_square" | sed -n '/^| engine/,/^$/p' ;;
+    engine_host)  # each engine's host time of one IMDB (b) step (preset as shipped: compiled stack, CUDA graphs), all
+      # built in one process and timed in alternating blocks: benchmarks/engine_host.py (micro-batch 32 x 320 tokens)
+      python3 benchmarks/engine_host.py "$OUT/engine_host" --steps ${STEPS:-50} --blocks ${BLOCKS:-10} \
+        -- --data.tokenizer "$TOK" > "$OUT/engine_host/engine_host.log" 2>&1
+      echo "engine_host rc=$?"; tail -n 8 "$OUT/engine_host/engine_host.log" ;;
     tests_parallel)  # pytest -m gpu spread over the GPUs in GPUS (default: all): the one-GPU tests dealt out
       # round-robin, one pytest per GPU, then the two-GPU ones (named two_ranks) on the first two; a log per pytest
       IFS=, read -ra G <<< "${GPUS:-$(seq -s, 0 $(( $(nvidia-smi -L | wc -l) - 1 )))}"
