@@ -16,8 +16,11 @@ of the host's speed falls on all of them alike. Variants:
 * ``zero1``, ``zero2``: DeepSpeed ZeRO-1/2 as zerotrain runs them.
 
     python benchmarks/engine_host.py OUT_DIR [--steps 50] [--blocks 8] [--seq 320] [--variants ...] [-- fit flags]
+    python benchmarks/engine_host.py --pool OUT_DIR RUN_DIR [RUN_DIR ...]
 
-Writes ``OUT_DIR/engine_host.json``, ``.md`` and ``.png`` (each block's median per variant).
+Writes ``OUT_DIR/engine_host.json``, ``.md`` and ``.png`` (each block's median per variant). ``--pool`` reads the
+``engine_host.json`` of several runs and writes ``OUT_DIR/engine_host_pooled.json`` and ``.md``: their blocks
+together, each block paired with the plain block of its run and index.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pathlib import Path
 import torch
 
 VARIANTS = ("plain", "zero0", "zero0 via deepspeed", "zero1", "zero2")
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "imdb_b.yaml"
 
 
 def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int):
@@ -42,7 +46,7 @@ def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int)
     from zerotrain.config_cli import parse_config
     from zerotrain.engine import build_engine
 
-    base = ["--config", "configs/imdb_b.yaml", "--trainer.micro_batch_size", str(micro_batch), *fit_flags]
+    base = ["--config", str(CONFIG), "--trainer.micro_batch_size", str(micro_batch), *fit_flags]
     cfg = parse_config("imdb", base)
     torch.manual_seed(cfg.trainer.seed)
     task = recipes.get("imdb")(cfg)
@@ -85,8 +89,50 @@ def timed_steps(engine, direct, batch, step_fn, n: int) -> tuple[list[float], li
     return host, whole
 
 
+def pool(out: Path, runs: list[Path]) -> str:
+    """Every run's blocks together, each paired with the first variant's block of the same run and index."""
+    results = [json.loads((run / "engine_host.json").read_text()) for run in runs]
+    variants = list(results[0]["rows"])
+    against = variants[0]
+    rows = {}
+    for name in variants:
+        pairs = [(r["rows"][against]["block_host_medians_ms"][i], block) for r in results if name in r["rows"]
+                 for i, block in enumerate(r["rows"][name]["block_host_medians_ms"])]
+        rows[name] = {"blocks": len(pairs), "block_median_ms": statistics.median(b for _, b in pairs),
+                      "paired_difference_ms": statistics.median(b - a for a, b in pairs),
+                      "paired_ratio": statistics.median(b / a - 1 for a, b in pairs),
+                      "blocks_lower": sum(b < a for a, b in pairs)}
+    pooled = {"runs": [str(run) for run in runs], "commits": sorted({r["commit"] for r in results}),
+              "gpus": sorted({r["gpu"] for r in results}), "against": against, "rows": rows}
+    lines = [f"Blocks of {len(runs)} runs of `benchmarks/engine_host.py` pooled, each block paired with the "
+             f"{against} block of its run and index. GPUs: {', '.join(pooled['gpus'])}; commits "
+             f"{', '.join(pooled['commits'])}. Runs: {', '.join(f'`{run}`' for run in runs)}", "",
+             f"| variant | blocks | median of block medians, ms | vs {against}, block by block: median difference "
+             f"| median ratio - 1 | blocks lower |", "|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        lines.append(f"| {name} | {row['blocks']} | {row['block_median_ms']:.3f} | {row['paired_difference_ms']:+.3f} ms "
+                     f"| {row['paired_ratio']:+.1%} | {row['blocks_lower']} |")
+    if "zero0" in rows and "zero0 via deepspeed" in rows:
+        diffs = [a - b for r in results if "zero0" in r["rows"] and "zero0 via deepspeed" in r["rows"]
+                 for a, b in zip(r["rows"]["zero0"]["block_host_medians_ms"],
+                                 r["rows"]["zero0 via deepspeed"]["block_host_medians_ms"])]
+        pooled["zero0_against_deepspeeds_forward_backward"] = {
+            "blocks": len(diffs), "median_difference_ms": statistics.median(diffs), "blocks_lower": sum(d < 0 for d in diffs)}
+        lines += ["", f"zero0 against zero0 via deepspeed, block by block: median difference "
+                      f"{statistics.median(diffs):+.3f} ms, lower in {sum(d < 0 for d in diffs)} of {len(diffs)} blocks"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_host_pooled.json").write_text(json.dumps(pooled, indent=1))
+    (out / "engine_host_pooled.md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
 def main() -> None:
     argv = sys.argv[1:]
+    if argv[:1] == ["--pool"]:
+        if len(argv) < 3:
+            sys.exit("engine_host --pool: give OUT_DIR and at least one run folder")
+        print(pool(Path(argv[1]), [Path(a) for a in argv[2:]]))
+        return
     fit_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -106,7 +152,7 @@ def main() -> None:
     from zerotrain.config_cli import parse_config
     from zerotrain.rundir import environment
 
-    setup_cfg = parse_config("imdb", ["--config", "configs/imdb_b.yaml", *fit_flags])
+    setup_cfg = parse_config("imdb", ["--config", str(CONFIG), *fit_flags])
     with distributed.setup(setup_cfg):
         task, engines, batch = build(variants, fit_flags, args.micro_batch, args.seq)
         step_fn = task.training_step
@@ -127,7 +173,9 @@ def main() -> None:
         env = environment()
         rows = {v: {"host_median_ms": statistics.median(host[v]), "host_p10_ms": _quantile(host[v], 0.1),
                     "host_p90_ms": _quantile(host[v], 0.9), "whole_median_ms": statistics.median(whole[v]),
-                    "block_host_medians_ms": blocks[v]} for v in variants}
+                    "block_host_medians_ms": blocks[v],
+                    # whether its forward and backward bypassed DeepSpeed's (None: not a ZeRO-0 variant)
+                    "direct_forward_backward": direct[v]} for v in variants}
         result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
                   "torch": env["versions"]["torch"], "deepspeed": env["versions"]["deepspeed"],
                   "python": env["python"], "commit": env["commit"], "command": " ".join(["python", *sys.argv]),
@@ -160,6 +208,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {row['host_median_ms']:.3f} | {row['host_p10_ms']:.3f} - {row['host_p90_ms']:.3f} "
                      f"| {row['host_median_ms'] / base - 1:+.1%} | {paired} | {row['whole_median_ms']:.3f} | "
                      f"{', '.join(f'{m:.3f}' for m in row['block_host_medians_ms'])} |")
+    if "zero0" in rows and "zero0 via deepspeed" in rows:
+        diffs = [a - b for a, b in zip(rows["zero0"]["block_host_medians_ms"],
+                                       rows["zero0 via deepspeed"]["block_host_medians_ms"])]
+        lines += ["", f"zero0 against zero0 via deepspeed, block by block: median difference "
+                      f"{statistics.median(diffs):+.3f} ms, lower in {sum(d < 0 for d in diffs)} of {len(diffs)} blocks"]
     return "\n".join(lines) + "\n"
 
 

@@ -171,3 +171,16 @@ def test_a_timed_out_fit_is_stopped_with_its_workers(tmp_path):
     worker = int(out.split()[0])
     assert "launcher says why" in err
     assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_fit_with_no_timed_step_is_a_row_that_says_so(tmp_path):
+    """Every step within --trainer.warmup_steps_excluded (session 26's one-epoch warm-up fits): the fit has no
+    throughput, and the sweep's line for it says why instead of failing to format the missing figures."""
+    out = zerotrain_cmd(["benchmark", "toy", "--strategies", "ddp", "--out", str(tmp_path / "b"), "--predict", "false",
+                         "--trainer.max_steps", "3", "--trainer.num_workers", "0",
+                         "--trainer.warmup_steps_excluded", "5"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ddp x 1: no timed steps (every step was within --trainer.warmup_steps_excluded)" in out.stdout
+    row = json.loads((tmp_path / "b" / "benchmark.json").read_text())["rows"][0]
+    assert row["status"] == "ok" and row.get("throughput_sec_per_step") is None and row["tokens_per_s"] is None
+    assert "| ddp | 1 | - |" in (tmp_path / "b" / "benchmark.md").read_text()

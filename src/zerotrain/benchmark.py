@@ -345,7 +345,9 @@ def _label(row: dict[str, Any]) -> str:
 def _brief(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"failed: {row['error']}"
-    return ", ".join(f"{label}={fmt.format(row[key])}" for label, key, fmt in COLUMNS[2:5] if key in row)
+    # A fit that ended within its warm-up steps has no throughput: the row holds None for it
+    shown = [f"{label}={fmt.format(row[key])}" for label, key, fmt in COLUMNS[2:5] if row.get(key) is not None]
+    return ", ".join(shown) or "no timed steps (every step was within --trainer.warmup_steps_excluded)"
 
 
 def markdown(result: dict[str, Any]) -> str:
