@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from zerotrain.config import OptimizerConfig, StrategyConfig, TrainerConfig
 from zerotrain.ds_config import (
     batch_shape,
     build_ds_config,
+    check_nvme_io,
     engine_clips,
     load_user_config,
     make_ds_config,
@@ -102,6 +104,46 @@ def test_nvme_offload_carries_the_path():
     for key in ("offload_optimizer", "offload_param"):
         assert zero[key] == {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True}
 
+
+
+class _AsyncIO:
+    """Stands for DeepSpeed's accelerator: its AsyncIOBuilder buildable or not, and which builders were asked."""
+
+    def __init__(self, buildable: bool):
+        self.buildable, self.asked = buildable, []
+
+    def create_op_builder(self, name):
+        self.asked.append(name)
+        return SimpleNamespace(is_compatible=lambda verbose=False: self.buildable)
+
+
+@pytest.mark.parametrize("buildable", [True, False])
+def test_nvme_offload_is_refused_in_one_line_where_its_io_op_cannot_be_built(tmp_path, monkeypatch, buildable):
+    """Flags or a DeepSpeed file asking for NVMe: refused naming the flag (or the file and its key) and libaio where
+    the async I/O op cannot be built, passed where it can; no NVMe, or the plain engine: the op is not asked for."""
+    import deepspeed.accelerator
+
+    accelerator = _AsyncIO(buildable)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}))
+    asking = {"--strategy.offload_optimizer nvme": make_cfg(zero_stage=3, offload_optimizer="nvme", nvme_path="/n"),
+              "--strategy.offload_param nvme": make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="nvme",
+                                                        nvme_path="/n"),
+              f"--strategy.deepspeed_config {user} (zero_optimization.offload_param.device nvme)":
+                  make_cfg(deepspeed_config=str(user))}
+    for start, cfg in asking.items():
+        if buildable:
+            check_nvme_io(cfg)
+        else:
+            with pytest.raises(ConfigError) as refused:
+                check_nvme_io(cfg)
+            assert str(refused.value).startswith(start + ": DeepSpeed's async I/O op") and "libaio" in str(refused.value)
+    assert accelerator.asked == ["AsyncIOBuilder"] * 3
+    for cfg in (make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
+                make_cfg(backend="ddp", offload_optimizer="nvme")):
+        check_nvme_io(cfg)
+    assert len(accelerator.asked) == 3
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_precision_blocks(precision):

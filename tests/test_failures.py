@@ -491,3 +491,32 @@ def test_a_stopped_worker_ends_the_job_after_the_timeout_with_one_line(tmp_path)
     assert m, lines[0]
     assert int(m["step"]) >= 12
     assert is_complete(Path(m["ckpt"]))
+
+
+def _async_io_buildable() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    return builder is not None and builder.is_compatible(verbose=False)
+
+
+@pytest.mark.slow
+def test_nvme_offload_without_libaio_ends_in_one_line_from_one_process_or_two(tmp_path):
+    """Where DeepSpeed's async I/O op cannot be built (no libaio, as on this project's CI and GPU machines),
+    NVMe offload is refused before the data and the model, with the same single line from one rank or two,
+    where DeepSpeed's own failure is a traceback from inside deepspeed.initialize."""
+    if _async_io_buildable():
+        pytest.skip("DeepSpeed's async I/O op can be built here: NVMe offload is not refused")
+    lines = set()
+    for nproc in (1, 2):
+        out = zerotrain_cmd(["fit", "toy", "--strategy.zero_stage", "3", "--strategy.offload_optimizer", "nvme",
+                             "--strategy.nvme_path", str(tmp_path / "swap"), "--trainer.max_steps", "1",
+                             "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path / f"runs{nproc}"),
+                             "--launch.nproc_per_node", str(nproc)], cwd=tmp_path)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        errors = [line for line in out.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1, out.stderr[-3000:]
+        lines.add(errors[0])
+    (line,) = lines
+    assert line.startswith("zerotrain fit: error: --strategy.offload_optimizer nvme: DeepSpeed's async I/O op")
+    assert "libaio" in line and "offload to cpu" in line

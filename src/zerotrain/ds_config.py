@@ -408,6 +408,36 @@ def _enabled(block: Any) -> bool:
     return isinstance(block, dict) and block.get("enabled") is True
 
 
+def check_nvme_io(cfg: RunConfig) -> None:
+    """Refuse an NVMe offload where DeepSpeed's async I/O op cannot be built, before anything is loaded or built.
+
+    DeepSpeed reads and writes NVMe-offloaded tensors through that op, compiled on first use against libaio.
+    Without libaio it fails deep inside ``deepspeed.initialize``, after the data and the model (minutes for a
+    model that needs NVMe), with a traceback that names neither the flag nor the fix; this says both."""
+    s = cfg.strategy
+    if s.backend != "deepspeed":
+        return
+    keys = ("offload_optimizer", "offload_param")
+    if s.deepspeed_config:  # the file's offload blocks decide
+        zero = load_user_config(s.deepspeed_config).get("zero_optimization", {})
+        nvme = [key for key in keys if _offload_device(zero.get(key)) == "nvme"]
+    else:
+        nvme = [key for key in keys if getattr(s, key) == "nvme"]
+    if not nvme:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is not None and builder.is_compatible(verbose=False):
+        return
+    flag, what = ((f"--strategy.deepspeed_config {s.deepspeed_config}", f"(zero_optimization.{nvme[0]}.device nvme)")
+                  if s.deepspeed_config else (f"--strategy.{nvme[0]}", "nvme"))
+    raise ConfigError(flag, f"{what}: DeepSpeed's async I/O op, which NVMe offload needs, cannot be built here "
+                            "(libaio not found). Install libaio with its headers (apt install libaio-dev, dnf install "
+                            "libaio-devel, or conda install -c conda-forge libaio with CFLAGS=-I$CONDA_PREFIX/include "
+                            "LDFLAGS=-L$CONDA_PREFIX/lib), or offload to cpu; `zerotrain doctor` shows the op's state")
+
+
 def _offload_device(block: Any) -> str | None:
     return block.get("device") if isinstance(block, dict) else None
 

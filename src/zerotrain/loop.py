@@ -40,7 +40,7 @@ from zerotrain.distributed import (
     run_on_main,
     setup,
 )
-from zerotrain.ds_config import batch_shape, reflect_ds_config
+from zerotrain.ds_config import batch_shape, check_nvme_io, reflect_ds_config
 from zerotrain.engine import Engine, build_engine
 from zerotrain.errors import DataError, OutOfMemory
 from zerotrain.evaluate import Evaluator, fmt
@@ -193,6 +193,7 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     if resume_from is not None:  # before anything is built or hparams.json rewritten
         run_on_main(lambda: check_same_model(resume_from, task.name, cfg))
 
+    check_nvme_io(cfg)  # before the data and the model: a missing op would otherwise end the run minutes later
     # Identical initial weights on every rank, then per-rank randomness (dropout).
     seed_everything(tr.seed)
     with main_process_first(rt.is_main):  # rank 0 fills the tokenisation cache; the others then read it
