@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from blocks import plot_block_medians, provenance, quantile, write_result
 
 VARIANTS = ("plain", "zero0", "zero0 via deepspeed", "zero1", "zero2")
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "imdb_b.yaml"
@@ -150,7 +151,6 @@ def main() -> None:
         ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     from zerotrain import distributed
     from zerotrain.config_cli import parse_config
-    from zerotrain.rundir import environment
 
     setup_cfg = parse_config("imdb", ["--config", str(CONFIG), *fit_flags])
     with distributed.setup(setup_cfg):
@@ -170,22 +170,14 @@ def main() -> None:
                 host[name] += h
                 whole[name] += w
                 blocks[name].append(statistics.median(h))
-        env = environment()
-        rows = {v: {"host_median_ms": statistics.median(host[v]), "host_p10_ms": _quantile(host[v], 0.1),
-                    "host_p90_ms": _quantile(host[v], 0.9), "whole_median_ms": statistics.median(whole[v]),
+        rows = {v: {"host_median_ms": statistics.median(host[v]), "host_p10_ms": quantile(host[v], 0.1),
+                    "host_p90_ms": quantile(host[v], 0.9), "whole_median_ms": statistics.median(whole[v]),
                     "block_host_medians_ms": blocks[v],
                     # whether its forward and backward bypassed DeepSpeed's (None: not a ZeRO-0 variant)
                     "direct_forward_backward": direct[v]} for v in variants}
-        result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-                  "torch": env["versions"]["torch"], "deepspeed": env["versions"]["deepspeed"],
-                  "python": env["python"], "commit": env["commit"], "command": " ".join(["python", *sys.argv]),
-                  "steps_per_block": args.steps, "blocks": args.blocks, "micro_batch": args.micro_batch,
-                  "seq": args.seq, "fit_flags": fit_flags, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine_host.json").write_text(json.dumps(result, indent=1))
-    (args.out / "engine_host.md").write_text(markdown(result))
-    plot(result, args.out / "engine_host.png")
-    print(markdown(result))
+        result = {**provenance(), "steps_per_block": args.steps, "blocks": args.blocks,
+                  "micro_batch": args.micro_batch, "seq": args.seq, "fit_flags": fit_flags, "rows": rows}
+    write_result(result, args.out, "engine_host", markdown, plot)
 
 
 def markdown(result: dict) -> str:
@@ -217,28 +209,8 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, row in result["rows"].items():
-        blocks = row["block_host_medians_ms"]
-        ax.plot(range(1, len(blocks) + 1), blocks, marker="o", label=name)
-    ax.set_xlabel("block (variants take turns)")
-    ax.set_ylabel("median host ms of train_step")
-    ax.set_title(f"IMDB (b) step, host time per engine, {result['gpu']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+    plot_block_medians({name: row["block_host_medians_ms"] for name, row in result["rows"].items()},
+                       "median host ms of train_step", f"IMDB (b) step, host time per engine, {result['gpu']}", path)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,13 @@ Writes ``OUT_DIR/zero_step_host.json``, ``.md`` and ``.png`` (each block's media
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from blocks import plot_block_medians, provenance, quantile, write_result
 
 # The instance attributes zerotrain sets on DeepSpeed's ZeRO-1/2 optimizer (zero_host, zero_clip, offload_norm)
 PATCHES = ("scaled_global_norm", "get_grad_norm_direct", "unscale_and_clip_grads", "_update_model_bit16_weights",
@@ -113,8 +112,6 @@ def main() -> None:
     ap.add_argument("--micro_batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=256)
     args = ap.parse_args()
-    from zerotrain.rundir import environment
-
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     os.environ.setdefault("RANK", "0")
@@ -143,21 +140,13 @@ def main() -> None:
             samples[name] += ms
             blocks[name].append(statistics.median(ms))
     set_variant(opt, (), saved)
-    rows = {name: {"median_ms": statistics.median(samples[name]), "p10_ms": _quantile(samples[name], 0.1),
-                   "p90_ms": _quantile(samples[name], 0.9), "block_medians_ms": blocks[name],
+    rows = {name: {"median_ms": statistics.median(samples[name]), "p10_ms": quantile(samples[name], 0.1),
+                   "p90_ms": quantile(samples[name], 0.9), "block_medians_ms": blocks[name],
                    "removed": list(VARIANTS[name]), "deepspeeds_methods": deepspeeds[name]} for name in VARIANTS}
-    env = environment()  # zerotrain's own record of versions and commit, as every run directory has it
-    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
-              "torch": env["versions"]["torch"], "deepspeed": env["versions"]["deepspeed"], "python": env["python"],
-              "commit": env["commit"], "command": " ".join(["python", *sys.argv]),
-              "stage": args.stage, "steps_per_block": args.steps, "blocks": args.blocks,
+    result = {**provenance(), "stage": args.stage, "steps_per_block": args.steps, "blocks": args.blocks,
               "micro_batch": args.micro_batch, "seq": args.seq,
               "parameter_tensors": sum(len(g) for g in opt.bit16_groups), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "zero_step_host.json").write_text(json.dumps(result, indent=1))
-    (args.out / "zero_step_host.md").write_text(markdown(result))
-    plot(result, args.out / "zero_step_host.png")
-    print(markdown(result))
+    write_result(result, args.out, "zero_step_host", markdown, plot)
 
 
 def markdown(result: dict) -> str:
@@ -176,25 +165,9 @@ def markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, row in result["rows"].items():
-        ax.plot(range(1, len(row["block_medians_ms"]) + 1), row["block_medians_ms"], marker="o", label=name)
-    ax.set_xlabel("block (variants take turns)")
-    ax.set_ylabel("median host ms of engine.step()")
-    ax.set_title(f"ZeRO-{result['stage']} optimizer step, host time, {result['gpu']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+    plot_block_medians({name: row["block_medians_ms"] for name, row in result["rows"].items()},
+                       "median host ms of engine.step()",
+                       f"ZeRO-{result['stage']} optimizer step, host time, {result['gpu']}", path)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO, make_tokenizer, run_python
 
 SCRIPT = str(REPO / "benchmarks" / "engine_host.py")
+sys.path.insert(0, str(REPO / "benchmarks"))  # as when run as a script: its folder's modules (blocks) importable
 _spec = importlib.util.spec_from_file_location("engine_host", SCRIPT)
 engine_host = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(engine_host)
