@@ -40,7 +40,8 @@ VARIANTS = ("plain", "zero0", "zero0 via deepspeed", "zero1", "zero2")
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "imdb_b.yaml"
 
 
-def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int):
+def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int, device: torch.device,
+          precision: str):
     """The task that built the model (its ``training_step`` needs it), the engines (one per variant; both ZeRO-0
     variants share one) and a batch of IMDB (b)'s shape."""
     from zerotrain import recipes
@@ -54,14 +55,13 @@ def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int)
     model = task.build_model(pretrained=False)
     engines, by_strategy = {}, {}
     # ZeRO-0 last: on a GPU it runs DeepSpeed's torch_autocast, which sets a process-wide flag that ZeRO-1/2
-    # optimizers built after it read (their gradients' communication dtypes)
+    # optimizers built after it read for their gradients' communication dtypes (and their reduction reads at run
+    # time, which one rank skips)
     for name in sorted(variants, key=lambda v: v.startswith("zero0")):
         strategy = "zero0" if name.startswith("zero0") else name
         if strategy not in by_strategy:
             flags = ["--strategy.backend", "ddp"] if strategy == "plain" else ["--strategy.zero_stage", strategy[-1]]
             vcfg = parse_config("imdb", [*base, *flags])
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            precision = "bf16" if device.type == "cuda" else "fp32"
             by_strategy[strategy] = build_engine(copy.deepcopy(model), vcfg, device, precision, 10**6, 781, 1)
         engines[name] = by_strategy[strategy]
     engines = {name: engines[name] for name in variants}
@@ -91,10 +91,18 @@ def timed_steps(engine, direct, batch, step_fn, n: int) -> tuple[list[float], li
 
 
 def pool(out: Path, runs: list[Path]) -> str:
-    """Every run's blocks together, each paired with the first variant's block of the same run and index."""
+    """Every run's blocks together, each paired with the plain block (else the first variant's) of the same run
+    and index; runs of different workloads or GPUs are refused."""
     results = [json.loads((run / "engine_host.json").read_text()) for run in runs]
-    variants = list(results[0]["rows"])
-    against = variants[0]
+    shape = ("gpu", "micro_batch", "seq", "steps_per_block", "fit_flags")
+    differ = [key for key in shape if len({json.dumps(r.get(key)) for r in results}) > 1]
+    if differ:
+        sys.exit(f"engine_host --pool: the runs differ in {', '.join(differ)}; pool only runs of one workload and GPU")
+    variants = list(dict.fromkeys(name for r in results for name in r["rows"]))
+    against = "plain" if "plain" in variants else variants[0]
+    missing = [str(run) for run, r in zip(runs, results) if against not in r["rows"]]
+    if missing:
+        sys.exit(f"engine_host --pool: {', '.join(missing)} ran no {against} variant to pair the others with")
     rows = {}
     for name in variants:
         pairs = [(r["rows"][against]["block_host_medians_ms"][i], block) for r in results if name in r["rows"]
@@ -149,12 +157,14 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    if len(set(variants)) < len(variants):
+        ap.error("--variants: a variant named twice would be timed twice as often as the others")
     from zerotrain import distributed
     from zerotrain.config_cli import parse_config
 
     setup_cfg = parse_config("imdb", ["--config", str(CONFIG), *fit_flags])
-    with distributed.setup(setup_cfg):
-        task, engines, batch = build(variants, fit_flags, args.micro_batch, args.seq)
+    with distributed.setup(setup_cfg) as rt:  # the fit flags' device and precision, resolved as a fit does
+        task, engines, batch = build(variants, fit_flags, args.micro_batch, args.seq, rt.device, rt.precision)
         step_fn = task.training_step
         direct = {name: (name == "zero0") if name.startswith("zero0") else None for name in variants}
         if "zero0" in engines and not engines["zero0"]._direct:

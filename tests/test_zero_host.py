@@ -13,6 +13,7 @@ from test_zero_clip import RecordOps
 
 from zerotrain import zero_host
 from zerotrain.loop import fit
+from zerotrain.tasks.base import StepOutput
 from zerotrain.tasks.toy import ToyTask
 
 
@@ -276,8 +277,29 @@ def test_weights_are_rebound_only_when_one_has_moved(tmp_path, monkeypatch):
     assert checked == [True]
 
 
+class LossOutsideTheModel(ToyTask):
+    """A user's task whose loss and metric are computed in the output's dtype, outside the module: under bf16
+    autocast they differ in value if the autocast covers them (DeepSpeed's forward autocasts the module only)."""
+
+    def training_step(self, model, batch):
+        pred = model(batch["x"])
+        loss = torch.nn.functional.mse_loss(pred, batch["y"].to(pred.dtype)) + (pred @ pred.T).mean() * 1e-3
+        return StepOutput(loss=loss, tokens=batch["x"].shape[0], samples=batch["x"].shape[0])
+
+    def eval_step(self, model, batch):
+        pred = model(batch["x"])
+        sq = (pred - batch["y"].to(pred.dtype)) ** 2 + (pred @ pred.T).mean() * 1e-3
+        return {"sq_err": float(sq.mean(-1).sum()), "count": batch["x"].shape[0]}
+
+
+def _val_log(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_mse"] for r in rows if "val_mse" in r}
+
+
+@pytest.mark.parametrize("task", [ToyTask, LossOutsideTheModel])
 @pytest.mark.parametrize("precision", ["fp32", "autocast"])
-def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, precision):
+def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, precision, task):
     """ZeRO-0 with the engine's gradients cleared from a list, its idle forward hooks removed and its forward
     and backward run directly: DeepSpeed's own zero_grad, forward and backward never run, the hooks are gone,
     and with 2 micro-batches and a biting clip the loss and grad-norm curves are bitwise those of DeepSpeed's
@@ -303,7 +325,7 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
     for name in calls:
         monkeypatch.setattr(DeepSpeedEngine, name, counting(name))
     real_drop = zero_host.drop_idle_forward_hooks
-    logs, counts = {}, {}
+    logs, counts, vals = {}, {}, {}
     for patched in (True, False):
         calls.update(dict.fromkeys(calls, 0))
         if patched:
@@ -313,8 +335,10 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
                 monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda engine: False)
         cfg = toy_config(tmp_path, f"patched-{patched}", zero_stage=0, gradient_clipping=0.05,
                          precision="fp32" if precision == "fp32" else "bf16")
-        fit(ToyTask(cfg))
+        cfg.trainer.eval_every_steps = 4
+        fit(task(cfg))
         logs[patched], counts[patched] = train_log(tmp_path / f"patched-{patched}"), dict(calls)
+        vals[patched] = _val_log(tmp_path / f"patched-{patched}")
     ds = engines[0]
     assert ds.torch_autocast_enabled() == (precision == "autocast")
     assert ds.module_forward_pre_hook is None and ds.module_forward_post_hook is None
@@ -327,6 +351,7 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
         assert row["train_loss"] == logs[False][step]["train_loss"], step
         assert row["grad_norm"] == logs[False][step]["grad_norm"], step
     assert logs[True][8]["train_loss"] < logs[True][1]["train_loss"]  # and it trains
+    assert len(vals[True]) >= 2 and vals[True] == vals[False]  # evaluation too (forward_model, eval_context, eval)
 
 
 def test_zero0_engine_patches_stay_off_where_they_would_change_something():
@@ -350,19 +375,21 @@ def test_zero0_engine_patches_stay_off_where_they_would_change_something():
 
 def test_deepspeeds_forward_and_backward_stay_where_they_do_something():
     """ZeRO-1..3, an fp16 or bf16 optimizer wrapper, an autocast GradScaler, a gradient all-reduce, DeepCompile,
-    compiled autograd or one of DeepSpeed's timers and profilers each keep DeepSpeed's forward and backward."""
+    compiled autograd, unmanaged gradient accumulation or one of DeepSpeed's timers and profilers each keep
+    DeepSpeed's forward and backward."""
     plain = object()
     base = dict(zero_optimization=lambda: False, optimizer=plain, basic_optimizer=plain,
                 torch_autocast_z0_gradscaler=None, enable_backward_allreduce=False, is_deepcompile_enabled=lambda: False,
                 _is_compiled_autograd_enabled=False, wall_clock_breakdown=lambda: False,
                 flops_profiler_enabled=lambda: False, memory_breakdown=lambda: False,
-                autotuning_profile_model_info=lambda: False)
+                autotuning_profile_model_info=lambda: False, managed_gradient_accumulation=lambda: True)
     assert zero_host.forward_backward_add_nothing(SimpleNamespace(**base))
     for key, busy in (("zero_optimization", lambda: True), ("optimizer", object()),
                       ("torch_autocast_z0_gradscaler", object()), ("enable_backward_allreduce", True),
                       ("is_deepcompile_enabled", lambda: True), ("_is_compiled_autograd_enabled", True),
                       ("wall_clock_breakdown", lambda: True), ("flops_profiler_enabled", lambda: True),
-                      ("memory_breakdown", lambda: True), ("autotuning_profile_model_info", lambda: True)):
+                      ("memory_breakdown", lambda: True), ("autotuning_profile_model_info", lambda: True),
+                      ("managed_gradient_accumulation", lambda: False)):
         assert not zero_host.forward_backward_add_nothing(SimpleNamespace(**{**base, key: busy})), key
 
 

@@ -287,7 +287,9 @@ class DeepSpeedEngine(Engine):
         # Where DeepSpeed's forward and backward wrap only autograd (ZeRO-0 on one rank), they are run
         # directly: the same arithmetic without their host work (see forward_backward_add_nothing)
         self._direct = cfg.strategy.fast_path and forward_backward_add_nothing(self.ds)
-        self._autocast_dtype = self.ds.torch_autocast_dtype() if self.ds.torch_autocast_enabled() else None
+        self._direct_model: nn.Module = self.ds.module
+        if self.ds.torch_autocast_enabled():
+            self._direct_model = Autocast(self.ds.module, device.type, self.ds.torch_autocast_dtype())
 
     def describe(self) -> str:
         zero = self.ds_config.get("zero_optimization", {})
@@ -302,12 +304,7 @@ class DeepSpeedEngine(Engine):
 
     @property
     def forward_model(self) -> nn.Module:
-        return self.ds.module if self._direct else self.ds
-
-    def _autocast(self) -> ContextManager:
-        if not self._direct or self._autocast_dtype is None:
-            return contextlib.nullcontext()  # DeepSpeed's forward applies its own
-        return torch.autocast(self.device.type, dtype=self._autocast_dtype)  # as DeepSpeed's forward would
+        return self._direct_model if self._direct else self.ds
 
     def train(self) -> None:
         self.ds.train()
@@ -427,6 +424,20 @@ DS_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.r
 """The classes DeepSpeed's checkpoint files hold besides tensors and containers (found by
 ``torch.serialization.get_unsafe_globals_in_checkpoint`` on ZeRO-0..3 checkpoints): plain records,
 rebuilt by the weights-only unpickler without calling any of their code."""
+
+
+class Autocast(nn.Module):
+    """``module`` called under autocast, and only its call, as DeepSpeed's forward calls it under its
+    ``torch_autocast`` block: a loss the task computes from the output stays outside, in full precision."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.module = module
+        self.device_type, self.dtype = device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 def _ds_safe_globals() -> list[type]:

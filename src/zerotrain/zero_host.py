@@ -377,7 +377,9 @@ def forward_backward_add_nothing(engine: Any) -> bool:
             and engine.torch_autocast_z0_gradscaler is None and not engine.enable_backward_allreduce
             and not engine.is_deepcompile_enabled() and not engine._is_compiled_autograd_enabled
             and not engine.wall_clock_breakdown() and not engine.flops_profiler_enabled()
-            and not engine.memory_breakdown() and not engine.autotuning_profile_model_info())
+            and not engine.memory_breakdown() and not engine.autotuning_profile_model_info()
+            # unmanaged accumulation: DeepSpeed's backward counts micro-batches that its step reads
+            and engine.managed_gradient_accumulation())
 
 
 def _is_zero12(optimizer: Any) -> bool:
