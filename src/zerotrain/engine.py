@@ -433,10 +433,12 @@ class Autocast(nn.Module):
     def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
         super().__init__()
         self.module = module
-        self.device_type, self.dtype = device_type, dtype
+        # Not ``dtype``: a caller reading ``model.dtype`` (as Hugging Face models have it) would take the autocast's
+        # for the weights'
+        self.autocast_device, self.autocast_dtype = device_type, dtype
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype):
+        with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
             return self.module(*args, **kwargs)
 
 
