@@ -492,19 +492,14 @@ def test_a_stopped_worker_ends_the_job_after_the_timeout_with_one_line(tmp_path)
     assert is_complete(Path(m["ckpt"]))
 
 
-def _async_io_buildable() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    return builder is not None and builder.is_compatible(verbose=False)
-
-
 @pytest.mark.slow
 def test_nvme_offload_without_libaio_ends_in_one_line_from_one_process_or_two(tmp_path):
     """Where DeepSpeed's async I/O op cannot be built (no libaio, as on this project's CI and GPU machines),
     NVMe offload is refused before the data and the model, with the same single line from one rank or two,
     where DeepSpeed's own failure is a traceback from inside deepspeed.initialize."""
-    if _async_io_buildable():
+    from zerotrain.doctor import op_buildable
+
+    if op_buildable("AsyncIOBuilder"):
         pytest.skip("DeepSpeed's async I/O op can be built here: NVMe offload is not refused")
     lines = set()
     for nproc in (1, 2):

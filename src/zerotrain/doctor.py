@@ -60,6 +60,14 @@ def report() -> dict[str, Any]:
     return {"versions": versions, "gpus": gpus, "cuda": cuda, "compilers": compilers, "deepspeed ops": _ops()}
 
 
+def op_buildable(op: str) -> bool:
+    """Whether DeepSpeed's ``op`` builder (e.g. "AsyncIOBuilder") can build it here, by its own check."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(op)
+    return builder is not None and bool(builder.is_compatible(verbose=False))
+
+
 def _ops() -> dict[str, str]:
     try:
         from deepspeed.accelerator import get_accelerator

@@ -425,10 +425,9 @@ def check_nvme_io(cfg: RunConfig) -> None:
         nvme = [key for key in keys if getattr(s, key) == "nvme"]
     if not nvme:
         return
-    from deepspeed.accelerator import get_accelerator
+    from zerotrain.doctor import op_buildable
 
-    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
-    if builder is not None and builder.is_compatible(verbose=False):
+    if op_buildable("AsyncIOBuilder"):
         return
     flag, what = ((f"--strategy.deepspeed_config {s.deepspeed_config}", f"(zero_optimization.{nvme[0]}.device nvme)")
                   if s.deepspeed_config else (f"--strategy.{nvme[0]}", "nvme"))
