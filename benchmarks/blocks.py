@@ -39,7 +39,7 @@ def provenance() -> dict[str, Any]:
     directory has it)."""
     import torch
 
-    from zerotrain.rundir import environment
+    from zerotrain.runtime.rundir import environment
 
     env = environment()
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",

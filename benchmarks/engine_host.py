@@ -44,9 +44,9 @@ def build(variants: list[str], fit_flags: list[str], micro_batch: int, seq: int,
           precision: str):
     """The task that built the model (its ``training_step`` needs it), the engines (one per variant; both ZeRO-0
     variants share one) and a batch of IMDB (b)'s shape."""
-    from zerotrain import recipes
-    from zerotrain.config_cli import parse_config
-    from zerotrain.engine import build_engine
+    from zerotrain.tasks import registry as recipes
+    from zerotrain.config.flags import parse_config
+    from zerotrain.engines import build_engine
 
     base = ["--config", str(CONFIG), "--trainer.micro_batch_size", str(micro_batch), *fit_flags]
     cfg = parse_config("imdb", base)
@@ -159,8 +159,8 @@ def main() -> None:
         ap.error(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
     if len(set(variants)) < len(variants):
         ap.error("--variants: a variant named twice would be timed twice as often as the others")
-    from zerotrain import distributed
-    from zerotrain.config_cli import parse_config
+    from zerotrain.runtime import distributed
+    from zerotrain.config.flags import parse_config
 
     setup_cfg = parse_config("imdb", ["--config", str(CONFIG), *fit_flags])
     with distributed.setup(setup_cfg) as rt:  # the fit flags' device and precision, resolved as a fit does

@@ -28,7 +28,7 @@ import psutil
 RUN = """
 import sys
 from zerotrain.data.loader import _StopSignalSafeLoader
-from zerotrain.loop import fit
+from zerotrain.train.loop import fit
 from zerotrain.tasks.toy import ToyConfig, ToyTask
 
 order, width, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -91,7 +91,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = [measure(order, args.width, args.steps, args.out) for order in ("before", "after", "before", "after")]
     params = 17 * args.width + 8
-    from zerotrain.rundir import environment
+    from zerotrain.runtime.rundir import environment
 
     result = {"command": " ".join(["python", *sys.argv]), "parameters": params, "rows": rows,
               "cpu": f"{psutil.cpu_count()} cores", "host_gib": psutil.virtual_memory().total / 2**30,

@@ -87,8 +87,8 @@ for part in "$@"; do
         --strategies ddp,zero2,zero1_offload,zero2_offload,zero3_offload ;;
     probe_mlm)  # the probe alone at BERT-base (micro 32) and HelloDeepSpeed's dims (micro 8): a plan's
       # predictions recomputed from it (benchmarks/repredict.py) against trials measured earlier on the same GPU kind
-      python3 -m zerotrain.probe mlm --out "$OUT/probe_mlm/bert_base.json" --max_micro 32 "${BERT[@]}"; echo "probe bert rc=$?"
-      python3 -m zerotrain.probe mlm --out "$OUT/probe_mlm/hello.json" --max_micro 8 "${BERT[@]}" --model.num_layers 6 \
+      python3 -m zerotrain.plan.probe mlm --out "$OUT/probe_mlm/bert_base.json" --max_micro 32 "${BERT[@]}"; echo "probe bert rc=$?"
+      python3 -m zerotrain.plan.probe mlm --out "$OUT/probe_mlm/hello.json" --max_micro 8 "${BERT[@]}" --model.num_layers 6 \
         --model.num_heads 8 --model.h_dim 256 --model.ff_dim 512 --trainer.micro_batch_size 8; echo "probe hello rc=$?" ;;
     imdb_tax)  # preset (b), 2 epochs per engine, only the second timed (every padded length has been seen once):
       # the plain engine against ZeRO-0/1/2 (the fast-path issue's target 1 at IMDB), predicted memory per row.
@@ -197,7 +197,7 @@ for part in "$@"; do
       done
       wait
       tail -n 2 "$OUT"/pyspy_imdb/*.log ;;
-    imdb_tax_ab)  # imdb_tax with this code, then ZeRO-1/2 (AB_STRATS) with OLD_SRC's: zerotrain.zero_host's one-rank
+    imdb_tax_ab)  # imdb_tax with this code, then ZeRO-1/2 (AB_STRATS) with OLD_SRC's: zerotrain.engines.ds_private.zero_host's one-rank
       # reduction skip and one-launch norm against DeepSpeed's per-tensor path
       old_src_on_path || continue
       imdb_tax "$OUT/imdb_tax_ab/new" ${STRATS:-ddp,zero0,zero1,zero2} ${NEW_S:-360}
@@ -330,7 +330,7 @@ for part in "$@"; do
       grep -h "export" "$OUT"/export_5b/runs/*/fit.log 2>/dev/null | tail -n 20 ;;
     probe_5b)  # the memory model's probe of offload_5b's model at micro-batch up to 48: predictions for its rows
       # (benchmarks/repredict.py offload_5b_mbN_benchmark.json probe_5b.json)
-      timeout ${PROBE_LIMIT:-400} python3 -m zerotrain.probe mlm --out "$OUT/probe_5b/probe_5b.json" --max_micro 48 \
+      timeout ${PROBE_LIMIT:-400} python3 -m zerotrain.plan.probe mlm --out "$OUT/probe_5b/probe_5b.json" --max_micro 48 \
         "${BIG[@]}" --trainer.micro_batch_size 48 \
         > "$OUT/probe_5b/probe.log" 2>&1; echo "probe 5b rc=$?"; tail -n 3 "$OUT/probe_5b/probe.log" ;;
     bert_compile)  # BERT-base on one GPU, ZeRO-0, for the MFU target: eager, then --strategy.compile true (its 12

@@ -25,8 +25,8 @@ def main() -> None:
     args, rest = p.parse_known_args()
     fit_flags = rest[1:] if rest[:1] == ["--"] else rest
 
-    from zerotrain.distributed import free_port
-    from zerotrain.launcher import sanitize_cuda_arch_list
+    from zerotrain.runtime.distributed import free_port
+    from zerotrain.runtime.launcher import sanitize_cuda_arch_list
 
     # One process without a launcher: DeepSpeed inside the Trainer still wants torchrun's variables.
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
@@ -37,9 +37,9 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from zerotrain.cli.fit import parse_config
-    from zerotrain.ds_config import load_user_config
-    from zerotrain.loop import seed_everything
-    from zerotrain.metrics import peak_tflops
+    from zerotrain.config.ds_config import load_user_config
+    from zerotrain.train.loop import seed_everything
+    from zerotrain.metrics.meters import peak_tflops
     from zerotrain.tasks.lora import LoRATask
 
     sanitize_cuda_arch_list()

@@ -122,7 +122,7 @@ def main() -> int:
     if not 1 <= args.first < args.last:
         ap.error("--first and --last: need 1 <= first < last")
 
-    import zerotrain.engine as engine_module
+    import zerotrain.engines as engine_module
     from zerotrain.cli import main as zerotrain_main
 
     window = _Window(args.first, args.last)

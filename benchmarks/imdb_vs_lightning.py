@@ -23,7 +23,7 @@ from pathlib import Path
 
 from epoch_times import epoch_seconds
 
-from zerotrain.rundir import environment
+from zerotrain.runtime.rundir import environment
 
 
 def lightning_row(log: Path) -> dict:

@@ -90,7 +90,7 @@ def rows_logged(run: Path) -> int:
 
 def check_checkpoints(run: Path) -> tuple[int, bool]:
     """(complete checkpoints that fail verification, whether an unfinished folder was left)."""
-    from zerotrain.checkpoint import complete_checkpoints, is_complete, problem
+    from zerotrain.checkpoint.layout import complete_checkpoints, is_complete, problem
 
     ckpts = run / "checkpoints"
     corrupt = sum(problem(folder, checksums=True) is not None for folder in complete_checkpoints(ckpts))
@@ -108,7 +108,7 @@ def run_config(config: str, kills: int, work: Path, rng: random.Random) -> dict:
              "bitwise_equal": False}
     failures = []
     while stats["kills"] < kills:
-        from zerotrain.checkpoint import complete_checkpoints
+        from zerotrain.checkpoint.layout import complete_checkpoints
 
         newest = complete_checkpoints(run / "checkpoints")[-1:] if run.is_dir() else []
         proc = subprocess.Popen(command(work, run.name, config, True), env=env, stdout=subprocess.DEVNULL,

@@ -6,9 +6,9 @@ same workload.
 EXTRA FIT FLAGS are added to the file's own: a file from before a default changed is predicted as it ran (the
 H200 sweeps of sessions 1-2 ran DeepSpeed's defaults: ``-- --strategy.fast_path false``).
 
-The plan file keeps what each trial measured (a ``zerotrain benchmark`` file, each row); the probe file (``python -m zerotrain.probe``, or a plan
+The plan file keeps what each trial measured (a ``zerotrain benchmark`` file, each row); the probe file (``python -m zerotrain.plan.probe``, or a plan
 folder's probe.json) holds what the memory model reads. Every trial's peak GPU and host memory is
-predicted again with the current :func:`zerotrain.planner.assess`, so a change to the memory model can
+predicted again with the current :func:`zerotrain.plan.planner.assess`, so a change to the memory model can
 be checked against trials already run. Use a probe taken on the same GPU kind as the trials (the
 file names the GPU); the paths in the plan's ``fit_args`` must exist here (the tokenizer sets the
 vocabulary). Prints a Markdown table; writes it as JSON too when OUT is given.
@@ -20,12 +20,12 @@ import json
 import sys
 from pathlib import Path
 
-from zerotrain.benchmark import predicted
-from zerotrain.config_cli import parse_config
-from zerotrain.memory import GIB
-from zerotrain.planner import Candidate, assess
-from zerotrain.probe import Probe
-from zerotrain.strategies import STRATEGIES
+from zerotrain.plan.benchmark import predicted
+from zerotrain.config.flags import parse_config
+from zerotrain.plan.memory import GIB
+from zerotrain.plan.planner import Candidate, assess
+from zerotrain.plan.probe import Probe
+from zerotrain.plan.strategies import STRATEGIES
 
 
 def _pct(predicted: float, measured: float | None) -> str:

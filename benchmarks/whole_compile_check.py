@@ -21,7 +21,7 @@ import sys
 import torch
 
 from cudagraphs_check import batch  # the CUDA-graph check's reviews (run as benchmarks/whole_compile_check.py)
-from zerotrain.compiling import compile_in_place, compile_model
+from zerotrain.engines.compiling import compile_in_place, compile_model
 from zerotrain.models.sentiment import SentimentClassifier
 
 LENGTHS = [512, 128, 192, 128, 256, 192, 64, 320, 128, 192, 512, 64]  # the lengths of session 11's results

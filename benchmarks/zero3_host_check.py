@@ -20,10 +20,11 @@ def rss() -> str:
 
 
 def main(recipe: str, args: list[str]) -> None:
-    from zerotrain import distributed, recipes
-    from zerotrain.config_cli import parse_config
-    from zerotrain.ds_config import resolve_precision
-    from zerotrain.engine import build_engine
+    from zerotrain.runtime import distributed
+    from zerotrain.tasks import registry as recipes
+    from zerotrain.config.flags import parse_config
+    from zerotrain.config.ds_config import resolve_precision
+    from zerotrain.engines import build_engine
 
     cfg = parse_config(recipe, args)
     with distributed.setup(cfg):

@@ -42,10 +42,10 @@ def build(stage: int, micro_batch: int, seq: int):
     """IMDB preset (b)'s model under zerotrain's engine setup for ZeRO ``stage``, and one batch for it."""
     import deepspeed
 
-    from zerotrain.ds_config import fast_path
+    from zerotrain.config.ds_config import fast_path
     from zerotrain.models.sentiment import SentimentClassifier
-    from zerotrain.zero_clip import clip_without_sync, mask_norms_without_sync
-    from zerotrain.zero_host import norm_in_one_launch, rebind_only_moved_weights, skip_one_rank_reduction
+    from zerotrain.engines.ds_private.zero_clip import clip_without_sync, mask_norms_without_sync
+    from zerotrain.engines.ds_private.zero_host import norm_in_one_launch, rebind_only_moved_weights, skip_one_rank_reduction
 
     torch.manual_seed(0)
     model = SentimentClassifier(vocab_size=50265, embed_dim=256, hidden_dim=1024, num_heads=8, num_layers=6,

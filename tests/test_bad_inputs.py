@@ -235,7 +235,7 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     (tmp / "lora_nofield.jsonl").write_text(json.dumps({"input": "the movie"}) + "\n")
     (tmp / "lora_broken.jsonl").write_text(json.dumps({"input": "a", "target": "b"}) + "\n{not json\n")
     # A finished toy run (checkpoint at step 1) and a run folder without checkpoints.
-    from zerotrain.loop import fit
+    from zerotrain.train.loop import fit
     from zerotrain.tasks.toy import ToyConfig, ToyTask
 
     cfg = ToyConfig()
@@ -325,7 +325,7 @@ def test_bad_input(case, inputs, capsys):
 
 def test_hparams_record_what_the_deepspeed_file_set(tmp_path):
     """A user's DeepSpeed file wins over the flags it overrides; hparams.json must say what the run used."""
-    from zerotrain.loop import fit
+    from zerotrain.train.loop import fit
     from zerotrain.tasks.toy import ToyConfig, ToyTask
 
     (tmp_path / "ds.json").write_text(json.dumps({

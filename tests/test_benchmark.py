@@ -60,7 +60,7 @@ def test_predictions_from_an_earlier_probe_file_and_a_bad_one_named(tmp_path):
     same figures the memory model gives in-process from that file; a file that is no probe is one line."""
     from test_planner import fake_probe
 
-    from zerotrain.benchmark import predicted
+    from zerotrain.plan.benchmark import predicted
 
     probe = fake_probe(device="cpu")
     (tmp_path / "p.json").write_text(json.dumps(probe.to_dict()))
@@ -70,7 +70,7 @@ def test_predictions_from_an_earlier_probe_file_and_a_bad_one_named(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "b" / "benchmark.json").read_text())
     row = result["rows"][0]
-    from zerotrain.strategies import STRATEGIES
+    from zerotrain.plan.strategies import STRATEGIES
 
     want = predicted("toy", [*args, *STRATEGIES["ddp"].flags(), "--launch.nproc_per_node", "1"], "ddp", probe)
     assert want["predicted_host_mem_gib"] > 0
@@ -86,7 +86,7 @@ def test_predictions_from_an_earlier_probe_file_and_a_bad_one_named(tmp_path):
 def test_a_sweep_cut_short_keeps_the_rows_it_finished(tmp_path, monkeypatch):
     """The result files are rewritten after each row: a sweep killed during its second fit (a device
     call's time limit) still has the first row on disk."""
-    from zerotrain import benchmark
+    from zerotrain.plan import benchmark
 
     calls = []
 
@@ -107,7 +107,7 @@ def test_rounds_alternate_the_order_and_summarise_each_strategy_against_plain(tm
     """--rounds 3: every fit three times, the second round in reverse order; the summary pairs each
     strategy with the plain engine of the same round (the tax is the median of those ratios) and says
     how far one strategy's own runs spread. A failed run is left out of the summary, not counted as 0."""
-    from zerotrain import benchmark
+    from zerotrain.plan import benchmark
 
     seconds = {("ddp", 1): 0.010, ("zero0", 1): 0.011, ("ddp", 2): 0.020, ("zero0", 2): 0.021,
                ("ddp", 3): 0.012, ("zero0", 3): None}  # round 2 ran on a slower machine; zero0 r3 failed
@@ -162,7 +162,7 @@ def test_a_timed_out_fit_is_stopped_with_its_workers(tmp_path):
 
     import psutil
 
-    from zerotrain.benchmark import run_bounded
+    from zerotrain.plan.benchmark import run_bounded
 
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     t0 = time.perf_counter()

@@ -8,17 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerotrain.checkpoint import (
-    MARKER,
-    Checkpointer,
-    complete_checkpoints,
-    find_resume_folder,
-    state_file,
-    step_folder,
-)
+from zerotrain.checkpoint.manager import Checkpointer
+
+from zerotrain.checkpoint.layout import find_resume_folder
+
+from zerotrain.checkpoint.layout import MARKER, complete_checkpoints, state_file, step_folder
 from zerotrain.config import CheckpointConfig
 from zerotrain.errors import UserError
-from zerotrain.train_state import TrainState
+from zerotrain.train.state import TrainState
 
 
 class FakeEngine:
@@ -146,7 +143,7 @@ def test_ranks_that_disagree_on_the_position_are_refused(tmp_path):
 
 
 def test_another_process_count_needs_the_same_micro_batch_times_processes(tmp_path):
-    from zerotrain.checkpoint import check_compatible
+    from zerotrain.checkpoint.manager import check_compatible
 
     folder = two_rank_checkpoint(tmp_path)  # 2 processes x micro 4 x accumulation 2: global batch 16
     check_compatible(folder, {**SHAPE, "micro_batch_size": 8, "world_size": 1})  # 1 x 8: kept, no error
@@ -169,7 +166,7 @@ def test_another_process_count_needs_the_same_micro_batch_times_processes(tmp_pa
 
 
 def test_an_engine_that_cannot_reshard_is_one_line(tmp_path):
-    from zerotrain.engine import Engine
+    from zerotrain.engines import Engine
 
     folder = two_rank_checkpoint(tmp_path)
     engine = FakeEngine()
@@ -287,7 +284,7 @@ def test_preflight_refuses_a_checkpoint_that_cannot_fit(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from zerotrain.checkpoint import estimate_bytes, preflight_space
+    from zerotrain.checkpoint.manager import estimate_bytes, preflight_space
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
@@ -300,7 +297,7 @@ def test_preflight_refuses_a_checkpoint_that_cannot_fit(tmp_path, monkeypatch):
 
 # ---- the run's shape is recorded and checked ---------------------------------------------------------
 def test_shape_is_recorded_and_a_different_micro_batch_is_refused(tmp_path):
-    from zerotrain.checkpoint import check_compatible
+    from zerotrain.checkpoint.manager import check_compatible
 
     shape = {"recipe": "toy", "backend": "deepspeed", "zero_stage": 2, "precision": "fp32", "micro_batch_size": 8,
              "grad_accum": 2, "world_size": 1}
@@ -319,7 +316,7 @@ def test_shape_is_recorded_and_a_different_micro_batch_is_refused(tmp_path):
 
 def test_weights_kept_in_another_dtype_are_refused(tmp_path):
     """ZeRO-0 bf16: the fast path keeps fp32 weights (autocast), DeepSpeed's bf16 block bf16 ones."""
-    from zerotrain.checkpoint import check_compatible
+    from zerotrain.checkpoint.manager import check_compatible
 
     folder = two_rank_checkpoint(tmp_path)
     meta = json.loads((folder / MARKER).read_text())

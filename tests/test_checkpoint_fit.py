@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from test_fit import toy_config, train_log
 
-from zerotrain import rundir
-from zerotrain.checkpoint import MARKER, complete_checkpoints
+from zerotrain.runtime import rundir
+from zerotrain.checkpoint.layout import MARKER, complete_checkpoints
 from zerotrain.errors import UserError
-from zerotrain.loop import fit
+from zerotrain.train.loop import fit
 from zerotrain.tasks.toy import ToyTask
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain import recipes
+from zerotrain.tasks import registry as recipes
 from zerotrain.config import StrategyConfig, TrainerConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from conftest import zerotrain_cmd
 from test_lora_fit import LLAMA, _args, lora_files  # noqa: F401  (lora_files is a fixture)
 from torch import nn
 
-from zerotrain.compiling import compile_model, repeated_blocks
+from zerotrain.engines.compiling import compile_model, repeated_blocks
 from zerotrain.models.roberta_mlm import EncoderLayer, RobertaMLM
 from zerotrain.models.sentiment import SentimentClassifier
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from zerotrain.config import LaunchConfig
-from zerotrain.launcher import (
+from zerotrain.runtime.launcher import (
     adopt_slurm_env,
     launched_by_a_launcher,
     sanitize_cuda_arch_list,

@@ -12,7 +12,7 @@ import pytest
 
 import zerotrain
 from zerotrain.config import OptimizerConfig, StrategyConfig, TrainerConfig
-from zerotrain.ds_config import (
+from zerotrain.config.ds_config import (
     batch_shape,
     build_ds_config,
     check_nvme_io,
@@ -519,7 +519,7 @@ def test_batch_shape_reads_a_user_file(tmp_path):
 def test_hparams_record_the_files_offload_pinning_not_the_flag(block, expected):
     """With --strategy.deepspeed_config the file's offload block decides pinning; the run's recorded config
     says what DeepSpeed ran with, whatever --strategy.offload_pin_memory said."""
-    from zerotrain.ds_config import reflect_ds_config
+    from zerotrain.config.ds_config import reflect_ds_config
 
     cfg = make_cfg(offload_pin_memory=not expected if expected is not None else True)
     zero = {"stage": 2, **({"offload_optimizer": block} if block else {})}
@@ -535,7 +535,7 @@ def test_hparams_record_no_pinning_where_the_files_offload_blocks_differ(tmp_pat
     recorded config refuse its own file on a rerun. Unset, it reruns (the file decides again)."""
     import json
 
-    from zerotrain.ds_config import make_ds_config, reflect_ds_config
+    from zerotrain.config.ds_config import make_ds_config, reflect_ds_config
 
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
             "offload_param": {"device": "cpu", "pin_memory": param_pin}}

@@ -17,9 +17,11 @@ import pytest
 import torch.distributed as dist
 from conftest import run_python, zerotrain_cmd
 
-from zerotrain.distributed import free_port, main_process_first, run_on_main
+from zerotrain.runtime.distributed import free_port
+
+from zerotrain.runtime.collectives import main_process_first, run_on_main
 from zerotrain.errors import DataError
-from zerotrain.launcher import (
+from zerotrain.runtime.launcher import (
     _report_worker_failure,
     _restore_levels,
     _silence_torchelastic,
@@ -33,7 +35,9 @@ TWO_RANKS = textwrap.dedent('''
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from zerotrain.distributed import free_port, main_process_first, run_on_main
+    from zerotrain.runtime.distributed import free_port
+
+    from zerotrain.runtime.collectives import main_process_first, run_on_main
     from zerotrain.errors import ConfigError, DataError
 
 

@@ -17,9 +17,9 @@ from test_fit import toy_config
 
 from zerotrain.cli import main
 from zerotrain.errors import UserError
-from zerotrain.export import export_run
-from zerotrain.loop import fit
-from zerotrain.rundir import load_run
+from zerotrain.checkpoint.export import export_run
+from zerotrain.train.loop import fit
+from zerotrain.runtime.rundir import load_run
 from zerotrain.tasks.mlm import MLMConfig, MLMTask
 from zerotrain.tasks.toy import ToyTask
 
@@ -104,9 +104,9 @@ def test_a_sharded_export_is_what_load_run_reads(toy_runs, tmp_path):
 def test_a_fit_exports_a_big_model_shard_by_shard_saying_so(tmp_path, monkeypatch, capsys):
     """The end of a run writes a model past the shard size as Hugging Face's shards, one at a time, with
     a line per shard; the run folder loads as before."""
-    import zerotrain.export
+    import zerotrain.checkpoint.export
 
-    monkeypatch.setattr(zerotrain.export, "DEFAULT_MAX_SHARD_SIZE", 600)  # bytes: 0.weight alone is 1 KiB
+    monkeypatch.setattr(zerotrain.checkpoint.export, "DEFAULT_MAX_SHARD_SIZE", 600)  # bytes: 0.weight alone is 1 KiB
     run = _toy_run(tmp_path, "big", zero_stage=2)
     index = json.loads((run / "model" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -130,7 +130,7 @@ def test_shards_shrink_to_a_quarter_of_the_free_host_memory_saying_so():
     from types import SimpleNamespace
     from unittest import mock
 
-    from zerotrain.export import _parse_size, _shard_size_for_host
+    from zerotrain.checkpoint.export import _parse_size, _shard_size_for_host
 
     assert _parse_size("5GB") == 5 * 10**9 and _parse_size("2GiB") == 2**31 and _parse_size(600) == 600
     assert _parse_size("1.5MB") == 1_500_000 and _parse_size("1000") == 1000

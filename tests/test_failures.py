@@ -20,10 +20,10 @@ from types import SimpleNamespace
 import pytest
 from conftest import start_zerotrain, zerotrain_cmd
 
-from zerotrain.checkpoint import is_complete
+from zerotrain.checkpoint.layout import is_complete
 from zerotrain.config import LaunchConfig
 from zerotrain.errors import DIVERGED_EXIT, ConfigError, TrainingDiverged
-from zerotrain.launcher import (
+from zerotrain.runtime.launcher import (
     HEARTBEAT_ENV,
     LOST_FILE_KEY,
     RANK_LOST_EXIT,
@@ -32,7 +32,7 @@ from zerotrain.launcher import (
     collective_failure,
     read_heartbeats,
 )
-from zerotrain.tracking import DIVERGED_WINDOWS, StepLogger
+from zerotrain.metrics.tracking import DIVERGED_WINDOWS, StepLogger
 
 # ---- --launch.timeout_minutes takes fractions ----------------------------------------------------
 
@@ -51,7 +51,7 @@ def test_a_fractional_timeout_reaches_the_groups_deepspeed_creates():
 
     import torch.distributed.distributed_c10d as c10d
 
-    from zerotrain.distributed import inherit_group_timeout
+    from zerotrain.runtime.distributed import inherit_group_timeout
 
     seen = {}
     original = c10d.new_group
@@ -119,7 +119,7 @@ import os, sys
 from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 import zerotrain.cli as cli
-from zerotrain.launcher import HEARTBEAT_ENV, LOST_FILE_KEY
+from zerotrain.runtime.launcher import HEARTBEAT_ENV, LOST_FILE_KEY
 
 writer, path = sys.argv[1], Path(sys.argv[2])
 os.environ.update(TORCHELASTIC_ERROR_FILE=str(path), **{HEARTBEAT_ENV: str(path.parent / "heartbeats")})
@@ -194,7 +194,7 @@ def test_the_launcher_reads_an_error_file_it_cannot_parse_as_none(tmp_path, cont
     reads as a worker that left no reply; afterwards torchelastic is as it was."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from zerotrain.launcher import _unparsable_error_files_read_as_none
+    from zerotrain.runtime.launcher import _unparsable_error_files_read_as_none
 
     path = tmp_path / "error.json"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -330,7 +330,7 @@ def _train(logger: StepLogger, losses: list[float], state: _State | None = None)
 
 
 def test_a_single_nonfinite_window_is_a_transient(tmp_path, monkeypatch):
-    monkeypatch.setattr("zerotrain.metrics.memory_snapshot", lambda device: {})
+    monkeypatch.setattr("zerotrain.metrics.meters.memory_snapshot", lambda device: {})
     logger = _logger(tmp_path, _Engine())
     _train(logger, [1.0, float("nan"), 0.9, float("inf"), 0.8])
     assert [round(loss, 1) if loss == loss else "nan" for _, loss in logger.tracker.rows][:3] == [1.0, "nan", 0.9]
@@ -338,7 +338,7 @@ def test_a_single_nonfinite_window_is_a_transient(tmp_path, monkeypatch):
 
 
 def test_a_loss_nonfinite_in_consecutive_windows_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr("zerotrain.metrics.memory_snapshot", lambda device: {})
+    monkeypatch.setattr("zerotrain.metrics.meters.memory_snapshot", lambda device: {})
     for step in (4, 8, 12):  # 12 was saved after the loss went bad: not a good checkpoint
         (tmp_path / "checkpoints" / f"step{step:08d}").mkdir(parents=True)
         (tmp_path / "checkpoints" / f"step{step:08d}" / "COMPLETE.json").write_text("{}")
@@ -358,7 +358,7 @@ def test_a_loss_nonfinite_in_consecutive_windows_stops_with_the_last_good_checkp
 
 
 def test_fp16_loss_scale_stuck_at_its_minimum_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr("zerotrain.metrics.memory_snapshot", lambda device: {})
+    monkeypatch.setattr("zerotrain.metrics.meters.memory_snapshot", lambda device: {})
     engine = _Engine("fp16", {"fp16": {"enabled": True, "min_loss_scale": 1.0}, "gradient_clipping": 1.0})
     logger = _logger(tmp_path, engine, every=2)
     state = _State()
@@ -497,7 +497,7 @@ def test_nvme_offload_without_libaio_ends_in_one_line_from_one_process_or_two(tm
     """Where DeepSpeed's async I/O op cannot be built (no libaio, as on this project's CI and GPU machines),
     NVMe offload is refused before the data and the model, with the same single line from one rank or two,
     where DeepSpeed's own failure is a traceback from inside deepspeed.initialize."""
-    from zerotrain.doctor import op_buildable
+    from zerotrain.runtime.doctor import op_buildable
 
     if op_buildable("AsyncIOBuilder"):
         pytest.skip("DeepSpeed's async I/O op can be built here: NVMe offload is not refused")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from conftest import zerotrain_cmd
 
-from zerotrain.checkpoint import MARKER, complete_checkpoints
-from zerotrain.loop import fit
+from zerotrain.checkpoint.layout import MARKER, complete_checkpoints
+from zerotrain.train.loop import fit
 from zerotrain.tasks.toy import ToyConfig, ToyTask
 
 
@@ -338,7 +338,7 @@ def test_the_training_workers_start_before_the_model_and_engine_exist(tmp_path, 
     when it resumes mid-epoch; and a failure after they started leaves none behind."""
     import psutil
 
-    from zerotrain import loop
+    from zerotrain.train import loop
 
     before = len(psutil.Process().children())
     seen = {}

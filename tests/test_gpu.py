@@ -76,8 +76,8 @@ def test_sigterm_saves_and_the_zero2_bf16_checkpoint_resumes_on_gpu(tmp_path):
 
     from test_preemption import _start, _wait_for_rows
 
-    from zerotrain.checkpoint import MARKER, complete_checkpoints
-    from zerotrain.preemption import PREEMPTED_EXIT
+    from zerotrain.checkpoint.layout import MARKER, complete_checkpoints
+    from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
     args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
             "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
@@ -99,7 +99,7 @@ def test_gpu_memory_cap_holds_on_an_unindexed_device():
     """--trainer.gpu_memory_gib: the probe passes torch.device("cuda"), which has no index."""
     import torch
 
-    from zerotrain.distributed import cap_gpu_memory
+    from zerotrain.runtime.distributed import cap_gpu_memory
 
     torch.cuda.empty_cache()  # a cached block would serve the allocation below without asking the cap
     try:
@@ -116,7 +116,7 @@ def test_the_probe_measures_the_workspace_a_step_keeps_on_the_gpu():
     import torch
     from torch import nn
 
-    from zerotrain.probe import _held_beyond_model
+    from zerotrain.plan.probe import _held_beyond_model
 
     device = torch.device("cuda")
     torch.cuda.empty_cache()
@@ -159,7 +159,7 @@ def test_an_mlm_training_step_never_waits_for_the_gpu(tmp_path, tiny_tokenizer_d
     import torch
 
     from zerotrain.config import TrainerConfig
-    from zerotrain.engine import to_device
+    from zerotrain.engines import to_device
     from zerotrain.tasks.mlm import MLMConfig, MLMDataConfig, MLMModelConfig, MLMTask
 
     (tmp_path / "train.txt").write_text("the movie was great and i loved the plot but the acting was bad\n" * 40)
@@ -186,14 +186,14 @@ def test_an_mlm_training_step_never_waits_for_the_gpu(tmp_path, tiny_tokenizer_d
 @pytest.mark.parametrize("stage, fast_path", [("1", "true"), ("2", "true"), ("1", "false")])
 def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage, fast_path):
     """DeepSpeed ZeRO-1/2's whole step, clip included, runs in torch's sync-debug "error" mode once the
-    first two steps (which allocate) are done: zerotrain.zero_clip leaves DeepSpeed no host-device wait.
+    first two steps (which allocate) are done: zerotrain.engines.ds_private.zero_clip leaves DeepSpeed no host-device wait.
     Without the fast path DeepSpeed's own clip and norm mask wait, and the mode raises. In-process, so the mode wraps
     the engine's step alone (log steps read the loss outside it)."""
     import torch
 
     from zerotrain.cli import main
-    from zerotrain.engine import Engine
-    from zerotrain.launcher import TORCHRUN_VARIABLES
+    from zerotrain.engines import Engine
+    from zerotrain.runtime.launcher import TORCHRUN_VARIABLES
 
     for name in TORCHRUN_VARIABLES:  # the single-process group sets them: gone again after the test
         monkeypatch.delenv(name, raising=False)
@@ -252,7 +252,7 @@ def test_the_backward_clock_finds_autograds_thread_for_the_gpu_and_it_runs():
     CPU time grows with backward work (no such clock on a CPU device: tests/test_metrics.py)."""
     import torch
 
-    from zerotrain.metrics import BackwardThreadClock, HostClock
+    from zerotrain.metrics.meters import BackwardThreadClock, HostClock
 
     x = torch.randn(256, 256, device="cuda", requires_grad=True)
     (x @ x).sum().backward()  # the first backward starts autograd's device threads

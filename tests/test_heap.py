@@ -1,7 +1,7 @@
 import gc
 import weakref
 
-from zerotrain.heap import FrozenHeap
+from zerotrain.train.heap import FrozenHeap
 
 
 class _Cycle:

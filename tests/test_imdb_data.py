@@ -48,7 +48,7 @@ def write_csv(path: Path, records) -> Path:
 
 @pytest.fixture(scope="module")
 def tok(tiny_tokenizer_dir):
-    from zerotrain.tokenizer import load_tokenizer
+    from zerotrain.data.tokenizer import load_tokenizer
 
     return load_tokenizer(str(tiny_tokenizer_dir))
 

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 from zerotrain.cli import main as cli_main
-from zerotrain.loop import fit
+from zerotrain.train.loop import fit
 from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
 
 POS = "great good wonderful loved fun".split()

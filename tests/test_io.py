@@ -144,7 +144,7 @@ def test_looks_local(tmp_path, monkeypatch):
         assert looks_local(local), local
     for hub in ("roberta-base", "stanfordnlp/imdb", "wikitext:wikitext-2-raw-v1", "Qwen/Qwen2.5-0.5B"):
         assert not looks_local(hub), hub
-    from zerotrain.tokenizer import looks_local as from_tokenizer
+    from zerotrain.data.tokenizer import looks_local as from_tokenizer
 
     assert from_tokenizer is looks_local
 
@@ -205,7 +205,7 @@ def test_failed_write_keeps_the_old_file(tmp_path):
 
 
 def test_rundir_write_json_uses_it(tmp_path):
-    from zerotrain.rundir import write_json as rundir_write_json
+    from zerotrain.runtime.rundir import write_json as rundir_write_json
 
     rundir_write_json(tmp_path / "env.json", {"path": Path("/x"), "n": 1})
     assert (tmp_path / "env.json").read_text() == '{\n  "path": "/x",\n  "n": 1\n}\n'

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zerotrain.errors import UserError
-from zerotrain.rundir import LoadedRun, load_run
+from zerotrain.runtime.rundir import LoadedRun, load_run
 from zerotrain.tasks.base import Task
 from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
 from zerotrain.tasks.toy import ToyConfig, ToyTask
@@ -182,7 +182,7 @@ def test_bad_overrides_and_devices(toy_run):
 @pytest.mark.slow
 def test_round_trip_of_a_real_toy_fit(tmp_path):
     """What the training loop itself exports loads back into the same weights."""
-    from zerotrain.loop import fit
+    from zerotrain.train.loop import fit
 
     cfg = ToyConfig()
     cfg.data.num_examples = 32

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import REPO, run_python, zerotrain_cmd
 
-from zerotrain.checkpoint import complete_checkpoints
-from zerotrain.loop import seed_everything
+from zerotrain.checkpoint.layout import complete_checkpoints
+from zerotrain.train.loop import seed_everything
 
 LLAMA = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

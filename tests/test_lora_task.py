@@ -221,8 +221,8 @@ def test_example_data_with_roberta_tokenizer(shared_data):
 def _weighing_setup(workdir, tok):
     """A one-process gloo group, the LoRA task, its model and a plain engine, and two micro-batches with
     different target counts (1 and 5 examples)."""
-    from zerotrain.distributed import init_process_group
-    from zerotrain.engine import TorchEngine
+    from zerotrain.runtime.distributed import init_process_group
+    from zerotrain.engines import TorchEngine
 
     init_process_group("gloo", use_deepspeed=False)
     task = make_task(workdir, tok)

@@ -7,14 +7,9 @@ import torch
 from torch import nn
 
 from zerotrain.cli import main
-from zerotrain.memory import (
-    Buckets,
-    ParamCounts,
-    count_params,
-    model_state_memory,
-    plan,
-)
-from zerotrain.strategies import STRATEGIES
+from zerotrain.plan.memory import plan
+from zerotrain.engines.states import Buckets, ParamCounts, count_params, model_state_memory
+from zerotrain.plan.strategies import STRATEGIES
 
 GIB = 2**30
 
@@ -159,8 +154,8 @@ def test_estimate_reads_a_pretrained_models_config_not_its_weights(tmp_path, tin
 
 
 def test_estimate_is_a_library_call_with_rows_and_a_pick():
-    from zerotrain.config_cli import parse_config
-    from zerotrain.estimate import estimate, format_report
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
     from zerotrain.tasks.toy import ToyTask
 
     cfg = parse_config("toy", ["--launch.nproc_per_node", "2"])
@@ -178,8 +173,8 @@ def test_estimate_is_a_library_call_with_rows_and_a_pick():
 def test_estimate_sizes_each_strategy_from_the_deepspeed_json_it_would_run_with():
     """ZeRO-0 in bf16 runs under DeepSpeed's autocast (fp32 weights, as the plain engine) and ZeRO-1
     with optimizer offload keeps its reduce bucket (contiguous gradients), whatever strategy the flags name."""
-    from zerotrain.config_cli import parse_config
-    from zerotrain.estimate import estimate
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate
 
     cfg = parse_config("toy", ["--strategy.precision", "bf16", "--strategy.zero_stage", "3",
                                "--strategy.reduce_bucket_size", "1000000"])
@@ -193,8 +188,8 @@ def test_estimate_sizes_every_row_when_a_users_json_pins_what_a_strategy_would_c
     row: that row is sized from the user's JSON rather than failing the whole estimate."""
     import json
 
-    from zerotrain.config_cli import parse_config
-    from zerotrain.estimate import estimate
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate
 
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}}))
@@ -205,9 +200,9 @@ def test_estimate_sizes_every_row_when_a_users_json_pins_what_a_strategy_would_c
 
 
 def test_estimate_without_known_gpu_memory_judges_nothing(monkeypatch, capsys):
-    import zerotrain.estimate
+    import zerotrain.plan.estimate
 
-    monkeypatch.setattr(zerotrain.estimate, "gpu_memory_bytes", lambda: None)
+    monkeypatch.setattr(zerotrain.plan.estimate, "gpu_memory_bytes", lambda: None)
     assert main(["estimate", "toy", "--host_memory_gib", "64"]) == 0
     out = capsys.readouterr().out
     assert "GPU memory unknown (no GPU here: pass --gpu_memory_gib)" in out and "| ddp |" in out and "| ? |" in out
@@ -229,7 +224,7 @@ def test_estimate_refuses_a_memory_size_that_is_not_one(capsys, flag, value):
 def test_estimate_does_not_import_the_fit_command(tmp_path):
     from conftest import run_python
 
-    code = ("import sys, zerotrain.cli.estimate, zerotrain.estimate\n"
+    code = ("import sys, zerotrain.cli.estimate, zerotrain.plan.estimate\n"
             "print(sorted(m for m in sys.modules if m.startswith('zerotrain.cli.')))")
     out = run_python(["-c", code], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -272,8 +267,8 @@ def test_estimate_shows_a_configured_nvme_offload_with_its_disk(tmp_path, capsys
 
 
 def test_an_nvme_offload_that_outgrows_its_disk_does_not_fit(monkeypatch, tmp_path):
-    from zerotrain import estimate as estimate_mod
-    from zerotrain.config_cli import parse_config
+    from zerotrain.plan import estimate as estimate_mod
+    from zerotrain.config.flags import parse_config
 
     cfg = parse_config("toy", ["--strategy.zero_stage", "3", "--strategy.offload_optimizer", "nvme",
                                "--strategy.nvme_path", str(tmp_path)])
@@ -289,8 +284,8 @@ def test_estimate_picks_a_configured_nvme_offload_when_it_alone_fits(tmp_path):
     flags that select it."""
     import dataclasses
 
-    from zerotrain.config_cli import parse_config
-    from zerotrain.estimate import estimate, format_report
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
 
     cfg = parse_config("toy", ["--strategy.zero_stage", "3", "--strategy.offload_optimizer", "nvme",
                                "--strategy.offload_param", "nvme", "--strategy.nvme_path", str(tmp_path)])
@@ -306,8 +301,8 @@ def test_estimate_sizes_unpinned_offload_without_the_power_of_two():
     """--strategy.offload_pin_memory false: the offloaded ZeRO-2 states are their bytes (fp32 master and
     gradients, the bf16 copy, both moments: 18 a parameter), not rounded up to pinned blocks; rows
     without an offload are unchanged."""
-    from zerotrain.config_cli import parse_config
-    from zerotrain.estimate import estimate
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate
 
     def rows(pin):
         cfg = parse_config("toy", ["--strategy.offload_pin_memory", pin])
@@ -321,9 +316,9 @@ def test_estimate_sizes_unpinned_offload_without_the_power_of_two():
 
 
 def count_toy_trainable():
-    from zerotrain import recipes
-    from zerotrain.config_cli import parse_config
-    from zerotrain.memory import count_params
+    from zerotrain.tasks import registry as recipes
+    from zerotrain.config.flags import parse_config
+    from zerotrain.engines.states import count_params
 
     with torch.device("meta"):
         model = recipes.get("toy")(parse_config("toy", [])).build_model(pretrained=False)
@@ -334,8 +329,8 @@ def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
     """A 1.1B toy on a 5 GiB GPU and a 20 GiB host: only ZeRO-2 offload fits the GPU, and its host states
     fit only unpinned (28.5 GiB pinned, 19.1 GiB not). The report says so with the flags; a config that
     pins the offload itself gets the plain 'nothing fits'."""
-    from zerotrain.config_cli import parse_config
-    from zerotrain.estimate import estimate, format_report
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
 
     def report(*flags):
         cfg = parse_config("toy", ["--model.width", str(2**26), *flags])
@@ -352,8 +347,8 @@ def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
 def test_estimate_with_a_users_file_does_not_retry_unpinned(tmp_path):
     """With --strategy.deepspeed_config the file decides pinning: no unpinned re-estimate (which would set a
     flag the file contradicts and fail on it), the plain 'nothing fits'."""
-    from zerotrain.config_cli import parse_config
-    from zerotrain.estimate import estimate, format_report
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
 
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}')
@@ -365,8 +360,8 @@ def test_estimate_with_a_users_file_does_not_retry_unpinned(tmp_path):
 def test_the_unpinned_alternative_can_be_a_configured_nvme_offload(tmp_path, monkeypatch):
     """ZeRO-3 with NVMe offload keeps the fp32 gradient partition on the host, pinned by default: a 9B toy on a
     60 GiB host fits only unpinned, and the report names that row (not among the built-in strategies)."""
-    from zerotrain import estimate as estimate_mod
-    from zerotrain.config_cli import parse_config
+    from zerotrain.plan import estimate as estimate_mod
+    from zerotrain.config.flags import parse_config
 
     monkeypatch.setattr(estimate_mod, "_free_disk", lambda folder: 1e15)
     cfg = parse_config("toy", ["--model.width", str(2**29), "--strategy.zero_stage", "3",

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from zerotrain.metrics import ThroughputMeter, peak_tflops
+from zerotrain.metrics.meters import ThroughputMeter, peak_tflops
 
 
 @pytest.mark.parametrize("name,precision,peak", [
@@ -96,7 +96,7 @@ def test_host_clocks_the_system_does_not_keep_are_missing_not_zero(tmp_path):
     reported as 0, which would read as "no steal, no wait". A real file is parsed field by field."""
     import os
 
-    from zerotrain.metrics import HostClock
+    from zerotrain.metrics.meters import HostClock
 
     zeros = tmp_path / "stat"
     zeros.write_text("cpu  0 0 0 0 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\n")
@@ -124,7 +124,7 @@ def test_the_backward_clock_reads_its_own_devices_autograd_thread(tmp_path):
     the clock reads the schedstat on-CPU time of its own device's thread, by exact name, not another device's;
     it looks again where its thread has ended. Before the thread exists, and for a CPU device, it is missing
     (None), not 0."""
-    from zerotrain.metrics import BackwardThreadClock, HostClock
+    from zerotrain.metrics.meters import BackwardThreadClock, HostClock
 
     clock = BackwardThreadClock(torch.device("cuda", 1), tasks=tmp_path)
     assert clock.name == "pt_autograd_1" and clock.seconds() is None
@@ -147,7 +147,7 @@ def test_the_backward_clock_reads_its_own_devices_autograd_thread(tmp_path):
 def test_a_backward_thread_born_inside_a_window_counts_from_its_start(tmp_path):
     """With no warm-up the meter starts before the first backward starts autograd's thread: the window's share
     counts that thread from 0, and the run's total keeps it, instead of losing it for the whole run."""
-    from zerotrain.metrics import BackwardThreadClock
+    from zerotrain.metrics.meters import BackwardThreadClock
 
     meter = ThroughputMeter(torch.device("cpu"), 1, 1.0, "fp32", warmup_steps=0)
     meter._backward = BackwardThreadClock(torch.device("cuda", 0), tasks=tmp_path)  # a fake /proc
@@ -175,7 +175,7 @@ def test_a_cpu_runs_meter_has_no_backward_share():
 
 
 def test_host_clock_readings_subtract_and_never_run_backwards():
-    from zerotrain.metrics import HostClock
+    from zerotrain.metrics.meters import HostClock
 
     start = HostClock.read()
     _spin_or_sleep(0.05, sleep=False)
@@ -185,7 +185,7 @@ def test_host_clock_readings_subtract_and_never_run_backwards():
 
 
 def test_compile_counters_name_the_graphs_a_run_compiled():
-    from zerotrain.metrics import compile_counters
+    from zerotrain.metrics.meters import compile_counters
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -199,7 +199,7 @@ def test_compile_counters_name_the_graphs_a_run_compiled():
 
 def test_profile_summary_on_cpu(tmp_path):
     """The profile summary's format: per-step times, syncs, top operators, and its Markdown."""
-    from zerotrain.metrics import StepProfiler, kernel_family
+    from zerotrain.metrics.meters import StepProfiler, kernel_family
 
     prof = StepProfiler(steps=2, start_after=1, device=torch.device("cpu"), out_dir=tmp_path, is_main=True)
     from torch.profiler import record_function
@@ -229,7 +229,7 @@ def test_profile_summary_keeps_phase_annotations_out_of_the_kernels():
     is no kernel."""
     from types import SimpleNamespace
 
-    from zerotrain.metrics import summarize_profile
+    from zerotrain.metrics.meters import summarize_profile
 
     from torch.autograd import DeviceType
 
@@ -257,7 +257,7 @@ def test_profile_summary_counts_a_kernel_once_though_its_launcher_has_its_name()
 
     from torch.autograd import DeviceType
 
-    from zerotrain.metrics import summarize_profile
+    from zerotrain.metrics.meters import summarize_profile
 
     def event(key, device_us, gpu):
         return SimpleNamespace(key=key, cpu_time_total=5.0, self_cpu_time_total=5.0, self_device_time_total=device_us,
@@ -282,7 +282,7 @@ def test_profile_summary_keeps_collectives_apart_from_the_compute():
 
     from torch.autograd import DeviceType
 
-    from zerotrain.metrics import kernel_family, profile_markdown, summarize_profile
+    from zerotrain.metrics.meters import kernel_family, profile_markdown, summarize_profile
 
     def event(key, device_us):
         return SimpleNamespace(key=key, cpu_time_total=5.0, self_cpu_time_total=5.0, self_device_time_total=device_us,
@@ -300,7 +300,7 @@ def test_profile_summary_keeps_collectives_apart_from_the_compute():
 def test_host_peak_sees_memory_held_only_for_a_moment_inside_its_phase():
     import mmap
 
-    from zerotrain.metrics import HostPeak, host_rss_gib
+    from zerotrain.metrics.meters import HostPeak, host_rss_gib
 
     with HostPeak(interval_s=0.01) as peak:
         # 256 MiB of fresh pages, touched, then unmapped before the phase ends (a mapping of its own: an

@@ -15,7 +15,7 @@ import pytest
 from conftest import LAUNCHER_VARS, REPO, zerotrain_cmd
 from test_fit import train_log
 
-from zerotrain.distributed import free_port
+from zerotrain.runtime.distributed import free_port
 
 FIT = ["fit", "toy", "--trainer.max_steps", "4", "--trainer.log_every_steps", "1", "--trainer.num_workers", "0",
        "--trainer.device", "cpu", "--strategy.zero_stage", "2", "--logging.progress_bar", "false",
@@ -89,7 +89,7 @@ def test_launcher_passes_only_the_torchrun_flags_this_torch_has(monkeypatch):
     import torch.distributed.run as torchrun
 
     from zerotrain.config import LaunchConfig
-    from zerotrain.launcher import spawn_local_workers
+    from zerotrain.runtime.launcher import spawn_local_workers
 
     real = torchrun.get_args_parser
 

@@ -1,6 +1,6 @@
 """Out of GPU memory during training: one line with the sizes and the next smaller configuration, exit status 5.
 
-The memory ladder (``zerotrain.oom.next_smaller``) is checked rung by rung and walked to its end through the
+The memory ladder (``zerotrain.train.oom.next_smaller``) is checked rung by rung and walked to its end through the
 real flag parser; the line (``describe_oom``) on torch's message. End to end, the toy recipe runs out of
 memory at step 3 (CPU only: a stand-in task raises ``torch.OutOfMemoryError`` with a CUDA-like message):
 in-process through ``zerotrain.cli.main``, and through ``python -m zerotrain`` with 1 process and with 2
@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import zerotrain_cmd  # noqa: E402
 
-from zerotrain.config_cli import parse_config  # noqa: E402
+from zerotrain.config.flags import parse_config  # noqa: E402
 from zerotrain.errors import OOM_EXIT, OutOfMemory  # noqa: E402
-from zerotrain.launcher import _report_worker_failure  # noqa: E402
-from zerotrain.oom import describe_oom, failed_step, next_smaller  # noqa: E402
+from zerotrain.runtime.launcher import _report_worker_failure  # noqa: E402
+from zerotrain.train.oom import describe_oom, failed_step, next_smaller  # noqa: E402
 from zerotrain.tasks.base import REGISTRY  # noqa: E402
 from zerotrain.tasks.toy import ToyConfig  # noqa: E402
 
@@ -270,7 +270,7 @@ def test_out_of_memory_in_process_is_one_line_and_status_5(tmp_path, capsys, mon
 
 
 def test_the_loop_raises_out_of_memory_with_the_line(tmp_path, monkeypatch, oom_toy):
-    from zerotrain.loop import fit
+    from zerotrain.train.loop import fit
 
     cfg = parse_config("toy_oom", FIT[2:] + ["--trainer.output_dir", str(tmp_path)]).validate()
     monkeypatch.setenv("ZEROTRAIN_TEST_OOM_AT_STEP", "2")

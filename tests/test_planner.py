@@ -9,13 +9,14 @@ import pytest
 import yaml
 
 from conftest import zerotrain_cmd
-from zerotrain.config_cli import parse_config
+from zerotrain.config.flags import parse_config
 from zerotrain.errors import UserError
-from zerotrain.memory import GIB, Buckets, ParamCounts, fits, predict
-from zerotrain.planner import Candidate, Row, assess, candidates, pick_trials
-from zerotrain.probe import Linear, Probe
-from zerotrain.speed import CPU_ADAM_PARAMS_PER_S, StepTime, step_time
-from zerotrain.strategies import STRATEGIES
+from zerotrain.plan.memory import GIB, fits, predict
+from zerotrain.engines.states import Buckets, ParamCounts
+from zerotrain.plan.planner import Candidate, Row, assess, candidates, pick_trials
+from zerotrain.plan.probe import Linear, Probe
+from zerotrain.plan.speed import CPU_ADAM_PARAMS_PER_S, StepTime, step_time
+from zerotrain.plan.strategies import STRATEGIES
 
 TOY = ["--trainer.num_workers", "0", "--trainer.micro_batch_size", "16", "--trainer.max_steps", "6",
        "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
@@ -150,8 +151,8 @@ def test_a_model_whose_fp32_adam_states_do_not_fit_is_probed_in_16_bits(monkeypa
     DeepSpeed's bf16 block would hold, and every run (autocast ones too) reads that trace."""
     import torch
 
-    from zerotrain import probe as probe_mod
-    from zerotrain import recipes
+    from zerotrain.plan import probe as probe_mod
+    from zerotrain.tasks import registry as recipes
 
     monkeypatch.setattr(probe_mod, "_fp32_adam_fits", lambda model, room: False)
     cfg = parse_config("toy", TOY)
@@ -166,8 +167,8 @@ def test_a_probe_that_runs_out_of_memory_in_fp32_falls_back_to_16_bits(monkeypat
     with the 16-bit trace (what the offload strategies run) instead of failing."""
     import torch
 
-    from zerotrain import probe as probe_mod
-    from zerotrain import recipes
+    from zerotrain.plan import probe as probe_mod
+    from zerotrain.tasks import registry as recipes
 
     real_trace = probe_mod._trace
 
@@ -185,7 +186,7 @@ def test_a_probe_that_runs_out_of_memory_in_fp32_falls_back_to_16_bits(monkeypat
 
 def test_the_probe_runs_alone_whatever_launcher_variables_its_caller_has(tmp_path, monkeypatch):
     """Started from a rank of a job (torchrun's or SLURM's variables set), the probe must not wait for that job's other ranks."""
-    from zerotrain.probe import run_probe
+    from zerotrain.plan.probe import run_probe
 
     for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "1", "SLURM_PROCID": "3", "SLURM_NTASKS": "4"}.items():
@@ -197,7 +198,7 @@ def test_the_probe_runs_alone_whatever_launcher_variables_its_caller_has(tmp_pat
 def test_fp32_adam_fit_counts_weights_gradients_and_two_moments():
     from torch import nn
 
-    from zerotrain.probe import _fp32_adam_fits
+    from zerotrain.plan.probe import _fp32_adam_fits
 
     model = nn.Linear(1000, 1000)  # 1,001,000 fp32 parameters: 16 bytes each with gradients and Adam
     assert _fp32_adam_fits(model, 20e6) and not _fp32_adam_fits(model, 16e6)
@@ -297,7 +298,7 @@ def test_checkpointing_is_weighed_on_a_16_bit_only_trace(tmp_path):
 
 
 def test_nothing_fits_says_what_is_missing(tmp_path):
-    from zerotrain.planner import _nothing_fits
+    from zerotrain.plan.planner import _nothing_fits
 
     cfg = parse_config("toy", [*TOY, "--trainer.output_dir", str(tmp_path)])
     probe = fake_probe(gpu_total=1.0 * GIB, act_per_sample=2 * GIB, ckpt_per_sample=2 * GIB)
@@ -388,7 +389,7 @@ def test_auto_refuses_another_launcher(monkeypatch):
 
 def test_plan_refuses_several_nodes_and_a_users_deepspeed_json(tmp_path):
     from zerotrain.errors import ConfigError
-    from zerotrain.planner import plan
+    from zerotrain.plan.planner import plan
 
     nodes = parse_config("toy", [*TOY, "--launch.nnodes", "2"])
     with pytest.raises(ConfigError, match="--launch.nnodes"):
@@ -399,7 +400,7 @@ def test_plan_refuses_several_nodes_and_a_users_deepspeed_json(tmp_path):
 
 
 def test_the_plan_cache_key_follows_the_config_not_the_run():
-    from zerotrain.planner import plan_key
+    from zerotrain.plan.planner import plan_key
 
     base = parse_config("toy", TOY)
     renamed = parse_config("toy", [*TOY, "--trainer.run_name", "other", "--trainer.max_steps", "99"])
@@ -411,7 +412,7 @@ def test_the_plan_cache_key_follows_the_config_not_the_run():
 
 def test_the_plan_cache_key_changes_with_zerotrains_code(monkeypatch):
     """Another commit of zerotrain may train at another speed: its plans are not reused."""
-    from zerotrain.planner import plan_key
+    from zerotrain.plan.planner import plan_key
 
     base = parse_config("toy", TOY)
     monkeypatch.setenv("ZEROTRAIN_COMMIT", "aaaaaaa")
@@ -429,7 +430,7 @@ def test_the_probe_steps_once_at_every_padded_length_the_split_can_produce(tmp_p
     import torch
 
     from test_imdb_fit import write_reviews
-    from zerotrain import probe as probe_mod
+    from zerotrain.plan import probe as probe_mod
     from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
 
     data = write_reviews(tmp_path / "imdb", {"train": 96, "test": 16}, random.Random(0))
@@ -455,8 +456,8 @@ def test_the_probe_steps_once_at_every_padded_length_the_split_can_produce(tmp_p
 def test_fixed_shapes_need_no_length_sweep():
     import torch
 
-    from zerotrain import probe as probe_mod
-    from zerotrain import recipes
+    from zerotrain.plan import probe as probe_mod
+    from zerotrain.tasks import registry as recipes
 
     cfg = parse_config("toy", TOY)
     task = recipes.get("toy")(cfg)
@@ -483,8 +484,8 @@ def test_the_probe_measures_the_data_workers_a_run_starts():
     """Two workers, as --trainer.num_workers 2 starts them, each with memory of its own (USS); none with 0."""
     import torch
 
-    from zerotrain import probe as probe_mod
-    from zerotrain import recipes
+    from zerotrain.plan import probe as probe_mod
+    from zerotrain.tasks import registry as recipes
 
     task = recipes.get("toy")(parse_config("toy", TOY))
     train = task.build_datasets().train
@@ -517,7 +518,7 @@ def test_when_no_pinned_offload_fits_the_plan_tries_the_offloads_unpinned(tmp_pa
     """Pinned host blocks round up to powers of two (a 1.1B model's ZeRO-2 offload: 28.5 GiB pinned, 19.1 GiB
     not). With nothing fitting pinned, the plan assesses the offloads unpinned, trials them, and the choice,
     its plan.yaml and a cached plan read back by --strategy.auto all carry --strategy.offload_pin_memory false."""
-    from zerotrain import planner
+    from zerotrain.plan import planner
 
     args = [*TOY, "--model.width", str(2**26), "--trainer.micro_batch_size", "4", "--trainer.output_dir", str(tmp_path)]
     cfg = parse_config("toy", args)

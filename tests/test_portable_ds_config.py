@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from zerotrain.config import OptimizerConfig, StrategyConfig, TrainerConfig
-from zerotrain.ds_config import (
+from zerotrain.config.ds_config import (
     DS_TOP_LEVEL_KEYS,
     hf_training_arguments,
     lightning_trainer_arguments,

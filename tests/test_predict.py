@@ -16,7 +16,7 @@ from test_load_run import imdb_task, write_run
 
 from zerotrain.cli import main
 from zerotrain.errors import UserError
-from zerotrain.rundir import load_run
+from zerotrain.runtime.rundir import load_run
 from zerotrain.tasks.mlm import MLMConfig, MLMDataConfig, MLMModelConfig, MLMTask
 from zerotrain.tasks.toy import ToyConfig, ToyTask
 

@@ -15,9 +15,9 @@ import torch
 from conftest import LAUNCHER_VARS, REPO
 from test_fit import toy_config, train_log
 
-from zerotrain.checkpoint import MARKER, complete_checkpoints, state_file
-from zerotrain.loop import fit
-from zerotrain.preemption import PREEMPTED_EXIT, SAME_EVENT_S, Preempted, Preemption
+from zerotrain.checkpoint.layout import MARKER, complete_checkpoints, state_file
+from zerotrain.train.loop import fit
+from zerotrain.runtime.preemption import PREEMPTED_EXIT, SAME_EVENT_S, Preempted, Preemption
 from zerotrain.tasks.toy import ToyTask
 
 

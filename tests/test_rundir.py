@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotrain import rundir
+from zerotrain.runtime import rundir
 from zerotrain.errors import UserError
 
 LAUNCHER_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES"}
@@ -162,7 +162,7 @@ def test_environment_holds_launcher_variables_and_no_others(monkeypatch):
 
 def test_commit_outside_git_comes_from_zerotrain_commit(monkeypatch):
     """A GPU machine receives the tree without .git: the commit travels in ZEROTRAIN_COMMIT."""
-    from zerotrain import rundir
+    from zerotrain.runtime import rundir
 
     monkeypatch.setattr(rundir, "_git", lambda args, cwd: "")  # as in a copy without .git
     monkeypatch.delenv("ZEROTRAIN_COMMIT", raising=False)
@@ -173,7 +173,7 @@ def test_commit_outside_git_comes_from_zerotrain_commit(monkeypatch):
 
 def test_zerotrain_commit_wins_over_a_stale_git_head(monkeypatch):
     """A copied tree may carry an old .git: whoever set ZEROTRAIN_COMMIT said which code this is."""
-    from zerotrain import rundir
+    from zerotrain.runtime import rundir
 
     monkeypatch.setattr(rundir, "_git", lambda args, cwd: "f3e8638\n" if args[0] == "rev-parse" else "")
     monkeypatch.setenv("ZEROTRAIN_COMMIT", "2a7768a")
@@ -187,7 +187,7 @@ def test_commit_is_marked_dirty_when_the_package_differs_from_head(tmp_path, mon
     that HEAD: git describe's -dirty mark, for changes under the package's folder only."""
     import subprocess
 
-    from zerotrain import rundir
+    from zerotrain.runtime import rundir
 
     def git(*args):
         return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout

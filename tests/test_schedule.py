@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zerotrain.config import SchedulerConfig
-from zerotrain.schedule import lr_lambda, make_scheduler
+from zerotrain.train.schedule import lr_lambda, make_scheduler
 from zerotrain.tasks.toy import ToyConfig
 
 NAMES = ["constant", "warmup_linear", "cosine", "step"]

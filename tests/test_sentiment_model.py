@@ -172,9 +172,9 @@ def test_init_from_a_real_mlm_run_copies_embedding_and_layers(tmp_path, tiny_tok
     from an export in one file or in Hugging Face's shards (a big MLM's export)."""
     from safetensors.torch import save_file
 
-    from zerotrain.export import lazy_tensors, write_safetensors
+    from zerotrain.checkpoint.export import lazy_tensors, write_safetensors
     from zerotrain.models.roberta_mlm import RobertaMLM
-    from zerotrain.tokenizer import load_tokenizer
+    from zerotrain.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(tiny_tokenizer_dir))
     torch.manual_seed(0)

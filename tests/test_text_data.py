@@ -10,7 +10,7 @@ import torch
 from zerotrain.data import text as text_mod
 from zerotrain.data.text import load_packed, read_text_lines, tokenize_and_pack
 from zerotrain.errors import DataError, UserError
-from zerotrain.tokenizer import load_tokenizer
+from zerotrain.data.tokenizer import load_tokenizer
 
 LINES = ["the movie was great", "", "i loved the plot\u0085 and the acting", "   ", "it was boring"]
 EXPECTED = ["the movie was great", "i loved the plot\u0085 and the acting", "it was boring"]

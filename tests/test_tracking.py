@@ -8,7 +8,7 @@ import pytest
 
 from zerotrain.config import LoggingConfig
 from zerotrain.errors import UserError
-from zerotrain.tracking import Tracker
+from zerotrain.metrics.tracking import Tracker
 
 
 def tracker(tmp_path, resumed_at=None) -> Tracker:

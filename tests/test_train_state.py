@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zerotrain.errors import UserError
-from zerotrain.train_state import SCHEMA_VERSION, TrainState
+from zerotrain.train.state import SCHEMA_VERSION, TrainState
 
 
 def draws() -> tuple[float, float, float]:

@@ -1,4 +1,4 @@
-"""zerotrain.zero_clip: ZeRO-1/2's clip with DeepSpeed's arithmetic and no read of the norm to the host."""
+"""zerotrain.engines.ds_private.zero_clip: ZeRO-1/2's clip with DeepSpeed's arithmetic and no read of the norm to the host."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerotrain.zero_clip import _unscale_and_clip_grads
+from zerotrain.engines.ds_private.zero_clip import _unscale_and_clip_grads
 
 
 class CountReads(TorchDispatchMode):
@@ -49,7 +49,7 @@ def test_same_gradients_as_deepspeed_and_no_read(clip_grad, loss_scale, norm):
 
 
 def test_only_deepspeeds_zero12_optimizer_is_changed():
-    from zerotrain.zero_clip import clip_without_sync
+    from zerotrain.engines.ds_private.zero_clip import clip_without_sync
 
     other = SimpleNamespace(unscale_and_clip_grads=None)
     assert clip_without_sync(other) is False and other.unscale_and_clip_grads is None
@@ -73,7 +73,7 @@ def test_the_norm_mask_is_deepspeeds_without_a_read(values, dtype):
     whose value masked_fill_ reads to the host (on a GPU, a wait); ours fills with the number."""
     from deepspeed.runtime.utils import mask_nan_or_inf_with_val_inplace
 
-    from zerotrain.zero_clip import _mask_nan_or_inf
+    from zerotrain.engines.ds_private.zero_clip import _mask_nan_or_inf
 
     theirs, ours = (torch.tensor(values if len(values) > 1 else values[0], dtype=dtype) for _ in range(2))
     with RecordOps() as their_ops:
@@ -90,7 +90,7 @@ def test_zero_optimizers_mask_their_norms_with_the_sync_free_version_and_back(mo
     from deepspeed.runtime import utils
     from deepspeed.runtime.zero import stage3, stage_1_and_2
 
-    from zerotrain.zero_clip import _mask_nan_or_inf, mask_norms_without_sync
+    from zerotrain.engines.ds_private.zero_clip import _mask_nan_or_inf, mask_norms_without_sync
 
     for module in (stage_1_and_2, stage3):  # whatever the test leaves, DeepSpeed's is put back after it
         monkeypatch.setattr(module, "mask_nan_or_inf_with_val_inplace", module.mask_nan_or_inf_with_val_inplace)

@@ -1,4 +1,4 @@
-"""zerotrain.zero_host: ZeRO-1/2 on one rank without the identity reduction, and the gradient norm in one launch."""
+"""zerotrain.engines.ds_private.zero_host: ZeRO-1/2 on one rank without the identity reduction, and the gradient norm in one launch."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from test_fit import toy_config, train_log
 from test_zero_clip import RecordOps
 
-from zerotrain import zero_host
-from zerotrain.loop import fit
+from zerotrain.engines.ds_private import zero_host
+from zerotrain.train.loop import fit
 from zerotrain.tasks.base import StepOutput
 from zerotrain.tasks.toy import ToyTask
 
@@ -46,7 +46,7 @@ def test_one_rank_skips_the_reduction_and_trains_bitwise_the_same(tmp_path, monk
     for skip in (True, False):
         if not skip:
             for patch in ("skip_one_rank_reduction", "norm_in_one_launch", "rebind_only_moved_weights"):
-                monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda opt: False)
+                monkeypatch.setattr(f"zerotrain.engines.deepspeed.{patch}", lambda opt: False)
         logs[skip], reductions[skip] = _fit_counting_reductions(tmp_path, f"skip-{skip}", monkeypatch,
                                                                 zero_stage=stage, precision=precision)
     assert reductions[False] > 0 and reductions[True] == 0
@@ -86,7 +86,7 @@ def test_zero2_without_its_hooks_trains_the_same_under_reentrant_checkpointing(t
     for skip in (True, False):
         if not skip:
             for patch in ("skip_one_rank_reduction", "norm_in_one_launch", "rebind_only_moved_weights"):
-                monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda opt: False)
+                monkeypatch.setattr(f"zerotrain.engines.deepspeed.{patch}", lambda opt: False)
         logs[skip], reductions[skip] = _fit_counting_reductions(tmp_path, f"reentrant-{skip}", monkeypatch,
                                                                 task=_ReentrantToyTask, zero_stage=2)
     assert reductions[False] > 0 and reductions[True] == 0
@@ -122,7 +122,7 @@ def test_the_reduction_is_kept_where_it_is_not_the_identity(tmp_path, monkeypatc
         return skipped
 
     monkeypatch.setattr(zero_host, "_reduction_is_identity", spy)
-    monkeypatch.setattr("zerotrain.engine.skip_one_rank_reduction", skip)
+    monkeypatch.setattr("zerotrain.engines.deepspeed.skip_one_rank_reduction", skip)
     _, reductions = _fit_counting_reductions(tmp_path, "run", monkeypatch, zero_stage=2)
     assert reductions == 0
     assert hooks == [len(list(ToyTask(toy_config(tmp_path, "count")).build_model().parameters())), 0]
@@ -176,7 +176,7 @@ def _global_norm(method, grads: list[torch.Tensor], monkeypatch, groups: int = 1
     from deepspeed import comm
     from deepspeed.runtime.zero import stage_1_and_2
 
-    from zerotrain.zero_clip import _mask_nan_or_inf
+    from zerotrain.engines.ds_private.zero_clip import _mask_nan_or_inf
 
     monkeypatch.setattr(comm, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(comm, "all_reduce", lambda tensor, *args, **kwargs: None)  # one rank: the identity
@@ -272,7 +272,7 @@ def test_weights_are_rebound_only_when_one_has_moved(tmp_path, monkeypatch):
         checked.append(True)
         return True
 
-    monkeypatch.setattr("zerotrain.engine.rebind_only_moved_weights", check)
+    monkeypatch.setattr("zerotrain.engines.deepspeed.rebind_only_moved_weights", check)
     fit(ToyTask(toy_config(tmp_path, "run", zero_stage=1)))
     assert checked == [True]
 
@@ -307,7 +307,7 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
     torch_autocast block), which a CPU run gets only by asking for it here."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from zerotrain import ds_config
+    from zerotrain.config import ds_config
 
     if precision == "autocast":
         real_fast_path = ds_config.fast_path
@@ -329,10 +329,10 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
     for patched in (True, False):
         calls.update(dict.fromkeys(calls, 0))
         if patched:
-            monkeypatch.setattr("zerotrain.engine.drop_idle_forward_hooks", lambda e: engines.append(e) or real_drop(e))
+            monkeypatch.setattr("zerotrain.engines.deepspeed.drop_idle_forward_hooks", lambda e: engines.append(e) or real_drop(e))
         else:
             for patch in ("zero_grad_from_list", "drop_idle_forward_hooks", "forward_backward_add_nothing"):
-                monkeypatch.setattr(f"zerotrain.engine.{patch}", lambda engine: False)
+                monkeypatch.setattr(f"zerotrain.engines.deepspeed.{patch}", lambda engine: False)
         cfg = toy_config(tmp_path, f"patched-{patched}", zero_stage=0, gradient_clipping=0.05,
                          precision="fp32" if precision == "fp32" else "bf16")
         cfg.trainer.eval_every_steps = 4
@@ -397,12 +397,12 @@ _TWO_RANK_FIT = '''
 import json, os, sys
 from pathlib import Path
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-import zerotrain.engine
+import zerotrain.engines.deepspeed
 from zerotrain.cli import main
 
 out, patched, argv = Path(sys.argv[1]), sys.argv[2] == "patched", sys.argv[3:]
 if not patched:
-    zerotrain.engine.reduce_scatter_into_partition = lambda opt: False
+    zerotrain.engines.deepspeed.reduce_scatter_into_partition = lambda opt: False
 record = out.with_suffix(f".rank{os.environ['RANK']}.json")
 calls = {"deepspeed": 0}
 record.write_text(json.dumps(calls))  # rewritten at each call: a finished worker leaves by os._exit
@@ -469,7 +469,7 @@ _TWO_RANK_ENGINE = '''
 import json, os, sys
 import deepspeed, torch
 from deepspeed.utils import safe_get_full_grad
-from zerotrain.zero_host import norm_in_one_launch, reduce_scatter_into_partition
+from zerotrain.engines.ds_private.zero_host import norm_in_one_launch, reduce_scatter_into_partition
 
 out, patched, optimizer = sys.argv[1], sys.argv[2] == "patched", sys.argv[3]
 torch.manual_seed(0)

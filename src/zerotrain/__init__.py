@@ -6,8 +6,8 @@ __version__ = "0.1.0"
 
 
 def fit(task):
-    """Train ``task`` (a :class:`zerotrain.tasks.base.Task`); see :func:`zerotrain.loop.fit`."""
-    from zerotrain.loop import fit as _fit
+    """Train ``task`` (a :class:`zerotrain.tasks.base.Task`); see :func:`zerotrain.train.loop.fit`."""
+    from zerotrain.train.loop import fit as _fit
 
     return _fit(task)
 

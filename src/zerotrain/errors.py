@@ -47,6 +47,6 @@ error (2), a diverged loss (3) and a lost rank (4), so a job script can retry wi
 
 
 class OutOfMemory(Exception):
-    """A GPU ran out of memory during training. The message is one line (see :func:`zerotrain.oom.describe_oom`):
+    """A GPU ran out of memory during training. The message is one line (see :func:`zerotrain.train.oom.describe_oom`):
     the step and rank, the sizes involved, and the ``zerotrain fit`` flags of the next smaller configuration to
     try; the CLI prints it and exits OOM_EXIT."""

@@ -5,7 +5,7 @@ flag or file, and the command exits with status 2: no traceback for mistakes a u
 A run whose loss diverged ends in one line and status 3 (:data:`~zerotrain.errors.DIVERGED_EXIT`); one
 that ran out of GPU memory, in one line with what to try and status 5 (:data:`~zerotrain.errors.OOM_EXIT`); a
 collective that failed because another rank died or hung, in status 4
-(:data:`~zerotrain.launcher.RANK_LOST_EXIT`), with the line said by the launcher when there is one.
+(:data:`~zerotrain.runtime.launcher.RANK_LOST_EXIT`), with the line said by the launcher when there is one.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ import os
 import sys
 from typing import Optional
 
-from zerotrain.errors import DIVERGED_EXIT, OOM_EXIT, OutOfMemory, TrainingDiverged, UserError
+from zerotrain.errors import (
+    DIVERGED_EXIT,
+    OOM_EXIT,
+    OutOfMemory,
+    TrainingDiverged,
+    UserError,
+)
 
 SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
@@ -47,7 +53,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import importlib
 
     module = importlib.import_module(f"zerotrain.cli.{name}")
-    from zerotrain.preemption import PREEMPTED_EXIT, Preempted
+    from zerotrain.runtime.preemption import PREEMPTED_EXIT, Preempted
 
     try:
         return module.run(rest) or 0
@@ -61,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             os._exit(PREEMPTED_EXIT)
         return PREEMPTED_EXIT
     except UserError as exc:
-        # In a job every rank stops on the error (zerotrain.distributed.main_process_first shares one
+        # In a job every rank stops on the error (zerotrain.runtime.collectives.main_process_first shares one
         # found on a single rank); rank 0 says it once, and all ranks exit 2.
         origin = getattr(exc, "zerotrain_origin_rank", None)
         line = f"zerotrain {name}: error: {exc}" + (f" (on rank {origin})" if origin not in (None, 0) else "")
@@ -98,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("zerotrain: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        from zerotrain.launcher import collective_failure
+        from zerotrain.runtime.launcher import collective_failure
 
         timed_out = collective_failure(exc)
         if timed_out is not None:  # another rank died or hung: not this rank's bug, no traceback
@@ -126,7 +132,7 @@ def _rank() -> int:
 
 def _under_own_launcher() -> bool:
     """Whether this process is a worker of ``spawn_local_workers`` (which reads the workers' error files)."""
-    from zerotrain.launcher import HEARTBEAT_ENV
+    from zerotrain.runtime.launcher import HEARTBEAT_ENV
 
     return HEARTBEAT_ENV in os.environ
 
@@ -141,7 +147,7 @@ def _rank_lost(name: str, timed_out: bool) -> int:
     """
     import time
 
-    from zerotrain.launcher import (
+    from zerotrain.runtime.launcher import (
         HEARTBEAT_ENV,
         LOST_FILE_KEY,
         RANK_LOST_EXIT,
@@ -158,7 +164,7 @@ def _rank_lost(name: str, timed_out: bool) -> int:
         _write_error_file(path, {"message": line, "timestamp": int(time.time()),
                                  LOST_FILE_KEY: {"timed_out": timed_out, "step": where["step"], "time": time.time()}})
     else:
-        from zerotrain.launcher import _last_checkpoint_hint
+        from zerotrain.runtime.launcher import _last_checkpoint_hint
 
         print(f"{line}. {_last_checkpoint_hint({0: where})}", file=sys.stderr, flush=True)
     _end_process_group()

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from zerotrain.benchmark import run_sweep
 from zerotrain.errors import UserError
-from zerotrain.strategies import STRATEGIES
+from zerotrain.plan.benchmark import run_sweep
+from zerotrain.plan.strategies import STRATEGIES
 
 
 def run(argv: list[str]) -> int:
@@ -30,7 +30,7 @@ def run(argv: list[str]) -> int:
                         help="put the memory model's predicted peaks next to the measured ones (one probe first)")
     parser.add_argument("--probe", default=None, metavar="FILE",
                         help="predict from this probe file instead of probing first: one taken earlier of the same "
-                             "workload on the same GPU kind (python -m zerotrain.probe, or a sweep's probe.json)")
+                             "workload on the same GPU kind (python -m zerotrain.plan.probe, or a sweep's probe.json)")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
                         help="run every fit N times, every other round in reverse order, and summarise the rounds "
                              "(for steps that wait on the host, whose time moves from run to run)")

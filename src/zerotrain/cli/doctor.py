@@ -6,7 +6,7 @@ import contextlib
 import json
 import sys
 
-from zerotrain.doctor import report
+from zerotrain.runtime.doctor import report
 
 
 def run(argv: list[str]) -> int:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from zerotrain import recipes
-from zerotrain.config_cli import parse_config
-from zerotrain.estimate import estimate, format_report
+from zerotrain.config.flags import parse_config
+from zerotrain.plan.estimate import estimate, format_report
+from zerotrain.tasks import registry as recipes
 
 
 def run(argv: list[str]) -> int:
@@ -32,7 +32,7 @@ def run(argv: list[str]) -> int:
         import tempfile
         from pathlib import Path
 
-        from zerotrain.probe import run_probe
+        from zerotrain.plan.probe import run_probe
 
         with tempfile.TemporaryDirectory() as tmp:
             probe = run_probe(args.recipe, fit_args, Path(tmp) / "probe.json", cfg.trainer.micro_batch_size)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
-from zerotrain import recipes
-
-# parse_config lives in zerotrain.config_cli (estimate and the benchmarks use it too, without this command).
-from zerotrain.config_cli import parse_config
+# parse_config lives in zerotrain.config.flags (estimate and the benchmarks use it too, without this command).
+from zerotrain.config.flags import parse_config
+from zerotrain.tasks import registry as recipes
 
 
 def _recipe_list() -> str:
@@ -45,7 +44,7 @@ def run(argv: list[str]) -> int:
         return 2
     cfg = parse_config(recipe, rest).validate()
 
-    from zerotrain.launcher import launched_by_a_launcher, spawn_local_workers
+    from zerotrain.runtime.launcher import launched_by_a_launcher, spawn_local_workers
 
     launch = cfg.launch
     if cfg.strategy.auto:
@@ -55,7 +54,7 @@ def run(argv: list[str]) -> int:
             raise ConfigError("--strategy.auto", "plans before the processes start, which another launcher (torchrun, "
                               "srun, deepspeed) has already done: run `zerotrain plan RECIPE ...` once and start the "
                               "job with --config <plan folder>/plan.yaml, or launch with zerotrain itself")
-        from zerotrain.planner import plan_for_fit
+        from zerotrain.plan.planner import plan_for_fit
 
         rest = [*rest, *plan_for_fit(recipe, cfg, rest)]  # later flags win: the plan's choice, auto off
         argv = [recipe, *rest]
@@ -63,7 +62,7 @@ def run(argv: list[str]) -> int:
     if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher(launch):
         return spawn_local_workers(launch, ["fit", *argv])
 
-    from zerotrain.loop import fit
+    from zerotrain.train.loop import fit
 
     result = fit(recipes.get(recipe)(cfg))  # leaves no process group behind (distributed.setup)
     if result.is_main:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from zerotrain import recipes
-from zerotrain.config_cli import parse_config
+from zerotrain.config.flags import parse_config
 from zerotrain.errors import UserError
+from zerotrain.tasks import registry as recipes
 
 
 def run(argv: list[str]) -> int:
@@ -41,7 +41,7 @@ def run(argv: list[str]) -> int:
     cfg = parse_config(args.recipe, fit_args)
     out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "plans" / args.recipe
 
-    from zerotrain.planner import plan
+    from zerotrain.plan.planner import plan
 
     plan(args.recipe, cfg, fit_args, out, trials=args.trials, trial_steps=args.trial_steps,
          strategies=args.strategies.split(",") if args.strategies else None,

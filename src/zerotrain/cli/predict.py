@@ -42,7 +42,7 @@ def run(argv: list[str]) -> int:
     if not texts:
         raise UserError("give texts as arguments or --file TEXTS.txt (one per line)")
 
-    from zerotrain.rundir import load_run
+    from zerotrain.runtime.rundir import load_run
 
     loaded = load_run(args.run_dir, {"tokenizer": args.tokenizer} if args.tokenizer else None, device=args.device)
     from zerotrain.tasks.base import Task

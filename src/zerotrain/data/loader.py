@@ -66,7 +66,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
-    """A loader worker leaves stop signals to the training process (zerotrain.preemption).
+    """A loader worker leaves stop signals to the training process (zerotrain.runtime.preemption).
 
     SLURM and torchrun signal the whole process group: a worker killed by that SIGTERM makes the
     training process raise "DataLoader worker ... is killed by signal" in the middle of its

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerotrain.compiling import FusedLoss
 from zerotrain.data.collate import IGNORE_INDEX
+from zerotrain.engines.compiling import FusedLoss
 
 
 class LayerNorm(nn.LayerNorm):

@@ -1,6 +1,6 @@
 """What a recipe supplies to the one training loop.
 
-The loop (:mod:`zerotrain.loop`) owns batching, the engine, measurement and checkpoints. A task
+The loop (:mod:`zerotrain.train.loop`) owns batching, the engine, measurement and checkpoints. A task
 owns only what differs between recipes: how to build the model and the datasets, how a batch
 becomes a loss, and which evaluation metrics to report. Plug your own model and data into
 zerotrain by subclassing :class:`Task` and calling :func:`zerotrain.fit`.
@@ -173,7 +173,7 @@ class Task(ABC, Generic[C]):
         at a time with a log line each: a big model's export holds one shard in host memory, not the model, and
         says how far it has got.
         """
-        from zerotrain import export
+        from zerotrain.checkpoint import export
 
         export.write_safetensors(export.lazy_tensors(state_dict), out_dir, dtype=None,
                                  max_shard_size=export.DEFAULT_MAX_SHARD_SIZE,
@@ -181,7 +181,7 @@ class Task(ABC, Generic[C]):
 
     def load_exported(self, model: nn.Module, export_dir: Path) -> None:
         """Load into ``model`` (built with ``build_model(pretrained=False)``) what :meth:`export` wrote
-        to ``export_dir``: the inverse of :meth:`export`, used by :func:`zerotrain.rundir.load_run`.
+        to ``export_dir``: the inverse of :meth:`export`, used by :func:`zerotrain.runtime.rundir.load_run`.
 
         The default reads ``model.safetensors`` or its shards (a ``module.`` prefix, as a wrapped model's keys
         carry, is dropped) and requires every tensor to match. Raises
@@ -189,8 +189,8 @@ class Task(ABC, Generic[C]):
         """
         from safetensors import SafetensorError
 
+        from zerotrain.checkpoint.export import read_safetensors
         from zerotrain.errors import UserError
-        from zerotrain.export import read_safetensors
 
         weights = Path(export_dir) / "model.safetensors"
         try:
@@ -223,4 +223,4 @@ class Task(ABC, Generic[C]):
 
 
 REGISTRY: dict[str, type[Task]] = {}
-"""Recipe name -> task class, filled as task modules are imported (see :mod:`zerotrain.recipes`)."""
+"""Recipe name -> task class, filled as task modules are imported (see :mod:`zerotrain.tasks.registry`)."""

@@ -34,10 +34,10 @@ from zerotrain.data.imdb import (
     split_test_in_halves,
     tokenize_reviews,
 )
+from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models.sentiment import SentimentClassifier
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
-from zerotrain.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def _read_weights(path: str, flag: str) -> dict[str, torch.Tensor]:
     ``.safetensors`` file."""
     from safetensors.torch import load_file
 
-    from zerotrain.export import read_safetensors
+    from zerotrain.checkpoint.export import read_safetensors
 
     p = Path(path).expanduser()
     if p.is_dir():
@@ -309,15 +309,15 @@ def predict(
 ) -> list[tuple[str, float]]:
     """Classify ``texts`` with the model a finished imdb run exported.
 
-    A thin wrapper over :func:`zerotrain.rundir.load_run` (which reads ``<run_dir>/hparams.json``
+    A thin wrapper over :func:`zerotrain.runtime.rundir.load_run` (which reads ``<run_dir>/hparams.json``
     and ``<run_dir>/model``) and :meth:`IMDBTask.classify`; ``tokenizer`` (a folder or hub name)
     replaces the run's when its path no longer resolves. Returns ``(label, probability of that
     label)`` per text, label "negative" or "positive".
     """
-    from zerotrain.rundir import load_run
+    from zerotrain.runtime.rundir import load_run
 
     run = load_run(run_dir, {"data.tokenizer": tokenizer} if tokenizer is not None else None, device=device)
     if not isinstance(run.task, IMDBTask):
         raise UserError(f"{run.run_dir} is a run of the {run.recipe} recipe, not imdb: "
-                        "use zerotrain.rundir.load_run and its task's predict")
+                        "use zerotrain.runtime.rundir.load_run and its task's predict")
     return run.task.classify(run.model, texts)

@@ -23,9 +23,9 @@ from zerotrain.config import RunConfig
 from zerotrain.data.collate import IGNORE_INDEX, PadCollator
 from zerotrain.data.io import hub_offline, looks_local
 from zerotrain.data.sft import build_examples, load_records
+from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
-from zerotrain.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from zerotrain.config import RunConfig
 from zerotrain.data.io import looks_local as is_local_source
 from zerotrain.data.masking import BlockMasker, MaskedBlocks, collate_masked
 from zerotrain.data.text import load_packed
+from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models.roberta_mlm import RobertaMLM
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
-from zerotrain.tokenizer import load_tokenizer
 
 VAL_HOLDOUT_FRACTION = 0.01
 MAX_PPL_LOSS = 20.0

@@ -6,8 +6,8 @@
 import os, sys, time, statistics
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29562", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 import torch, deepspeed
-from zerotrain import zero_host
-from zerotrain.zero_clip import clip_without_sync, mask_norms_without_sync
+from zerotrain.engines.ds_private import zero_host
+from zerotrain.engines.ds_private.zero_clip import clip_without_sync, mask_norms_without_sync
 torch.set_num_threads(1)
 stage = int(sys.argv[1])
 torch.manual_seed(0)

@@ -1,0 +1,414 @@
+"""``zerotrain export``: a run's checkpoint as weights other tools load, on a CPU, in bounded memory.
+
+Input: ``RUN_DIR/hparams.json`` and one complete ``RUN_DIR/checkpoints/step*/`` folder, written by
+any engine: the plain engine's ``torch_state.pt``, DeepSpeed ZeRO-0's ``mp_rank_00_model_states.pt``,
+or ZeRO-1/2/3's per-rank ``*_optim_states.pt`` (consolidated by DeepSpeed's own ``zero_to_fp32`` from
+the fp32 master weights, in its lazy mode: ZeRO-3 tensors are gathered one at a time).
+
+Output: a folder that is complete or absent (written beside its final name, renamed at the end):
+
+* ``safetensors`` (every recipe): ``hparams.json`` (the run's) and ``model/`` in the recipe's export
+  layout, so ``zerotrain predict OUT ...`` and :func:`zerotrain.runtime.rundir.load_run` read it like a run.
+  For imdb, mlm and custom tasks ``model/`` holds ``model.safetensors``, sharded with Hugging Face's
+  ``model.safetensors.index.json`` past ``max_shard_size``; tensors are written one shard at a time,
+  so host memory holds at most one shard beyond what DeepSpeed's reader maps. For lora it holds
+  peft's ``adapter/`` and the ``merged/`` full model (:meth:`LoRATask.export`).
+* ``hf`` (mlm): a Hugging Face ``RobertaForMaskedLM`` folder (``config.json``, ``model.safetensors``,
+  the tokenizer) that ``AutoModelForMaskedLM.from_pretrained`` loads with zerotrain's logits.
+
+Every folder gets ``export.json``: the checkpoint, its step, dtype and format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Optional
+
+import torch
+
+from zerotrain.errors import UserError
+from zerotrain.runtime import rundir
+
+Format = Literal["safetensors", "hf"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+TORCH_STATE = "torch_state.pt"  # zerotrain.engines.plain.TorchEngine.STATE_FILE, without importing the engines
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    step: int
+    checkpoint: Path
+    files: list[str]
+    """Files written, relative to ``out_dir``."""
+
+
+# ---- reading a run ---------------------------------------------------------------------------
+
+def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
+    """The newest complete checkpoint, or the one of ``step``."""
+    from zerotrain.checkpoint.layout import (
+        complete_checkpoints,
+        is_complete,
+        step_folder,
+    )
+
+    ckpts = run_dir / "checkpoints"
+    found = complete_checkpoints(ckpts)
+    if step is not None:
+        folder = step_folder(ckpts, step)
+        if is_complete(folder):
+            return folder
+        have = ", ".join(str(_step_of(p)) for p in found) or "none"
+        state = "is incomplete (its save was interrupted)" if folder.is_dir() else "does not exist"
+        raise UserError(f"--step {step}: {folder} {state}. Complete checkpoints of this run are at steps: {have}")
+    if not found:
+        raise UserError(f"{ckpts} holds no complete checkpoint (a step* folder with COMPLETE.json). "
+                        "Train with --checkpoint.save_final true (the default) or --checkpoint.every_steps N")
+    return found[-1]
+
+
+def _step_of(folder: Path) -> int:
+    digits = "".join(ch for ch in folder.name if ch.isdigit())
+    return int(digits) if digits else -1
+
+
+# ---- the consolidated weights, lazily ----------------------------------------------------------
+
+LazyTensor = Callable[[], torch.Tensor]
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DeepSpeed's converter prints progress lines and tqdm bars; the command prints its own summary."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype, LazyTensor]]:
+    """name -> (shape, dtype, thunk) of the full model's tensors in ``folder``; a thunk materialises one tensor.
+
+    Names are the unwrapped module's (no ``module.`` prefix). Tensors shared between names (tied
+    weights) are listed under each name.
+    """
+    state_file = folder / TORCH_STATE
+    optim = sorted(folder.glob("*_optim_states.pt"))
+    if state_file.is_file():
+        # Tensors and plain containers only (weights_only): a crafted file cannot run code here; mmap: not read into memory.
+        sd = _torch_load(state_file)
+        module = sd.get("module") if isinstance(sd, dict) else None
+        if not isinstance(module, dict):
+            raise UserError(f"{state_file} holds no 'module' state dict: it was not written by zerotrain")
+        return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
+    if optim:  # ZeRO-1/2/3: the fp32 master weights are partitioned over the ranks' optimizer files
+        with _cpu_accelerator():
+            from deepspeed.utils.zero_to_fp32 import (
+                get_fp32_state_dict_from_zero_checkpoint,
+            )
+
+        try:
+            with _quiet():
+                lazy = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name, lazy_mode=True)
+        except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
+            raise UserError(f"{folder}: DeepSpeed cannot consolidate this checkpoint "
+                            f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}). "
+                            "Export an older step with --step N") from None
+        return {_strip(k): (v.shape, v.dtype, _thunk(v)) for k, v in lazy.items()}
+    model_states = folder / "mp_rank_00_model_states.pt"
+    if model_states.is_file():  # ZeRO-0: every rank holds the whole model; rank 0's file has it
+        sd = _torch_load(model_states)
+        module = sd.get("module") if isinstance(sd, dict) else None
+        if not isinstance(module, dict):
+            raise UserError(f"{model_states} holds no 'module' state dict: it was not written by DeepSpeed")
+        return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
+    raise UserError(f"{folder} holds no model weights ({TORCH_STATE}, mp_rank_00_model_states.pt or "
+                    "*_optim_states.pt). Pass another step with --step N")
+
+
+@contextlib.contextmanager
+def _cpu_accelerator() -> Iterator[None]:
+    """Import DeepSpeed as a CPU program: without a GPU it otherwise prints a warning while guessing the
+    accelerator. The converter is plain torch on CPU either way; the environment is restored after."""
+    saved = os.environ.get("DS_ACCELERATOR")
+    if saved is None and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # a truncated or foreign file: pickle, zip and torch each raise their own
+        raise UserError(f"{path} cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): "
+                        "the file is damaged. Export an older step with --step N") from None
+
+
+def _strip(name: str) -> str:
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def _const(t: torch.Tensor) -> LazyTensor:
+    return lambda: t
+
+
+def _thunk(v: Any) -> LazyTensor:
+    # zero_to_fp32's lazy values are GatheredTensor (ZeRO-3, .contiguous() gathers) or plain tensors.
+    return v.contiguous
+
+
+def materialise(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]], dtype: Optional[torch.dtype] = None
+                ) -> dict[str, torch.Tensor]:
+    """The whole state dict in memory (small models, the conversions that need every tensor at once)."""
+    return {k: _cast(thunk(), dtype) for k, (_, _, thunk) in lazy.items()}
+
+
+def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    t = t.detach().cpu()
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+def lazy_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype, LazyTensor]]:
+    """A state dict already in hand (on any device), in the shape :func:`write_safetensors` reads."""
+    return {k: (v.shape, v.dtype, _const(v)) for k, v in state_dict.items()}
+
+
+def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]], out_dir: Path,
+                      dtype: Optional[torch.dtype], max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                      rename: Optional[Callable[[str], str]] = None,
+                      progress: Optional[Callable[[str], None]] = None) -> list[str]:
+    """Write ``model.safetensors`` (or shards and ``model.safetensors.index.json``); return the file names.
+
+    Shards are planned from shapes alone (Hugging Face's splitter on empty tensors) and each is
+    materialised on the host, written and dropped before the next, so memory holds one shard at a time.
+    ``dtype`` None keeps each tensor's own; ``progress`` gets a line per shard written.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    rename = rename or (lambda k: k)
+    max_shard_size = _shard_size_for_host(max_shard_size, progress)
+    names = {rename(k): k for k in lazy}
+    meta = {new: torch.empty(lazy[old][0], dtype=(dtype or lazy[old][1]) if lazy[old][1].is_floating_point
+                             else lazy[old][1], device="meta") for new, old in names.items()}
+    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written, done, total = [], 0, sum(t.nbytes for t in meta.values())
+    for filename, tensors in split.filename_to_tensors.items():
+        shard, storages = {}, set()
+        for n in tensors:
+            t = _cast(lazy[names[n]][2](), dtype).contiguous()
+            if t.untyped_storage().data_ptr() in storages:
+                t = t.clone()  # tied weights share storage, which safetensors refuses to write twice
+            storages.add(t.untyped_storage().data_ptr())
+            shard[n] = t
+        save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
+        written.append(filename)
+        done += sum(t.nbytes for t in shard.values())
+        del shard
+        if progress:
+            progress(f"wrote {out_dir / filename} ({_size(done)} of {_size(total)})")
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        written.append("model.safetensors.index.json")
+    return written
+
+
+MIN_SHARD_BYTES = 2**26
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_size(size: str | int | float) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``5e9``, ``100B`` or a number of bytes (Hugging Face's ``max_shard_size``
+    spellings). Raises ValueError for anything else."""
+    if isinstance(size, (int, float)):
+        return int(size)
+    text = str(size).strip().upper()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * UNITS[unit])
+    return int(float(text.removesuffix("B")))
+
+
+def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[[str], None]]) -> int:
+    """``max_shard_size``, or less when this host has little memory free. A shard is on the host twice while it
+    is written (the tensors copied from the GPU and safetensors' serialised bytes), so shards are kept to a
+    quarter of the free memory: the end of a big run whose optimizer fills the host (5B parameters under CPU
+    offload: 120 of 125 GiB) still exports, in more files."""
+    import psutil
+
+    wanted = _parse_size(max_shard_size)
+    free = psutil.virtual_memory().available
+    if 4 * wanted <= free:
+        return wanted
+    smaller = max(MIN_SHARD_BYTES, free // 4)
+    if progress:
+        progress(f"{_size(free)} of host memory free: shards of {_size(smaller)} instead of {_size(wanted)}")
+    return smaller
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """``folder``'s ``model.safetensors``, or every shard its ``model.safetensors.index.json`` names, as one
+    state dict. Raises ``FileNotFoundError`` when neither file is there."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(2, "no such file", str(folder / "model.safetensors"))
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(2, "no such file", str(folder / name))
+        state.update(load_file(str(folder / name)))
+    return state
+
+
+def default_out(run_dir: Path, step: int, fmt: Format, dtype: str) -> Path:
+    suffix = "" if fmt == "safetensors" else f"-{fmt}"
+    return run_dir / "export" / f"step{step:08d}{suffix}{'' if dtype == 'fp32' else '-' + dtype}"
+
+
+def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Optional[int] = None,
+               dtype: str = "fp32", fmt: Format = "safetensors",
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+               progress: Optional[Callable[[str], None]] = None) -> ExportResult:
+    """Export the checkpoint of ``step`` (default: the newest complete one) of ``run_dir``; see the module doc.
+    ``progress`` gets the shard lines of a safetensors export (the shard size, a line per shard)."""
+    from zerotrain.tasks import registry as recipes
+
+    run_dir = Path(run_dir).expanduser()
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose fp32 or bf16")
+    if fmt not in ("safetensors", "hf"):
+        raise UserError(f"--format {fmt!r}: choose safetensors or hf")
+    recipe, cfg, raw = rundir.read_run(run_dir)
+    if fmt == "hf" and recipe != "mlm":
+        raise UserError(f"--format hf: only the mlm recipe maps onto a Hugging Face architecture (RobertaForMaskedLM); "
+                        f"{run_dir} is a {recipe} run. Use --format safetensors (lora: its merged/ folder is "
+                        "already a Hugging Face model)")
+    folder = pick_checkpoint(run_dir, step)
+    step_n = _step_of(folder)
+    out_dir = Path(out).expanduser() if out is not None else default_out(run_dir, step_n, fmt, dtype)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UserError(f"--out: {out_dir} already exists and is not an empty folder. Pass a new folder, "
+                        "or delete the old export first")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    except OSError as exc:
+        raise UserError(f"--out: cannot create {out_dir} ({exc.strerror or exc}). Pass a folder you can write to") \
+            from None
+    task = recipes.get(recipe)(cfg)
+    torch_dtype = DTYPES[dtype]
+    try:
+        lazy = checkpoint_tensors(folder)
+        if fmt == "hf":
+            files = _export_hf_roberta(task, lazy, staging, torch_dtype)
+        elif recipe == "lora":
+            files = _export_lora(task, lazy, staging / "model", torch_dtype)
+        else:
+            files = ["model/" + f for f in write_safetensors(lazy, staging / "model", torch_dtype, max_shard_size,
+                                                             progress=progress)]
+        if fmt == "safetensors":
+            # hparams.json beside model/: the folder is a run folder to load_run and zerotrain predict.
+            shutil.copyfile(run_dir / "hparams.json", staging / "hparams.json")
+            files.append("hparams.json")
+        info = {"source_run": str(run_dir.resolve()), "checkpoint": str(folder.resolve()), "step": step_n,
+                "recipe": recipe, "dtype": dtype, "format": fmt}
+        (staging / "export.json").write_text(json.dumps(info, indent=2) + "\n")
+        files.append("export.json")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportResult(out_dir=out_dir, step=step_n, checkpoint=folder, files=sorted(files))
+
+
+def _export_lora(task: Any, lazy: dict, model_dir: Path, dtype: torch.dtype) -> list[str]:
+    """peft adapter + merged model through :meth:`LoRATask.export`, the code a finished fit runs.
+
+    The checkpoint's trainable tensors are the adapter; the frozen base is rebuilt from where the run
+    took it (its ``--model.name_or_path``, or for ``--model.init random`` the run's seeded draw, as
+    :meth:`LoRATask.load_exported` does), so the base weights need not be read from the checkpoint.
+    """
+    cfg = task.cfg
+    cfg.model.merge_on_export = True
+    cfg.strategy.activation_checkpointing = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.trainer.seed)  # the loop seeds --trainer.seed just before build_model
+        model = task.build_model(pretrained=True)
+    own = model.state_dict()
+    adapter = {k: v for k, v in lazy.items() if "lora_" in k}
+    missing = [k for k in own if "lora_" in k and k not in adapter]
+    if not adapter or missing:
+        raise UserError(f"the checkpoint holds {len(adapter)} LoRA tensors, and lacks {len(missing)} the run's "
+                        f"model has (e.g. {(missing or ['?'])[0]}): was hparams.json changed since training?")
+    with torch.no_grad():
+        for k, (_, _, thunk) in adapter.items():
+            if k in own:
+                own[k].copy_(thunk())
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    task.export(model, model.state_dict(), model_dir)
+    return sorted(str(p.relative_to(model_dir.parent)) for p in model_dir.rglob("*") if p.is_file())
+
+
+def _export_hf_roberta(task: Any, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+    """The mlm run as a Hugging Face RobertaForMaskedLM folder: config.json, model.safetensors, tokenizer.
+
+    The conversion holds the (MLM-sized) model in memory once; the names and the position offset are
+    :func:`zerotrain.models.roberta_mlm.hf_roberta_state_dict`'s.
+    """
+    from safetensors.torch import save_file
+
+    from zerotrain.models.roberta_mlm import hf_roberta_config, hf_roberta_state_dict
+
+    m = task.cfg.model
+    with torch.random.fork_rng(devices=[]):
+        model = task.build_model(pretrained=False)  # dims and pad id as training had them; weights replaced below
+    sd = materialise(lazy)
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as exc:
+        raise UserError(f"the checkpoint does not fit the model hparams.json describes "
+                        f"({' '.join(str(exc).split())[:300]})") from None
+    pad = model.encoder.token_embedding.padding_idx
+    tok = task.tokenizer
+    config = hf_roberta_config(model, m.num_heads, m.ff_dim, m.dropout, pad, tok.bos_token_id, tok.eos_token_id)
+    hf = hf_roberta_state_dict(model.state_dict(), m.num_layers, pad)
+    # The tied decoder weight is written once, under the embedding's name, as transformers saves it.
+    save_file({k: _cast(v, dtype).clone() for k, v in hf.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config["torch_dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tok.save_pretrained(str(out_dir))
+    return sorted(p.name for p in out_dir.iterdir() if p.is_file())

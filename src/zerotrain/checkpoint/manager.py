@@ -1,0 +1,343 @@
+"""Checkpoints that are complete and intact or not used, an exact resume, and the component that decides when to save.
+
+Layout: ``<run>/checkpoints/step00000120/`` holds the engine's files (DeepSpeed's sharded
+``mp_rank_*``/``*_optim_states.pt``, or ``torch_state.pt``), one ``train_state_rank<R>.pt`` per rank
+(:class:`~zerotrain.train.state.TrainState`: step, data position, log window, RNG), and last of all
+``COMPLETE.json``.
+
+What makes a checkpoint trustworthy:
+
+* **Complete.** After a barrier (every rank has written its files) every file is fsynced, then the
+  folder; only then rank 0 writes the marker, through a temporary file and an atomic rename. A run
+  killed while saving leaves a folder without it: resume ignores such folders, the next save deletes them.
+* **Intact.** The marker lists every file with its size and sha256 (hashed on all ranks, each a
+  share of the files, as they are fsynced). Resume checks the sizes always and, with
+  ``--checkpoint.verify`` (the default), the checksums; a damaged checkpoint is named with the file
+  and skipped for the previous complete one, with a warning.
+* **Of this run's shape.** The marker records recipe, backend, ZeRO stage, precision, micro-batch,
+  gradient accumulation and world size; :func:`check_compatible` refuses a resume that would silently
+  continue differently, before anything in the run folder is rewritten.
+* **Of any process count.** A resume on another world size keeps micro-batch x processes (the global
+  batch and its data order, see :func:`check_compatible`) and is resharded by :meth:`Checkpointer.load`:
+  ZeRO-1/2/3 through DeepSpeed's universal checkpoint, converted once and cached in
+  ``<step>/universal/`` with its own marker (:func:`zerotrain.checkpoint.universal.universal_checkpoint`).
+* **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
+  loads DeepSpeed's through an allow-list (see ``engine.py``). A file that is not what it should be
+  ends in one :class:`UserError` line naming it.
+
+The split of an exact resume: model, optimizer and scheduler are the engine's (they are sharded
+differently by every ZeRO stage); everything else is the train state's. :class:`Checkpointer` is
+the only code that writes or reads either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from zerotrain.checkpoint.layout import (
+    FORMAT,
+    MARKER,
+    _gather,
+    checkpoint_bytes,
+    complete_checkpoints,
+    is_complete,
+    read_marker,
+    seal,
+    state_file,
+    step_folder,
+)
+from zerotrain.config import CheckpointConfig
+from zerotrain.data.io import atomic_write_text
+from zerotrain.engines import Engine
+from zerotrain.errors import UserError
+from zerotrain.runtime import rundir
+from zerotrain.runtime.collectives import run_on_main
+from zerotrain.train.state import TrainState, load_safely
+
+log = logging.getLogger("zerotrain")
+
+SHAPE_KEYS = ("recipe", "backend", "zero_stage", "precision", "weights_dtype", "micro_batch_size", "grad_accum",
+              "world_size")
+"""What a resume must match (see :func:`check_compatible`)."""
+
+def shape_of(engine: Engine, recipe: str) -> dict[str, Any]:
+    """How this run trains, in the terms a checkpoint records (see :data:`SHAPE_KEYS`)."""
+    ds = engine.ds_config
+    return {
+        "recipe": recipe,
+        "backend": "deepspeed" if ds is not None else "ddp",
+        "zero_stage": int(ds.get("zero_optimization", {}).get("stage", 0)) if ds is not None else None,
+        "precision": engine.precision,
+        # bf16 at ZeRO-0 keeps fp32 weights under the fast path's autocast and bf16 ones under DeepSpeed's
+        # bf16 block: the same precision, different files.
+        "weights_dtype": str(next(engine.module.parameters()).dtype).removeprefix("torch."),
+        "micro_batch_size": int(engine.micro_batch_size),
+        "grad_accum": int(engine.grad_accum),
+        "world_size": int(engine.world_size),
+    }
+
+
+HARMLESS_MODEL_FIELDS = frozenset({"dropout", "lora_dropout", "merge_on_export", "init_from_mlm"})
+"""Model settings that change no tensor's name or shape: a resume may change them."""
+
+
+def check_same_model(checkpoint: Path, recipe: str, cfg: Any) -> None:
+    """Raise a one-line :class:`UserError` when ``checkpoint`` was written by a run of another recipe or
+    with other model settings than ``cfg`` (the ``--model.*`` flags that change tensors' names or shapes).
+
+    The run that wrote a checkpoint left its config in ``hparams.json`` beside ``checkpoints/``. This
+    runs before anything is built, so a wrong resume is refused at once; :func:`check_compatible`
+    checks how the engine was set up once it exists, also before the run folder is rewritten."""
+    hparams = checkpoint.parent.parent / "hparams.json"
+    try:
+        saved = json.loads(hparams.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # nothing to compare with (a checkpoint copied alone): the engine's loader decides
+    if not isinstance(saved, dict):
+        return
+    theirs = saved.get("recipe")
+    if theirs is not None and theirs != recipe:
+        raise UserError(f"--checkpoint.resume: {checkpoint} was written by a {theirs} run, and this is a {recipe} "
+                        f"run. Resume with zerotrain fit {theirs}, or start a new run (another --trainer.run_name)")
+    model = getattr(cfg, "model", None)
+    old = saved.get("model")
+    if not (dataclasses.is_dataclass(model) and isinstance(old, dict)):
+        return
+    now = json.loads(json.dumps(dataclasses.asdict(model), default=str))  # tuples as lists, as the file has them
+    changed = [f"--model.{k} {now[k]} (the checkpoint's run had {old[k]})" for k in now
+               if k in old and k not in HARMLESS_MODEL_FIELDS and now[k] != old[k]]
+    if changed:
+        raise UserError(f"--checkpoint.resume: {checkpoint} holds another model: {'; '.join(changed)}. Pass the "
+                        "run's own model flags (its hparams.json has them) or start a new run")
+
+
+def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
+    """Refuse, in one line, a resume from ``folder`` by a run of another ``shape`` (see :func:`shape_of`).
+
+    Called before anything in the run folder is rewritten. Each difference would continue the run
+    silently wrong or crash in the engine: accumulation sets the global batch the schedule and
+    optimizer state were made for; the engine's files are sharded by stage and backend, and
+    precision decides which of them hold the master weights.
+
+    **Another process count** is converted (see :meth:`Checkpointer.load`), under one rule: the
+    global batch and its data order stay exactly as they were, so micro-batch x processes must
+    stay the same (and accumulation, as always). The sampler plans global batches of micro x world
+    examples and cuts one micro-batch per rank, and the data position counts those global
+    micro-steps: with micro x world unchanged the new ranks continue at the same samples, the same
+    optimizer step, the same schedule. 2 processes x micro 8 resume on 1 process with
+    ``--trainer.micro_batch_size 16`` (or on 4 with 4); any other micro-batch is refused with the
+    flag to pass. Changing accumulation instead (2 x 8 x accum 1 -> 1 x 8 x accum 2: the same
+    global batch) is refused too: it would split each step's samples differently (and, with
+    length bucketing, plan other batches), and accumulation stays one of the checked keys. On the
+    same process count the micro-batch must be the checkpoint's (the position counts micro-batches).
+    """
+    meta = read_marker(folder)
+    flag = "--checkpoint.resume"
+    how = {
+        "recipe": "resume it with its own recipe",
+        "backend": "pass --strategy.backend {saved}",
+        "zero_stage": "pass --strategy.zero_stage {saved}",
+        "precision": "pass --strategy.precision {saved}",
+        "weights_dtype": "resume with the --strategy.fast_path and --strategy.precision of the run that wrote it",
+        "micro_batch_size": "pass --trainer.micro_batch_size {saved} (the data position counts micro-batches)",
+        "grad_accum": "pass --strategy.gradient_accumulation_steps {saved}",
+    }
+    resharding = "world_size" in meta and meta["world_size"] != shape.get("world_size")
+    for key in SHAPE_KEYS:
+        if key not in meta or key == "world_size" or (resharding and key == "micro_batch_size"):
+            continue  # a marker of format 1 records the world size only; another world size: below
+        saved, now = meta[key], shape.get(key)
+        if saved != now:
+            raise UserError(f"{flag}: {folder} was written with {key} {saved}, this run has {now}; "
+                            f"{how[key].format(saved=saved)}, or start a new run (another --trainer.run_name)")
+    if resharding:
+        check_global_batch(folder, meta, shape)
+
+
+def check_global_batch(folder: Path, meta: dict[str, Any], shape: dict[str, Any]) -> None:
+    """The rule of :func:`check_compatible` for a resume on another process count, in one line when broken."""
+    flag, world, now_world = "--checkpoint.resume", meta["world_size"], shape.get("world_size")
+    if "micro_batch_size" not in meta:
+        raise UserError(f"{flag}: {folder} was written by {world} processes and does not record its micro-batch "
+                        f"size, so it cannot be resumed on {now_world}. Start it with {world} processes")
+    micro, now_micro = meta["micro_batch_size"], shape.get("micro_batch_size")
+    accum = meta.get("grad_accum", shape.get("grad_accum"))
+    per_step = micro * world  # examples of one micro-step over all ranks
+    if now_micro * now_world == per_step:
+        return
+    if per_step % now_world == 0:
+        fix = f"pass --trainer.micro_batch_size {per_step // now_world}"
+    else:
+        fix = f"use a process count that divides {per_step}"
+    raise UserError(f"{flag}: {folder} was written by {world} processes x micro-batch {micro} (global batch "
+                    f"{per_step * accum}), this run has {now_world} x {now_micro} (global batch "
+                    f"{now_micro * now_world * accum}). A resume on another process count keeps micro-batch x "
+                    f"processes = {per_step}: {fix}, or start it with {world} processes")
+
+
+# ---- integrity -------------------------------------------------------------------------------
+def estimate_bytes(n_params: int, n_trainable: int, precision: str, backend: str) -> int:
+    """One checkpoint's size, estimated from the model before training: the weights in their training
+    precision, plus per trainable parameter Adam's two fp32 moments and, under DeepSpeed, the fp32
+    master copy (which a 16-bit run keeps besides its 16-bit weights)."""
+    weight = 2 if precision in ("bf16", "fp16") else 4
+    per_trainable = 8 + (4 if backend == "deepspeed" else 0)
+    return n_params * weight + n_trainable * per_trainable
+
+
+def preflight_space(run_dir: Path, needed: int) -> None:
+    """Refuse to start when one checkpoint clearly does not fit on the output disk (rank 0)."""
+    free = rundir.free_bytes(run_dir)
+    if free is not None and needed > free:
+        raise UserError(f"--trainer.output_dir: {run_dir.parent} has {rundir.fmt_bytes(free)} free, one checkpoint "
+                        f"needs about {rundir.fmt_bytes(needed)}. Free disk space, point --trainer.output_dir at a "
+                        "bigger disk, or train without checkpoints (--checkpoint.save_final false)")
+
+
+class Checkpointer:
+    """Saves ``engine`` + ``state`` every ``cfg.every_steps`` steps and at the end; resumes them.
+
+    Every method is collective: all ranks call it at the same step. ``shape`` (see :func:`shape_of`)
+    is recorded in each marker.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, engine: Engine, state: TrainState,
+                 shape: Optional[dict[str, Any]] = None):
+        self.cfg, self.engine, self.state = cfg, engine, state
+        self.dir = run_dir / "checkpoints"
+        self.shape = dict(shape or {"world_size": engine.world_size})
+        self.last_saved: Optional[int] = None
+        """Step of the newest checkpoint this run wrote or resumed from."""
+
+    def should_save(self, step: int, last_step: bool = False) -> bool:
+        if step == self.last_saved:
+            return False  # e.g. a resumed run that had finished: never rewrite its checkpoint
+        if last_step:
+            return self.cfg.save_final
+        return bool(self.cfg.every_steps) and step % self.cfg.every_steps == 0
+
+    def save(self) -> Path:
+        """Write a checkpoint of the current step; return its folder."""
+        rank, step = self.engine.rank, self.state.step
+        folder = step_folder(self.dir, step)
+        if is_complete(folder):
+            # Written before (a resume from an older checkpoint replays the same steps exactly):
+            # never delete a good checkpoint.
+            self.last_saved = step
+            return folder
+        if rank == 0 and folder.exists():
+            # A leftover from a killed save of the same step; what cannot be removed fails the writes below.
+            shutil.rmtree(folder, ignore_errors=True)
+        self.engine.barrier()
+        error = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.engine.save(folder)
+            torch.save(self.state.state_dict(), state_file(folder, rank))
+        except (OSError, RuntimeError) as exc:
+            error = self._write_error(folder, exc)
+        # Every rank learns whether one failed, so none waits in the next barrier for a rank that stopped.
+        error = next((e for e in _gather(error, self.engine.world_size) if e is not None), None)
+        if error is not None:
+            if rank == 0:
+                shutil.rmtree(folder, ignore_errors=True)  # frees the space; the older checkpoints stay
+            raise UserError(error)
+        self.engine.barrier()
+        try:
+            files = seal(folder, rank, self.engine.world_size, self.cfg.verify)
+        except OSError as exc:  # a full disk met while syncing: seal made every rank raise it
+            raise UserError(self._write_error(folder, exc)) from None
+
+        def mark() -> None:
+            try:
+                meta = {"format": FORMAT, **self.shape, **self.state.plain(), "files": files}
+                atomic_write_text(folder / MARKER, json.dumps(meta, indent=1))
+                _prune(self.dir, self.cfg.keep_last)
+            except OSError as exc:
+                raise UserError(self._write_error(folder, exc)) from None
+
+        run_on_main(mark)  # rank 0 writes the marker; its error stops every rank, none waits
+        self.last_saved = step
+        return folder
+
+    def save_if_preempted(self, preemption: Any) -> None:
+        """At a step boundary: when every rank agrees a stop signal came (zerotrain.runtime.preemption), save
+        and raise :class:`~zerotrain.runtime.preemption.Preempted`, which ends the run with its exit status."""
+        if preemption is None or not preemption.should_stop(self.engine.device):
+            return
+        from zerotrain.runtime.preemption import Preempted
+
+        folder = self.save()
+        log.info("pre-empted by %s at step %d: checkpoint %s", preemption.name(), self.state.step, folder)
+        raise Preempted(preemption.name(), folder, self.state.step)
+
+    def _write_error(self, folder: Path, exc: BaseException) -> str:
+        previous = complete_checkpoints(self.dir)
+        keep = f"; the last complete checkpoint {previous[-1]} is untouched" if previous else ""
+        if rundir.is_space_error(exc):
+            needed = checkpoint_bytes(previous[-1]) if previous else None
+            return str(rundir.space_error(f"checkpoint {folder.name}", folder.parent, needed, keep))
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else " ".join(str(exc).split())[:300]
+        return f"could not write checkpoint {folder}: {detail}{keep}"
+
+    def load(self, folder: Path, seed: int = 0) -> None:
+        """Restore the engine and this rank's train state from ``folder``.
+
+        A checkpoint written by another number of processes (admitted by :func:`check_compatible`)
+        is resharded: the engine loads its state onto this world size
+        (:meth:`~zerotrain.engines.base.Engine.load_resharded`: the plain engine as it is, ZeRO through
+        a universal checkpoint converted once and cached, see :func:`zerotrain.checkpoint.universal.universal_checkpoint`), and
+        the train state continues at the same step and samples with RNG re-seeded from (``seed``,
+        step, rank) (:meth:`~zerotrain.train.state.TrainState.load_resharded`); one line says so.
+        """
+        meta = read_marker(folder)
+        saved_world = meta.get("world_size")
+        if saved_world != self.engine.world_size:
+            self._load_resharded(folder, meta, seed)
+            return
+        mine = state_file(folder, self.engine.rank)
+        if not mine.is_file():
+            raise UserError(f"--checkpoint.resume: {mine} is missing, so the run cannot continue exactly. "
+                            "Pass an older checkpoint folder, or start a new run")
+        self.engine.load(folder)
+        self.state.load_state_dict(load_safely(mine))
+        self.last_saved = self.state.step
+
+    def _load_resharded(self, folder: Path, meta: dict[str, Any], seed: int) -> None:
+        saved_world = meta.get("world_size")
+        if not isinstance(saved_world, int) or saved_world < 1:
+            raise UserError(f"--checkpoint.resume: {folder / MARKER} does not record the process count that wrote "
+                            "it. Pass another checkpoint folder")
+        check_global_batch(folder, meta, {**self.shape, "world_size": self.engine.world_size})
+        files = [state_file(folder, r) for r in range(saved_world)]
+        missing = next((f for f in files if not f.is_file()), None)
+        if missing is not None:
+            raise UserError(f"--checkpoint.resume: {missing} is missing, so the run cannot continue exactly. "
+                            "Pass an older checkpoint folder, or start a new run")
+        states = [load_safely(f) for f in files]
+        self.engine.load_resharded(folder, saved_world, self.cfg.verify)
+        self.state.load_resharded(states, seed, self.engine.rank)
+        self.last_saved = self.state.step
+        if self.engine.rank == 0:
+            log.warning("resumed on %d process(es) from a checkpoint of %d: exact in weights, optimizer state, "
+                        "schedule, step and data order, but not in dropout randomness (re-seeded from "
+                        "seed, step and rank)", self.engine.world_size, saved_world)
+
+
+def _prune(ckpt_dir: Path, keep_last: int) -> None:
+    complete = complete_checkpoints(ckpt_dir)
+    doomed = complete[:-keep_last]
+    newest = complete[-1] if complete else None
+    for p in ckpt_dir.iterdir():
+        # Incomplete folders older than the newest complete one are debris of killed saves.
+        if p.is_dir() and not is_complete(p) and newest is not None and p.name < newest.name:
+            doomed.append(p)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,393 @@
+"""The typed configuration tree of a zerotrain run.
+
+Every recipe's config is a :class:`RunConfig` subclass that adds its own ``model`` and ``data``
+sections; the shared sections (optimizer, scheduler, strategy, trainer, checkpoint, logging,
+launch) are the same for every task. The CLI is generated from these dataclasses by jsonargparse,
+so the docstring under each field is its ``--help`` text, and precedence is
+defaults < ``--config FILE`` < command-line flags.
+
+Validation lives here, next to the fields: :meth:`RunConfig.validate` raises
+:class:`~zerotrain.errors.ConfigError` with the flag name (``--strategy.zero_stage``) and what to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from zerotrain.errors import ConfigError
+
+Precision = Literal["auto", "fp32", "fp16", "bf16"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "adam"] = "adamw"
+    """Adam with decoupled weight decay (adamw) or L2-style weight decay (adam). FusedAdam runs it on GPU, DeepSpeedCPUAdam under CPU offload, torch Adam on CPU."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam beta1, beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Weight decay."""
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError("--optimizer.lr", f"must be > 0, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError("--optimizer.betas", f"both betas must be in [0, 1), got {self.betas}")
+        if self.weight_decay < 0:
+            raise ConfigError("--optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if not self.eps > 0:
+            raise ConfigError("--optimizer.eps", f"must be > 0 (e.g. 1e-8), got {self.eps}")
+
+
+@dataclass
+class SchedulerConfig:
+    name: Literal["constant", "warmup_linear", "cosine", "step"] = "constant"
+    """Learning-rate schedule: constant (after warm-up), linear warm-up then linear decay to 0, cosine decay to min_lr_ratio, or StepLR."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to the peak learning rate."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule: final learning rate as a fraction of the peak."""
+    gamma: float = 0.1
+    """StepLR: multiply the learning rate by gamma every step_size units."""
+    step_size: int = 1
+    """StepLR: how many step_units between two decays."""
+    step_unit: Literal["epochs", "steps"] = "epochs"
+    """StepLR: whether step_size counts epochs (as torch's StepLR stepped per epoch) or optimizer steps."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError("--scheduler.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("--scheduler.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.step_size < 1:
+            raise ConfigError("--scheduler.step_size", f"must be >= 1, got {self.step_size}")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ConfigError("--scheduler.gamma", f"must be in (0, 1], got {self.gamma}")
+
+
+@dataclass
+class StrategyConfig:
+    backend: Literal["deepspeed", "ddp"] = "deepspeed"
+    """deepspeed (ZeRO) or plain PyTorch DDP, the baseline 'without DeepSpeed'."""
+    zero_stage: int = 0
+    """ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), 3 (+parameters) partitioned across data-parallel ranks."""
+    offload_optimizer: OffloadDevice = "none"
+    """Keep optimizer states (and run the optimizer step) on cpu or nvme. Needs zero_stage >= 1 (nvme: stage 3)."""
+    offload_param: OffloadDevice = "none"
+    """Keep parameters on cpu or nvme between uses. Needs zero_stage 3."""
+    nvme_path: Optional[str] = None
+    """Folder on a fast local disk for nvme offload (required when an offload is nvme)."""
+    offload_pin_memory: Optional[bool] = None
+    """Pin the offloaded states in host memory (DeepSpeed's ``pin_memory``); default: on GPUs. PyTorch rounds each
+    pinned block up to a power of two, so pinning can take up to twice the host memory: false trades faster
+    host-GPU copies for up to half the host memory (``zerotrain estimate`` sizes either).
+    Without an offload it does nothing."""
+    precision: Precision = "auto"
+    """fp32, fp16 (dynamic loss scaling), bf16, or auto: bf16 on GPUs that support it, fp32 on CPU."""
+    initial_scale_power: int = 16
+    """fp16: the first loss scale is 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the loss scale is raised."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the loss scale is lowered."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never drops below this."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    gradient_clipping: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of storing them (less memory, ~30% more compute)."""
+    overlap_comm: bool = False
+    """ZeRO: overlap gradient reduction with the backward pass (uses more memory for buckets)."""
+    contiguous_gradients: bool = True
+    """ZeRO: copy gradients into one contiguous buffer as they are produced (less fragmentation). The fast
+    path turns it off at stages 1-2 without optimizer offload (same results, less host time a step)."""
+    reduce_bucket_size: int = 500_000_000
+    """ZeRO: elements reduced at once."""
+    allgather_bucket_size: int = 500_000_000
+    """ZeRO 1/2: elements all-gathered at once."""
+    compile: bool = False
+    """torch.compile the model's repeated blocks one by one (the whole model if it has none; ZeRO-3: DeepSpeed's own compile): fewer, fused kernels. The first steps compile, about one block's worth whatever the depth; a second batch length compiles once more, for all lengths. With lengths that vary, pad them to a multiple of 64 (--data.pad_to_multiple_of): padded to 8, LoRA 1.2B stalled 12-15 s once, mid-run."""
+    compile_scope: Literal["blocks", "stack"] = "blocks"
+    """With --strategy.compile: blocks compiles the repeated blocks one by one (a compile costs one block, whatever the depth); stack compiles the module that holds them (IMDB's TransformerEncoder) as one graph: fewer kernel launches a step, for small models whose step waits on the host, at a compile time that grows with depth."""
+    compile_mode: Literal["default", "reduce-overhead"] = "default"
+    """With --strategy.compile: torch.compile's mode. reduce-overhead replays each compiled unit's kernels as a CUDA graph, one launch instead of hundreds, for a step that waits on the host; a graph is recorded per batch shape, and the graphs share one memory pool that the run keeps. Refuses gradient accumulation (on any device); not used on a CPU or at ZeRO-3 (DeepSpeed's own compile)."""
+    fast_path: bool = True
+    """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.config.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
+    auto: bool = False
+    """Plan first (as `zerotrain plan` does: measure, predict, try the best few for a few seconds each) and train with the fastest configuration that fits: backend, ZeRO stage, offload, micro-batch and accumulation (same global batch), activation checkpointing. The plan is kept under <output_dir>/.plans and reused on this machine until the flags or the versions of torch, DeepSpeed or zerotrain change."""
+    deepspeed_config: Optional[str] = None
+    """A DeepSpeed JSON/HJSON file of your own. Its "auto" values are filled from this config; explicit values win and are checked."""
+
+    def validate(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError("--strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.backend == "ddp":
+            if self.zero_stage or self.offload_optimizer != "none" or self.offload_param != "none":
+                raise ConfigError(
+                    "--strategy.backend",
+                    "ddp is plain PyTorch: it has no ZeRO stages or offload. "
+                    "Use --strategy.backend deepspeed, or drop --strategy.zero_stage/--strategy.offload_*",
+                )
+            if self.deepspeed_config:
+                raise ConfigError("--strategy.deepspeed_config", "is only read with --strategy.backend deepspeed")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ConfigError(
+                "--strategy.offload_param",
+                f"parameter offload needs ZeRO stage 3, but --strategy.zero_stage is {self.zero_stage}. "
+                "Use --strategy.zero_stage 3, or --strategy.offload_optimizer alone",
+            )
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise ConfigError(
+                "--strategy.offload_optimizer",
+                "optimizer offload needs ZeRO stage 1, 2 or 3. Set --strategy.zero_stage",
+            )
+        if "nvme" in (self.offload_optimizer, self.offload_param):
+            if not self.nvme_path:
+                raise ConfigError("--strategy.nvme_path", "is required when an offload device is nvme")
+            if self.offload_optimizer == "nvme" and self.zero_stage != 3:
+                raise ConfigError("--strategy.offload_optimizer", "nvme optimizer offload needs --strategy.zero_stage 3")
+        if self.gradient_accumulation_steps < 1:
+            raise ConfigError(
+                "--strategy.gradient_accumulation_steps", f"must be >= 1, got {self.gradient_accumulation_steps}"
+            )
+        if (self.compile and self.compile_mode == "reduce-overhead" and self.zero_stage != 3
+                and self.gradient_accumulation_steps > 1):
+            # A CUDA graph's replay writes its gradients into the same pool memory each time, and the first
+            # micro-batch's gradients became the parameters' .grad there (pytorch/pytorch#169545).
+            raise ConfigError("--strategy.compile_mode", "reduce-overhead (CUDA graphs) would overwrite the gradients "
+                              "accumulated so far; set --strategy.gradient_accumulation_steps 1 or "
+                              "--strategy.compile_mode default")
+        if self.gradient_clipping < 0:
+            raise ConfigError("--strategy.gradient_clipping", f"must be >= 0 (0 disables), got {self.gradient_clipping}")
+        for flag, value in (("--strategy.reduce_bucket_size", self.reduce_bucket_size),
+                            ("--strategy.allgather_bucket_size", self.allgather_bucket_size)):
+            if value < 1:
+                raise ConfigError(flag, f"must be >= 1 (elements per bucket, e.g. 500000000), got {value}")
+        if self.precision == "fp16" and self.backend == "deepspeed" and self.initial_scale_power < 0:
+            raise ConfigError("--strategy.initial_scale_power", "must be >= 0")
+
+
+@dataclass
+class TrainerConfig:
+    micro_batch_size: int = 8
+    """Samples per GPU (or process) per forward pass."""
+    epochs: Optional[int] = None
+    """Train for this many passes over the data (ignored when max_steps is set)."""
+    max_steps: Optional[int] = None
+    """Train for this many optimizer steps; wins over epochs."""
+    log_every_steps: int = 10
+    """Optimizer steps per metrics window (loss, lr, throughput, memory)."""
+    eval_every_steps: int = 0
+    """Evaluate every N optimizer steps; 0 evaluates at the end of each epoch and of training."""
+    eval_max_batches: Optional[int] = None
+    """Cap the number of validation batches per evaluation (None: the whole split)."""
+    seed: int = 42
+    """Seed for Python, NumPy and torch (and the data order)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where to train: auto picks cuda when a GPU is visible."""
+    num_workers: int = 2
+    """DataLoader worker processes per rank."""
+    gpu_memory_gib: Optional[float] = None
+    """Use at most this much memory of each GPU (``torch.cuda.set_per_process_memory_fraction``): a GPU
+    shared with other work, or a run planned for a smaller card. Past it, allocations fail as out of memory."""
+    output_dir: str = "runs"
+    """Parent folder of the run directory."""
+    run_name: Optional[str] = None
+    """Run directory name; default <recipe>.<YYYY>.<MM>.<DD>.<HH>.<MM>.<SS>.<id>."""
+    warmup_steps_excluded: int = 2
+    """Optimizer steps left out of the throughput figures at the start (compilation, allocator warm-up)."""
+    gc_freeze: bool = True
+    """After the warm-up's last step (the first, with no warm-up: then its time is in the first window),
+    collect Python's garbage once on every rank and freeze what survives (``gc.freeze``): later full
+    collections skip what set-up and compilation built, so they no longer hold the other ranks up for long."""
+    profile_steps: int = 0
+    """Profile this many optimizer steps after the warm-up; writes <run>/profile.json and profile.md (0: off)."""
+    evaluate: bool = True
+    """Evaluate on the validation and test splits; false trains only (the planner's short trials, benchmarks)."""
+    export: bool = True
+    """Write the trained model to <run>/model at the end; false skips it (short trials, benchmarks)."""
+
+    def validate(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ConfigError("--trainer.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError("--trainer.gpu_memory_gib", f"must be > 0 (GiB of each GPU to use), got {self.gpu_memory_gib}")
+        if self.max_steps is None and self.epochs is None:
+            raise ConfigError("--trainer.max_steps", "or --trainer.epochs is required: set one (e.g. --trainer.max_steps 1000)")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError("--trainer.max_steps", f"must be >= 1, got {self.max_steps}")
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError("--trainer.epochs", f"must be >= 1, got {self.epochs}")
+        if self.log_every_steps < 1:
+            raise ConfigError("--trainer.log_every_steps", f"must be >= 1, got {self.log_every_steps}")
+        if self.eval_every_steps < 0:
+            raise ConfigError("--trainer.eval_every_steps", f"must be >= 0, got {self.eval_every_steps}")
+        if self.num_workers < 0:
+            raise ConfigError("--trainer.num_workers", f"must be >= 0, got {self.num_workers}")
+        if self.profile_steps < 0:
+            raise ConfigError("--trainer.profile_steps", f"must be >= 0, got {self.profile_steps}")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    keep_last: int = 2
+    """Keep the newest K complete checkpoints; older ones are deleted."""
+    resume: Optional[str] = None
+    """auto (newest complete checkpoint of the run named by --trainer.run_name, else start fresh) or a checkpoint/run folder."""
+    save_final: bool = True
+    """Save a checkpoint when training ends."""
+    verify: bool = True
+    """sha256 of every checkpoint file: recorded at save, checked at resume (sizes are always checked).
+    Costs one read of the checkpoint per save and resume, split over the ranks; turn off for huge checkpoints."""
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError("--checkpoint.every_steps", f"must be >= 0, got {self.every_steps}")
+        if self.keep_last < 1:
+            raise ConfigError("--checkpoint.keep_last", f"must be >= 1, got {self.keep_last}")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    """Write TensorBoard events to <run>/tb_dir."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+    print_ds_config: bool = False
+    """Print the resolved DeepSpeed JSON (as saved in <run>/ds_config.json) when training starts."""
+    wandb: bool = False
+    """Also log to Weights & Biases (pip install 'zerotrain[wandb]')."""
+    wandb_project: str = "zerotrain"
+    """W&B project."""
+    wandb_run_name: Optional[str] = None
+    """W&B run name (default: the run directory name)."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """W&B mode; offline writes to <run>/wandb and needs no network (sync later with `wandb sync`)."""
+
+
+MIN_TIMEOUT_MINUTES = 0.05
+"""The shortest collective timeout: 3 s. Less would time out ordinary steps (a checkpoint, an evaluation)."""
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = 1
+    """Processes (GPUs) to start on this node; zerotrain starts them itself, like torchrun."""
+    nnodes: int = 1
+    """Number of nodes in the job."""
+    node_rank: int = 0
+    """This node's rank, 0..nnodes-1 (read from SLURM_NODEID under SLURM)."""
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    """host:port of node 0, where all processes meet (torchrun's --rdzv-endpoint / MASTER_ADDR:MASTER_PORT)."""
+    comm_backend: Literal["auto", "nccl", "gloo", "mpi"] = "auto"
+    """torch.distributed backend: auto is nccl on GPU and gloo on CPU."""
+    timeout_minutes: float = 60.0
+    """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights.
+    A rank that dies or hangs ends the job after this long, with one line naming it (fractions allowed, >= 0.05)."""
+    rdzv_timeout_minutes: float = 10.0
+    """Several nodes: how long the launcher on each node waits for all nodes to join at rdzv_endpoint before giving up."""
+
+    def validate(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError("--launch.nproc_per_node", f"must be >= 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise ConfigError("--launch.nnodes", f"must be >= 1, got {self.nnodes}")
+        if not self.timeout_minutes >= MIN_TIMEOUT_MINUTES:  # `not >=`: NaN is refused too
+            raise ConfigError("--launch.timeout_minutes", f"must be >= {MIN_TIMEOUT_MINUTES} (3 seconds), "
+                              f"got {self.timeout_minutes:g}")
+        if not self.rdzv_timeout_minutes > 0:
+            raise ConfigError("--launch.rdzv_timeout_minutes", f"must be > 0, got {self.rdzv_timeout_minutes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError("--launch.node_rank", f"must be in [0, {self.nnodes}), got {self.node_rank}")
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError("--launch.rdzv_endpoint", f"must be host:port, got {self.rdzv_endpoint!r}")
+
+
+@dataclass
+class RunConfig:
+    """Sections shared by every recipe. A recipe subclasses this and adds ``model`` and ``data``."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule."""
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    """How the model is distributed: ZeRO stage, offload, precision, accumulation, clipping."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The training loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints and resume."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """TensorBoard, W&B, progress bar."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Processes and nodes."""
+
+    def validate(self) -> "RunConfig":
+        """Check every section; raise ConfigError naming the flag. Returns self."""
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        check_across_sections(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def check_across_sections(cfg: "RunConfig") -> None:
+    """Checks that read two sections at once."""
+    tr, ck, sched = cfg.trainer, cfg.checkpoint, cfg.scheduler
+    if ck.resume == "auto" and not tr.run_name:
+        raise ConfigError("--checkpoint.resume", "auto continues the run named by --trainer.run_name, and none is "
+                          "given: pass --trainer.run_name NAME (the folder name under --trainer.output_dir)")
+    if tr.max_steps is not None:
+        check_warmup(sched.warmup_steps, tr.max_steps)
+
+
+def check_warmup(warmup_steps: int, total_steps: int) -> None:
+    """Refuse a warm-up that does not end before the run does: the peak learning rate would never be used.
+
+    Called with --trainer.max_steps at validation, and by the loop once an epoch-based run's length is known.
+    """
+    if warmup_steps and warmup_steps >= total_steps:
+        raise ConfigError("--scheduler.warmup_steps", f"({warmup_steps}) must be below the run's {total_steps} "
+                          "optimizer steps, or the learning rate never reaches --optimizer.lr: lower it (e.g. "
+                          f"{max(1, total_steps // 10)}) or train longer")
+
+
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Build a (nested) config dataclass from a plain dict such as a saved ``hparams.json``."""
+    kwargs = {}
+    hints = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(key, f"is not a field of {cls.__name__}")
+        default = getattr(cls(), key) if _has_all_defaults(cls) else None
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            value = from_dict(type(default), value)
+        elif isinstance(default, tuple) and isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _has_all_defaults(cls: type) -> bool:
+    return all(
+        f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        for f in dataclasses.fields(cls)
+    )

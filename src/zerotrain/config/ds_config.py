@@ -1,0 +1,610 @@
+"""The DeepSpeed JSON, built from the typed config by one pure function.
+
+Two ways in, one way out:
+
+* :func:`build_ds_config` turns a :class:`~zerotrain.config.RunConfig` into DeepSpeed's JSON.
+* A user's own JSON/HJSON file (``--strategy.deepspeed_config``) is read by :func:`load_user_config`;
+  its ``"auto"`` values (Hugging Face style) are filled by :func:`resolve_auto` from the generated
+  config, and its explicit values win.
+
+Either result goes through :func:`validate_ds_config` (batch-size rule, fp16 with bf16, parameter
+offload below stage 3), and the run directory gets the resolved JSON. Keys are DeepSpeed's own, so
+what zerotrain writes can be read next to the DeepSpeed documentation.
+
+:func:`portable_ds_config` gives the same configuration as a file for the Hugging Face Trainer or Lightning
+(with :func:`hf_training_arguments` / :func:`lightning_trainer_arguments`, the arguments that must match it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from zerotrain.config import RunConfig
+from zerotrain.errors import ConfigError, UserError
+
+ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
+
+# DeepSpeed prints its own throughput line every `steps_per_print` steps; zerotrain measures instead.
+_QUIET_STEPS = 2**31 - 1
+
+
+def resolve_precision(requested: str, device: str, bf16_supported: bool) -> ResolvedPrecision:
+    """``auto`` is bf16 on a GPU that supports it, else fp16 on GPU, else fp32 (CPU)."""
+    if requested != "auto":
+        if requested == "bf16" and device == "cuda" and not bf16_supported:
+            raise ConfigError("--strategy.precision", "bf16 is not supported by this GPU; use fp16 or fp32")
+        if requested == "fp16" and device == "cpu":
+            raise ConfigError("--strategy.precision", "fp16 needs a GPU; on CPU use fp32 or bf16")
+        return requested  # type: ignore[return-value]
+    if device == "cuda":
+        return "bf16" if bf16_supported else "fp16"
+    return "fp32"
+
+
+def _offload_block(kind: str, nvme_path: str | None, pin_memory: bool) -> dict[str, Any]:
+    if kind == "cpu":
+        return {"device": "cpu", "pin_memory": pin_memory}
+    return {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory}
+
+
+def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision) -> dict[str, Any]:
+    """The DeepSpeed config for ``cfg`` on ``world_size`` data-parallel ranks of ``device`` (cuda/cpu).
+
+    Pure: reads nothing but its arguments. The optimizer is DeepSpeed's own (FusedAdam on GPU,
+    DeepSpeedCPUAdam under optimizer offload); on CPU without offload ``torch_adam`` selects
+    torch's Adam, since FusedAdam is a CUDA kernel.
+    """
+    s, opt = cfg.strategy, cfg.optimizer
+    micro = cfg.trainer.micro_batch_size
+    gas = s.gradient_accumulation_steps
+    offloading = s.offload_optimizer != "none"
+    ds: dict[str, Any] = {
+        "train_batch_size": micro * gas * world_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": s.gradient_clipping,
+        "steps_per_print": _QUIET_STEPS,
+        "wall_clock_breakdown": False,
+        "optimizer": {
+            "type": "AdamW" if opt.name == "adamw" else "Adam",
+            "params": {
+                "lr": opt.lr,
+                "betas": list(opt.betas),
+                "eps": opt.eps,
+                "weight_decay": opt.weight_decay,
+                "torch_adam": device == "cpu" and not offloading,
+                "adam_w_mode": opt.name == "adamw",
+            },
+        },
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": precision == "bf16"},
+    }
+    if precision == "fp16":
+        ds["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": s.initial_scale_power,
+            "loss_scale_window": s.loss_scale_window,
+            "hysteresis": s.hysteresis,
+            "min_loss_scale": s.min_loss_scale,
+        }
+    zero: dict[str, Any] = {
+        "stage": s.zero_stage,
+        "overlap_comm": s.overlap_comm,
+        "contiguous_gradients": s.contiguous_gradients,
+        "reduce_bucket_size": s.reduce_bucket_size,
+    }
+    if s.zero_stage in (1, 2):
+        zero["allgather_bucket_size"] = s.allgather_bucket_size
+    pin = device == "cuda" if s.offload_pin_memory is None else s.offload_pin_memory
+    if offloading:
+        zero["offload_optimizer"] = _offload_block(s.offload_optimizer, s.nvme_path, pin)
+    if s.offload_param != "none":
+        zero["offload_param"] = _offload_block(s.offload_param, s.nvme_path, pin)
+    if s.zero_stage == 3:
+        # Lets save_16bit_model / the export gather full weights instead of writing empty shards.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    ds["zero_optimization"] = zero
+    if s.fast_path:
+        fast_path(ds, device, world_size)
+    return ds
+
+
+def fast_path(ds: dict[str, Any], device: str, world_size: int) -> None:
+    """Rewrite a generated config (in place) so DeepSpeed's step costs what plain PyTorch's does.
+
+    Measured on one H100 at BERT-base shape (BENCHMARKS.md): DeepSpeed 0.19's default step is
+    bound by the host, with one host-device synchronisation per parameter tensor. Each change below
+    removes a cost and keeps the arithmetic of a plain PyTorch step:
+
+    * ``timers.throughput`` off: DeepSpeed synchronises the device twice per micro-batch for a
+      throughput figure it only prints; zerotrain measures throughput itself.
+    * ZeRO-0 in bf16 runs as ``torch_autocast`` (fp32 weights, bf16 matmuls), not the ``bf16`` block.
+      At stage 0 that block runs DeepSpeed's FP16_Optimizer, which checks every gradient tensor for
+      overflow on the host (~160 syncs a step) and takes one zero-gradient Adam step at start-up, so
+      its first real update is ~0.74x plain Adam's. Autocast is what the plain engine does.
+    * ZeRO-0 without fp16: the engine clips (one fused ``clip_grad_norm_`` that stays on the device,
+      see :func:`engine_clips`) instead of DeepSpeed's per-tensor clip, which synchronises twice.
+    * ZeRO-1/2 in bf16: no overflow check (``bf16.check_grad_overflow``). bf16 has fp32's range and
+      no loss scale to adjust; plain PyTorch does not skip such steps either.
+    * ZeRO-1/2: ``contiguous_gradients`` off. On, each gradient is copied into a reduce bucket as it
+      arrives and again into the partition after the reduce: two copies and their bookkeeping per
+      parameter tensor, on the host (~0.04 ms a tensor on the CPU, 20-25% of ZeRO-1/2's step there).
+      Off, the gradients are flattened for the same all-reduce: the same arithmetic, the same
+      checkpoints, and no 5e8-element bucket allocated each step. (DeepSpeed wants it on for MoE,
+      which zerotrain does not build, and turns it back on under optimizer offload, so it is left
+      alone there.) A ``--strategy.contiguous_gradients true`` is overridden too: ``false`` here
+      changes no result, only speed.
+
+    More fixes are not config keys and so also apply to a user's own JSON (the engine applies them):
+    under ZeRO-1/2 with CPU optimizer offload the gradient norm is read to the host once a step, not
+    once per gradient tensor (:mod:`zerotrain.engines.ds_private.offload_norm`); ZeRO-1/2 clip without reading the norm to
+    the host at all; and ZeRO's optimizers mask an invalid norm without the two waits DeepSpeed's mask
+    makes (both :mod:`zerotrain.engines.ds_private.zero_clip`). :mod:`zerotrain.engines.ds_private.zero_host` cuts ZeRO-1/2's per-tensor host
+    work the same way: the norm in one launch, no re-pointing of weights that have not moved, and on one
+    rank no reduction (the identity there) and no ZeRO-2 gradient hooks.
+    """
+    ds["timers"] = {"throughput": {"enabled": False}}
+    stage = ds["zero_optimization"]["stage"]
+    bf16 = _enabled(ds.get("bf16"))
+    if stage == 0 and bf16 and device == "cuda":
+        ds["bf16"] = {"enabled": False}
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif stage in (1, 2) and bf16:
+        ds["bf16"]["check_grad_overflow"] = False
+    if stage in (1, 2) and _offload_device(ds["zero_optimization"].get("offload_optimizer")) in (None, "none"):
+        ds["zero_optimization"]["contiguous_gradients"] = False
+    if stage == 0 and not _enabled(ds.get("fp16")):
+        ds["gradient_clipping"] = 0.0  # the engine clips instead
+
+
+def engine_clips(cfg: RunConfig, ds: dict[str, Any]) -> bool:
+    """Whether the engine, not DeepSpeed, clips gradients: generated fast-path configs at ZeRO-0
+    without fp16 (where the full gradients sit in ``.grad`` after backward, as in plain PyTorch)."""
+    return (cfg.strategy.fast_path and not cfg.strategy.deepspeed_config
+            and ds["zero_optimization"]["stage"] == 0 and not _enabled(ds.get("fp16")))
+
+
+def load_user_config(path: str | Path) -> dict[str, Any]:
+    """Read a DeepSpeed config file: JSON, or HJSON with ``#`` / ``//`` comments as DeepSpeed allows."""
+    import hjson
+
+    p = Path(path).expanduser()
+    flag = "--strategy.deepspeed_config"
+    if not p.is_file():
+        raise UserError(f"{flag}: file {str(p)!r} not found. Pass the path of a DeepSpeed JSON file, "
+                        "e.g. one of the presets in zerotrain/presets/")
+    try:
+        loaded = hjson.loads(p.read_text(), object_pairs_hook=dict)
+    except Exception as exc:  # hjson raises its own HjsonDecodeError with line/column
+        raise UserError(f"{flag}: {p} is not valid JSON/HJSON: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise UserError(f"{flag}: {p} must hold a JSON object at the top level")
+    check_user_keys(loaded, p)
+    return loaded
+
+
+# DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed reads the keys it
+# knows and ignores the rest, so a misspelt block (zero_optimisation) silently runs with defaults.
+DS_TOP_LEVEL_KEYS = frozenset("""
+train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler fp16 bf16
+torch_autocast amp gradient_clipping prescale_gradients gradient_predivide_factor sparse_gradients
+zero_optimization zero_allow_untested_optimizer zero_force_ds_cpu_optimizer steps_per_print wall_clock_breakdown
+dump_state flops_profiler activation_checkpointing aio sparse_attention data_efficiency curriculum_learning
+tensorboard wandb csv_monitor comet elasticity checkpoint data_types communication_data_type
+seq_parallel_communication_data_type autotuning compression_training memory_breakdown timers pipeline
+comms_logger disable_allgather dataloader_drop_last nebula weight_quantization hybrid_engine eigenvalue
+progressive_layer_drop quantize_training use_data_before_expert_parallelism use_node_local_storage
+graph_harvesting compile tensor_parallel zenflow gradient_accumulation_dtype
+""".split())
+
+
+def _zero_keys() -> frozenset[str]:
+    """zero_optimization's keys, from DeepSpeed's own config model (field names and their stage3_ aliases)."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        fields = DeepSpeedZeroConfig.model_fields
+        return frozenset(list(fields) + [f.alias for f in fields.values() if f.alias])
+    except Exception:  # another DeepSpeed layout: fall back to the keys zerotrain itself writes and documents
+        return frozenset("""stage overlap_comm contiguous_gradients reduce_bucket_size allgather_bucket_size
+            allgather_partitions reduce_scatter offload_optimizer offload_param sub_group_size round_robin_gradients
+            stage3_prefetch_bucket_size stage3_param_persistence_threshold stage3_max_live_parameters
+            stage3_max_reuse_distance stage3_gather_16bit_weights_on_model_save""".split())
+
+
+def check_user_keys(user: dict[str, Any], path: str | Path) -> None:
+    """Refuse a key DeepSpeed would ignore, naming it and the closest valid key (keys starting with _ are comments)."""
+    import difflib
+
+    flag = "--strategy.deepspeed_config"
+    zero = user.get("zero_optimization")
+    for prefix, keys, valid in (("", user, DS_TOP_LEVEL_KEYS),
+                                ("zero_optimization.", zero if isinstance(zero, dict) else {}, _zero_keys())):
+        for key in keys:
+            if key in valid or str(key).startswith("_"):
+                continue
+            close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{close[0]}?" if close else "see https://www.deepspeed.ai/docs/config-json/"
+            raise UserError(f"{flag}: {path}: unknown key {prefix}{key} (DeepSpeed would ignore it): {hint}")
+
+
+# Keys whose "auto" is not the same key in the generated config (Hugging Face's conventions).
+def _auto_aliases(generated: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    opt = generated["optimizer"]["params"]
+    zero = generated["zero_optimization"]
+    aliases: dict[str, Any] = {
+        "scheduler.params.warmup_max_lr": opt["lr"],
+        "scheduler.params.warmup_min_lr": 0.0,
+        "scheduler.params.cos_min_ratio": extra.get("min_lr_ratio", 0.0),
+        "zero_optimization.stage3_prefetch_bucket_size": zero["reduce_bucket_size"],
+        "zero_optimization.stage3_param_persistence_threshold": 100_000,
+        "zero_optimization.allgather_bucket_size": 500_000_000,
+        "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
+        "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
+    }
+    if "hidden_size" in extra:
+        h = extra["hidden_size"]
+        # Hugging Face's rule of thumb: buckets sized from the hidden size.
+        aliases["zero_optimization.reduce_bucket_size"] = h * h
+        aliases["zero_optimization.stage3_prefetch_bucket_size"] = int(0.9 * h * h)
+        aliases["zero_optimization.stage3_param_persistence_threshold"] = 10 * h
+    for key in ("warmup_num_steps", "total_num_steps"):
+        if key in extra:
+            aliases[f"scheduler.params.{key}"] = extra[key]
+    return aliases
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fill every ``"auto"`` in ``user`` from ``generated`` (same key) or a known alias; keep explicit values.
+
+    ``extra`` carries facts DeepSpeed JSON does not hold: ``total_num_steps``, ``warmup_num_steps``,
+    ``min_lr_ratio``, ``hidden_size``. Top-level keys the loop needs (batch sizes, accumulation) are
+    taken from ``generated`` when the user's file lacks them. An ``"auto"`` nobody can fill is an
+    error naming its key.
+    """
+    aliases = _auto_aliases(generated, extra or {})
+
+    def fill(node: Any, path: str) -> Any:
+        if isinstance(node, dict):
+            return {k: fill(v, f"{path}.{k}" if path else k) for k, v in node.items()}
+        if isinstance(node, list):
+            return [fill(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        if node != "auto":
+            return node
+        try:
+            value = _lookup(generated, path)
+        except KeyError:
+            if path in aliases:
+                return copy.deepcopy(aliases[path])
+            raise ConfigError(
+                path, '= "auto" cannot be resolved from the zerotrain config: write an explicit value in '
+                "the file given to --strategy.deepspeed_config"
+            ) from None
+        return copy.deepcopy(value)
+
+    resolved = fill(user, "")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "steps_per_print"):
+        resolved.setdefault(key, generated[key])
+    # An "auto" (or absent) train_batch_size follows the file's own micro-batch and accumulation, which
+    # may be explicit and differ from the typed config's.
+    micro, gas = resolved["train_micro_batch_size_per_gpu"], resolved["gradient_accumulation_steps"]
+    if user.get("train_batch_size", "auto") == "auto" and isinstance(micro, int) and isinstance(gas, int):
+        world = generated["train_batch_size"] // (
+            generated["train_micro_batch_size_per_gpu"] * generated["gradient_accumulation_steps"])
+        resolved["train_batch_size"] = micro * gas * world
+    if "optimizer" not in resolved:
+        resolved["optimizer"] = copy.deepcopy(generated["optimizer"])
+    return resolved
+
+
+def validate_ds_config(ds: dict[str, Any], world_size: int, device: str | None = None) -> None:
+    """Check what DeepSpeed would reject late or silently: batch rule, fp16+bf16, offload vs stage; with
+    ``device``, precision the device cannot run, an optimizer DeepSpeed does not have, blocks zerotrain ignores."""
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    gas = ds.get("gradient_accumulation_steps")
+    total = ds.get("train_batch_size")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", gas),
+                       ("train_batch_size", total)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(key, f"must be a positive integer, got {value!r}")
+    if micro * gas * world_size != total:
+        raise ConfigError(
+            "train_batch_size",
+            f"= {total}, but train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size = "
+            f"{micro} x {gas} x {world_size} = {micro * gas * world_size}. Make them agree "
+            "(or write \"auto\" for train_batch_size)",
+        )
+    if _enabled(ds.get("fp16")) and _enabled(ds.get("bf16")):
+        raise ConfigError("fp16.enabled", "and bf16.enabled are both true: pick one precision")
+    zero = ds.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage!r}")
+    if _offload_device(zero.get("offload_param")) not in (None, "none") and stage != 3:
+        raise ConfigError("zero_optimization.offload_param", f"needs stage 3, but zero_optimization.stage is {stage}")
+    if _offload_device(zero.get("offload_optimizer")) not in (None, "none") and stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer", "needs stage 1, 2 or 3, but zero_optimization.stage is 0")
+    if device is not None:
+        _validate_for_device(ds, device)
+
+
+# DeepSpeed's built-in optimizers (deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS, lower case); others need a client optimizer.
+_DS_OPTIMIZERS = ("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
+                  "muadamw", "musgd", "muon", "cpu_adam", "cpu_adagrad", "cpu_lion", "fusedadam")
+
+
+def _validate_for_device(ds: dict[str, Any], device: str) -> None:
+    import difflib
+
+    if _enabled(ds.get("fp16")) and device == "cpu":
+        raise ConfigError("fp16.enabled", "= true needs a GPU (as --strategy.precision fp16 does); on CPU set "
+                          "\"fp16\": {\"enabled\": false} in the file given to --strategy.deepspeed_config, or use bf16")
+    if "activation_checkpointing" in ds:
+        # That block configures deepspeed.checkpointing, which only models calling it use; zerotrain's
+        # models recompute through torch.utils.checkpoint, switched by the flag.
+        raise ConfigError("activation_checkpointing", "(a block of the file given to --strategy.deepspeed_config) "
+                          "does nothing for zerotrain's models: remove it and pass --strategy.activation_checkpointing true")
+    opt = ds.get("optimizer")
+    name = opt.get("type") if isinstance(opt, dict) else None
+    if isinstance(name, str) and name.lower() not in _DS_OPTIMIZERS:
+        try:
+            from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+            known = sorted(set(DEEPSPEED_OPTIMIZERS) | set(_DS_OPTIMIZERS))
+        except Exception:
+            known = list(_DS_OPTIMIZERS)
+        if name.lower() not in known:
+            close = difflib.get_close_matches(name.lower(), known, n=1)
+            raise ConfigError("optimizer.type", f"= {name!r} is not a DeepSpeed optimizer"
+                              + (f": did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"))
+
+
+def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> None:
+    """Write into ``cfg`` (the run's resolved copy) what a user's DeepSpeed file set, so ``hparams.json``
+    records the settings the run used rather than the typed config the file overrode."""
+    s, zero = cfg.strategy, ds.get("zero_optimization") or {}
+    s.precision = precision
+    s.zero_stage = zero.get("stage", 0)
+    for name in ("offload_optimizer", "offload_param"):
+        device = _offload_device(zero.get(name))
+        setattr(s, name, device if device in ("cpu", "nvme") else "none")
+    offloads = [zero[name] for name in ("offload_optimizer", "offload_param")
+                if _offload_device(zero.get(name)) in ("cpu", "nvme")]
+    # The file's pin_memory, not --strategy.offload_pin_memory, is what DeepSpeed ran with (its default: false).
+    # Blocks that differ have no one value: unset, as the flag must be for that file (_check_pinning_agrees
+    # refuses any value there), so the recorded config reruns; ds_config.json beside it holds each block's.
+    pins = {bool(block.get("pin_memory", False)) for block in offloads}
+    s.offload_pin_memory = pins.pop() if len(pins) == 1 else None
+    for name in ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size"):
+        if isinstance(zero.get(name), (bool, int)):
+            setattr(s, name, zero[name])
+    cfg.trainer.micro_batch_size = ds["train_micro_batch_size_per_gpu"]
+    s.gradient_accumulation_steps = ds["gradient_accumulation_steps"]
+    if isinstance(ds.get("gradient_clipping"), (int, float)):
+        s.gradient_clipping = float(ds["gradient_clipping"])
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    o = cfg.optimizer
+    for name, cast in (("lr", float), ("eps", float), ("weight_decay", float)):
+        if isinstance(params.get(name), (int, float)):
+            setattr(o, name, cast(params[name]))
+    if isinstance(params.get("betas"), list) and len(params["betas"]) == 2:
+        o.betas = tuple(params["betas"])
+
+
+def _enabled(block: Any) -> bool:
+    return isinstance(block, dict) and block.get("enabled") is True
+
+
+def check_nvme_io(cfg: RunConfig) -> None:
+    """Refuse an NVMe offload where DeepSpeed's async I/O op cannot be built, before anything is loaded or built.
+
+    DeepSpeed reads and writes NVMe-offloaded tensors through that op, compiled on first use against libaio.
+    Without libaio it fails deep inside ``deepspeed.initialize``, after the data and the model (minutes for a
+    model that needs NVMe), with a traceback that names neither the flag nor the fix; this says both."""
+    s = cfg.strategy
+    if s.backend != "deepspeed":
+        return
+    keys = ("offload_optimizer", "offload_param")
+    if s.deepspeed_config:  # the file's offload blocks decide
+        zero = load_user_config(s.deepspeed_config).get("zero_optimization", {})
+        nvme = [key for key in keys if _offload_device(zero.get(key)) == "nvme"]
+    else:
+        nvme = [key for key in keys if getattr(s, key) == "nvme"]
+    if not nvme:
+        return
+    from zerotrain.runtime.doctor import op_buildable
+
+    if op_buildable("AsyncIOBuilder"):
+        return
+    flag, what = ((f"--strategy.deepspeed_config {s.deepspeed_config}", f"(zero_optimization.{nvme[0]}.device nvme)")
+                  if s.deepspeed_config else (f"--strategy.{nvme[0]}", "nvme"))
+    raise ConfigError(flag, f"{what}: DeepSpeed's async I/O op, which NVMe offload needs, cannot be built here "
+                            "(libaio not found). Install libaio with its headers (apt install libaio-dev, dnf install "
+                            "libaio-devel, or conda install -c conda-forge libaio with CFLAGS=-I$CONDA_PREFIX/include "
+                            "LDFLAGS=-L$CONDA_PREFIX/lib), or offload to cpu; `zerotrain doctor` shows the op's state")
+
+
+def _offload_device(block: Any) -> str | None:
+    return block.get("device") if isinstance(block, dict) else None
+
+
+def precision_of(ds: dict[str, Any]) -> ResolvedPrecision:
+    """The precision a (resolved) DeepSpeed config trains in."""
+    autocast = ds.get("torch_autocast")
+    if _enabled(ds.get("bf16")) or (_enabled(autocast) and autocast.get("dtype") in ("bfloat16", "torch.bfloat16")):
+        return "bf16"
+    if _enabled(ds.get("fp16")):
+        return "fp16"
+    return "fp32"
+
+
+def batch_shape(cfg: RunConfig) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) the run will use: the user's file wins where it is explicit."""
+    micro, gas = cfg.trainer.micro_batch_size, cfg.strategy.gradient_accumulation_steps
+    if cfg.strategy.backend == "deepspeed" and cfg.strategy.deepspeed_config:
+        user = load_user_config(cfg.strategy.deepspeed_config)
+        micro = user.get("train_micro_batch_size_per_gpu", micro)
+        gas = user.get("gradient_accumulation_steps", gas)
+        micro = cfg.trainer.micro_batch_size if micro == "auto" else micro
+        gas = cfg.strategy.gradient_accumulation_steps if gas == "auto" else gas
+    return micro, gas
+
+
+def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config DeepSpeed gets: generated, or the user's file with "auto" resolved; always validated."""
+    if cfg.strategy.deepspeed_config:
+        # The user's file decides the stage and precision blocks, so its "auto" values are filled from
+        # DeepSpeed's defaults for the typed config, not from a fast path planned for another stage.
+        plain = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, fast_path=False))
+        generated = build_ds_config(plain, world_size, device, precision)
+        user = load_user_config(cfg.strategy.deepspeed_config)
+        # An "auto" precision flag follows the resolved precision of the typed config.
+        ds = resolve_auto(user, generated, extra)
+        _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
+    else:
+        ds = build_ds_config(cfg, world_size, device, precision)
+    validate_ds_config(ds, world_size, device)
+    s, stage = cfg.strategy, (ds.get("zero_optimization") or {}).get("stage", 0)
+    if s.compile and s.compile_mode == "reduce-overhead" and stage != 3 and ds["gradient_accumulation_steps"] > 1:
+        # StrategyConfig.validate refuses the flags; a user's file can still set accumulation. Refused on a CPU
+        # too, as the flags are, so that a config that runs here runs on a GPU.
+        raise ConfigError("gradient_accumulation_steps", f"= {ds['gradient_accumulation_steps']} in "
+                          f"{s.deepspeed_config}, but CUDA graphs (--strategy.compile_mode reduce-overhead) would "
+                          "overwrite the gradients accumulated so far: set it to 1 or --strategy.compile_mode default")
+    return ds
+
+
+def _check_pinning_agrees(ds: dict[str, Any], pin: bool | None, path: str) -> None:
+    """A user's file decides its offload blocks' ``pin_memory``; an explicit --strategy.offload_pin_memory that
+    says otherwise would be dropped without a word, so it is refused instead."""
+    if pin is None:
+        return
+    zero = ds.get("zero_optimization") or {}
+    blocks = [name for name in ("offload_optimizer", "offload_param")
+              if _offload_device(zero.get(name)) in ("cpu", "nvme")]
+    if not blocks:
+        raise ConfigError("--strategy.offload_pin_memory", f"has no effect: {path} (--strategy.deepspeed_config) "
+                          "offloads nothing; leave --strategy.offload_pin_memory unset")
+    for name in blocks:
+        value = zero[name].get("pin_memory", False)
+        if value != pin:
+            said = ("leaves it out (DeepSpeed's default: false)" if "pin_memory" not in zero[name]
+                    else f"sets {json.dumps(value)}")
+            raise ConfigError("--strategy.offload_pin_memory", f"is {json.dumps(pin)}, but zero_optimization.{name}"
+                              f".pin_memory in {path} {said}, and the file decides: set it there, or leave "
+                              "--strategy.offload_pin_memory unset")
+
+
+# --- the DeepSpeed JSON for another trainer ---------------------------------------------------------------------
+
+def portable_ds_config(cfg: RunConfig, world_size: int, precision: ResolvedPrecision, *, for_lightning: bool = False,
+                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed JSON of ``cfg`` for another trainer: the Hugging Face Trainer
+    (``TrainingArguments(deepspeed=path)``, with :func:`hf_training_arguments`) or Lightning
+    (``DeepSpeedStrategy(config=path)``, with :func:`lightning_trainer_arguments`). Pure.
+
+    It is :func:`make_ds_config` for ``world_size`` GPUs (the configuration zerotrain measured, fast
+    path included), changed only where a file run without zerotrain's engine needs it:
+
+    * ``gradient_clipping`` is the configured clip where zerotrain's engine clips itself (the fast
+      path writes 0 at ZeRO-0, see :func:`engine_clips`): without that engine, DeepSpeed must clip.
+    * Only DeepSpeed's keys are kept (:data:`DS_TOP_LEVEL_KEYS`; ``_comment`` keys are dropped).
+    * ``gradient_clipping`` and both precision blocks are always written (DeepSpeed's defaults where
+      a user's file left them out): Lightning fills a missing ``gradient_clipping`` from
+      ``Trainer(gradient_clip_val)`` and a missing ``fp16``/``bf16`` block from its precision, and
+      accelerate (under the HF Trainer) adds precision blocks the same way; with the keys present
+      both keep them (``zero_optimization`` too, which accelerate requires). The explicit ``"bf16": {"enabled": false}`` beside ZeRO-0's ``torch_autocast``
+      is what keeps Lightning's ``bf16-mixed`` from enabling DeepSpeed's bf16 block on top of it.
+    * ZeRO-3 writes ``zero_allow_untested_optimizer`` (DeepSpeed's default, false): Lightning's
+      validate/test/predict path indexes it without a default.
+    * ``gradient_accumulation_steps``: Lightning refuses the key (whatever its value) and sets it from
+      ``Trainer(accumulate_grad_batches)``, while accelerate, under the HF Trainer, writes 1 where the
+      key is missing. So one file serves both only at 1: the key is left out there (DeepSpeed and
+      accelerate default to 1) and written above 1. ``for_lightning`` leaves it out always: that is
+      Lightning's file when accumulating. ``train_batch_size`` stays in both, so DeepSpeed refuses a
+      run whose accumulation or GPU count differs from the plan's instead of training another batch.
+
+    ``extra`` is :func:`make_ds_config`'s (facts that fill a user's file's ``"auto"`` values).
+    """
+    ds = copy.deepcopy(make_ds_config(cfg, world_size, "cuda", precision, extra))
+    if engine_clips(cfg, ds):
+        ds["gradient_clipping"] = cfg.strategy.gradient_clipping
+    ds = {k: _drop_comments(v) for k, v in ds.items() if k in DS_TOP_LEVEL_KEYS}
+    ds.setdefault("gradient_clipping", 0.0)
+    ds.setdefault("fp16", {"enabled": False})
+    ds.setdefault("bf16", {"enabled": False})
+    ds.setdefault("zero_optimization", {"stage": 0})  # accelerate refuses a file without the block
+    if ds["zero_optimization"].get("stage") == 3:
+        ds.setdefault("zero_allow_untested_optimizer", False)
+    if for_lightning or ds.get("gradient_accumulation_steps") == 1:
+        ds.pop("gradient_accumulation_steps", None)
+    return ds
+
+
+def _drop_comments(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _drop_comments(v) for k, v in node.items() if not str(k).startswith("_")}
+    if isinstance(node, list):
+        return [_drop_comments(v) for v in node]
+    return node
+
+
+def _accumulation(ds: dict[str, Any], world_size: int) -> int:
+    return ds["train_batch_size"] // (ds["train_micro_batch_size_per_gpu"] * world_size)
+
+
+def hf_training_arguments(cfg: RunConfig, world_size: int, precision: ResolvedPrecision,
+                          extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``TrainingArguments`` values that must match :func:`portable_ds_config`'s file.
+
+    The HF Trainer checks these against the file (``HfTrainerDeepSpeedConfig.trainer_config_process``)
+    and refuses a mismatch when training starts. ``bf16`` is false where ZeRO-0 runs bf16 as DeepSpeed's
+    ``torch_autocast``: the file's ``bf16`` block is off there, and DeepSpeed autocasts by itself. The
+    learning-rate schedule is not in the file: the Trainer's own (``lr_scheduler_type``, ``warmup_steps``)
+    drives DeepSpeed's optimizer.
+    """
+    ds = portable_ds_config(cfg, world_size, precision, extra=extra)
+    args: dict[str, Any] = {
+        "per_device_train_batch_size": ds["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": _accumulation(ds, world_size),
+        "bf16": _enabled(ds["bf16"]),
+        "fp16": _enabled(ds["fp16"]),
+    }
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    for key, name in (("lr", "learning_rate"), ("weight_decay", "weight_decay"), ("eps", "adam_epsilon")):
+        if key in params:
+            args[name] = params[key]
+    if isinstance(params.get("betas"), list) and len(params["betas"]) == 2:
+        args["adam_beta1"], args["adam_beta2"] = params["betas"]
+    args["max_grad_norm"] = ds["gradient_clipping"]
+    return args
+
+
+def lightning_trainer_arguments(cfg: RunConfig, world_size: int, precision: ResolvedPrecision,
+                                extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``lightning.pytorch.Trainer`` values for :func:`portable_ds_config`'s file (``for_lightning=True``).
+
+    ``accumulate_grad_batches`` becomes the file's ``gradient_accumulation_steps`` (DeepSpeed refuses it
+    if it disagrees with ``train_batch_size``). ``precision`` matches the file's blocks: ZeRO-0 bf16
+    (``torch_autocast``, fp32 weights) is ``32-true``, as zerotrain feeds it fp32 inputs. Clipping is
+    the file's ``gradient_clipping``; ``gradient_clip_val`` is not needed (and ``gradient_clip_algorithm``
+    must stay ``norm``). With the file's ``optimizer`` block Lightning does not call
+    ``configure_optimizers``, so a scheduler returned there is not used: the learning rate stays constant.
+    """
+    ds = portable_ds_config(cfg, world_size, precision, for_lightning=True, extra=extra)
+    mode = "bf16-mixed" if _enabled(ds["bf16"]) else "16-mixed" if _enabled(ds["fp16"]) else "32-true"
+    return {"accumulate_grad_batches": _accumulation(ds, world_size), "precision": mode}

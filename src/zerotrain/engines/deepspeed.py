@@ -1,0 +1,235 @@
+"""DeepSpeed as an engine: ``deepspeed.initialize`` (ZeRO 0-3, offload, fp16/bf16) behind :class:`~zerotrain.engines.base.Engine`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerotrain.config import RunConfig
+from zerotrain.config.ds_config import (
+    precision_of,
+)
+from zerotrain.engines.base import Engine, _compile
+from zerotrain.engines.ds_private.offload_norm import read_offload_norm_once
+from zerotrain.engines.ds_private.safe_load import ds_safe_globals
+from zerotrain.engines.ds_private.zero_clip import (
+    clip_without_sync,
+    mask_norms_without_sync,
+)
+from zerotrain.engines.ds_private.zero_host import (
+    drop_idle_forward_hooks,
+    forward_backward_add_nothing,
+    norm_in_one_launch,
+    rebind_only_moved_weights,
+    reduce_scatter_into_partition,
+    skip_one_rank_reduction,
+    zero_grad_from_list,
+)
+from zerotrain.errors import UserError
+from zerotrain.train.schedule import make_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class DeepSpeedEngine(Engine):
+    """``deepspeed.initialize`` with zerotrain's schedule. With ``clip`` (see ``ds_config.engine_clips``)
+    the engine clips the gradients itself before DeepSpeed's step, keeping the norm on the device."""
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, ds: dict[str, Any],
+                 total_steps: int, steps_per_epoch: int, clip: Optional[float] = None):
+        import deepspeed
+
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.device = device
+        self.ds_config = ds
+        self.precision = precision_of(ds)
+        self.micro_batch_size = ds["train_micro_batch_size_per_gpu"]
+        self.grad_accum = ds["gradient_accumulation_steps"]
+        # A "scheduler" block in the user's file makes DeepSpeed build the schedule; else ours runs.
+        scheduler = None if "scheduler" in ds else (lambda opt: make_scheduler(opt, cfg, total_steps, steps_per_epoch))
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
+                                                lr_scheduler=scheduler)
+        mask_norms_without_sync(cfg.strategy.fast_path)  # process-wide: set either way, so false is DeepSpeed's
+        if cfg.strategy.fast_path:
+            # Methods of DeepSpeed's optimizer, not config keys: a user's own JSON gets them too.
+            read_offload_norm_once(self.ds.optimizer)
+            clip_without_sync(self.ds.optimizer)
+            norm_in_one_launch(self.ds.optimizer)
+            skip_one_rank_reduction(self.ds.optimizer)
+            reduce_scatter_into_partition(self.ds.optimizer)
+            rebind_only_moved_weights(self.ds.optimizer)
+            # And of its engine: at ZeRO-0 the gradients cleared from a list; at stages 0-2 no empty forward hooks.
+            zero_grad_from_list(self.ds)
+            drop_idle_forward_hooks(self.ds)
+        if cfg.strategy.compile:
+            if ds.get("zero_optimization", {}).get("stage", 0) == 3:
+                # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
+                # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.
+                self.ds.compile()
+            else:
+                _compile(self.ds.module, cfg, device)
+        self._clip = clip
+        self._params = params
+        if clip is not None and self.world_size == 1:
+            # One rank has nothing to average, yet stage 0 still flattens every gradient, all-reduces
+            # it with itself and copies it back. DeepSpeed sets this same switch without a process group.
+            self.ds.enable_backward_allreduce = False
+        self._norm: Optional[torch.Tensor] = None
+        self._lr: Optional[float] = None
+        # Where DeepSpeed's forward and backward wrap only autograd (ZeRO-0 on one rank), they are run
+        # directly: the same arithmetic without their host work (see forward_backward_add_nothing)
+        self._direct = cfg.strategy.fast_path and forward_backward_add_nothing(self.ds)
+        self._direct_model: nn.Module = self.ds.module
+        if self.ds.torch_autocast_enabled():
+            self._direct_model = Autocast(self.ds.module, device.type, self.ds.torch_autocast_dtype())
+
+    def describe(self) -> str:
+        zero = self.ds_config.get("zero_optimization", {})
+        offload = [f"{what} offload to {zero[key]['device']}" for what, key in
+                   (("optimizer", "offload_optimizer"), ("parameter", "offload_param"))
+                   if zero.get(key, {}).get("device", "none") != "none"]
+        return ", ".join([f"deepspeed ZeRO-{zero.get('stage', 0)}", *offload])
+
+    @property
+    def module(self) -> nn.Module:
+        return self.ds.module
+
+    @property
+    def forward_model(self) -> nn.Module:
+        return self._direct_model if self._direct else self.ds
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    def _backward(self, loss: torch.Tensor, micro_batches: int, last: bool) -> None:
+        if self._direct:
+            (loss / self.grad_accum).backward()  # what DeepSpeed's backward computes here
+        else:
+            self.ds.backward(loss)  # it divides by gradient_accumulation_steps itself
+        if not last:
+            self.ds.step()  # off the accumulation boundary this only counts the micro-batch
+
+    def _optimizer_step(self) -> None:
+        # The rate this step uses: step() advances the schedule to the next step's.
+        self._lr = float(self.ds.get_lr()[0])
+        if self._clip is not None:
+            # The global norm stays a device tensor until a log step reads it.
+            self._norm = torch.nn.utils.clip_grad_norm_(self._params, self._clip or float("inf"))
+        self.ds.step()
+
+    def lr(self) -> float:
+        return self._lr if self._lr is not None else float(self.ds.get_lr()[0])
+
+    def grad_norm(self) -> Optional[float]:
+        norm = self._norm if self._clip is not None else self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def loss_scale(self) -> Optional[float]:
+        if self.precision != "fp16":
+            return None
+        return float(getattr(self.ds.optimizer, "cur_scale", getattr(self.ds.optimizer, "loss_scale", float("nan"))))
+
+    def skipped_steps(self) -> int:
+        return int(getattr(self.ds, "skipped_steps", 0))
+
+    def save(self, folder: Path) -> None:
+        # save_latest=False: zerotrain marks complete checkpoints itself (see checkpoint.py).
+        self.ds.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
+
+    def load(self, folder: Path) -> None:
+        # DeepSpeed's checkpoint engine calls torch.load(weights_only=False): a crafted file in the
+        # folder would run code. This engine's loader is replaced, for this call only, by a
+        # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS).
+        from zerotrain.train.state import load_safely
+
+        allow = ds_safe_globals()
+        ckpt_engine = self.ds.checkpoint_engine
+        ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
+        try:
+            path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+        finally:
+            del ckpt_engine.load  # the class's own method again
+        if path is None:
+            raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
+
+    def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
+        """Load a ZeRO checkpoint of another process count through DeepSpeed's universal checkpoint.
+
+        ZeRO-1/2/3 files hold one partition of the flat fp32 weights and Adam moments per rank, cut
+        for the world size that wrote them. Rank 0 converts the folder once into per-parameter
+        tensors (:func:`zerotrain.checkpoint.universal.universal_checkpoint`, cached in ``folder/universal``;
+        the other ranks wait in :func:`~zerotrain.runtime.collectives.run_on_main`, which hands them its
+        error if it fails), then every rank loads its new partition with DeepSpeed's
+        ``load_universal`` switched on for this call only (it is read at load time, so the JSON
+        in the run folder stays the run's). The scheduler, global step and skipped steps come from
+        the copied model-states file, as in a same-size load. Every ``torch.load`` inside is
+        weights-only with :data:`DS_SAFE_GLOBALS`.
+
+        ZeRO-0 keeps the whole optimizer state in its model-states file: it loads as a same-size
+        checkpoint when no ``*optim_states.pt`` shard exists (fp32), else it is refused.
+        """
+        from zerotrain.checkpoint.universal import universal_checkpoint
+        from zerotrain.runtime.collectives import run_on_main
+        from zerotrain.train.state import load_safely, weights_only_torch_load
+
+        if not self.ds.zero_optimization():
+            if any(folder.glob("*optim_states.pt")):
+                raise UserError(f"--checkpoint.resume: {folder} is a ZeRO-0 {self.precision} checkpoint of "
+                                f"{saved_world_size} processes, whose optimizer shards cannot be resumed on "
+                                f"{self.world_size}. Start it with {saved_world_size} processes")
+            self.load(folder)
+            return
+        if self.ds.zero_nvme_offload_optimizer():
+            raise UserError(f"--checkpoint.resume: {folder} cannot be resumed on another process count with the "
+                            f"optimizer offloaded to NVMe. Start it with {saved_world_size} processes")
+        universal = run_on_main(lambda: universal_checkpoint(folder, verify))
+        allow = ds_safe_globals()
+        ckpt_engine = self.ds.checkpoint_engine
+        ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
+        config = self.ds._config
+        before, config.load_universal_checkpoint = config.load_universal_checkpoint, True
+        try:
+            with weights_only_torch_load(allow):
+                path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
+                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
+        finally:
+            config.load_universal_checkpoint = before
+            del ckpt_engine.load
+        if path is None:
+            raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {universal}")
+
+    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        if self.ds.zero_optimization_partition_weights():
+            sd = self.ds._zero3_consolidated_16bit_state_dict()
+            return sd if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        # Left where they are: the writer copies one shard at a time to the host (a 5B model is 10 GB in bf16).
+        return {k: v.detach() for k, v in self.ds.module.state_dict().items()}
+
+
+class Autocast(nn.Module):
+    """``module`` called under autocast, and only its call, as DeepSpeed's forward calls it under its
+    ``torch_autocast`` block: a loss the task computes from the output stays outside, in full precision."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.module = module
+        # Not ``dtype``: a caller reading ``model.dtype`` (as Hugging Face models have it) would take the autocast's
+        # for the weights'
+        self.autocast_device, self.autocast_dtype = device_type, dtype
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.autocast_device, dtype=self.autocast_dtype):
+            return self.module(*args, **kwargs)
+
+

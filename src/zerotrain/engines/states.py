@@ -1,0 +1,269 @@
+"""What an engine layout keeps per parameter: the memory of the model states before a single activation.
+
+Model states are the parameters, their gradients and the optimizer's state (Adam: two moments).
+With Ψ parameters of which T train, on N data-parallel GPUs, in bytes per parameter:
+
+===========================  =======================  ========================  ====================
+precision                    weights (all Ψ)          gradients (T)             optimizer (T)
+===========================  =======================  ========================  ====================
+bf16/fp16 under DeepSpeed    2                        2                         16: fp32 master, two
+                                                                                moments, fp32 gradient
+fp32 under DeepSpeed         4                        4                         8: two moments
+autocast: plain PyTorch, and  as built (fp32: 4)       as built; 2x in DDP on    2x as built: two
+DeepSpeed ZeRO-0's fast path                          several GPUs (its         moments
+(``torch_autocast``)                                  buckets hold a copy)
+===========================  =======================  ========================  ====================
+
+(DeepSpeed's bf16/fp16 blocks cast the model to 16 bits; autocast keeps the dtypes the recipe
+built, e.g. a LoRA base model loaded in bf16 with fp32 adapters.)
+
+ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also the gradients,
+stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
+prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
+memory, where each process holds its partition; under ZeRO-1/2 that is 18 (bf16) or 20 (fp32) bytes a
+parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
+NVMe offload (ZeRO-Infinity) puts them on disk instead (``nvme_bytes``: 16 bytes a parameter for Adam, 2
+for bf16 weights) and keeps the fp32 gradient partition and DeepSpeed's pinned swap buffers on the host.
+That accounting is read from DeepSpeed 0.19's swappers and not measured: our GPU machines lack libaio,
+which its NVMe offload needs. With
+``contiguous_gradients`` DeepSpeed's ZeRO stages also allocate a gradient reduce bucket of
+``reduce_bucket_size`` elements, two of them for stages 1-2 with ``overlap_comm`` (one 5e8-element bf16
+bucket is 0.93 GiB, however small the model).
+
+Not all of it is held at once. Stages 1-2 allocate the bucket when the backward pass writes its
+first gradient (the gradients are copied into it as they arrive) and free it when that pass ends;
+their gradients (16-bit, then the fp32 partition the optimizer reads) live from the backward pass
+to the end of the step (DeepSpeed 0.19's ``stage_1_and_2.py``: ``setup_buckets``,
+``independent_gradient_partition_epilogue``, ``step``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from zerotrain.config import RunConfig
+
+
+@dataclass(frozen=True)
+class Strategy:
+    backend: str  # "deepspeed" or "ddp"
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    def flags(self) -> list[str]:
+        """The ``zerotrain fit`` flags that select this strategy."""
+        return ["--strategy.backend", self.backend, "--strategy.zero_stage", str(self.zero_stage),
+                "--strategy.offload_optimizer", self.offload_optimizer, "--strategy.offload_param", self.offload_param]
+
+    def apply(self, cfg: "RunConfig") -> "RunConfig":
+        """A copy of ``cfg`` running this strategy, offloads included (a user's --strategy.offload_param
+        does not carry over to ZeRO-1)."""
+        cfg = copy.deepcopy(cfg)
+        s = cfg.strategy
+        s.backend, s.zero_stage = self.backend, self.zero_stage
+        s.offload_optimizer, s.offload_param = self.offload_optimizer, self.offload_param
+        return cfg
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    """Ψ: every parameter, shared ones once."""
+    trainable: int
+    """T: parameters with requires_grad (all of them in full training, the adapters under LoRA)."""
+    largest_layer: int
+    """Parameters of the largest single module (what ZeRO-3 gathers at once)."""
+    total_bytes: int
+    """Bytes of all parameters in the dtypes the model was built in."""
+    trainable_bytes: int
+    """Bytes of the trainable parameters in the dtypes the model was built in."""
+    tensors: int = 0
+    """Trainable parameter tensors: DeepSpeed's ZeRO stages do host-side work per tensor each step."""
+    largest_trainable: int = 0
+    """Elements of the largest trainable tensor (what DeepSpeed's offload staging buffer is sized for)."""
+
+
+def count_params(model: nn.Module) -> ParamCounts:
+    """Counts of ``model``'s parameters; works on a model built on the meta device."""
+    unique = list({id(p): p for p in model.parameters()}.values())
+    trainable = [p for p in unique if p.requires_grad]
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return ParamCounts(
+        total=sum(p.numel() for p in unique), trainable=sum(p.numel() for p in trainable), largest_layer=largest,
+        tensors=len(trainable), largest_trainable=max((p.numel() for p in trainable), default=0),
+        total_bytes=sum(p.numel() * p.element_size() for p in unique),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+    )
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """DeepSpeed's ``zero_optimization`` settings that size what the ZeRO stages allocate: the gradient
+    buckets, and whether the offloaded states are pinned."""
+
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    pin_memory: bool = False
+    """``offload_optimizer.pin_memory`` (DeepSpeed's default: false; zerotrain's JSON: true on GPUs)."""
+    sub_group_size: int = 1_000_000_000
+    """ZeRO-3 steps (and swaps to NVMe) the optimizer one sub-group of this many elements at a time."""
+    optimizer_swap_buffers: int = 4
+    """``offload_optimizer.buffer_count``: pinned host buffers, each one sub-group of fp32, for NVMe swaps."""
+    param_swap_buffers: int = 5
+    """``offload_param.buffer_count``: pinned host buffers of ``param_swap_buffer_size`` elements each."""
+    param_swap_buffer_size: int = 100_000_000
+
+    @classmethod
+    def from_ds_config(cls, ds: dict) -> "Buckets":
+        zero = ds.get("zero_optimization", {})
+        offload = zero.get("offload_optimizer") or {}
+        params = zero.get("offload_param") or {}
+        # DeepSpeed 0.19's ZeRO-1/2 turn contiguous gradients back on under optimizer offload.
+        offloaded = offload.get("device", "none") not in ("none", None)
+        return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
+                   bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)),
+                   int(zero.get("sub_group_size", cls.sub_group_size)),
+                   int(offload.get("buffer_count", cls.optimizer_swap_buffers)),
+                   int(params.get("buffer_count", cls.param_swap_buffers)),
+                   int(params.get("buffer_size", cls.param_swap_buffer_size)))
+
+
+def pinned(nbytes: float) -> float:
+    """Host memory that pinning ``nbytes`` takes: PyTorch's pinned-memory allocator rounds every block up to
+    a power of two (an 18.8 GiB fp32 partition takes 32 GiB)."""
+    return float(2 ** math.ceil(math.log2(nbytes))) if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class StateMemory:
+    gpu_bytes: int
+    """Per GPU: model states plus DeepSpeed's reduce bucket."""
+    cpu_bytes: int
+    """Per process, in host memory: offloaded states."""
+    grad_bytes: int = 0
+    """The gradients' share of ``gpu_bytes``."""
+    transient_bytes: int = 0
+    """The share of ``gpu_bytes`` allocated only in the backward pass and the step (gradients the engine
+    frees after each step, DeepSpeed's stage 1-2 bucket): not there at the forward's peak."""
+    bucket_bytes: int = 0
+    """DeepSpeed's stage 1-2 reduce bucket(s), part of ``transient_bytes``: allocated at the first
+    gradient, freed when the backward pass ends."""
+    init_bytes: int = 0
+    """Per GPU at DeepSpeed's start: ZeRO-1/2 copy the trainable weights into one flat buffer while
+    the parameters still hold them (``flatten_dense_tensors_aligned``), so the weights plus that copy, for a
+    moment. DeepSpeed does it on the GPU when the copy fits there, else on the CPU. It sets the peak of
+    offloaded runs whose activations are small: 5.06B parameters measured 18.84 GiB at micro-batches 4 and
+    32, twice their 9.42 GiB of bf16 weights."""
+    cpu_after_model: bool = False
+    """``cpu_bytes`` are allocated only after the model built on the CPU has moved to the GPU (ZeRO-1/2
+    optimizer offload): the host holds one or the other at its peak, not both."""
+    nvme_bytes: int = 0
+    """Per process, on the ``--strategy.nvme_path`` disk: states offloaded to NVMe (ZeRO-Infinity)."""
+
+
+def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
+                 autocast: bool) -> tuple[float, float, float]:
+    """Unpartitioned (weights, gradients, optimizer state) bytes: the module docstring's table."""
+    psi, t = counts.total, counts.trainable
+    if strategy.backend == "ddp" or autocast:
+        ddp_copy = 2 if strategy.backend == "ddp" and world_size > 1 else 1
+        return counts.total_bytes, ddp_copy * counts.trainable_bytes, 2 * counts.trainable_bytes
+    if precision == "fp32":
+        return 4 * psi, 4 * t, 8 * t
+    return 2 * psi, 2 * t, 16 * t
+
+
+def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,
+                       buckets: Buckets = Buckets(), autocast: bool = False, grad_accum: int = 1) -> StateMemory:
+    """Bytes the model states take per GPU and per process in host memory (see the module docstring).
+
+    ``autocast``: DeepSpeed runs ``torch_autocast`` (ZeRO-0's fast path in bf16, see
+    ``zerotrain.config.ds_config.fast_path``), keeping the dtypes as built like plain PyTorch does.
+    ``grad_accum``: micro-batches a step; under ZeRO-1/2 optimizer offload more than one costs host memory."""
+    n = world_size
+    weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast)
+    stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
+    element = 4 if precision == "fp32" else 2  # bytes of a weight/gradient element inside DeepSpeed
+    if stage >= 1:
+        optim /= n
+    if stage >= 2:
+        grads /= n
+    staging = 0
+    if stage == 2 and strategy.offload_optimizer != "none":
+        # Each reduce bucket's gradients go to the host as it fills and are freed (DeepSpeed 0.19's
+        # copy_grads_in_partition): only the bucket stays on the GPU. 5.06B at micro-batch 48 measured 19.9 GiB,
+        # where a prediction that held the whole gradient partition was 4.2 GiB over.
+        grads = 0
+    if stage in (1, 2) and strategy.offload_optimizer != "none":
+        # The GPU buffer that gradients pass through to the host (temp_grad_buffer_for_gpu_offload), sized for
+        # the largest trainable tensor.
+        staging = element * counts.largest_trainable
+    gathered = 0
+    if stage == 3:
+        weights /= n
+        gathered = 2 * element * counts.largest_layer
+    cpu = nvme = 0.0
+    if strategy.offload_optimizer == "nvme":
+        # ZeRO-3 swaps the fp32 master weights, gradients and both moments (16 bytes a parameter, an upper
+        # bound) to disk, one sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's
+        # OptimizerSwapper); the gradients are reduced into a flat fp32 partition that stays on the host
+        # (stage3.py, grad_partitions_flat_buffer), pinned with the offload's pin_memory.
+        held = pinned if buckets.pin_memory else float
+        nvme += optim
+        cpu += buckets.optimizer_swap_buffers * 4 * min(buckets.sub_group_size, counts.trainable / n)
+        cpu += held(4 * counts.trainable / n)
+        optim = 0
+    elif strategy.offload_optimizer != "none":
+        cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory) if stage in (1, 2) else optim
+        optim = 0
+        if stage in (1, 2) and grad_accum > 1:
+            # DeepSpeed sums the micro-batches' gradients in a second copy on the host, in the weights' dtype
+            # (accumulated_grads_in_cpu): 5B parameters at micro-batch 16 x 4 outgrew a 125 GiB host that held
+            # micro-batch 4 at 120 GiB. Not confirmed by a measurement: 0.93B at 4 x 2 peaked no higher than at 8 x 1.
+            cpu += element * counts.trainable / n
+    if strategy.offload_param == "nvme":
+        # The 16-bit weights on disk; a pool of pinned buffers carries them in and out (AsyncPartitionedParameterSwapper).
+        nvme += weights
+        cpu += buckets.param_swap_buffers * buckets.param_swap_buffer_size * element
+        weights = 0
+    elif strategy.offload_param != "none":
+        cpu += weights
+        weights = 0
+    n_buckets = 0 if stage == 0 or not buckets.contiguous_gradients else 2 if buckets.overlap_comm and stage < 3 else 1
+    bucket = n_buckets * element * buckets.reduce_bucket_size  # allocated whole, however small the model
+    transient = late_bucket = 0.0
+    if strategy.backend == "ddp" or autocast:
+        # zero_grad(set_to_none) frees the .grad share each step; DDP's bucket copy stays allocated.
+        transient = min(grads, counts.trainable_bytes)
+    elif stage in (1, 2):
+        # The 16-bit gradients, the fp32 gradient partition inside the optimizer's 16 bytes (unless
+        # offloaded with it) and the bucket: allocated in the backward pass, freed by the step's end.
+        fp32_grad = 4 * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
+        late_bucket = bucket
+        transient = grads + fp32_grad + bucket
+    # At start-up ZeRO-1/2 copy the trainable weights (in their dtype) into one flat buffer while the parameters
+    # still hold them.
+    flat = element * counts.trainable if stage in (1, 2) and not autocast else 0
+    return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket + staging), cpu_bytes=int(cpu),
+                       grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket),
+                       init_bytes=int(weights + flat) if flat else 0,
+                       cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none", nvme_bytes=int(nvme))
+
+
+def _offloaded_partition(partition: float, element: int, pin: bool) -> float:
+    """Host bytes of one ZeRO-1/2 optimizer-offload partition of ``partition`` parameters (one param group):
+    the fp32 master weights, their fp32 gradients and a weights-dtype copy that the updated weights go back
+    to the GPU through, each pinned when ``pin``, and Adam's two fp32 moments (DeepSpeedCPUAdam allocates
+    them, not pinned). DeepSpeed 0.19's ``stage_1_and_2.py``: ``single_partition_of_fp32_groups`` and its
+    ``.grad``, ``param_buffer_of_bit16_for_cpu_offload_groups``. Measured on one H100 host: 5.06B parameters
+    at 120.3 GiB (this model: 119.8), 0.93B at 19.2 GiB (18.5)."""
+    held = pinned if pin else float
+    return held(4 * partition) + held(4 * partition) + held(element * partition) + 8 * partition

@@ -1,0 +1,90 @@
+"""How long one optimizer step of a configuration takes: the planner's speed model.
+
+A step is the sum of (seconds, all per rank):
+
+* **compute**: ``accumulation x forward_backward(micro_batch, checkpointing)``, measured by
+  :mod:`zerotrain.plan.probe` on this device with this model (so attention, kernels and dtype are in it);
+* **optimizer**: the probe's Adam step over the trainable parameters, divided by the ranks that
+  share it (ZeRO >= 1); with optimizer offload, DeepSpeed's CPU Adam over this rank's share plus
+  moving its gradients down (fp32: DeepSpeed casts them on the GPU first) and its weights back up
+  (16-bit where the model runs in 16 bits), at the host-device speed the probe measured from pinned
+  memory, or from pageable memory for an unpinned offload;
+* **communication** (several ranks): the gradient all-reduce (or reduce-scatter + all-gather, the
+  same volume), ZeRO-3's two weight all-gathers per step, at :data:`LINK_BYTES_PER_S`, minus what
+  overlaps the backward pass;
+* **ZeRO's host work**: DeepSpeed's ZeRO stages spend host time per parameter tensor each step
+  (gradient bookkeeping, partition copies) that a plain step does not: :data:`ZERO_HOST_S_PER_TENSOR`.
+
+The model only ranks candidates; the planner's short trials decide. Constants not measured by the
+probe are stated with where they came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerotrain.engines.states import ParamCounts, Strategy
+from zerotrain.plan.memory import sixteen_bit
+from zerotrain.plan.probe import Probe
+
+LINK_BYTES_PER_S = {"nvlink": 50e9, "network": 10e9, "gloo": 1e9}
+"""Effective all-reduce speed. nvlink: measured on 2 x H200 (BENCHMARKS.md, the fast-path issue's
+table): DDP's BERT-base step grew 8.5 ms for its 0.44 GB of fp32 gradients. network: a 100 Gb/s
+fabric between nodes. gloo: processes on one CPU host."""
+
+EXPOSED_COMMUNICATION = {"ddp": 0.3, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+"""Share of the communication not hidden behind the backward pass: DDP's buckets all-reduce while
+backward runs; DeepSpeed's ZeRO-0/1/2 reduce after it (``overlap_comm`` off, zerotrain's default);
+ZeRO-3 prefetches the next layer's weights while one computes."""
+
+ZERO_HOST_S_PER_TENSOR = {1: 65e-6, 2: 115e-6, 3: 200e-6}
+"""Host seconds per trainable tensor per step that ZeRO-1/2 add over ZeRO-0: measured on one H100 at
+BERT-base (BENCHMARKS.md: 62.1 and 72.1 ms against 49.1 ms, ~200 tensors). ZeRO-3: not measured,
+set above ZeRO-2 (it also gathers and releases every weight)."""
+
+CPU_ADAM_PARAMS_PER_S = 1.7e9
+"""DeepSpeed's CPU Adam on the GPU hosts' 16 cores: the 5.06B-parameter ZeRO-2 offload run spent
+~3 s a step (the fast-path issue), most of it in the optimizer."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    optimizer: float
+    communication: float
+    zero_host: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.optimizer + self.communication + self.zero_host
+
+
+def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkpointing: bool, counts: ParamCounts,
+              probe: Probe, world_size: int, nnodes: int, autocast: bool, pinned: bool = True) -> StepTime:
+    """Predicted seconds of one optimizer step (module docstring); ``pinned`` False: the offloaded states sit in
+    pageable memory (``--strategy.offload_pin_memory false``)."""
+    n = world_size
+    half = sixteen_bit(strategy, probe.precision, autocast)
+    traced = probe.key(checkpointing, half)
+    compute = grad_accum * probe.forward_backward_s[traced].at(micro_batch_size)
+    stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
+    share = 1 / n if stage >= 1 else 1.0
+    # An older probe measured no pageable copy: its pinned speed stands in, as before it was measured
+    link_to_host = (probe.h2d_bytes_per_s if pinned else probe.h2d_pageable_bytes_per_s or probe.h2d_bytes_per_s) or 10e9
+    if strategy.offload_optimizer != "none":
+        moved = (4 + (2 if half else 4)) * counts.trainable * share  # fp32 gradients down, the model's weights up
+        optimizer = counts.trainable * share / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
+    else:
+        optimizer = probe.optimizer_step_s * share
+    if strategy.offload_param != "none":
+        optimizer += 2 * (2 if half else 4) * counts.total * share / link_to_host  # weights up for forward and backward
+    communication = 0.0
+    if n > 1:
+        link = LINK_BYTES_PER_S["gloo" if probe.device == "cpu" else "network" if nnodes > 1 else "nvlink"]
+        grad_bytes = counts.trainable_bytes if strategy.backend == "ddp" or autocast else 2 * counts.trainable
+        volume = 2 * (n - 1) / n * grad_bytes
+        if stage == 3:
+            volume += 2 * (n - 1) / n * 2 * counts.total
+        communication = volume / link * EXPOSED_COMMUNICATION["ddp" if strategy.backend == "ddp" else stage]
+    zero_host = ZERO_HOST_S_PER_TENSOR.get(stage, 0.0) * counts.tensors
+    return StepTime(compute, optimizer, communication, zero_host)

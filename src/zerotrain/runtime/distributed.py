@@ -1,0 +1,257 @@
+"""This process's place in the job: the process group, its device and precision, and every collective.
+
+:func:`setup` joins the job for the length of a ``with`` block and leaves the process as it found
+it; the collectives the loop needs (sums, maxima, objects from rank 0) and the helpers that make an
+error on one rank end every rank the same way (:func:`main_process_first`, :func:`run_on_main`) are
+here too. How the processes are started, and what the launcher reports when one fails, is
+:mod:`zerotrain.runtime.launcher`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import os
+import socket
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from zerotrain.config import RunConfig
+from zerotrain.config.ds_config import ResolvedPrecision, resolve_precision
+from zerotrain.errors import UserError
+from zerotrain.metrics.tracking import setup_logging
+from zerotrain.runtime.launcher import (
+    adopt_slurm_env,
+    forget_progress,
+    sanitize_cuda_arch_list,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def comm_backend(requested: str, device: str) -> str:
+    if requested == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if requested == "nccl" and device != "cuda":
+        raise UserError("--launch.comm_backend nccl needs GPUs; on CPU use gloo (or auto)")
+    if requested == "mpi" and not torch.distributed.is_mpi_available():
+        raise UserError("--launch.comm_backend mpi: this PyTorch build has no MPI support; use auto")
+    return requested
+
+
+def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", timeout_minutes: float = 60) -> None:
+    """Initialise torch.distributed for this process (a group of one when started alone)."""
+    if "RANK" not in os.environ:
+        # A single process still gets a process group, so the engine code has one path.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if not torch.distributed.is_initialized():
+        if use_deepspeed:
+            # DeepSpeed picks its accelerator by itself (cuda when one is visible); a CPU run must say so
+            # before deepspeed is imported, or the engine moves the model to the GPU behind our back.
+            if backend == "gloo" and device == "cpu":
+                os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            import deepspeed
+
+            # On CPU it builds its shared-memory op and prints "... built successfully" on stdout, which is
+            # where a user reads the run's own output (the run directory line).
+            with contextlib.redirect_stdout(io.StringIO()):
+                deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=backend == "mpi", verbose=False,
+                                           timeout=timeout)
+        else:
+            torch.distributed.init_process_group(backend=backend, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process trains: its place in the job, its device and the precision it computes in."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    precision: ResolvedPrecision
+    preemption: Any = None
+    """The :class:`~zerotrain.runtime.preemption.Preemption` whose handlers setup() installed for the block."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@contextlib.contextmanager
+def setup(cfg: RunConfig) -> Iterator[Runtime]:
+    """Join the job for the length of a ``with`` block, and leave the process as it was found.
+
+    Inside: the launcher's variables adopted (SLURM mapped onto torchrun's), a process group (a group
+    of one when started alone, so the engines have one code path), this rank's device, the resolved
+    precision and the backend flags it needs, and rank-aware logging. On exit, however the block
+    ends: the process group this call created is destroyed after a last barrier, and the environment,
+    the TF32 flags and the logging handlers are restored.
+    """
+    # The whole environment: besides the launcher variables set here, importing DeepSpeed sets some of its own.
+    saved_env = dict(os.environ)
+    saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    owns_group = not torch.distributed.is_initialized()
+    restore_logging = None
+    undo_group_timeout = None
+    finished = False
+    quiet = warnings.catch_warnings()  # restores the warning filters on exit
+    quiet.__enter__()
+    # DeepSpeed 0.19 calls collectives that torch deprecates, once per call site: noise for a user,
+    # and nothing a user could change.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    from zerotrain.runtime.preemption import Preemption
+
+    preemption = Preemption()
+    forget_progress()  # an earlier fit in this process does not speak for this one
+    saved_death_signal = _die_with_launcher()
+    try:
+        # Before the first collective: a SIGTERM during the rendezvous is the same request as later.
+        preemption.install()
+        sanitize_cuda_arch_list()
+        adopt_slurm_env(cfg.launch)
+        device_type = _device_type(cfg.trainer.device)
+        backend = comm_backend(cfg.launch.comm_backend, device_type)
+        undo_group_timeout = inherit_group_timeout(cfg.launch.timeout_minutes)
+        init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
+                           timeout_minutes=cfg.launch.timeout_minutes)
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        restore_logging = setup_logging(rank == 0)
+        device = torch.device("cpu")
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+            cap_gpu_memory(device, cfg.trainer.gpu_memory_gib)
+        precision = resolve_precision(cfg.strategy.precision, device.type,
+                                      device.type == "cuda" and torch.cuda.is_bf16_supported())
+        if device.type == "cuda" and precision == "fp32":
+            # fp32 matmuls on tensor cores (TF32), as MFU's fp32 peak assumes; IEEE fp32 runs ~7x slower on Hopper.
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        yield Runtime(rank, world_size, local_rank, device, precision, preemption)
+        finished = True
+    finally:
+        preemption.restore()
+        _set_death_signal(saved_death_signal)
+        if owns_group and torch.distributed.is_initialized():
+            if finished and torch.distributed.get_world_size() > 1:
+                torch.distributed.barrier()  # nobody tears down while another rank still talks
+            _destroy_process_group()
+        if undo_group_timeout is not None:
+            undo_group_timeout()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+        os.environ.clear()
+        os.environ.update(saved_env)
+        if restore_logging is not None:
+            restore_logging()
+        quiet.__exit__(None, None, None)
+
+
+def cap_gpu_memory(device: torch.device, gib: Optional[float]) -> Optional[float]:
+    """Limit this process's caching allocator on ``device`` to ``gib`` GiB (``--trainer.gpu_memory_gib``);
+    returns the cap in bytes (None: no cap). The CUDA context is outside the allocator and the cap."""
+    if gib is None or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the call wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
+    return min(float(total), gib * 2**30)
+
+
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
+
+
+def _die_with_launcher() -> Optional[int]:
+    """In a worker started by torchrun's agent (ours or the user's): get SIGTERM when the launcher dies.
+
+    Without it a kill -9 of the launcher leaves its workers training and pruning checkpoints, and a
+    restarted job races with them. SIGTERM, not SIGKILL: the orphan then saves a checkpoint and exits
+    like a pre-empted run. Linux only (prctl); returns the previous setting for :func:`_set_death_signal`,
+    None where nothing was changed.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        old = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(old), 0, 0, 0) != 0:
+            return None
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    if os.getppid() == 1:  # the launcher died before prctl: the signal will never come
+        os.kill(os.getpid(), signal.SIGTERM)
+    return old.value
+
+
+def _set_death_signal(value: Optional[int]) -> None:
+    if value is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _destroy_process_group() -> None:
+    ds_comm = sys.modules.get("deepspeed.comm.comm")  # where DeepSpeed keeps its backend (cdb)
+    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
+        # DeepSpeed caches its process groups in module globals; its own teardown drops them too,
+        # so a later fit in this process starts from a clean slate.
+        ds_comm.destroy_process_group()
+    else:
+        torch.distributed.destroy_process_group()
+
+
+def _device_type(requested: str) -> str:
+    """``--trainer.device`` resolved: auto is cuda when a GPU is visible."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--trainer.device cuda: no CUDA GPU is visible. Use --trainer.device cpu (or auto)")
+    return "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def inherit_group_timeout(minutes: float):
+    """Make process groups created without a timeout use ``minutes``; return the undo.
+
+    DeepSpeed builds its own groups (ZeRO's data-parallel and sequence groups) with
+    ``torch.distributed.new_group(ranks)`` and no timeout, so they take torch's default (30 min for
+    Gloo, 10 for NCCL), not ``--launch.timeout_minutes``: a stopped rank held the job 400+ s with a
+    1-minute timeout. The world group already has the timeout (``init_process_group``).
+    """
+    import functools
+
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.new_group
+    timeout = datetime.timedelta(minutes=minutes)
+
+    @functools.wraps(original)
+    def new_group(*args, **kwargs):
+        if len(args) < 2 and kwargs.get("timeout") is None:
+            kwargs["timeout"] = timeout
+        return original(*args, **kwargs)
+
+    c10d.new_group = torch.distributed.new_group = new_group
+
+    def undo() -> None:
+        c10d.new_group = torch.distributed.new_group = original
+
+    return undo

@@ -1,0 +1,421 @@
+"""The experiment directory: everything needed to see what ran and to run it again.
+
+``<recipe>.<YYYY>.<MM>.<DD>.<HH>.<MM>.<SS>.<id>/`` holds ``hparams.json`` (the resolved config),
+``ds_config.json`` (what DeepSpeed got), ``githash.log`` and ``gitdiff.log`` (the code),
+``env.json`` (versions, hardware, the command line), ``metrics.jsonl``, ``tb_dir/`` and
+``checkpoints/``. The layout follows DeepSpeedExamples' HelloDeepSpeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from zerotrain.errors import UserError
+
+
+def new_run_name(recipe: str) -> str:
+    now = _dt.datetime.now()
+    return f"{recipe}.{now:%Y.%m.%d.%H.%M.%S}.{secrets.token_hex(3)}"
+
+
+def check_writable(output_dir: str) -> Path:
+    """Fail early, before minutes of data loading, if runs cannot be written under ``output_dir``."""
+    root = Path(output_dir).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".zerotrain-write-test-"):
+            pass
+    except OSError as exc:
+        raise UserError(
+            f"--trainer.output_dir: cannot write to {root} ({exc.strerror or exc}). "
+            "Pass a folder you can write to, e.g. --trainer.output_dir ./runs"
+        ) from None
+    return root
+
+
+def create(output_dir: str, name: str) -> Path:
+    run = check_writable(output_dir) / name
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optional[str],
+            is_main: bool, lock: Optional[RunLock] = None, verify: bool = True) -> tuple[Path, Optional[Path]]:
+    """The run folder every rank agrees on, and the checkpoint to resume from (None: start fresh).
+
+    Rank 0 names the run and checks the parent folder is writable; nothing is created yet, so a
+    bad flag or data file found later leaves no empty run folder behind (see :func:`write_metadata`).
+    A run folder that exists already is locked first (rank 0's ``lock``), before its checkpoints are
+    read: a run still training there is not raced. ``verify``: check the checkpoint's checksums too
+    (sizes are always checked; see :func:`zerotrain.checkpoint.manager.find_resume_folder`).
+    """
+    from zerotrain.checkpoint.layout import find_resume_folder
+    from zerotrain.runtime.collectives import broadcast_object, run_on_main
+
+    name = broadcast_object(run_name or new_run_name(recipe) if is_main else None)
+    run_on_main(lambda: check_writable(output_dir))  # its error stops every rank, not rank 0 alone
+    run_dir = Path(output_dir).expanduser() / name
+    if lock is not None:
+        run_on_main(lambda: lock.take(run_dir) if run_dir.is_dir() else None)
+    resume_from = find_resume_folder(resume, run_dir, verify=verify) if resume else None
+    if resume_from is None:
+        run_on_main(lambda: _refuse_fresh_start_over(run_dir))
+    return run_dir, resume_from
+
+
+def _refuse_fresh_start_over(run_dir: Path) -> None:
+    """A new run would rewrite hparams.json and the logs of a trained one, and pass its checkpoints off as its own."""
+    from zerotrain.checkpoint.layout import complete_checkpoints
+
+    found = complete_checkpoints(run_dir / "checkpoints")
+    if found:
+        raise UserError(f"--trainer.run_name {run_dir.name}: {run_dir} already holds a trained run (newest checkpoint "
+                        f"{found[-1].name}). Continue it with --checkpoint.resume auto, or pass another --trainer.run_name")
+
+
+def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_config: Optional[dict[str, Any]],
+                   lock: Optional["RunLock"] = None) -> None:
+    """Create the run folder and write what reruns the run: config, DeepSpeed JSON, environment, code state.
+
+    ``lock`` (rank 0's :class:`RunLock`) takes the folder first, so that nothing is rewritten under a
+    run that another process still trains."""
+    create(str(run_dir.parent), run_dir.name)
+    if lock is not None:
+        lock.take(run_dir)
+    write_json(run_dir / "hparams.json", {"recipe": recipe, **hparams})
+    if ds_config is not None:
+        write_json(run_dir / "ds_config.json", ds_config)
+    write_json(run_dir / "env.json", environment())
+    write_code_state(run_dir)
+
+
+# ---- who owns a run folder ----------------------------------------------------------------------
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An exclusive ``fcntl.flock`` on ``<run>/.lock``, held by rank 0 for the length of a fit.
+
+    A second fit on the same run folder (a restarted job while the old one still runs, two users
+    with the same --trainer.run_name) stops with one line naming the holder's pid, before it rewrites
+    anything. The kernel drops the lock when its holder dies, even by kill -9, so a stale lock file
+    never blocks a restart; the file itself is left in place (deleting it would race with a new holder).
+    """
+
+    def __init__(self) -> None:
+        self._fd: Optional[int] = None
+        self.path: Optional[Path] = None
+
+    def take(self, run_dir: Path) -> None:
+        """Lock ``run_dir`` (which must exist); a no-op when this object holds it already."""
+        if self._fd is not None:
+            return
+        import fcntl
+
+        path = run_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").split()
+            os.close(fd)
+            who = f"process {holder[0]}" + (f" on {holder[1]}" if len(holder) > 1 else "") if holder else "another process"
+            raise UserError(f"run folder {run_dir} is in use by {who} (it holds {path}). Wait for that run to end "
+                            "or stop it, or pass another --trainer.run_name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._fd, self.path = fd, path
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+# ---- writes that fail for space -------------------------------------------------------------------
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def free_bytes(folder: Path) -> Optional[int]:
+    """Free space of the disk holding ``folder`` (or its nearest existing parent); None if unknown."""
+    import shutil
+
+    p = Path(folder)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def is_space_error(exc: BaseException) -> bool:
+    """A write that failed because the disk (or quota) is full: ENOSPC/EDQUOT, or torch.save's RuntimeError.
+
+    ``torch.save`` reports a failed write as ``RuntimeError: [enforce fail at inline_container.cc:...]
+    ... PytorchStreamWriter failed writing file ...``: no errno survives, so its text is matched.
+    """
+    import errno
+
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text
+                                              or "file write failed" in text)
+
+
+def space_error(what: str, folder: Path, needed: Optional[int] = None, keep: str = "") -> UserError:
+    """The one line for a write of ``what`` into ``folder`` that did not fit."""
+    free = free_bytes(folder)
+    have = f"{fmt_bytes(free)} free" if free is not None else "free space unknown"
+    need = f", about {fmt_bytes(needed)} needed" if needed else ""
+    return UserError(f"no space left to write {what} in {folder} ({have}{need}). Free disk space or point "
+                     f"--trainer.output_dir at a bigger disk{keep}")
+
+
+class writing:
+    """``with writing("the exported model", folder):`` turns a disk-full error inside into one UserError line.
+
+    Other errors pass through unchanged. ``needed``: the bytes the write needs, when known.
+    """
+
+    def __init__(self, what: str, folder: Path, needed: Optional[int] = None, keep: str = ""):
+        self.what, self.folder, self.needed, self.keep = what, Path(folder), needed, keep
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and not isinstance(exc, UserError) and is_space_error(exc):
+            raise space_error(self.what, self.folder, self.needed, self.keep) from None
+        return False
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON (values json cannot encode written as strings), replaced atomically."""
+    from zerotrain.data.io import write_json as atomic_write_json
+
+    atomic_write_json(path, data, indent=2, default=str)
+
+
+def _git(args: list[str], cwd: Path) -> str:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout if out.returncode == 0 else ""
+
+
+def write_code_state(run: Path) -> None:
+    """githash.log and gitdiff.log of the working tree the command ran from (empty outside git)."""
+    cwd = Path.cwd()
+    (run / "githash.log").write_text(_git(["rev-parse", "HEAD"], cwd) or "not a git checkout\n")
+    (run / "gitdiff.log").write_text(_git(["diff", "HEAD"], cwd))
+
+
+def commit(here: Path = Path(__file__).resolve().parent) -> str | None:
+    """The git commit of the zerotrain code that runs: ZEROTRAIN_COMMIT when set (a copied tree, such
+    as the one a GPU machine receives, may carry a stale .git whose HEAD is not the code), else the HEAD of
+    the checkout holding ``here`` (the package's folder), marked ``-dirty`` as ``git describe`` does when the
+    files under ``here`` differ from it, untracked ones included: such a HEAD does not name the code that
+    ran (BENCHMARKS.md session 18's rows read the session's first commit while later code ran); None when
+    neither says."""
+    named = os.environ.get("ZEROTRAIN_COMMIT")
+    if named:
+        return named
+    head = _git(["rev-parse", "HEAD"], here).strip()
+    if not head:
+        return None
+    return f"{head}-dirty" if _git(["status", "--porcelain", "--", "."], here).strip() else head
+
+
+def _program() -> str:
+    """How the command was started: ``zerotrain``, or ``python -m zerotrain`` (also torchrun's workers)."""
+    name = Path(sys.argv[0]).name
+    return "python -m zerotrain" if name == "__main__.py" else name
+
+
+def environment() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("zerotrain", "torch", "deepspeed", "transformers", "datasets", "tokenizers", "peft", "safetensors"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        "command": " ".join([_program(), *sys.argv[1:]]),
+        "commit": commit(),
+        "cwd": str(Path.cwd()),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "versions": versions,
+        "cuda": torch.version.cuda,
+        "gpus": gpus,
+        "cpu_count": os.cpu_count(),
+        "launcher_env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                                    "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES")
+                         if k in os.environ},
+    }
+
+
+# ---- loading a finished run ------------------------------------------------------------------
+TOKENIZER_SETTINGS = ("data.tokenizer", "model.tokenizer")
+"""Where recipes keep their tokenizer, in the order :func:`load_run`'s ``"tokenizer"`` override looks."""
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    """A finished run rebuilt for inference: what :func:`load_run` returns."""
+
+    run_dir: Path
+    recipe: str
+    cfg: Any
+    """The recipe's typed config (a :class:`~zerotrain.config.RunConfig` subclass), as the run saved it."""
+    task: Any
+    """The recipe's :class:`~zerotrain.tasks.base.Task`, built on ``cfg``: ``task.predict(model, texts)``."""
+    model: torch.nn.Module
+    """The exported weights, in eval mode, on the requested device."""
+
+
+def _tokenizer_setting(cfg: Any) -> Optional[str]:
+    for dotted in TOKENIZER_SETTINGS:
+        section, _, name = dotted.partition(".")
+        value = getattr(cfg, section, None)
+        if dataclasses.is_dataclass(value) and name in {f.name for f in dataclasses.fields(value)}:
+            return dotted
+    return None
+
+
+def _apply_overrides(cfg: Any, overrides: dict[str, Any], recipe: str) -> None:
+    for key, value in overrides.items():
+        if key == "tokenizer":
+            key = _tokenizer_setting(cfg) or key
+        section_name, _, name = key.partition(".")
+        section = getattr(cfg, section_name, None) if name else None
+        if not (dataclasses.is_dataclass(section) and name in {f.name for f in dataclasses.fields(section)}):
+            raise UserError(f"override {key!r}: the {recipe} recipe's config has no such setting "
+                            "(write section.field, e.g. data.tokenizer)")
+        setattr(section, name, value)
+
+
+def _check_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA GPU is visible here. Use --device cpu")
+    return dev
+
+
+def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
+    """(recipe, typed config, raw hparams.json) of a run folder; one-line errors naming the file."""
+    from zerotrain.config import from_dict
+    from zerotrain.tasks import registry as recipes
+
+    if not run_dir.is_dir():
+        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
+                        "(runs/<recipe>.<date>...)")
+    hparams = run_dir / "hparams.json"
+    if not hparams.is_file():
+        parent = f"; its parent {run_dir.parent} is one: pass that" if (run_dir.parent / "hparams.json").is_file() else ""
+        raise UserError(f"{hparams} is missing: {run_dir} is not a zerotrain run folder{parent}. "
+                        "Pass the folder a training run wrote")
+    try:
+        raw = json.loads(hparams.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{hparams} cannot be read as JSON ({exc}); was it edited by hand?") from None
+    recipe = raw.get("recipe") if isinstance(raw, dict) else None
+    if not isinstance(recipe, str):
+        raise UserError(f"{hparams} names no recipe (no \"recipe\" key): it was not written by zerotrain fit")
+    known = recipes.all_recipes()
+    if recipe not in known:
+        raise UserError(f"{hparams}: the run is of recipe {recipe!r}, which is not registered here (known: "
+                        f"{', '.join(known)}). For a task of your own, import the module that defines it first")
+    config_class = known[recipe].config_class
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    try:
+        cfg = from_dict(config_class, {k: v for k, v in raw.items() if k in fields})
+    except (UserError, TypeError, ValueError) as exc:
+        raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc}); "
+                        "was the run made by another zerotrain version?") from None
+    return recipe, cfg, raw
+
+
+def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, device: str = "cpu") -> LoadedRun:
+    """Rebuild the model a finished ``zerotrain fit`` run exported, ready for inference.
+
+    Reads ``<run_dir>/hparams.json`` (its config sections; other keys such as ``recipe`` only say
+    which recipe it is), builds the recipe's task and its model without reading any pretrained
+    weights (``build_model(pretrained=False)``), and loads ``<run_dir>/model`` into it with
+    ``Task.load_exported``. The model is put in eval mode on ``device``; activation checkpointing,
+    a training-time setting, is turned off.
+
+    ``overrides`` replaces saved settings before anything is built, as ``{"section.field": value}``,
+    e.g. ``{"data.tokenizer": "/new/place/tokenizer"}`` when the run's tokenizer folder moved; the
+    key ``"tokenizer"`` names the recipe's own tokenizer setting (``data.tokenizer`` or
+    ``model.tokenizer``). A user's own task must be imported (so that it registers) before its runs
+    can be loaded. Every failure is a :class:`~zerotrain.errors.UserError` naming the folder or file
+    and what to do.
+    """
+    from zerotrain.data.io import looks_local
+    from zerotrain.tasks import registry as recipes
+
+    run_dir = Path(run_dir).expanduser()
+    recipe, cfg, _ = read_run(run_dir)
+    dev = _check_device(device)
+    task_cls = recipes.get(recipe)
+    _apply_overrides(cfg, dict(overrides or {}), recipe)
+    cfg.strategy.activation_checkpointing = False  # a training setting; inference has no backward pass
+
+    setting = _tokenizer_setting(cfg)
+    if setting is not None:
+        section, _, name = setting.partition(".")
+        tokenizer = getattr(getattr(cfg, section), name)
+        if isinstance(tokenizer, str) and looks_local(tokenizer) and not Path(tokenizer).expanduser().is_dir():
+            raise UserError(f"the tokenizer folder {tokenizer!r} that {run_dir} was trained with ({setting} in "
+                            "hparams.json) no longer exists. Pass its new place: --tokenizer DIR "
+                            "(load_run(..., overrides={'tokenizer': DIR}) from Python)")
+
+    export_dir = run_dir / "model"
+    if not export_dir.is_dir():
+        raise UserError(f"{export_dir} is missing: the run did not finish exporting its model. "
+                        "Let it finish (or resume it) and try again")
+    task = task_cls(cfg)
+    # Random initialisation before the weights are loaded must not move the caller's random streams.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            model = task.build_model(pretrained=False)
+        except UserError as exc:
+            raise UserError(f"cannot rebuild the model of {run_dir} from its hparams.json: {exc}") from None
+        task.load_exported(model, export_dir)
+    model.to(dev).eval()
+    return LoadedRun(run_dir=run_dir, recipe=recipe, cfg=cfg, task=task, model=model)

@@ -1,0 +1,319 @@
+"""The one training loop. Every recipe, and every model a user plugs in, runs through :func:`fit`.
+
+Read top to bottom: join the job (:func:`zerotrain.runtime.distributed.setup`), build data, model and
+engine (:func:`_build`), then step until done, asking each component whether it is its turn: the
+step logger, the evaluator, the checkpointer. Where training stands is one
+:class:`~zerotrain.train.state.TrainState`, which the checkpointer saves and restores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from zerotrain.checkpoint.manager import (
+    Checkpointer,
+    check_compatible,
+    check_same_model,
+    estimate_bytes,
+    preflight_space,
+    shape_of,
+)
+from zerotrain.config import RunConfig, check_warmup
+from zerotrain.config.ds_config import batch_shape, check_nvme_io, reflect_ds_config
+from zerotrain.data.loader import make_loader, micro_batch_stream
+from zerotrain.data.sampling import EpochBatches
+from zerotrain.engines import Engine, build_engine
+from zerotrain.engines.states import (
+    Buckets,
+    ParamCounts,
+    Strategy,
+    count_params,
+    model_state_memory,
+)
+from zerotrain.errors import DataError, OutOfMemory
+from zerotrain.metrics.meters import (
+    HostPeak,
+    StepProfiler,
+    ThroughputMeter,
+    compile_counters,
+    memory_snapshot,
+)
+from zerotrain.metrics.tracking import StepLogger, Tracker, log, progress_bar
+from zerotrain.runtime import rundir
+from zerotrain.runtime.collectives import barrier, main_process_first, run_on_main
+from zerotrain.runtime.distributed import Runtime, setup
+from zerotrain.runtime.launcher import Heartbeat
+from zerotrain.runtime.preemption import armed
+from zerotrain.tasks.base import Splits, Task
+from zerotrain.train.evaluate import Evaluator, fmt
+from zerotrain.train.heap import FrozenHeap
+from zerotrain.train.oom import describe_oom, failed_step
+from zerotrain.train.state import TrainState
+
+
+@dataclass
+class FitResult:
+    run_dir: Path
+    final_step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Last training window, final validation and test metrics, throughput summary."""
+    is_main: bool = True
+    """Whether this process is rank 0 (the one that wrote the run directory)."""
+
+
+@dataclass
+class Run:
+    """What :func:`_build` sets up for the loop."""
+
+    task: Task
+    cfg: RunConfig
+    rt: Runtime
+    run_dir: Path
+    resume_from: Optional[Path]
+    splits: Splits
+    sampler: EpochBatches
+    total_steps: int
+    engine: Engine
+    loader: DataLoader
+    """The training split's loader; its persistent workers (if any) were started before the model was built."""
+    flops_per_token: float
+    n_params: int
+    param_counts: ParamCounts
+    """Of the whole model before the engine (maybe) sharded it: what the out-of-memory line's prediction sizes."""
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def fit(task: Task) -> FitResult:
+    """Train ``task`` as its config says; return where the run lives and its final metrics.
+
+    ``task`` and its config are left as they were; so is the process (see ``distributed.setup``).
+    """
+    task.cfg.validate()
+    with setup(task.cfg) as rt, rundir.RunLock() as lock:  # rank 0 owns the run folder until fit returns
+        run = _build(task, rt, lock)
+        with contextlib.closing(run.loader):  # its workers end however the run does, set-up failures included
+            return _train(run)
+
+
+def _train(run: Run) -> FitResult:
+    """The loop: from the checkpoint to resume (if any) to the last step, then the run's end."""
+    rt = run.rt
+    tr = run.cfg.trainer
+    state, engine = TrainState(), run.engine
+    checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state, shape_of(engine, run.task.name))
+    if run.resume_from is not None:
+        checkpointer.load(run.resume_from, seed=tr.seed)  # the seed re-seeds RNG on another process count
+        log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", run.resume_from,
+                 state.step, state.epoch, state.batches_in_epoch)
+    start_step = state.step
+    barrier()  # the run folder exists before any rank writes into it
+    tracker = Tracker(run.run_dir, run.cfg.logging, run.cfg.to_dict(), rt.is_main,
+                      resumed_at=start_step if run.resume_from is not None else None)
+    meter = ThroughputMeter(rt.device, rt.world_size, run.flops_per_token, engine.precision,
+                            tr.warmup_steps_excluded, sum_across_ranks=engine.all_reduce_sum)
+    bar = progress_bar(run.cfg.logging.progress_bar and rt.is_main, run.total_steps, state.step)
+    logger = StepLogger(tr.log_every_steps, run.total_steps, engine, meter, tracker, bar)
+    evaluator = Evaluator(run.task, engine, tr)
+    # The meter's warm-up restarts with every process, a resumed one too; its first step compiles
+    after_warmup = max(1, tr.warmup_steps_excluded)
+    profiler = StepProfiler(tr.profile_steps, state.step + after_warmup, rt.device, run.run_dir, rt.is_main)
+    stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
+    results: dict[str, Any] = {}
+    heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
+    heap = FrozenHeap(tr.gc_freeze, after_warmup, run.total_steps - state.step)
+    engine.train()
+    meter.start()
+    try:
+        # A stop signal waits for the checkpoint at the next step boundary; out of GPU memory ends in one line.
+        with armed(rt.preemption), _out_of_memory_in_one_line(run, state):
+            while state.step < run.total_steps:
+                t0 = time.perf_counter()
+                drawn = [next(stream) for _ in range(engine.grad_accum)]
+                meter.add_data_wait(time.perf_counter() - t0)
+                stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
+                state.advance(stats.loss, *drawn[-1][:2])
+                heartbeat.beat(state.step)
+                meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
+                               sum(run.task.real_tokens(b) for _, _, b in drawn))
+                last = state.step == run.total_steps
+                if (collected_s := heap.step()) is not None:
+                    log.info("step %d: Python's heap collected (%.2f s) and frozen", state.step, collected_s)
+                    if meter.steps_seen <= meter.warmup_steps:  # with no warm-up, the first window holds it
+                        meter.start()  # a one-off cost of the warm-up, like compilation
+                if logger.should_log(state.step):
+                    results.update(logger.log(state))  # keeps the latest val_* next to the latest window
+                bar.update(1)
+                if profiler.step(state.step):
+                    meter.start()  # profiled steps run slower: they are not part of the throughput figures
+                if tr.evaluate and evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
+                    if run.splits.val is not None:
+                        val = evaluator.run(run.splits.val, "val")
+                        tracker.log(state.step, val)
+                        results.update(val)
+                        log.info("step %d: %s", state.step, fmt(val))
+                    meter.start()  # evaluation time is not training time
+                if not last and checkpointer.should_save(state.step):
+                    log.info("checkpoint: %s", checkpointer.save())
+                    meter.start()
+                if not last:
+                    checkpointer.save_if_preempted(rt.preemption)  # raises Preempted once saved
+        bar.close()
+        if state.step == start_step:
+            log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
+        summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
+    finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
+        heap.close()  # first: it cannot fail, and the closings below may
+        stream.close()
+        bar.close()
+        heartbeat.close()
+        tracker.close()
+        meter.close()
+    log.info("done: %s", run.run_dir)
+    return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
+
+
+def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Run:
+    """Data, sampling plan, model and engine; the run folder once all of them were built without error."""
+    cfg = copy.deepcopy(task.cfg)
+    cfg.strategy.precision = rt.precision  # tasks read it (LoRA loads weights in it); hparams.json shows it
+    task = task.with_config(cfg)
+    tr = cfg.trainer
+    run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, task.name, cfg.checkpoint.resume, rt.is_main,
+                                          lock, cfg.checkpoint.verify)
+    if resume_from is not None:  # before anything is built or hparams.json rewritten
+        run_on_main(lambda: check_same_model(resume_from, task.name, cfg))
+
+    check_nvme_io(cfg)  # before the data and the model: a missing op would otherwise end the run minutes later
+    # Identical initial weights on every rank, then per-rank randomness (dropout).
+    seed_everything(tr.seed)
+    with main_process_first(rt.is_main):  # rank 0 fills the tokenisation cache; the others then read it
+        splits = task.build_datasets()
+    micro, grad_accum = batch_shape(cfg)
+    sampler = EpochBatches(len(splits.train), micro, rt.rank, rt.world_size, tr.seed, grad_accum,
+                           task.train_lengths(splits.train))
+    steps_per_epoch = sampler.batches_per_epoch // grad_accum
+    if steps_per_epoch < 1:
+        raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
+                        f"({micro} x {grad_accum} x {rt.world_size}). Add data or lower --trainer.micro_batch_size")
+    total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
+    check_warmup(cfg.scheduler.warmup_steps, total_steps)  # epochs: the run's length is known only now
+    loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
+    loader.start_workers()  # before the model and the engine fill this process's memory
+    with _closed_on_error(loader):
+        model = task.build_model()
+        # Counted on the whole model, before an engine may shard it.
+        flops_per_token = task.flops_per_token(model)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        param_counts = count_params(model)
+        engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
+                              task.deepspeed_hints(model))
+        seed_everything(tr.seed + 1000 * rt.rank)
+
+        if cfg.strategy.deepspeed_config and engine.ds_config is not None:
+            reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
+        if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
+            check_compatible(resume_from, shape_of(engine, task.name))
+        if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
+            one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
+            run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
+        # On rank 0, with its error shared: a lock held by another run stops every rank.
+        run_on_main(lambda: rundir.write_metadata(run_dir, task.name, cfg.to_dict(), engine.ds_config, lock))
+        if rt.is_main:
+            if engine.ds_config is not None and cfg.logging.print_ds_config:
+                print(json.dumps(engine.ds_config, indent=2), flush=True)
+        log.info("run directory: %s", run_dir)
+        log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s", task.name, n_params / 1e6,
+                 n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
+        log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
+                 total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
+        return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, loader, flops_per_token,
+                   n_params, param_counts)
+
+
+@contextlib.contextmanager
+def _closed_on_error(loader: DataLoader) -> Iterator[None]:
+    """Stops the loader's workers if what the block builds fails: ``fit`` may be called again in this process."""
+    try:
+        yield
+    except BaseException:
+        loader.close()
+        raise
+
+
+@contextlib.contextmanager
+def _out_of_memory_in_one_line(run: Run, state: TrainState):
+    """Turn torch's out-of-memory error in the training loop into :class:`OutOfMemory`: one line with the
+    sizes and the next smaller configuration to try (:func:`zerotrain.train.oom.describe_oom`), exit status 5."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        line = describe_oom(exc, failed_step(exc, state.step), run.cfg, run.rt.world_size,
+                            _predicted_gpu_bytes(run), run.rt.device, run.rt.rank)
+        exc.__traceback__ = None  # what is raised next does not keep the failed step's frames (its activations)
+        if run.rt.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the run's closing steps (logs, process group) may need
+        raise OutOfMemory(line) from None
+
+
+def _predicted_gpu_bytes(run: Run) -> Optional[float]:
+    """The memory model's model states per GPU for this run (None if it cannot say: the line goes without)."""
+    s, ds = run.cfg.strategy, run.engine.ds_config or {}
+    try:
+        strategy = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
+        autocast = bool((ds.get("torch_autocast") or {}).get("enabled"))  # ZeRO-0's bf16 fast path keeps fp32 weights
+        return float(model_state_memory(run.param_counts, strategy, run.rt.world_size, run.engine.precision,
+                                        Buckets.from_ds_config(ds), autocast=autocast,
+                                        grad_accum=run.engine.grad_accum).gpu_bytes)
+    except Exception:  # a figure for the message is not worth hiding the out-of-memory error behind another
+        return None
+
+
+def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: Evaluator, tracker: Tracker,
+            meter: ThroughputMeter, results: dict[str, Any], start_step: int) -> dict[str, Any]:
+    """Final checkpoint, test, export and summary.json."""
+    if checkpointer.should_save(state.step, last_step=True):
+        log.info("checkpoint: %s", checkpointer.save())
+    if run.splits.test is not None and run.cfg.trainer.evaluate:
+        test = evaluator.run(run.splits.test, "test")
+        tracker.log(state.step, test)
+        results.update(test)
+        log.info("test: %s", fmt(test))
+    if run.cfg.trainer.export:
+        weights = run.engine.consolidated_state_dict()  # a collective under ZeRO-3: every rank calls it
+
+        def export() -> None:
+            t0 = time.perf_counter()
+            with rundir.writing("the exported model", run.run_dir / "model"), HostPeak() as host:
+                run.task.export(run.engine.module, weights, run.run_dir / "model")
+            results.update(export_s=time.perf_counter() - t0, export_host_rss_before_gib=host.before_gib,
+                           export_host_rss_peak_gib=host.peak_gib)
+            log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",
+                     run.run_dir / "model", results["export_s"], host.peak_gib, host.before_gib)
+
+        run_on_main(export)  # a full disk on rank 0 stops every rank with its one line
+    summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},
+               **memory_snapshot(run.rt.device), "device": meter.device_name, "world_size": run.rt.world_size,
+               "precision": run.engine.precision, "final_step": state.step, "n_params": run.n_params,
+               "micro_batch_size": run.engine.micro_batch_size, "grad_accum": run.engine.grad_accum,
+               "engine": run.engine.describe(), **compile_counters()}
+    if run.rt.is_main and (state.step > start_step or not (run.run_dir / "summary.json").exists()):
+        rundir.write_json(run.run_dir / "summary.json", summary)
+    barrier()
+    return summary

@@ -1,0 +1,191 @@
+"""Where training stands, in one object: the part of an exact resume that is not the engine's.
+
+The engine owns what is sharded (parameters, optimizer states, the learning-rate schedule). Everything
+else the loop needs to continue a run as if it had never stopped lives in :class:`TrainState`: the
+optimizer step, the position in the data, the open logging window and this process's random number
+generators. The checkpointer (:mod:`zerotrain.checkpoint.manager`) saves it per rank next to the engine's
+files and restores it; nothing else writes or reads it.
+
+The saved form holds only tensors, numbers, strings and lists, so it loads with
+``torch.load(weights_only=True)``: a checkpoint file cannot run code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from zerotrain.errors import UserError
+
+SCHEMA_VERSION = 1
+"""Bumped whenever the fields below change meaning; a checkpoint of another version is refused."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Current pass over the training data (0-based)."""
+    batches_in_epoch: int = 0
+    """Micro-batches this rank has consumed in the current epoch."""
+    window_loss: float = 0.0
+    """Sum of this rank's step losses since the last log line (a device tensor while training)."""
+    window_steps: int = 0
+    """Steps in the open logging window."""
+
+    def advance(self, loss: Any, epoch: int, batches_in_epoch: int) -> None:
+        """Count one optimizer step whose last micro-batch left the data at (epoch, batches_in_epoch)."""
+        self.step += 1
+        self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
+        self.window_loss = self.window_loss + loss
+        self.window_steps += 1
+
+    def close_window(self) -> None:
+        self.window_loss, self.window_steps = 0.0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state and this process's RNG states, now."""
+        return {
+            "version": SCHEMA_VERSION,
+            "step": self.step,
+            "epoch": self.epoch,
+            "batches_in_epoch": self.batches_in_epoch,
+            "window_loss": float(self.window_loss),  # reading a device tensor: only at save time
+            "window_steps": self.window_steps,
+            "rng": rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the fields and this process's RNG states from :meth:`state_dict`'s output."""
+        if state.get("version") != SCHEMA_VERSION:
+            raise UserError(f"--checkpoint.resume: the checkpoint's train state has schema version "
+                            f"{state.get('version')}, this zerotrain reads {SCHEMA_VERSION}. Resume it with the "
+                            "zerotrain version that wrote it, or start a new run")
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.batches_in_epoch = int(state["batches_in_epoch"])
+        self.window_loss, self.window_steps = float(state["window_loss"]), int(state["window_steps"])
+        set_rng_state(state["rng"])
+
+    def load_resharded(self, states: list[dict[str, Any]], seed: int, rank: int) -> None:
+        """Restore from the train states of a checkpoint written by ``len(states)`` processes, on another count.
+
+        Decisions (see also :func:`zerotrain.checkpoint.manager.check_compatible`, which admits such a resume):
+
+        * **Step and data position are exact.** A resume on another process count keeps
+          micro-batch x processes (and accumulation), so the sampler plans the same global batches
+          in the same order (:class:`~zerotrain.data.sampling.EpochBatches` cuts each global batch of
+          micro x world examples into one micro-batch per rank) and the position, counted in those
+          global micro-steps, means the same samples on every rank. Every saved rank holds the same
+          step, epoch and position; a disagreement is refused.
+        * **The open log window** continues with the mean of the saved ranks' sums, so the next
+          logged loss (a mean over ranks) is the one an uninterrupted run logs.
+        * **RNG is re-seeded**, not restored: per-rank generator states cannot be mapped onto
+          another rank count. Every generator is seeded from (``seed``, step, ``rank``)
+          (:func:`reseed`), so the resumed run is deterministic but its dropout draws differ from an
+          uninterrupted run's (MLM masks come from the data pipeline, seeded by epoch and block).
+        """
+        for state in states:
+            if state.get("version") != SCHEMA_VERSION:
+                self.load_state_dict(state)  # raises the version's one line
+        first = states[0]
+        where = [(int(s["step"]), int(s["epoch"]), int(s["batches_in_epoch"])) for s in states]
+        if len(set(where)) != 1:
+            raise UserError(f"--checkpoint.resume: the checkpoint's ranks disagree on where training stands "
+                            f"(step, epoch, micro-batches: {sorted(set(where))}). Pass an older checkpoint folder")
+        self.step, self.epoch, self.batches_in_epoch = where[0]
+        self.window_loss = sum(float(s["window_loss"]) for s in states) / len(states)
+        self.window_steps = int(first["window_steps"])
+        reseed(seed, self.step, rank)
+
+    def plain(self) -> dict[str, Any]:
+        """The fields alone (no RNG), for the checkpoint's JSON marker and log lines."""
+        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU (and CUDA) generator states, in weights_only-loadable types."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) from (seed, step, rank): deterministic, distinct per rank and step."""
+    digest = hashlib.sha256(f"zerotrain-reseed:{seed}:{step}:{rank}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") >> 1  # torch.manual_seed takes up to 2**63 - 1
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)  # seeds every CUDA device too
+
+
+def load_safely(path: Path, map_location: Any = "cpu", allow: Iterable[type] = ()) -> Any:
+    """``torch.load(weights_only=True)``: tensors, plain containers and the classes in ``allow`` only.
+
+    A file that needs more (a crafted pickle whose ``__reduce__`` would run code) or is damaged
+    ends in one :class:`UserError` line naming it; nothing in it runs.
+    """
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # UnpicklingError, RuntimeError (a damaged zip), EOFError, ...
+        raise unreadable(path, exc) from None
+
+
+def unreadable(path: Path, exc: BaseException) -> UserError:
+    """The one line for a checkpoint file that cannot be loaded safely."""
+    text = " ".join(str(exc).split())
+    if "Weights only load failed" in text or "Unsupported global" in text:
+        why = ("it holds Python objects other than tensors and plain containers, which are refused because loading "
+               "them could run code (was the file replaced?)")
+    else:
+        why = f"it is damaged ({type(exc).__name__}: {text[:200]})"
+    return UserError(f"--checkpoint.resume: {path} cannot be loaded: {why}. Pass an older checkpoint folder")
+
+
+@contextlib.contextmanager
+def weights_only_torch_load(allow: Iterable[type] = ()) -> Iterator[None]:
+    """Within the block, every ``torch.load`` call (in third-party code too) is :func:`load_safely`.
+
+    DeepSpeed's universal-checkpoint converter and loader call ``torch.load(weights_only=False)``
+    directly, not through its checkpoint engine; this makes those calls weights-only as well.
+    """
+    original = torch.load
+    allowed = list(allow)
+
+    def safe(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return original(f, map_location=map_location, weights_only=True)
+        except Exception as exc:
+            raise unreadable(Path(str(f)), exc) from None
+
+    torch.load = safe
+    try:
+        yield
+    finally:
+        torch.load = original
