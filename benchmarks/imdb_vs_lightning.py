@@ -1,7 +1,7 @@
 """IMDB preset (b) against the tutorial's Lightning script, both rows in one result file.
 
 Reads a finished ``zerotrain fit imdb`` run folder (``metrics.jsonl``, ``summary.json``) and the log of
-``../shared/peers/tutorial_imdb_lightning.py`` (its ``SEED_RESULT`` line), run one after the other on the
+the DeepSpeed tutorial's Lightning script for IMDB (not shipped here; its ``SEED_RESULT`` line), run one after the other on the
 same GPU, and writes ``OUT.json``, ``OUT.md`` and ``OUT.png`` (time per batch and per epoch, peak GPU
 memory, accuracy), with the GPU, versions, commit and both commands.
 

@@ -158,7 +158,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=8, help="SIGKILLs per configuration")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu" / "kill_test.json"))
+    parser.add_argument("--out", default="kill_test.json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)

@@ -1,6 +1,6 @@
 """Turn IMDB reviews into prompt/target records for the LoRA benchmark (input: the review, target: its label).
 
-    python benchmarks/make_sft_data.py ../shared/data/imdb/train.jsonl.gz OUT.jsonl --n 4000
+    python benchmarks/make_sft_data.py DATA/imdb/train.jsonl.gz OUT.jsonl --n 4000
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The BENCHMARKS.md tables of `zerotrain plan` results, regenerated from the plan_*.json files
+"""The planner page's tables (docs/benchmarks/planner_h100_202611.md), regenerated from `zerotrain plan` files
 (and from `zerotrain benchmark` files, whose rows carry predicted memory too).
 
-    python benchmarks/plan_tables.py benchmarks/results/h100/plan/plan_*.json benchmarks/results/h200x2/plan/plan_*.json
+    python benchmarks/plan_tables.py benchmarks/results/planner_h100_202611/plan_*.json
 
 Prints two Markdown tables: the plan's pick against the fastest configuration measured in the same
-session, and the predicted peak memory of every trial (or benchmark row) against what it measured.
+run, and the predicted peak memory of every trial (or benchmark row) against what it measured.
 """
 
 from __future__ import annotations

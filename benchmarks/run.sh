@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Reproduces the result pages in docs/benchmarks/, one part per page. Run from the repository root on a GPU
+# machine:   bash benchmarks/run.sh PART [PART ...]   (results go to ${OUT:-/tmp/zerotrain-bench}/PART/)
+#
+# Data: DATA (default .data) holds imdb/ (train.jsonl.gz, test.jsonl.gz), roberta-tokenizer/ (a Hugging Face
+# tokenizer folder, e.g. a save_pretrained copy of FacebookAI/roberta-base's) and gutenberg/ (train.txt.xz,
+# validation.txt.xz: one paragraph of text a line). The imdb part also needs the DeepSpeed tutorial's Lightning
+# script for IMDB, given as PEER=path.
+#
+# Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | offload_large_model | offload_5b | planner |
+#        kill_test (CPU) | gpu_tests
+set -uo pipefail
+OUT=${OUT:-/tmp/zerotrain-bench}
+D=${DATA:-.data}
+TOK=$D/roberta-tokenizer
+z() { python3 -m zerotrain "$@"; }
+
+# MLM at BERT-base shape (12 layers, 768 wide, 12 heads, FFN 3072, seq 512), micro-batch 32, bf16, Gutenberg text
+BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz"
+      --data.tokenizer "$TOK" --data.max_train_lines 60000 --data.max_val_lines 2000
+      --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
+      --trainer.micro_batch_size 32 --trainer.max_steps 120 --trainer.log_every_steps 10
+      --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
+      --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
+      --checkpoint.save_final false)
+# The encoder compiled as one graph and replayed as CUDA graphs
+GRAPHS=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
+# MLM x 4096 wide (FFN 16384, 32 heads), activation checkpointing, 6 steps (2 untimed), no evaluation or export
+BIG=("${BERT[@]}" --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
+     --strategy.activation_checkpointing true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
+     --trainer.log_every_steps 1 --scheduler.warmup_steps 1 --trainer.evaluate false --trainer.export false)
+# LoRA on the 1.2B Llama-style model of configs/llama_1b_config.json (random weights), 2,000 IMDB prompts
+LORA=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
+      --data.train_path "$OUT/sft.jsonl" --data.max_length 512 --trainer.micro_batch_size 4
+      --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false)
+plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
+  local name=$1; shift
+  z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials 3 > "$OUT/planner/$name.log" 2>&1
+  echo "plan $name rc=$?"
+}
+
+for part in "$@"; do
+  mkdir -p "$OUT/$part"
+  case $part in
+    imdb)  # IMDB preset (b), 5 epochs with its test score, then the tutorial's Lightning script for one epoch
+      ZCMD=(python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK"
+            --trainer.export false --checkpoint.save_final false --trainer.output_dir "$OUT/imdb/runs"
+            --trainer.run_name preset_b --logging.progress_bar false)
+      LCMD=(python3 "${PEER:?PEER=path to the tutorial Lightning script}" "$D/imdb" "$TOK" auto 1 0 1)
+      "${ZCMD[@]}" > "$OUT/imdb/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
+      "${LCMD[@]}" > "$OUT/imdb/lightning.log" 2>&1; echo "lightning rc=$?"
+      python3 benchmarks/imdb_vs_lightning.py --run "$OUT/imdb/runs/preset_b" --lightning_log "$OUT/imdb/lightning.log" \
+        --out "$OUT/imdb/imdb_vs_lightning" --zerotrain_command "${ZCMD[*]}" --lightning_command "${LCMD[*]}" ;;
+    engine_overhead)  # IMDB (b) on one GPU: plain PyTorch and ZeRO-0/1/2, 3 epochs each (the last 2 timed), in
+      # ROUNDS rounds of alternating order; the benchmark reports each engine's median tax against plain
+      z benchmark imdb --strategies ddp,zero0,zero1,zero2 --nproc 1 --out "$OUT/engine_overhead" \
+        --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 3 \
+        --trainer.warmup_steps_excluded 781 --trainer.evaluate false --trainer.export false \
+        --checkpoint.save_final false --predict false --rounds "${ROUNDS:-4}" | tail -n 20 ;;
+    mlm_bert_base)  # BERT-base MLM through ZeRO-0 at micro-batch 128, 5 steps profiled
+      z benchmark mlm --strategies zero0 --nproc 1 --profile 5 --out "$OUT/mlm_bert_base" "${BERT[@]}" "${GRAPHS[@]}" \
+        --trainer.micro_batch_size 128 | tail -n 3 ;;
+    scaling)  # BERT-base on 1, 2 and 4 GPUs in turn (plain PyTorch on one GPU, ZeRO-1 on several)
+      i=0
+      for n in ${ROWS:-4 1 2 4 1 2 4 1}; do
+        i=$((i + 1)); if [ "$n" = 1 ]; then s=ddp; else s=zero1; fi
+        z benchmark mlm --strategies $s --nproc "$n" --out "$OUT/scaling/r${i}_${n}gpu" "${BERT[@]}" "${GRAPHS[@]}" \
+          --trainer.export false | tail -n 1
+      done ;;
+    lora)  # LoRA 1.2B, the tutorial's ZeRO-2 + CPU-offload JSON: zerotrain compiled and length-grouped, then the
+      # Hugging Face Trainer with the same model, data and JSON; non-padding tokens/s in both
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" "$OUT/sft.jsonl" --n 2000
+      FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
+             --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
+      z benchmark lora --strategies zero2 --predict false --out "$OUT/lora/compiled" "${FLAGS[@]}" \
+        --strategy.compile true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
+      python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
+        > "$OUT/lora/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora/hf_trainer.log" ;;
+    offload_large_model)  # full AdamW with the optimizer on the host (ZeRO-2 + CPU offload), one GPU.
+      # SIZE=12b: 60 layers (12.31B parameters), micro-batch 32, pinned (needs ~260 GiB of host memory);
+      # SIZE=host125: 32 layers (6.67B), micro-batch 16, unpinned, GPU capped at 79 GiB (fits a 125 GiB host)
+      if [ "${SIZE:-12b}" = 12b ]; then
+        z benchmark mlm --strategies zero2_offload --predict false --out "$OUT/offload_large_model/12b" "${BIG[@]}" \
+          --model.num_layers 60 --trainer.micro_batch_size 32 | tail -n 3
+      else
+        z benchmark mlm --strategies zero2_offload --predict false --out "$OUT/offload_large_model/host125" "${BIG[@]}" \
+          --model.num_layers 32 --trainer.micro_batch_size 16 --strategy.offload_pin_memory false \
+          --trainer.gpu_memory_gib 79 | tail -n 3
+      fi ;;
+    offload_5b)  # MLM 24 layers x 4096 (5.06B), ZeRO-2 + CPU offload, micro-batch 96, memory predicted from a
+      # probe (PROBE=file; without it the benchmark takes its own), then the run's export
+      z benchmark mlm --strategies zero2_offload --out "$OUT/offload_5b" ${PROBE:+--probe "$PROBE"} "${BIG[@]}" \
+        --model.num_layers 24 --trainer.micro_batch_size 96 --trainer.export true | tail -n 3 ;;
+    planner)  # zerotrain plan on each workload, its pick against every strategy measured (one GPU; bert_base_2gpu needs 2)
+      plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
+        --strategies ddp,zero0,zero1,zero2,zero3
+      plan bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 --strategies ddp,zero0,zero1,zero2,zero3
+      plan hello_mlm mlm "${BERT[@]}" --model.num_layers 6 --model.num_heads 8 --model.h_dim 256 --model.ff_dim 512 \
+        --trainer.micro_batch_size 8 --trial_steps 20 --strategies ddp,zero0,zero1,zero2,zero3
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" "$OUT/sft.jsonl" --n 2000
+      plan lora_1b lora "${LORA[@]}" --strategies ddp,zero0,zero2_offload --trials 2 --trial_steps 5
+      plan mlm_0b9_12gib mlm "${BERT[@]}" --model.num_layers 16 --model.num_heads 16 --model.h_dim 2048 \
+        --model.ff_dim 8192 --trainer.micro_batch_size 8 --trainer.gpu_memory_gib 12 --trial_steps 3 \
+        --strategies ddp,zero2,zero1_offload,zero2_offload,zero3_offload
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        plan bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 --strategies ddp,zero1,zero2
+      fi
+      python3 benchmarks/plan_tables.py "$OUT"/planner/*/plan.json ;;
+    kill_test)  # CPU: SIGKILL at random moments, resume, compare with an uninterrupted run (toy recipe)
+      python3 benchmarks/kill_test.py --kills "${KILLS:-9}" --out "$OUT/kill_test/kill_test.json" ;;
+    gpu_tests)
+      z doctor > "$OUT/gpu_tests/doctor.txt" 2>&1
+      python3 -m pytest -m gpu -q > "$OUT/gpu_tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;
+    *) echo "unknown part $part (see the list at the top of benchmarks/run.sh)" >&2; exit 2 ;;
+  esac
+done
