@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from zerotrain import recipes
 from zerotrain.errors import OOM_EXIT, UserError
 from zerotrain.rundir import environment, write_json
 from zerotrain.strategies import STRATEGIES
@@ -206,6 +207,7 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
+    short = recipes.name_of(recipes.get(recipe))  # run folder names: a module:Class spec holds a colon
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     if probe_file is not None:
@@ -221,7 +223,7 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
               "rows": rows}
     for rnd, n, name in _fit_order(strategies, nprocs, rounds):
         suffix = f"-r{rnd}" if rounds > 1 else ""
-        run_name = f"{recipe}-{name}-{n}gpu{suffix}"
+        run_name = f"{short}-{name}-{n}gpu{suffix}"
         args = [*fit_args, *STRATEGIES[name].flags(), *extra, "--launch.nproc_per_node", str(n)]
         print(f"[benchmark] {name} x {n}{suffix}: zerotrain fit {recipe} {shlex.join(args)}", flush=True)
         row = {"strategy": name, **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}

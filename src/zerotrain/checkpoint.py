@@ -133,7 +133,8 @@ def check_same_model(checkpoint: Path, recipe: str, cfg: Any) -> None:
     theirs = saved.get("recipe")
     if theirs is not None and theirs != recipe:
         raise UserError(f"--checkpoint.resume: {checkpoint} was written by a {theirs} run, and this is a {recipe} "
-                        f"run. Resume with zerotrain fit {theirs}, or start a new run (another --trainer.run_name)")
+                        f"run. Resume with zerotrain fit {saved.get('task') or theirs}, or start a new run (another "
+                        "--trainer.run_name)")
     model = getattr(cfg, "model", None)
     old = saved.get("model")
     if not (dataclasses.is_dataclass(model) and isinstance(old, dict)):

@@ -295,8 +295,6 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
                progress: Optional[Callable[[str], None]] = None) -> ExportResult:
     """Export the checkpoint of ``step`` (default: the newest complete one) of ``run_dir``; see the module doc.
     ``progress`` gets the shard lines of a safetensors export (the shard size, a line per shard)."""
-    from zerotrain import recipes
-
     run_dir = Path(run_dir).expanduser()
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose fp32 or bf16")
@@ -321,7 +319,7 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
     except OSError as exc:
         raise UserError(f"--out: cannot create {out_dir} ({exc.strerror or exc}). Pass a folder you can write to") \
             from None
-    task = recipes.get(recipe)(cfg)
+    task = rundir.task_class(raw, run_dir / "hparams.json")(cfg)
     torch_dtype = DTYPES[dtype]
     try:
         lazy = checkpoint_tensors(folder)
