@@ -2,7 +2,7 @@
 
 The profile of a full MLM step (``zerotrain benchmark --profile``) says that norm/elementwise kernels
 take a third of the GPU time, but not why. This times the forward and backward of zerotrain's own
-``Encoder`` (12 layers, 768 wide, 12 heads, FFN 3072), compiled as one graph as ``--strategy.compile_scope
+``Encoder`` (12 layers, 768 wide, 12 heads, FFN 3072), compiled as one graph as ``--compile.scope
 stack`` does, in bf16, micro-batch x sequence as given, under variants that change one thing each:
 
 * ``base``: as trained (dropout 0.1 on the hidden states and inside attention, torch's pick of SDPA kernel);

@@ -14,19 +14,19 @@ BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenber
       --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
       --trainer.micro_batch_size 32 --trainer.max_steps ${STEPS:-120} --trainer.log_every_steps 10
       --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
-      --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
+      --precision.dtype bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
       --checkpoint.save_final false)
 
 # MLM 24 layers x 4096 (FFN 16384, 32 heads; 5.06B parameters), activation checkpointing, 6 steps, no evaluation or export
 BIG=("${BERT[@]}" --model.num_layers 24 --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
-     --strategy.activation_checkpointing true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
+     --activation_checkpointing.enabled true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
      --trainer.log_every_steps 1 --scheduler.warmup_steps 1 --trainer.evaluate false --trainer.export false)
 
 # LoRA 1.2B: the Llama-style model from configs/llama_1b_config.json (random init), LoRA r=8 on q/v, 2,000 IMDB
 # prompts of up to 512 tokens (benchmarks/make_sft_data.py writes them to /tmp/sft.jsonl), micro-batch 4, bf16
 LORA=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
       --data.train_path /tmp/sft.jsonl --data.max_length 512 --trainer.micro_batch_size 4
-      --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false)
+      --precision.dtype bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false)
 # The A/B parts swap $PWD/src for OLD_SRC in PYTHONPATH; without both, the "old" rows would run this code
 old_src_on_path() {
   if [ -z "${OLD_SRC:-}" ] || [[ ":${PYTHONPATH:-}:" != *":$PWD/src:"* ]]; then
@@ -206,7 +206,7 @@ for part in "$@"; do
       # eager and under torch.compile
       z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/eager" "${BERT[@]}" | tail -n 4
       z benchmark mlm --strategies ddp,zero0 --profile 5 --predict false --out "$OUT/profile_bert/compiled" "${BERT[@]}" \
-        --strategy.compile true | tail -n 4 ;;
+        --compile.enabled true | tail -n 4 ;;
     profile_lora)  # LoRA 1.2B at micro-batch 4, ZeRO-0 (the plan's pick): where a ~190 ms step goes
       sft; z benchmark lora --strategies zero0 --profile 5 --predict false --out "$OUT/profile_lora" "${LORA[@]}" \
         --trainer.max_steps 30 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 5 \
@@ -216,12 +216,12 @@ for part in "$@"; do
       sft; for c in false true; do
         z benchmark lora --strategies zero2 --profile 5 --predict false --out "$OUT/profile_lora2/compile_$c" "${LORA[@]}" \
           --trainer.max_steps 40 --trainer.log_every_steps 5 --trainer.warmup_steps_excluded 25 --scheduler.warmup_steps 5 \
-          --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json --strategy.compile $c | tail -n 2
+          --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json --compile.enabled $c | tail -n 2
       done ;;
     lora_compiled)  # lora_vs_hf's zerotrain row alone, with dynamo's recompilations logged (TORCH_LOGS=recompiles)
       sft; FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
                  --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
-      TORCH_LOGS=recompiles z fit lora "${FLAGS[@]}" --strategy.zero_stage 2 --strategy.compile true \
+      TORCH_LOGS=recompiles z fit lora "${FLAGS[@]}" --strategy.zero_stage 2 --compile.enabled true \
         --data.bucket_by_length true --data.pad_to_multiple_of 64 --trainer.output_dir "$OUT/lora_compiled/runs" \
         --trainer.run_name compiled --logging.progress_bar false > "$OUT/lora_compiled/log.txt" 2>&1
       echo "lora_compiled rc=$?"; grep -c "Recompiling" "$OUT/lora_compiled/log.txt"
@@ -234,7 +234,7 @@ for part in "$@"; do
       sft; FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
                  --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/compiled" "${FLAGS[@]}" \
-        --strategy.compile true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
+        --compile.enabled true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
       [ "${LORA_EAGER:-1}" = 1 ] && z benchmark lora --strategies zero2 --predict false --out "$OUT/lora_vs_hf/eager" "${FLAGS[@]}" | tail -n 3
       python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora_vs_hf/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
         > "$OUT/lora_vs_hf/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora_vs_hf/hf_trainer.log" ;;
@@ -249,19 +249,19 @@ for part in "$@"; do
         > "$OUT/imdb_pad/pad8.log" 2>&1; echo "imdb pad8 rc=$?"
       for r in pad64 pad8; do cp "$OUT/imdb_pad/runs/$r/summary.json" "$OUT/imdb_pad/${r}_summary.json"
         cp "$OUT/imdb_pad/runs/$r/metrics.jsonl" "$OUT/imdb_pad/${r}_metrics.jsonl"; done ;;
-    imdb_compile)  # preset (b), 2 epochs, training only: eager (as shipped) against --strategy.compile true
+    imdb_compile)  # preset (b), 2 epochs, training only: eager (as shipped) against --compile.enabled true
       for c in false true; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
-          --trainer.evaluate false --trainer.export false --checkpoint.save_final false --strategy.compile $c \
+          --trainer.evaluate false --trainer.export false --checkpoint.save_final false --compile.enabled $c \
           --trainer.output_dir "$OUT/imdb_compile/runs" --trainer.run_name "compile_$c" --logging.progress_bar false \
           > "$OUT/imdb_compile/compile_$c.log" 2>&1
         echo "imdb compile=$c rc=$?"; cp "$OUT/imdb_compile/runs/compile_$c/summary.json" "$OUT/imdb_compile/compile_${c}_summary.json"
         cp "$OUT/imdb_compile/runs/compile_$c/metrics.jsonl" "$OUT/imdb_compile/compile_${c}_metrics.jsonl"
       done ;;
-    imdb_compiled_full)  # target 3: preset (b) with --strategy.compile true (compile_scope SCOPE, blocks by default), the
+    imdb_compiled_full)  # target 3: preset (b) with --compile.enabled true (--compile.scope SCOPE, blocks by default), the
       # full 5 epochs with its test score
       z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.export false \
-        --checkpoint.save_final false --strategy.compile true --strategy.compile_scope "${SCOPE:-blocks}" \
+        --checkpoint.save_final false --compile.enabled true --compile.scope "${SCOPE:-blocks}" \
         --trainer.output_dir "$OUT/imdb_compiled_full/runs" \
         --trainer.run_name compiled --logging.progress_bar false > "$OUT/imdb_compiled_full/compiled.log" 2>&1
       echo "imdb compiled rc=$?"; grep -h "test:\|torch.compile" "$OUT/imdb_compiled_full/compiled.log"
@@ -280,7 +280,7 @@ for part in "$@"; do
         --zerotrain_command "${ZCMD[*]}" --lightning_command "${LCMD[*]}" ;;
     scaling)  # BERT-base, micro-batch 32 per GPU: every one-GPU engine (the engine-tax target too), then ZeRO-1/2
       # and DDP on two GPUs, and on four where the machine has them. S1/S2/S4 narrow the strategies (S4 defaults to S2); EXTRA adds flags to
-      # every row (session 12: EXTRA="--strategy.compile true --strategy.compile_scope stack"); S1=none skips the
+      # every row (session 12: EXTRA="--compile.enabled true --compile.scope stack"); S1=none skips the
       # one-GPU rows; TAG names the result folder (scaling$TAG) so variants of one call sit side by side
       dir="$OUT/scaling${TAG:-}"
       if [ "${S1:-}" != none ]; then
@@ -333,35 +333,35 @@ for part in "$@"; do
       timeout ${PROBE_LIMIT:-400} python3 -m zerotrain.probe mlm --out "$OUT/probe_5b/probe_5b.json" --max_micro 48 \
         "${BIG[@]}" --trainer.micro_batch_size 48 \
         > "$OUT/probe_5b/probe.log" 2>&1; echo "probe 5b rc=$?"; tail -n 3 "$OUT/probe_5b/probe.log" ;;
-    bert_compile)  # BERT-base on one GPU, ZeRO-0, for the MFU target: eager, then --strategy.compile true (its 12
+    bert_compile)  # BERT-base on one GPU, ZeRO-0, for the MFU target: eager, then --compile.enabled true (its 12
       # encoder layers compiled one by one), in the same call
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_compile/eager" "${BERT[@]}" | tail -n 3
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_compile/compiled" "${BERT[@]}" \
-        --strategy.compile true | tail -n 3 ;;
+        --compile.enabled true | tail -n 3 ;;
     bert_mfu)  # target 2 levers at BERT-base, compiled blocks, each a separate run in the same call: ZeRO-0 with the
       # aligned decoder (with a profile); ZeRO-1 through DeepSpeed's BF16_Optimizer (bf16 weights, fp32 master and
       # gradients; with a profile); ZeRO-0 with the code of OLD_SRC (the unaligned decoder) when given; dropout 0
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 --out "$OUT/bert_mfu/aligned" "${BERT[@]}" \
-        --strategy.compile true | tail -n 3
+        --compile.enabled true | tail -n 3
       z benchmark mlm --strategies zero1 --nproc 1 --predict false --profile 5 --out "$OUT/bert_mfu/bf16_optimizer" \
-        "${BERT[@]}" --strategy.compile true --strategy.deepspeed_config benchmarks/ds/zero1_bf16_fp32_grads.json | tail -n 3
+        "${BERT[@]}" --compile.enabled true --strategy.deepspeed_config benchmarks/ds/zero1_bf16_fp32_grads.json | tail -n 3
       [ -n "${OLD_SRC:-}" ] && PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" z benchmark mlm --strategies zero0 --nproc 1 \
-        --predict false --out "$OUT/bert_mfu/unaligned" "${BERT[@]}" --strategy.compile true | tail -n 3
+        --predict false --out "$OUT/bert_mfu/unaligned" "${BERT[@]}" --compile.enabled true | tail -n 3
       z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_mfu/dropout0" "${BERT[@]}" \
-        --strategy.compile true --model.dropout 0 | tail -n 3 ;;
+        --compile.enabled true --model.dropout 0 | tail -n 3 ;;
     bert_decoder)  # the aligned decoder against OLD_SRC's unaligned one, ZeRO-0 compiled blocks, no profiler, twice in turn
       old_src_on_path || continue
       for rep in 1 2; do
         PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" z benchmark mlm --strategies zero0 --nproc 1 --predict false \
-          --out "$OUT/bert_decoder/unaligned_$rep" "${BERT[@]}" --strategy.compile true | tail -n 1
+          --out "$OUT/bert_decoder/unaligned_$rep" "${BERT[@]}" --compile.enabled true | tail -n 1
         z benchmark mlm --strategies zero0 --nproc 1 --predict false --out "$OUT/bert_decoder/aligned_$rep" "${BERT[@]}" \
-          --strategy.compile true | tail -n 1
+          --compile.enabled true | tail -n 1
       done ;;
     imdb_scope)  # target 3: preset (b), 2 epochs, training only: its blocks compiled one by one, then their stack as one graph
       for scope in blocks stack; do
         z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trainer.epochs 2 \
-          --trainer.evaluate false --trainer.export false --checkpoint.save_final false --strategy.compile true \
-          --strategy.compile_scope $scope --trainer.output_dir "$OUT/imdb_scope/runs" --trainer.run_name "$scope" \
+          --trainer.evaluate false --trainer.export false --checkpoint.save_final false --compile.enabled true \
+          --compile.scope $scope --trainer.output_dir "$OUT/imdb_scope/runs" --trainer.run_name "$scope" \
           --logging.progress_bar false > "$OUT/imdb_scope/$scope.log" 2>&1
         echo "imdb scope=$scope rc=$?"; grep -h "torch.compile\|epoch" "$OUT/imdb_scope/$scope.log" | tail -n 4
       done ;;
@@ -372,7 +372,7 @@ for part in "$@"; do
         set -- $v; name="imdb_$1_$2"
         timeout 200 python3 -m zerotrain fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \
           --trainer.max_steps 500 --trainer.profile_steps 5 --trainer.warmup_steps_excluded 400 --trainer.evaluate false \
-          --trainer.export false --checkpoint.save_final false --strategy.compile_mode $2 \
+          --trainer.export false --checkpoint.save_final false --compile.mode $2 \
           $([ $1 = ddp ] && echo --strategy.backend ddp) --trainer.output_dir "$OUT/host/runs" --trainer.run_name $name \
           --logging.progress_bar false > "$OUT/host/$name.log" 2>&1
         echo "$name rc=$?"; grep -h "Error\|torch.compile" "$OUT/host/$name.log" | tail -n 2; head -n 1 "$OUT/host/runs/$name/profile.md"
@@ -382,26 +382,26 @@ for part in "$@"; do
       for v in "blocks default" "stack default"; do  # blocks as CUDA graphs did not finish in time (bert_graphs)
         set -- $v
         timeout 200 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 \
-          --out "$OUT/host/bert_$1_$2" "${BERT[@]}" --strategy.compile true --strategy.compile_scope $1 \
-          --strategy.compile_mode $2 | tail -n 1
+          --out "$OUT/host/bert_$1_$2" "${BERT[@]}" --compile.enabled true --compile.scope $1 \
+          --compile.mode $2 | tail -n 1
       done ;;
     bert_graphs)  # target 2 at BERT-base, ZeRO-0, in one call: the encoder compiled as one graph, then replayed as a
       # CUDA graph (with a profile). The blocks one by one as CUDA graphs did not finish 120 steps in 170 s (session 12).
       for v in "stack default 0" "stack reduce-overhead 5"; do
         set -- $v
         timeout 170 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile $3 \
-          --out "$OUT/bert_graphs/$1_$2" "${BERT[@]}" --strategy.compile true --strategy.compile_scope $1 \
-          --strategy.compile_mode $2 | tail -n 1
+          --out "$OUT/bert_graphs/$1_$2" "${BERT[@]}" --compile.enabled true --compile.scope $1 \
+          --compile.mode $2 | tail -n 1
       done ;;
     bert_head)  # the MLM head finding its masked positions once (this code) against twice (OLD_SRC), ZeRO-0 with the
       # encoder compiled as one graph, no profiler, twice in turn
       old_src_on_path || continue
       for rep in 1 2; do
         PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 \
-          --nproc 1 --predict false --out "$OUT/bert_head/twice_$rep" "${BERT[@]}" --strategy.compile true \
-          --strategy.compile_scope stack | tail -n 1
+          --nproc 1 --predict false --out "$OUT/bert_head/twice_$rep" "${BERT[@]}" --compile.enabled true \
+          --compile.scope stack | tail -n 1
         timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false \
-          --out "$OUT/bert_head/once_$rep" "${BERT[@]}" --strategy.compile true --strategy.compile_scope stack | tail -n 1
+          --out "$OUT/bert_head/once_$rep" "${BERT[@]}" --compile.enabled true --compile.scope stack | tail -n 1
       done ;;
     bert_sync)  # the MLM step handed its masked positions by the data pipeline (this code) against the head finding
       # them on the GPU with one wait a step (OLD_SRC), ZeRO-0, encoder compiled as one graph, 5 steps profiled
@@ -409,18 +409,18 @@ for part in "$@"; do
       old_src_on_path || continue
       for rep in 1 2; do
         PYTHONPATH="${PYTHONPATH/$PWD\/src/$OLD_SRC}" timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 \
-          --nproc 1 --predict false --profile 5 --out "$OUT/bert_sync/found_$rep" "${BERT[@]}" --strategy.compile true \
-          --strategy.compile_scope stack | tail -n 1
+          --nproc 1 --predict false --profile 5 --out "$OUT/bert_sync/found_$rep" "${BERT[@]}" --compile.enabled true \
+          --compile.scope stack | tail -n 1
         timeout 140 python3 -m zerotrain benchmark mlm --strategies zero0 --nproc 1 --predict false --profile 5 \
-          --out "$OUT/bert_sync/handed_$rep" "${BERT[@]}" --strategy.compile true --strategy.compile_scope stack | tail -n 1
+          --out "$OUT/bert_sync/handed_$rep" "${BERT[@]}" --compile.enabled true --compile.scope stack | tail -n 1
       done ;;
     sync_sites)  # who makes the host wait inside a training step (benchmarks/sync_sites.py): BERT-base on NP GPUs
       # (default 2), 30 steps, each strategy of SYNC (default zero1 ddp), encoder compiled as one graph
       for s in ${SYNC:-zero1 ddp}; do
         case $s in ddp) f=(--strategy.backend ddp) ;; *) f=(--strategy.backend deepspeed --strategy.zero_stage "${s#zero}") ;; esac
         timeout 200 torchrun --nproc_per_node "${NP:-2}" benchmarks/sync_sites.py "$OUT/sync_sites/$s.json" fit mlm "${BERT[@]}" \
-          "${f[@]}" --trainer.max_steps 30 --trainer.output_dir "/tmp/sync_sites_$s" --strategy.compile true \
-          --strategy.compile_scope stack > "$OUT/sync_sites/$s.log" 2>&1
+          "${f[@]}" --trainer.max_steps 30 --trainer.output_dir "/tmp/sync_sites_$s" --compile.enabled true \
+          --compile.scope stack > "$OUT/sync_sites/$s.log" 2>&1
         echo "sync_sites $s rc=$?"; grep "^rank 0:" "$OUT/sync_sites/$s.log" | head -n 8
       done ;;
     scaling_sync)  # target 4 (and 1) after session 14 took the host-device waits out of the ZeRO step (DeepSpeed's
@@ -428,23 +428,23 @@ for part in "$@"; do
       # 2 x ZeRO-1 with this code, then with OLD_SRC's (the waits in), all with the encoder as one CUDA-graphed
       # unit; OVERLAP=1 adds blocks compiled one by one with overlap_comm, so the reduction can overlap the backward
       old_src_on_path || continue
-      G=(--strategy.compile true --strategy.compile_mode reduce-overhead --predict false)
+      G=(--compile.enabled true --compile.mode reduce-overhead --predict false)
       z benchmark mlm --strategies ${S1:-ddp,zero1} --nproc 1 --out "$OUT/scaling_sync/1gpu" "${BERT[@]}" "${G[@]}" \
-        --strategy.compile_scope stack | tail -n 2
+        --compile.scope stack | tail -n 2
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu" "${BERT[@]}" "${G[@]}" \
-        --strategy.compile_scope stack | tail -n 1
+        --compile.scope stack | tail -n 1
       old python3 -m zerotrain benchmark \
         mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_old" "${BERT[@]}" "${G[@]}" \
-        --strategy.compile_scope stack | tail -n 1
+        --compile.scope stack | tail -n 1
       if [ "${OVERLAP:-0}" = 1 ]; then
         z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_sync/2gpu_blocks_overlap" "${BERT[@]}" "${G[@]}" \
-          --strategy.compile_scope blocks --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 1
+          --compile.scope blocks --strategy.overlap_comm true --strategy.reduce_bucket_size 50000000 | tail -n 1
       fi ;;
     scaling_rs)  # target 4: 2 x ZeRO-1 reducing by reduce-scatter into each rank's partition (this code) against
       # DeepSpeed's all-reduce and copy-back (OLD_SRC), in turn (new, old, new), after the fastest one-GPU engine;
       # the encoder as one CUDA-graphed unit; the first 2-GPU row also takes a 10-step profile
       old_src_on_path || continue
-      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+      G=(--compile.enabled true --compile.scope stack --compile.mode reduce-overhead --predict false
          --trainer.export false)
       z benchmark mlm --strategies ${S1:-ddp} --nproc 1 --out "$OUT/scaling_rs/1gpu" "${BERT[@]}" "${G[@]}" | tail -n 2
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_new1" "${BERT[@]}" "${G[@]}" \
@@ -454,7 +454,7 @@ for part in "$@"; do
       z benchmark mlm --strategies zero1 --nproc 2 --out "$OUT/scaling_rs/2gpu_new2" "${BERT[@]}" "${G[@]}" | tail -n 1 ;;
     scaling_rounds)  # target 4 on one machine: rows in the order ROWS gives, each the GPU count (default: the fastest
       # one-GPU engine S1 (ddp) and 2 x ZeRO-1, in turn, twice); EXTRA adds flags to every row
-      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+      G=(--compile.enabled true --compile.scope stack --compile.mode reduce-overhead --predict false
          --trainer.export false)
       i=0
       for n in ${ROWS:-1 2 2 1}; do
@@ -466,7 +466,7 @@ for part in "$@"; do
     scaling_gc)  # target 4's rows with Python's heap frozen after the warm-up (--trainer.gc_freeze true, the
       # default) and not, in turn on one machine: ROWS lists GPUS:FREEZE per row; each row's summary carries every
       # rank's garbage-collection time (gc_ms_per_step_all_ranks), to tell a rank's long collection from other stalls
-      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+      G=(--compile.enabled true --compile.scope stack --compile.mode reduce-overhead --predict false
          --trainer.export false)
       i=0
       for row in ${ROWS:-4:false 4:true 4:false 4:true}; do
@@ -478,7 +478,7 @@ for part in "$@"; do
     bert_loss)  # the MLM loss compiled on its own (inductor's fused cross-entropy, this code) against eager (OLD_SRC),
       # ZeRO-0, encoder as one CUDA-graphed graph, 5 steps profiled after the timed ones' warm-up, twice in turn
       old_src_on_path || continue
-      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
+      G=(--compile.enabled true --compile.scope stack --compile.mode reduce-overhead --predict false)
       for rep in 1 2; do
         old timeout 150 python3 -m \
           zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 --out "$OUT/bert_loss/eager_$rep" "${BERT[@]}" \
@@ -490,7 +490,7 @@ for part in "$@"; do
       # the encoder as one CUDA-graphed graph, 200 steps each in turn, profiled, with the loss curves compared;
       # then this code at micro-batch 64 (the GPU holds 7-7.6 GiB at 32)
       old_src_on_path || continue
-      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false
+      G=(--compile.enabled true --compile.scope stack --compile.mode reduce-overhead --predict false
          --trainer.max_steps 200)
       old timeout 200 python3 -m \
         zerotrain benchmark mlm --strategies zero0 --nproc 1 --profile 5 --out "$OUT/bert_ln/fp32_ln" "${BERT[@]}" \
@@ -502,7 +502,7 @@ for part in "$@"; do
         --out "$OUT/bert_ln/bf16_ln_mb64" "${BERT[@]}" "${G[@]}" --trainer.micro_batch_size 64 | tail -n 1 ;;
     bert_mb)  # target 2 by micro-batch: ZeRO-0 and ZeRO-1 (BERT_STRATS) at 128 and 64 (MBS) sequences of 512, encoder CUDA-graphed,
       # profiled; then the bert_ln pair again at 32 (OLD_SRC: torch's float32 LayerNorm) in the other order
-      G=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
+      G=(--compile.enabled true --compile.scope stack --compile.mode reduce-overhead --predict false)
       for mb in ${MBS:-128 64}; do
         timeout 230 python3 -m zerotrain benchmark mlm --strategies ${BERT_STRATS:-zero0,zero1} --nproc 1 --profile 5 \
           --out "$OUT/bert_mb/mb$mb" "${BERT[@]}" "${G[@]}" --trainer.micro_batch_size $mb | tail -n 3
@@ -521,7 +521,7 @@ for part in "$@"; do
         --data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz" \
         --data.tokenizer "$TOK" --data.max_train_lines 40000 --data.max_val_lines 2000 \
         --trainer.micro_batch_size 8 --trainer.max_steps 300 --trainer.log_every_steps 50 \
-        --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 50 --strategy.precision bf16 \
+        --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 50 --precision.dtype bf16 \
         --scheduler.name warmup_linear --scheduler.warmup_steps 30 --optimizer.lr 1e-4 | tail -n 12 ;;
     fastpath)  # BERT-base-shaped MLM, micro-batch 32 x 512, bf16, one GPU: the plain engine, ZeRO-0/1/2 with
       # the fast path, and ZeRO-0/1/2 with DeepSpeed's defaults (--strategy.fast_path false), same data and seed
@@ -532,7 +532,7 @@ for part in "$@"; do
     fastpath_profile)  # the same model: where ZeRO-1/2's time goes, and torch.compile on the plain engine and ZeRO-0
       z benchmark mlm --strategies ddp,zero0,zero1,zero2 --profile 5 --out "$OUT/fastpath_profile/eager" "${BERT[@]}" | tail -n 6
       z benchmark mlm --strategies ddp,zero0 --profile 5 --out "$OUT/fastpath_profile/compiled" "${BERT[@]}" \
-        --strategy.compile true | tail -n 4 ;;
+        --compile.enabled true | tail -n 4 ;;
     imdb_peer)  # preset (b) as shipped (ZeRO-0, fast path), 5 epochs, seed 42, then the tutorial's Lightning
       # script (PEER=path, default .data/peers/tutorial_imdb_lightning.py) for one full epoch on the same GPU
       z fit imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" \

@@ -1,4 +1,4 @@
-"""Does the IMDB classifier compiled whole (``--strategy.compile_scope model``) train as eager does on a GPU?
+"""Does the IMDB classifier compiled whole (``--compile.scope model``) train as eager does on a GPU?
 
 Preset (b)'s model shape, two copies with the same weights, the same batches of random reviews whose padded
 length changes from step to step, Adam, one step each. Prints the ratio of the compiled gradient norm to eager's

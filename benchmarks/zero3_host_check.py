@@ -28,7 +28,7 @@ def main(recipe: str, args: list[str]) -> None:
     cfg = parse_config(recipe, args)
     with distributed.setup(cfg):
         device = torch.device("cuda")
-        precision = resolve_precision(cfg.strategy.precision, "cuda", True)
+        precision = resolve_precision(cfg.precision.dtype, "cuda", True)
         task = recipes.get(recipe)(cfg)
         task.build_datasets()
         print("data loaded:", rss(), flush=True)

@@ -24,7 +24,7 @@ def test_it_times_every_engine_in_turn_and_writes_its_files(tmp_path):
     out = run_python([SCRIPT, str(tmp_path / "r"), "--steps", "2", "--blocks", "2", "--warmup", "1",
                       "--micro_batch", "2", "--seq", "16", "--", "--data.tokenizer", str(tmp_path / "tok"),
                       "--model.embed_dim", "16", "--model.hidden_dim", "32", "--model.num_heads", "2",
-                      "--model.max_len", "64", "--strategy.compile", "false", "--trainer.device", "cpu"], tmp_path)
+                      "--model.max_len", "64", "--compile.enabled", "false", "--trainer.device", "cpu"], tmp_path)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     result = json.loads((tmp_path / "r" / "engine_host.json").read_text())
     rows = result["rows"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from zerotrain import recipes
+from zerotrain.config import upgrade_layout
 from zerotrain.errors import OOM_EXIT, UserError
 from zerotrain.rundir import environment, write_json
 from zerotrain.strategies import STRATEGIES
@@ -155,7 +156,7 @@ def _probe(recipe: str, fit_args: list[str], out_dir: Path) -> tuple[Optional["P
         cfg = parse_config(recipe, fit_args)
         per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
         return run_probe(recipe, fit_args, out_dir / "probe.json", per_rank,
-                         checkpointing=cfg.strategy.activation_checkpointing), None
+                         checkpointing=cfg.activation_checkpointing.enabled), None
     except UserError as exc:
         return None, str(exc)
 
@@ -290,7 +291,7 @@ def _standard_fields(recipe: str, row: dict[str, Any], run_dir: Path, env: dict[
     return {
         "recipe": recipe, "model": hparams.get("model"), "n_params": row.get("n_params"),
         "gpu": row.get("device") or (env.get("gpus") or ["cpu"])[0], "n_gpus": row.get("world_size", row["nproc"]),
-        "precision": row.get("precision") or hparams.get("strategy", {}).get("precision"),
+        "precision": row.get("precision") or upgrade_layout(hparams).get("precision", {}).get("dtype"),
         "micro_batch_size": row.get("micro_batch_size") or hparams.get("trainer", {}).get("micro_batch_size"),
         # Mean padded length of a sample: the positions the model computed per example.
         "seq_len": row["throughput_tokens_per_s"] / samples if samples else None,

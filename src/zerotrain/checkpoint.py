@@ -173,8 +173,8 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         "recipe": "resume it with its own recipe",
         "backend": "pass --strategy.backend {saved}",
         "zero_stage": "pass --strategy.zero_stage {saved}",
-        "precision": "pass --strategy.precision {saved}",
-        "weights_dtype": "resume with the --strategy.fast_path and --strategy.precision of the run that wrote it",
+        "precision": "pass --precision.dtype {saved}",
+        "weights_dtype": "resume with the --strategy.fast_path and --precision.dtype of the run that wrote it",
         "micro_batch_size": "pass --trainer.micro_batch_size {saved} (the data position counts micro-batches)",
         "grad_accum": "pass --strategy.gradient_accumulation_steps {saved}",
     }

@@ -222,8 +222,8 @@ class Engine(ABC):
 
 def _compile(module: nn.Module, cfg: RunConfig, device: torch.device) -> None:
     # CUDA graphs replay CUDA kernels; on a CPU inductor would only warn that it skips them
-    mode = cfg.strategy.compile_mode if device.type == "cuda" else "default"
-    logger.info("torch.compile: %s (mode %s)", compile_model(module, cfg.strategy.compile_scope, mode=mode), mode)
+    mode = cfg.compile.mode if device.type == "cuda" else "default"
+    logger.info("torch.compile: %s (mode %s)", compile_model(module, cfg.compile.scope, mode=mode), mode)
 
 
 def _is_one(factor: float | torch.Tensor) -> bool:
@@ -269,7 +269,7 @@ class DeepSpeedEngine(Engine):
             # And of its engine: at ZeRO-0 the gradients cleared from a list; at stages 0-2 no empty forward hooks.
             zero_grad_from_list(self.ds)
             drop_idle_forward_hooks(self.ds)
-        if cfg.strategy.compile:
+        if cfg.compile.enabled:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
                 # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.
@@ -468,7 +468,7 @@ class TorchEngine(Engine):
         self.grad_accum = cfg.strategy.gradient_accumulation_steps
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
-        if cfg.strategy.compile:
+        if cfg.compile.enabled:
             _compile(self._module, cfg, device)
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:

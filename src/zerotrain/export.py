@@ -356,7 +356,7 @@ def _export_lora(task: Any, lazy: dict, model_dir: Path, dtype: torch.dtype) -> 
     """
     cfg = task.cfg
     cfg.model.merge_on_export = True
-    cfg.strategy.activation_checkpointing = False
+    cfg.activation_checkpointing.enabled = False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.trainer.seed)  # the loop seeds --trainer.seed just before build_model
         model = task.build_model(pretrained=True)

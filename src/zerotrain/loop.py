@@ -186,7 +186,7 @@ def _train(run: Run) -> FitResult:
 def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Run:
     """Data, sampling plan, model and engine; the run folder once all of them were built without error."""
     cfg = copy.deepcopy(task.cfg)
-    cfg.strategy.precision = rt.precision  # tasks read it (LoRA loads weights in it); hparams.json shows it
+    cfg.precision.dtype = rt.precision  # tasks read it (LoRA loads weights in it); hparams.json shows it
     task = task.with_config(cfg)
     tr = cfg.trainer
     name = recipes.name_of(type(task))

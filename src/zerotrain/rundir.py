@@ -340,10 +340,10 @@ def _check_device(device: str) -> torch.device:
 
 
 def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
-    """(recipe, typed config, raw hparams.json) of a run folder; one-line errors naming the file.
+    """(recipe, typed config, raw hparams.json in the current layout) of a run folder; one-line errors naming the file.
 
     The task class is :func:`task_class` of the raw hparams (imported here already, so the errors come first)."""
-    from zerotrain.config import from_dict
+    from zerotrain.config import from_dict, upgrade_layout
 
     if not run_dir.is_dir():
         raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
@@ -361,6 +361,7 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
     if not isinstance(recipe, str):
         raise UserError(f"{hparams} names no recipe (no \"recipe\" key): it was not written by zerotrain fit")
     config_class = task_class(raw, hparams).config_class
+    raw = upgrade_layout(raw)  # a run saved before precision, compile and activation checkpointing left strategy
     fields = {f.name for f in dataclasses.fields(config_class)}
     try:
         cfg = from_dict(config_class, {k: v for k, v in raw.items() if k in fields})
@@ -412,7 +413,7 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     dev = _check_device(device)
     task_cls = task_class(raw, run_dir / "hparams.json")
     _apply_overrides(cfg, dict(overrides or {}), recipe)
-    cfg.strategy.activation_checkpointing = False  # a training setting; inference has no backward pass
+    cfg.activation_checkpointing.enabled = False  # a training setting; inference has no backward pass
 
     setting = _tokenizer_setting(cfg)
     if setting is not None:
