@@ -53,7 +53,7 @@ def main() -> None:
     model = task.build_model()
     flops_per_token = task.flops_per_token(model)
     tr, st = cfg.trainer, cfg.strategy
-    precision = "bf16" if st.precision in ("auto", "bf16") else st.precision
+    precision = "bf16" if cfg.precision.dtype in ("auto", "bf16") else cfg.precision.dtype
 
     cuda = torch.cuda.is_available()
 

@@ -54,7 +54,9 @@ CASES = [
     Case("flag-prefix", "flag", "fit toy $FIT --trainer.max_step 5"),
     Case("flag-wrong-type", "flag", "fit toy $FIT --trainer.max_steps five"),
     Case("flag-bad-choice", "flag", "fit toy $FIT --optimizer.name sgd"),
-    Case("flag-bad-precision", "flag", "fit toy $FIT --strategy.precision fp8"),
+    Case("flag-bad-precision", "flag", "fit toy $FIT --precision.dtype fp8"),
+    Case("old-precision-flag", "flag", "fit toy $FIT --strategy.precision bf16"),
+    Case("old-compile-flag", "flag", "fit toy $FIT --strategy.compile true"),
     Case("no-length", "flag", "fit toy --trainer.output_dir {tmp}/runs"),
     Case("max-steps-zero", "flag", "fit toy $FIT --trainer.max_steps 0"),
     Case("epochs-zero", "flag", "fit toy $FIT --trainer.epochs 0"),
@@ -86,7 +88,7 @@ CASES = [
     Case("clipping-negative", "flag", "fit toy $FIT --strategy.gradient_clipping -1"),
     Case("reduce-bucket-zero", "flag", "fit toy $FIT --strategy.reduce_bucket_size 0"),
     Case("allgather-bucket-zero", "flag", "fit toy $FIT --strategy.allgather_bucket_size 0"),
-    Case("fp16-on-cpu", "flag", "fit toy $FIT --strategy.precision fp16"),
+    Case("fp16-on-cpu", "flag", "fit toy $FIT --precision.dtype fp16"),
     Case("every-steps-negative", "flag", "fit toy $FIT --checkpoint.every_steps -1"),
     Case("keep-last-zero", "flag", "fit toy $FIT --checkpoint.keep_last 0"),
     Case("mlm-heads-do-not-divide", "flag", "fit mlm $FIT $MLM --model.num_heads 3 --data.tokenizer {tok}"),
@@ -94,6 +96,9 @@ CASES = [
     Case("lora-rank-zero", "flag", "fit lora $FIT $LORA --data.train_path {tmp}/lora.jsonl --model.lora_r 0"),
     Case("lora-template", "flag", "fit lora $FIT $LORA --data.train_path {tmp}/lora.jsonl --data.template {input}"),
     Case("unknown-recipe", "command", "fit nosuch $FIT"),
+    Case("task-module-missing", "command", "fit no_such_package.tasks:MyTask $FIT"),
+    Case("task-attribute-missing", "command", "fit zerotrain.tasks.toy:MyTask $FIT"),
+    Case("task-not-a-task", "command", "fit zerotrain.tasks.toy:ToyConfig $FIT"),
     Case("unknown-subcommand", "command", "nosuch"),
     Case("estimate-negative-memory", "command", "estimate toy --gpu_memory_gib -3"),
     Case("plan-several-nodes", "command", "plan toy $FIT --launch.nnodes 2 --out {tmp}/plan"),
@@ -117,6 +122,7 @@ CASES = [
     Case("yaml-unknown-key", "yaml", "fit toy $FIT --config {tmp}/unknown_key.yaml"),
     Case("yaml-syntax", "yaml", "fit toy $FIT --config {tmp}/broken.yaml"),
     Case("yaml-wrong-type", "yaml", "fit toy $FIT --config {tmp}/wrong_type.yaml"),
+    Case("yaml-old-layout", "yaml", "fit toy $FIT --config {tmp}/old_layout.yaml"),
     # ---- DeepSpeed JSON ----
     Case("json-missing", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/missing.json"),
     Case("json-syntax", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/broken.json"),
@@ -212,6 +218,7 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     (tmp / "unknown_key.yaml").write_text("trainer:\n  max_stepz: 3\n")
     (tmp / "broken.yaml").write_text("trainer: [\n")
     (tmp / "wrong_type.yaml").write_text("trainer:\n  max_steps: lots\n")
+    (tmp / "old_layout.yaml").write_text("strategy:\n  zero_stage: 1\n  activation_checkpointing: true\n")
     one = [{"text": f"{WORDS[i % 20]} {WORDS[(i + 3) % 20]}", "label": 1} for i in range(16)]
     for folder, write in (("imdb_oneclass", lambda p, rows: p.write_text("\n".join(map(json.dumps, rows)) + "\n")),):
         (tmp / folder).mkdir()

@@ -323,6 +323,6 @@ def test_weights_kept_in_another_dtype_are_refused(tmp_path):
     (folder / MARKER).write_text(json.dumps({**meta, "weights_dtype": "bfloat16"}))
     now = {**SHAPE, "world_size": 2, "weights_dtype": "float32"}
     with pytest.raises(UserError, match=r"weights_dtype bfloat16, this run has float32; resume with the "
-                                        r"--strategy.fast_path and --strategy.precision of the run that wrote it"):
+                                        r"--strategy.fast_path and --precision.dtype of the run that wrote it"):
         check_compatible(folder, now)
     check_compatible(folder, {**now, "weights_dtype": "bfloat16"})

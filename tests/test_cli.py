@@ -18,6 +18,7 @@ import pytest
 
 from zerotrain.tasks import registry as recipes
 from zerotrain.config import StrategyConfig, TrainerConfig
+from zerotrain.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
@@ -172,6 +173,47 @@ def test_config_file_then_flags(tmp_path):
     assert cfg.strategy == StrategyConfig()
     assert cfg.optimizer.eps == 1e-8 and cfg.model.width == 32
     cfg.validate()
+
+
+OLD_FLAGS = [
+    (["--strategy.precision", "bf16"], "--strategy.precision moved: use --precision.dtype bf16"),
+    (["--strategy.initial_scale_power=12"], "--strategy.initial_scale_power moved: use --precision.initial_scale_power 12"),
+    (["--strategy.loss_scale_window", "10"], "--strategy.loss_scale_window moved: use --precision.loss_scale_window 10"),
+    (["--strategy.hysteresis", "3"], "--strategy.hysteresis moved: use --precision.hysteresis 3"),
+    (["--strategy.min_loss_scale", "2"], "--strategy.min_loss_scale moved: use --precision.min_loss_scale 2"),
+    (["--strategy.compile", "true"], "--strategy.compile moved: use --compile.enabled true"),
+    (["--strategy.compile_scope", "stack"], "--strategy.compile_scope moved: use --compile.scope stack"),
+    (["--strategy.compile_mode", "reduce-overhead"], "--strategy.compile_mode moved: use --compile.mode reduce-overhead"),
+    (["--strategy.activation_checkpointing", "true"],
+     "--strategy.activation_checkpointing moved: use --activation_checkpointing.enabled true"),
+]
+
+
+@pytest.mark.parametrize("argv, line", OLD_FLAGS, ids=[a[0].split("=")[0] for a, _ in OLD_FLAGS])
+def test_an_old_flag_names_the_new_one(argv, line):
+    from zerotrain.config import MOVED
+    from zerotrain.config.flags import parse_config
+
+    assert len(OLD_FLAGS) == len(MOVED)
+    with pytest.raises(UserError) as err:
+        parse_config("toy", ["--trainer.max_steps", "1", *argv])
+    assert str(err.value) == line
+    new = line.split("use ", 1)[1].split()
+    parse_config("toy", ["--trainer.max_steps", "1", *new])  # and the new one is a flag
+
+
+def test_an_old_config_key_names_the_new_one(tmp_path):
+    from zerotrain.config.flags import parse_config
+
+    old = tmp_path / "old.yaml"
+    old.write_text("strategy:\n  zero_stage: 1\n  precision: fp32\n  compile: true\n")
+    with pytest.raises(UserError) as err:
+        parse_config("toy", ["--config", str(old), "--trainer.max_steps", "1"])
+    assert str(err.value) == f"--config {old}: strategy.precision moved: use precision.dtype (write precision: {{dtype: fp32}})"
+    new = tmp_path / "new.yaml"
+    new.write_text("strategy:\n  zero_stage: 1\nprecision: {dtype: fp32}\ncompile: {enabled: true}\n")
+    cfg = parse_config("toy", [f"--config={new}", "--trainer.max_steps", "1"])
+    assert (cfg.strategy.zero_stage, cfg.precision.dtype, cfg.compile.enabled) == (1, "fp32", True)
 
 
 def test_defaults_without_a_file():

@@ -1,4 +1,4 @@
-"""--strategy.compile: blocks are found through wrappers, one compile serves every block, and a compiled
+"""--compile.enabled: blocks are found through wrappers, one compile serves every block, and a compiled
 run learns what the eager run learns."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_torch_own_blocks_are_really_compiled():
 
 
 def test_the_stack_of_torch_blocks_compiles_into_one_graph_that_trains_as_eager():
-    """--strategy.compile_scope stack: the TransformerEncoder that holds the blocks is one captured graph (its
+    """--compile.scope stack: the TransformerEncoder that holds the blocks is one captured graph (its
     forward is torch's, so it must really be traced, not run eager), and the gradients are eager's."""
     torch._dynamo.reset()
     graphs, backend = _graph_counter()
@@ -200,7 +200,7 @@ def test_a_compiled_run_matches_the_eager_run(lora_files):  # noqa: F811
     tmp_path, tok = lora_files
     curves = {}
     for compiled in ("false", "true"):
-        args = _args(tmp_path, tok, 2, 1) + ["--model.lora_dropout", "0", "--strategy.compile", compiled,
+        args = _args(tmp_path, tok, 2, 1) + ["--model.lora_dropout", "0", "--compile.enabled", compiled,
                                              "--trainer.run_name", f"compile_{compiled}"]
         out = zerotrain_cmd(args, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
@@ -213,7 +213,7 @@ def test_a_compiled_run_matches_the_eager_run(lora_files):  # noqa: F811
 
 
 def test_compile_mode_reaches_torch_compile_for_each_unit(monkeypatch):
-    """--strategy.compile_mode reduce-overhead (CUDA graphs) is inductor's mode on every compiled unit, whether
+    """--compile.mode reduce-overhead (CUDA graphs) is inductor's mode on every compiled unit, whether
     compiled through ``Module.compile`` or, for torch's own blocks, through their ``forward``."""
     calls = []
 

@@ -9,9 +9,11 @@ import pytest
 
 from zerotrain.config import (
     CheckpointConfig,
+    CompileConfig,
     LaunchConfig,
     LoggingConfig,
     OptimizerConfig,
+    PrecisionConfig,
     RunConfig,
     SchedulerConfig,
     StrategyConfig,
@@ -35,10 +37,7 @@ INVALID = [
     (StrategyConfig, dict(backend="ddp", deepspeed_config="ds.json"), "--strategy.deepspeed_config", ["deepspeed"]),
     (StrategyConfig, dict(zero_stage=4), "--strategy.zero_stage", ["got 4"]),
     (StrategyConfig, dict(gradient_accumulation_steps=0), "--strategy.gradient_accumulation_steps", ["got 0"]),
-    (StrategyConfig, dict(compile=True, compile_mode="reduce-overhead", gradient_accumulation_steps=2),
-     "--strategy.compile_mode", ["--strategy.gradient_accumulation_steps 1"]),
     (StrategyConfig, dict(gradient_clipping=-1.0), "--strategy.gradient_clipping", ["got -1.0"]),
-    (StrategyConfig, dict(precision="fp16", initial_scale_power=-1), "--strategy.initial_scale_power", [">= 0"]),
     (OptimizerConfig, dict(lr=0.0), "--optimizer.lr", ["> 0", "got 0.0"]),
     (OptimizerConfig, dict(lr=-1e-3), "--optimizer.lr", ["> 0"]),
     (OptimizerConfig, dict(betas=(0.9, 1.0)), "--optimizer.betas", ["[0, 1)"]),
@@ -81,6 +80,22 @@ def test_validate_names_the_flag(section, kwargs, flag, words):
     assert "\n" not in message
 
 
+@pytest.mark.parametrize("sections, flag, words", [
+    (dict(strategy=StrategyConfig(gradient_accumulation_steps=2), compile=CompileConfig(enabled=True, mode="reduce-overhead")),
+     "--compile.mode", ["--strategy.gradient_accumulation_steps 1", "--compile.mode default"]),
+    (dict(precision=PrecisionConfig(dtype="fp16", initial_scale_power=-1)), "--precision.initial_scale_power", [">= 0"]),
+])
+def test_checks_across_sections_name_the_flag(sections, flag, words):
+    with pytest.raises(ConfigError) as err:
+        ToyConfig(trainer=TrainerConfig(max_steps=3), **sections).validate()
+    assert err.value.flag == flag and all(word in str(err.value) for word in words), str(err.value)
+    # ZeRO-3 compiles its own way; a plain engine has no fp16 scale power: both pass
+    ToyConfig(trainer=TrainerConfig(max_steps=3), strategy=StrategyConfig(zero_stage=3, gradient_accumulation_steps=2),
+              compile=CompileConfig(enabled=True, mode="reduce-overhead")).validate()
+    ToyConfig(trainer=TrainerConfig(max_steps=3), strategy=StrategyConfig(backend="ddp"),
+              precision=PrecisionConfig(dtype="fp16", initial_scale_power=-1)).validate()
+
+
 def test_config_error_is_a_user_error():
     # The CLI turns UserError into one line without a traceback; ConfigError must be caught by it.
     assert issubclass(ConfigError, UserError)
@@ -117,8 +132,8 @@ def _custom_toy() -> ToyConfig:
     return ToyConfig(
         optimizer=OptimizerConfig(name="adam", lr=3e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
         scheduler=SchedulerConfig(name="cosine", warmup_steps=5, min_lr_ratio=0.1),
-        strategy=StrategyConfig(zero_stage=3, offload_param="cpu", offload_optimizer="cpu", precision="bf16",
-                                gradient_accumulation_steps=4),
+        strategy=StrategyConfig(zero_stage=3, offload_param="cpu", offload_optimizer="cpu", gradient_accumulation_steps=4),
+        precision=PrecisionConfig(dtype="bf16"),
         trainer=TrainerConfig(micro_batch_size=2, max_steps=11, run_name="r1"),
         model=ToyModelConfig(width=16, dropout=0.0),
         data=ToyDataConfig(num_examples=64, dim=4),

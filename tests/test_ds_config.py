@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import zerotrain
-from zerotrain.config import OptimizerConfig, StrategyConfig, TrainerConfig
+from zerotrain.config import CompileConfig, OptimizerConfig, PrecisionConfig, StrategyConfig, TrainerConfig
 from zerotrain.config.ds_config import (
     batch_shape,
     build_ds_config,
@@ -193,7 +193,8 @@ def test_fast_path_leaves_a_user_file_alone(tmp_path):
 
 
 def test_fp16_block_follows_the_config():
-    cfg = make_cfg(initial_scale_power=12, loss_scale_window=250, hysteresis=3, min_loss_scale=0.5)
+    cfg = make_cfg()
+    cfg.precision = PrecisionConfig(initial_scale_power=12, loss_scale_window=250, hysteresis=3, min_loss_scale=0.5)
     fp16 = build_ds_config(cfg, 1, "cuda", "fp16")["fp16"]
     assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 250,
                     "hysteresis": 3, "min_loss_scale": 0.5}
@@ -259,7 +260,7 @@ def test_resolve_precision(requested, device, bf16_ok, expected):
 
 @pytest.mark.parametrize("requested, device, bf16_ok", [("fp16", "cpu", False), ("bf16", "cuda", False)])
 def test_resolve_precision_rejects(requested, device, bf16_ok):
-    with pytest.raises(ConfigError, match=r"^--strategy\.precision "):
+    with pytest.raises(ConfigError, match=r"^--precision\.dtype "):
         resolve_precision(requested, device, bf16_ok)
 
 
@@ -493,11 +494,13 @@ def test_make_ds_config_validates_a_user_file(tmp_path):
 
 def test_a_user_file_that_accumulates_is_refused_with_cuda_graphs(tmp_path):
     path = write(tmp_path, '{"gradient_accumulation_steps": 4}')
-    cfg = make_cfg(gas=1, deepspeed_config=str(path), compile=True, compile_mode="reduce-overhead")
-    with pytest.raises(ConfigError, match=r"^gradient_accumulation_steps = 4 in .*ds\.json.*compile_mode default"):
+    cfg = make_cfg(gas=1, deepspeed_config=str(path))
+    cfg.compile = CompileConfig(enabled=True, mode="reduce-overhead")
+    with pytest.raises(ConfigError, match=r"^gradient_accumulation_steps = 4 in .*ds\.json.*compile\.mode default"):
         make_ds_config(cfg, 1, "cuda", "bf16")
     path = write(tmp_path, '{"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}', "z3.json")
-    z3 = make_cfg(gas=1, deepspeed_config=str(path), compile=True, compile_mode="reduce-overhead")
+    z3 = make_cfg(gas=1, deepspeed_config=str(path))
+    z3.compile = CompileConfig(enabled=True, mode="reduce-overhead")
     assert make_ds_config(z3, 1, "cuda", "bf16")["gradient_accumulation_steps"] == 4  # ZeRO-3 compiles its own way
 
 

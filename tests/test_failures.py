@@ -370,7 +370,7 @@ def test_fp16_loss_scale_stuck_at_its_minimum_stops_the_run(tmp_path, monkeypatc
             _train(logger, [1.0, 1.0], state)
     assert caught.value.step == 10
     assert str(caught.value).startswith(
-        "training diverged at step 10: the fp16 loss scale is stuck at its minimum (1, --strategy.min_loss_scale) and "
+        "training diverged at step 10: the fp16 loss scale is stuck at its minimum (1, --precision.min_loss_scale) and "
         "steps are still skipped for overflow (4 so far): nothing has trained since step 6; no checkpoint was saved "
         "while it was finite (--checkpoint.every_steps N saves one every N steps). Try bf16 instead of fp16")
 

@@ -232,7 +232,7 @@ def test_fit_leaves_the_process_as_it_found_it(tmp_path, monkeypatch, backend):
     assert {k for k in env if os.environ.get(k) != env[k]} == set()
     assert logging.getLogger("zerotrain").handlers == handlers
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32
-    assert cfg.strategy.precision == "auto"
+    assert cfg.precision.dtype == "auto"
     assert {s: signal.getsignal(s) for s in signal_handlers} == signal_handlers  # the pre-emption handlers are gone
     assert gc.callbacks == gc_callbacks  # the meter's garbage-collection clock is gone too
     cfg.trainer.run_name = f"again-{backend}"

@@ -19,7 +19,7 @@ def _fit(tmp_path: Path, *flags: str, env_extra: dict[str, str] | None = None) :
 
 def test_hopper_arch_list_does_not_break_the_op_build(tmp_path):
     """TORCH_CUDA_ARCH_LIST=9.0a (set by Hopper images) must not reach DeepSpeed's parser: FusedAdam builds."""
-    out = _fit(tmp_path, "--strategy.zero_stage", "1", "--strategy.precision", "bf16",
+    out = _fit(tmp_path, "--strategy.zero_stage", "1", "--precision.dtype", "bf16",
                env_extra={"TORCH_CUDA_ARCH_LIST": "9.0a"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "invalid literal for int()" not in out.stderr
@@ -41,15 +41,15 @@ def flags(request) -> tuple[str, ...]:
     ("--strategy.backend", "ddp"),
 ], indirect=True)
 def test_each_strategy_trains_in_bf16(tmp_path, flags):
-    out = _fit(tmp_path, "--strategy.precision", "bf16", *flags)
+    out = _fit(tmp_path, "--precision.dtype", "bf16", *flags)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
     assert summary["precision"] == "bf16" and summary["gpu_mem_peak_gib"] > 0
 
 
 def test_fp16_reports_the_loss_scale(tmp_path):
-    out = _fit(tmp_path, "--strategy.precision", "fp16", "--strategy.zero_stage", "2",
-               "--trainer.log_every_steps", "1", "--strategy.initial_scale_power", "12")
+    out = _fit(tmp_path, "--precision.dtype", "fp16", "--strategy.zero_stage", "2",
+               "--trainer.log_every_steps", "1", "--precision.initial_scale_power", "12")
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(l) for l in (tmp_path / "gpu" / "metrics.jsonl").read_text().splitlines()]
     scales = [r["loss_scale"] for r in rows if "loss_scale" in r]
@@ -58,7 +58,7 @@ def test_fp16_reports_the_loss_scale(tmp_path):
 
 def test_zero0_bf16_runs_the_autocast_fast_path(tmp_path):
     """ZeRO-0 in bf16 trains through torch_autocast with the engine's own clip: the grad norm is logged."""
-    out = _fit(tmp_path, "--strategy.precision", "bf16", "--strategy.zero_stage", "0")
+    out = _fit(tmp_path, "--precision.dtype", "bf16", "--strategy.zero_stage", "0")
     assert out.returncode == 0, out.stderr[-3000:]
     ds = json.loads((tmp_path / "gpu" / "ds_config.json").read_text())
     assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and ds["bf16"]["enabled"] is False
@@ -81,7 +81,7 @@ def test_sigterm_saves_and_the_zero2_bf16_checkpoint_resumes_on_gpu(tmp_path):
 
     args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
             "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
-            "--trainer.eval_every_steps", "100000", "--strategy.zero_stage", "2", "--strategy.precision", "bf16"]
+            "--trainer.eval_every_steps", "100000", "--strategy.zero_stage", "2", "--precision.dtype", "bf16"]
     proc = _start(args, tmp_path)
     _wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc, timeout=600)
     proc.send_signal(signal.SIGTERM)
@@ -133,13 +133,13 @@ def test_the_probe_measures_the_workspace_a_step_keeps_on_the_gpu():
 
 @pytest.mark.parametrize("stage", ["0", "2"])
 def test_cuda_graphs_train_as_the_compiled_model_does(tmp_path, stage):
-    """--strategy.compile_mode reduce-overhead replays the same kernels as CUDA graphs: with dropout off, the
+    """--compile.mode reduce-overhead replays the same kernels as CUDA graphs: with dropout off, the
     loss curve is the default mode's, step by step (ZeRO-2 takes each gradient from the graph's pool in a hook)."""
     curves = {}
     for mode in ("default", "reduce-overhead"):
         (tmp_path / mode).mkdir()
-        out = _fit(tmp_path / mode, "--strategy.zero_stage", stage, "--strategy.precision", "fp32",
-                   "--model.dropout", "0", "--strategy.compile", "true", "--strategy.compile_mode", mode,
+        out = _fit(tmp_path / mode, "--strategy.zero_stage", stage, "--precision.dtype", "fp32",
+                   "--model.dropout", "0", "--compile.enabled", "true", "--compile.mode", mode,
                    "--trainer.max_steps", "12", "--trainer.log_every_steps", "1",
                    env_extra={"TORCH_LOGS": "perf_hints"})  # inductor says there why it would skip the graphs
         assert out.returncode == 0, out.stderr[-3000:]
@@ -214,7 +214,7 @@ def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage
 
     monkeypatch.setattr(Engine, "train_step", train_step)
     argv = ["fit", "toy", "--trainer.max_steps", "6", "--trainer.num_workers", "0", "--trainer.output_dir",
-            str(tmp_path), "--trainer.run_name", "gpu", "--logging.progress_bar", "false", "--strategy.precision",
+            str(tmp_path), "--trainer.run_name", "gpu", "--logging.progress_bar", "false", "--precision.dtype",
             "bf16", "--strategy.zero_stage", stage, "--strategy.gradient_clipping", "1.0",
             "--strategy.fast_path", fast_path]
     if fast_path == "false":

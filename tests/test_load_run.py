@@ -75,6 +75,32 @@ def test_imdb_round_trip_keeps_the_config(imdb_run):
     _same_weights(loaded.model, model)
 
 
+def test_a_run_saved_in_the_old_layout_loads_and_exports(toy_run, tmp_path):
+    """hparams.json of a run made before precision, compile and activation checkpointing had sections of their own
+    (they were strategy fields) loads with the same settings, for predict and export alike."""
+    run, model = toy_run
+    hparams = json.loads((run / "hparams.json").read_text())
+    old = {k: v for k, v in hparams.items() if k not in ("precision", "compile", "activation_checkpointing")}
+    old["strategy"] = {**hparams["strategy"], "precision": "bf16", "initial_scale_power": 12, "loss_scale_window": 500,
+                       "hysteresis": 3, "min_loss_scale": 0.25, "compile": True, "compile_scope": "stack",
+                       "compile_mode": "reduce-overhead", "activation_checkpointing": True}
+    (run / "hparams.json").write_text(json.dumps(old))
+    cfg = load_run(run).cfg
+    assert (cfg.precision.dtype, cfg.precision.initial_scale_power, cfg.precision.loss_scale_window,
+            cfg.precision.hysteresis, cfg.precision.min_loss_scale) == ("bf16", 12, 500, 3, 0.25)
+    assert (cfg.compile.enabled, cfg.compile.scope, cfg.compile.mode) == (True, "stack", "reduce-overhead")
+    assert cfg.activation_checkpointing.enabled is False  # load_run turns it off for inference
+    assert cfg.strategy == ToyConfig().strategy
+
+    from zerotrain.config import upgrade_layout
+    from zerotrain.runtime.rundir import read_run
+
+    _, read, raw = read_run(run)
+    assert read.activation_checkpointing.enabled is True and raw == upgrade_layout(old)
+    assert upgrade_layout(hparams) is hparams  # the current layout is left as it is
+    assert old["strategy"]["precision"] == "bf16"  # and the caller's dict is not changed
+
+
 def test_a_wrapped_models_module_prefix_is_dropped(toy_run):
     """Weights exported from a wrapped module (DDP/DeepSpeed keys ``module.x``) load all the same."""
     from safetensors.torch import load_file, save_file
@@ -106,9 +132,9 @@ def test_overrides_replace_saved_settings(imdb_run, tiny_tokenizer_dir):
 def test_activation_checkpointing_is_off_for_inference(imdb_run):
     run, _ = imdb_run
     hparams = json.loads((run / "hparams.json").read_text())
-    hparams["strategy"]["activation_checkpointing"] = True
+    hparams["activation_checkpointing"]["enabled"] = True
     (run / "hparams.json").write_text(json.dumps(hparams))
-    assert load_run(run).cfg.strategy.activation_checkpointing is False
+    assert load_run(run).cfg.activation_checkpointing.enabled is False
 
 
 def _error(run_dir, *args, **kwargs) -> str:

@@ -34,7 +34,7 @@ def lora_files(tmp_path, tiny_tokenizer_dir):
 def _args(tmp_path: Path, tok: Path, stage: int, nproc: int) -> list[str]:
     return ["fit", "lora", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"),
             "--model.tokenizer", str(tok), "--model.lora_r", "4", "--data.train_path", str(tmp_path / "train.jsonl"),
-            "--data.max_length", "32", "--strategy.zero_stage", str(stage), "--strategy.precision", "fp32",
+            "--data.max_length", "32", "--strategy.zero_stage", str(stage), "--precision.dtype", "fp32",
             "--optimizer.lr", "5e-3", "--trainer.micro_batch_size", "4", "--trainer.max_steps", "4",
             "--trainer.log_every_steps", "1", "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path),
             "--trainer.run_name", "run", "--launch.nproc_per_node", str(nproc), "--logging.progress_bar", "false"]

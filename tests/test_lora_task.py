@@ -51,7 +51,7 @@ def make_task(workdir, tok_dir, **model_kw) -> LoRATask:
                      data=LoRADataConfig(train_path=str(workdir / "train.jsonl"), val_path=str(workdir / "train.jsonl"),
                                          max_length=32),
                      trainer=TrainerConfig(max_steps=5, micro_batch_size=6))
-    cfg.strategy.precision = "fp32"
+    cfg.precision.dtype = "fp32"
     return LoRATask(cfg.validate())
 
 
@@ -138,7 +138,7 @@ def test_export_refuses_empty_adapter(workdir, tiny_tokenizer_dir, tmp_path):
 
 def test_activation_checkpointing_gives_lora_grads(workdir, tiny_tokenizer_dir):
     task = make_task(workdir, tiny_tokenizer_dir)
-    task.cfg.strategy.activation_checkpointing = True
+    task.cfg.activation_checkpointing.enabled = True
     model = task.build_model()
     base = model.base_model.model
     assert getattr(base, "is_activation_checkpointing", None) or base.is_gradient_checkpointing

@@ -165,7 +165,7 @@ def test_estimate_is_a_library_call_with_rows_and_a_pick():
     assert report.counts.total == sum(p.numel() for p in ToyTask(cfg).build_model().parameters())
     assert report.gpu_bytes == 16 * GIB and report.host_bytes == 64 * GIB and report.reserve_bytes == GIB
     # The caller's config is left as it was (estimate fills max_steps and resolves auto on a copy).
-    assert cfg.trainer.max_steps is None and cfg.strategy.precision == "auto"
+    assert cfg.trainer.max_steps is None and cfg.precision.dtype == "auto"
     text = format_report(report)
     assert text.splitlines()[0].startswith("toy: ") and "| zero3_offload |" in text and "Pick: ddp" in text
 
@@ -176,7 +176,7 @@ def test_estimate_sizes_each_strategy_from_the_deepspeed_json_it_would_run_with(
     from zerotrain.config.flags import parse_config
     from zerotrain.plan.estimate import estimate
 
-    cfg = parse_config("toy", ["--strategy.precision", "bf16", "--strategy.zero_stage", "3",
+    cfg = parse_config("toy", ["--precision.dtype", "bf16", "--strategy.zero_stage", "3",
                                "--strategy.reduce_bucket_size", "1000000"])
     rows = {row.name: row.memory for row in estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64).rows}
     assert rows["zero0"].gpu_bytes == rows["ddp"].gpu_bytes

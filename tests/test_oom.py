@@ -39,7 +39,7 @@ TORCH_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a to
 def _cfg(micro: int = 1, accum: int = 1, checkpointing: bool = True, **strategy) -> ToyConfig:
     cfg = ToyConfig()
     cfg.trainer.micro_batch_size, cfg.trainer.max_steps = micro, 10
-    cfg.strategy.gradient_accumulation_steps, cfg.strategy.activation_checkpointing = accum, checkpointing
+    cfg.strategy.gradient_accumulation_steps, cfg.activation_checkpointing.enabled = accum, checkpointing
     for key, value in strategy.items():
         setattr(cfg.strategy, key, value)
     return cfg.validate()
@@ -60,7 +60,7 @@ def test_rung1_an_even_micro_batch_is_halved_with_the_same_global_batch(micro, a
 @pytest.mark.parametrize("micro", [1, 3])
 def test_rung2_activation_checkpointing_when_the_micro_batch_cannot_be_halved(micro):
     assert next_smaller(_cfg(micro, checkpointing=False)) == (
-        "activation checkpointing", ["--strategy.activation_checkpointing", "true"])
+        "activation checkpointing", ["--activation_checkpointing.enabled", "true"])
 
 
 # (backend, stage, offload optimizer, offload param) -> the flags of the next rung, on 2 GPUs and on 1.
@@ -110,7 +110,7 @@ def test_walking_the_ladder_through_the_flag_parser_ends_with_everything_offload
         argv += rung[1]
         assert len(seen) < 10
     s = cfg.strategy
-    assert (cfg.trainer.micro_batch_size, s.activation_checkpointing, s.backend, s.zero_stage, s.offload_optimizer,
+    assert (cfg.trainer.micro_batch_size, cfg.activation_checkpointing.enabled, s.backend, s.zero_stage, s.offload_optimizer,
             s.offload_param) == (1, True, "deepspeed", 3, "cpu", "cpu")
     assert seen[:4] == [f"micro-batch {m} x {8 // m} accumulation steps (the same global batch)" for m in (4, 2, 1)] + [
         "activation checkpointing"]

@@ -67,15 +67,16 @@ def test_candidates_keep_the_global_batch_and_leave_offload_out_on_cpu():
     assert all(STRATEGIES[c.strategy].offload_optimizer == "none" for c in cpu)
     chosen = Candidate("zero2_offload", 4, 6, True).apply(cfg)
     s = chosen.strategy
-    assert (s.backend, s.zero_stage, s.offload_optimizer, s.gradient_accumulation_steps, s.activation_checkpointing,
+    assert (s.backend, s.zero_stage, s.offload_optimizer, s.gradient_accumulation_steps,
+            chosen.activation_checkpointing.enabled,
             s.auto, chosen.trainer.micro_batch_size) == ("deepspeed", 2, "cpu", 6, True, False, 4)
     assert cfg.strategy.zero_stage == 0  # apply() copies
 
 
 def test_cuda_graphs_keep_the_whole_batch_in_one_micro_batch():
-    """--strategy.compile_mode reduce-overhead cannot accumulate gradients, so the planner splits no batch."""
-    cfg = parse_config("toy", ["--trainer.micro_batch_size", "24", "--strategy.compile", "true",
-                               "--strategy.compile_mode", "reduce-overhead", "--trainer.max_steps", "1"])
+    """--compile.mode reduce-overhead cannot accumulate gradients, so the planner splits no batch."""
+    cfg = parse_config("toy", ["--trainer.micro_batch_size", "24", "--compile.enabled", "true",
+                               "--compile.mode", "reduce-overhead", "--trainer.max_steps", "1"])
     assert {(c.micro_batch_size, c.grad_accum) for c in candidates(cfg, "cuda")} == {(24, 1)}
 
 

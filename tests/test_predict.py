@@ -135,7 +135,7 @@ def lora_run(tmp_path, tiny_tokenizer_dir):
     cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / "llama.json"), str(tiny_tokenizer_dir)
     cfg.model.lora_r = 4
     cfg.data.train_path, cfg.data.template = "unused.jsonl", "review: {input} ->{target}"
-    cfg.strategy.precision = "fp32"
+    cfg.precision.dtype = "fp32"
     task = LoRATask(cfg)
     torch.manual_seed(cfg.trainer.seed)  # as the loop does just before building the model
     model = task.build_model()
@@ -257,7 +257,7 @@ def test_predict_on_a_trained_lora_run(tmp_path, tiny_tokenizer_dir, capsys):
     out = zerotrain_cmd(
         ["fit", "lora", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"), "--model.tokenizer",
          str(tiny_tokenizer_dir), "--model.lora_r", "4", "--data.train_path", str(tmp_path / "train.jsonl"),
-         "--data.max_length", "32", "--strategy.precision", "fp32", "--optimizer.lr", "1e-2",
+         "--data.max_length", "32", "--precision.dtype", "fp32", "--optimizer.lr", "1e-2",
          "--trainer.micro_batch_size", "4", "--trainer.max_steps", "8", "--trainer.num_workers", "0",
          "--trainer.device", "cpu", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "lora",
          "--logging.progress_bar", "false"], cwd=tmp_path)

@@ -445,7 +445,7 @@ def test_two_ranks_reduce_scatter_into_their_partitions_bitwise_as_deepspeed(tmp
     for mode in ("patched", "deepspeed"):
         args = ["fit", "toy", "--trainer.max_steps", "6", "--trainer.log_every_steps", "1", "--trainer.num_workers",
                 "0", "--trainer.micro_batch_size", "4", "--strategy.gradient_accumulation_steps", "2",
-                "--strategy.zero_stage", "1", "--strategy.precision", precision,
+                "--strategy.zero_stage", "1", "--precision.dtype", precision,
                 "--strategy.gradient_clipping", "0.05", "--optimizer.lr", "1e-2", "--logging.progress_bar", "false",
                 "--trainer.output_dir", str(tmp_path), "--trainer.run_name", mode]
         out = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

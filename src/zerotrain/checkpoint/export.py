@@ -299,8 +299,6 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
                progress: Optional[Callable[[str], None]] = None) -> ExportResult:
     """Export the checkpoint of ``step`` (default: the newest complete one) of ``run_dir``; see the module doc.
     ``progress`` gets the shard lines of a safetensors export (the shard size, a line per shard)."""
-    from zerotrain.tasks import registry as recipes
-
     run_dir = Path(run_dir).expanduser()
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose fp32 or bf16")
@@ -325,7 +323,7 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
     except OSError as exc:
         raise UserError(f"--out: cannot create {out_dir} ({exc.strerror or exc}). Pass a folder you can write to") \
             from None
-    task = recipes.get(recipe)(cfg)
+    task = rundir.task_class(raw, run_dir / "hparams.json")(cfg)
     torch_dtype = DTYPES[dtype]
     try:
         lazy = checkpoint_tensors(folder)
@@ -362,7 +360,7 @@ def _export_lora(task: Any, lazy: dict, model_dir: Path, dtype: torch.dtype) -> 
     """
     cfg = task.cfg
     cfg.model.merge_on_export = True
-    cfg.strategy.activation_checkpointing = False
+    cfg.activation_checkpointing.enabled = False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.trainer.seed)  # the loop seeds --trainer.seed just before build_model
         model = task.build_model(pretrained=True)

@@ -105,7 +105,8 @@ def check_same_model(checkpoint: Path, recipe: str, cfg: Any) -> None:
     theirs = saved.get("recipe")
     if theirs is not None and theirs != recipe:
         raise UserError(f"--checkpoint.resume: {checkpoint} was written by a {theirs} run, and this is a {recipe} "
-                        f"run. Resume with zerotrain fit {theirs}, or start a new run (another --trainer.run_name)")
+                        f"run. Resume with zerotrain fit {saved.get('task') or theirs}, or start a new run (another "
+                        "--trainer.run_name)")
     model = getattr(cfg, "model", None)
     old = saved.get("model")
     if not (dataclasses.is_dataclass(model) and isinstance(old, dict)):
@@ -144,8 +145,8 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         "recipe": "resume it with its own recipe",
         "backend": "pass --strategy.backend {saved}",
         "zero_stage": "pass --strategy.zero_stage {saved}",
-        "precision": "pass --strategy.precision {saved}",
-        "weights_dtype": "resume with the --strategy.fast_path and --strategy.precision of the run that wrote it",
+        "precision": "pass --precision.dtype {saved}",
+        "weights_dtype": "resume with the --strategy.fast_path and --precision.dtype of the run that wrote it",
         "micro_batch_size": "pass --trainer.micro_batch_size {saved} (the data position counts micro-batches)",
         "grad_accum": "pass --strategy.gradient_accumulation_steps {saved}",
     }

@@ -19,7 +19,7 @@ from zerotrain.plan.strategies import STRATEGIES
 
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="zerotrain benchmark", description=__doc__.split("\n\n")[1])
-    parser.add_argument("recipe")
+    parser.add_argument("recipe", help="a recipe name or module:Class, a Task subclass of your own")
     parser.add_argument("--strategies", default="zero0,zero1,zero2,zero3",
                         help=f"comma-separated, from: {', '.join(STRATEGIES)}")
     parser.add_argument("--nproc", default="1", help="comma-separated process (GPU) counts, e.g. 1,2")

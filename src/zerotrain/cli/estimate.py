@@ -13,12 +13,12 @@ import argparse
 
 from zerotrain.config.flags import parse_config
 from zerotrain.plan.estimate import estimate, format_report
-from zerotrain.tasks import registry as recipes
 
 
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="zerotrain estimate", description=__doc__.split("\n\n")[1])
-    parser.add_argument("recipe", choices=list(recipes.all_recipes()))
+    parser.add_argument("recipe", help="a recipe name (zerotrain fit --help lists them) or module:Class, a Task "
+                        "subclass of your own")
     parser.add_argument("--gpu_memory_gib", type=float, default=None, help="memory of one GPU (default: GPU 0's)")
     parser.add_argument("--host_memory_gib", type=float, default=None, help="memory of one host (default: this one's)")
     parser.add_argument("--reserve_gib", type=float, default=0.0,

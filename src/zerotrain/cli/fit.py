@@ -1,5 +1,8 @@
 """``zerotrain fit RECIPE [--config FILE] [--section.field VALUE ...]``: train.
 
+RECIPE is a shipped or installed recipe's name, or ``module:Class``, a Task subclass of your own that
+Python imports from the current folder or the environment (see :mod:`zerotrain.tasks.registry`).
+
 The flags are generated from the recipe's config dataclasses (jsonargparse), so every field of
 the typed config is a flag, its docstring is the help text, and a YAML file given with
 ``--config`` sets values that later flags override.
@@ -16,7 +19,10 @@ from zerotrain.tasks import registry as recipes
 
 
 def _recipe_list() -> str:
-    return "\n".join(f"  {name:<6}{task.description}" for name, task in recipes.all_recipes().items())
+    lines = [f"  {name:<6}{task.description}" for name, task in recipes.all_recipes().items()]
+    lines.append("  module:Class  your own Task subclass, imported from the current folder or the environment "
+                 "(e.g. my_package.my_module:MyTask)")
+    return "\n".join(lines)
 
 
 def _drop_local_rank(argv: list[str]) -> list[str]:
@@ -38,10 +44,7 @@ def run(argv: list[str]) -> int:
               file=sys.stderr if not argv or argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     recipe, rest = argv[0], _drop_local_rank(argv[1:])
-    if recipe not in recipes.all_recipes():
-        print(f"zerotrain fit: error: unknown recipe {recipe!r}: choose one of {', '.join(sorted(recipes.all_recipes()))} "
-              "(zerotrain fit --help describes them)", file=sys.stderr)
-        return 2
+    task_cls = recipes.get(recipe)  # one line naming RECIPE when it names no task
     cfg = parse_config(recipe, rest).validate()
 
     from zerotrain.runtime.launcher import launched_by_a_launcher, spawn_local_workers
@@ -64,7 +67,7 @@ def run(argv: list[str]) -> int:
 
     from zerotrain.train.loop import fit
 
-    result = fit(recipes.get(recipe)(cfg))  # leaves no process group behind (distributed.setup)
+    result = fit(task_cls(cfg))  # leaves no process group behind (distributed.setup)
     if result.is_main:
         print(f"run directory: {result.run_dir}")
     if "TORCHELASTIC_RUN_ID" in os.environ:

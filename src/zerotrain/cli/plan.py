@@ -20,7 +20,8 @@ from zerotrain.tasks import registry as recipes
 
 def run(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="zerotrain plan", description=__doc__.split("\n\n")[1])
-    parser.add_argument("recipe", choices=list(recipes.all_recipes()))
+    parser.add_argument("recipe", help="a recipe name (zerotrain fit --help lists them) or module:Class, a Task "
+                        "subclass of your own")
     parser.add_argument("--out", default=None, help="plan folder (default: <output_dir>/plans/<recipe>)")
     parser.add_argument("--trials", type=int, default=3, help="short runs of the best predicted candidates")
     parser.add_argument("--trial_steps", type=int, default=8,
@@ -39,7 +40,8 @@ def run(argv: list[str]) -> int:
     if args.host_memory_gib is not None and not args.host_memory_gib > 0:
         raise UserError(f"--host_memory_gib must be > 0, got {args.host_memory_gib}")
     cfg = parse_config(args.recipe, fit_args)
-    out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "plans" / args.recipe
+    short = recipes.name_of(recipes.get(args.recipe))  # a module:Class spec holds a colon
+    out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "plans" / short
 
     from zerotrain.plan.planner import plan
 

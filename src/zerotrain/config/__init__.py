@@ -1,7 +1,7 @@
 """The typed configuration tree of a zerotrain run.
 
 Every recipe's config is a :class:`RunConfig` subclass that adds its own ``model`` and ``data``
-sections; the shared sections (optimizer, scheduler, strategy, trainer, checkpoint, logging,
+sections; the shared sections (optimizer, scheduler, strategy, precision, compile, activation_checkpointing,
 launch) are the same for every task. The CLI is generated from these dataclasses by jsonargparse,
 so the docstring under each field is its ``--help`` text, and precedence is
 defaults < ``--config FILE`` < command-line flags.
@@ -74,6 +74,8 @@ class SchedulerConfig:
 
 @dataclass
 class StrategyConfig:
+    """How the model is distributed: backend, ZeRO stage, offloads, buckets, accumulation, clipping."""
+
     backend: Literal["deepspeed", "ddp"] = "deepspeed"
     """deepspeed (ZeRO) or plain PyTorch DDP, the baseline 'without DeepSpeed'."""
     zero_stage: int = 0
@@ -89,22 +91,10 @@ class StrategyConfig:
     pinned block up to a power of two, so pinning can take up to twice the host memory: false trades faster
     host-GPU copies for up to half the host memory (``zerotrain estimate`` sizes either).
     Without an offload it does nothing."""
-    precision: Precision = "auto"
-    """fp32, fp16 (dynamic loss scaling), bf16, or auto: bf16 on GPUs that support it, fp32 on CPU."""
-    initial_scale_power: int = 16
-    """fp16: the first loss scale is 2**initial_scale_power."""
-    loss_scale_window: int = 1000
-    """fp16: steps without overflow before the loss scale is raised."""
-    hysteresis: int = 2
-    """fp16: overflows tolerated before the loss scale is lowered."""
-    min_loss_scale: float = 1.0
-    """fp16: the loss scale never drops below this."""
     gradient_accumulation_steps: int = 1
     """Micro-batches accumulated per optimizer step."""
     gradient_clipping: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
-    activation_checkpointing: bool = False
-    """Recompute activations in the backward pass instead of storing them (less memory, ~30% more compute)."""
     overlap_comm: bool = False
     """ZeRO: overlap gradient reduction with the backward pass (uses more memory for buckets)."""
     contiguous_gradients: bool = True
@@ -114,12 +104,6 @@ class StrategyConfig:
     """ZeRO: elements reduced at once."""
     allgather_bucket_size: int = 500_000_000
     """ZeRO 1/2: elements all-gathered at once."""
-    compile: bool = False
-    """torch.compile the model's repeated blocks one by one (the whole model if it has none; ZeRO-3: DeepSpeed's own compile): fewer, fused kernels. The first steps compile, about one block's worth whatever the depth; a second batch length compiles once more, for all lengths. With lengths that vary, pad them to a multiple of 64 (--data.pad_to_multiple_of): padded to 8, LoRA 1.2B stalled 12-15 s once, mid-run."""
-    compile_scope: Literal["blocks", "stack"] = "blocks"
-    """With --strategy.compile: blocks compiles the repeated blocks one by one (a compile costs one block, whatever the depth); stack compiles the module that holds them (IMDB's TransformerEncoder) as one graph: fewer kernel launches a step, for small models whose step waits on the host, at a compile time that grows with depth."""
-    compile_mode: Literal["default", "reduce-overhead"] = "default"
-    """With --strategy.compile: torch.compile's mode. reduce-overhead replays each compiled unit's kernels as a CUDA graph, one launch instead of hundreds, for a step that waits on the host; a graph is recorded per batch shape, and the graphs share one memory pool that the run keeps. Refuses gradient accumulation (on any device); not used on a CPU or at ZeRO-3 (DeepSpeed's own compile)."""
     fast_path: bool = True
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.config.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     auto: bool = False
@@ -159,21 +143,48 @@ class StrategyConfig:
             raise ConfigError(
                 "--strategy.gradient_accumulation_steps", f"must be >= 1, got {self.gradient_accumulation_steps}"
             )
-        if (self.compile and self.compile_mode == "reduce-overhead" and self.zero_stage != 3
-                and self.gradient_accumulation_steps > 1):
-            # A CUDA graph's replay writes its gradients into the same pool memory each time, and the first
-            # micro-batch's gradients became the parameters' .grad there (pytorch/pytorch#169545).
-            raise ConfigError("--strategy.compile_mode", "reduce-overhead (CUDA graphs) would overwrite the gradients "
-                              "accumulated so far; set --strategy.gradient_accumulation_steps 1 or "
-                              "--strategy.compile_mode default")
         if self.gradient_clipping < 0:
             raise ConfigError("--strategy.gradient_clipping", f"must be >= 0 (0 disables), got {self.gradient_clipping}")
         for flag, value in (("--strategy.reduce_bucket_size", self.reduce_bucket_size),
                             ("--strategy.allgather_bucket_size", self.allgather_bucket_size)):
             if value < 1:
                 raise ConfigError(flag, f"must be >= 1 (elements per bucket, e.g. 500000000), got {value}")
-        if self.precision == "fp16" and self.backend == "deepspeed" and self.initial_scale_power < 0:
-            raise ConfigError("--strategy.initial_scale_power", "must be >= 0")
+
+
+@dataclass
+class PrecisionConfig:
+    """The training precision, and fp16's dynamic loss scale."""
+
+    dtype: Precision = "auto"
+    """fp32, fp16 (dynamic loss scaling), bf16, or auto: bf16 on GPUs that support it, fp32 on CPU."""
+    initial_scale_power: int = 16
+    """fp16: the first loss scale is 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the loss scale is raised."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the loss scale is lowered."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never drops below this."""
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile of the model."""
+
+    enabled: bool = False
+    """torch.compile the model's repeated blocks one by one (the whole model if it has none; ZeRO-3: DeepSpeed's own compile): fewer, fused kernels. The first steps compile, about one block's worth whatever the depth; a second batch length compiles once more, for all lengths. With lengths that vary, pad them to a multiple of 64 (--data.pad_to_multiple_of): padded to 8, LoRA 1.2B stalled 12-15 s once, mid-run."""
+    scope: Literal["blocks", "stack"] = "blocks"
+    """With --compile.enabled: blocks compiles the repeated blocks one by one (a compile costs one block, whatever the depth); stack compiles the module that holds them (IMDB's TransformerEncoder) as one graph: fewer kernel launches a step, for small models whose step waits on the host, at a compile time that grows with depth."""
+    mode: Literal["default", "reduce-overhead"] = "default"
+    """With --compile.enabled: torch.compile's mode. reduce-overhead replays each compiled unit's kernels as a CUDA graph, one launch instead of hundreds, for a step that waits on the host; a graph is recorded per batch shape, and the graphs share one memory pool that the run keeps. Refuses gradient accumulation (on any device); not used on a CPU or at ZeRO-3 (DeepSpeed's own compile)."""
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    """Activation checkpointing: recompute instead of store."""
+
+    enabled: bool = False
+    """Recompute activations in the backward pass instead of storing them (less memory, ~30% more compute)."""
 
 
 @dataclass
@@ -326,7 +337,13 @@ class RunConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Learning-rate schedule."""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
-    """How the model is distributed: ZeRO stage, offload, precision, accumulation, clipping."""
+    """How the model is distributed: backend, ZeRO stage, offloads, buckets, accumulation, clipping."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Training precision (and fp16's loss scale)."""
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    """torch.compile."""
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    """Activation checkpointing."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The training loop."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -351,7 +368,15 @@ class RunConfig:
 
 def check_across_sections(cfg: "RunConfig") -> None:
     """Checks that read two sections at once."""
-    tr, ck, sched = cfg.trainer, cfg.checkpoint, cfg.scheduler
+    tr, ck, sched, st, comp = cfg.trainer, cfg.checkpoint, cfg.scheduler, cfg.strategy, cfg.compile
+    if comp.enabled and comp.mode == "reduce-overhead" and st.zero_stage != 3 and st.gradient_accumulation_steps > 1:
+        # A CUDA graph's replay writes its gradients into the same pool memory each time, and the first
+        # micro-batch's gradients became the parameters' .grad there (pytorch/pytorch#169545).
+        raise ConfigError("--compile.mode", "reduce-overhead (CUDA graphs) would overwrite the gradients "
+                          "accumulated so far; set --strategy.gradient_accumulation_steps 1 or "
+                          "--compile.mode default")
+    if cfg.precision.dtype == "fp16" and st.backend == "deepspeed" and cfg.precision.initial_scale_power < 0:
+        raise ConfigError("--precision.initial_scale_power", "must be >= 0")
     if ck.resume == "auto" and not tr.run_name:
         raise ConfigError("--checkpoint.resume", "auto continues the run named by --trainer.run_name, and none is "
                           "given: pass --trainer.run_name NAME (the folder name under --trainer.output_dir)")
@@ -368,6 +393,50 @@ def check_warmup(warmup_steps: int, total_steps: int) -> None:
         raise ConfigError("--scheduler.warmup_steps", f"({warmup_steps}) must be below the run's {total_steps} "
                           "optimizer steps, or the learning rate never reaches --optimizer.lr: lower it (e.g. "
                           f"{max(1, total_steps // 10)}) or train longer")
+
+
+MOVED: dict[str, str] = {
+    "strategy.precision": "precision.dtype",
+    "strategy.initial_scale_power": "precision.initial_scale_power",
+    "strategy.loss_scale_window": "precision.loss_scale_window",
+    "strategy.hysteresis": "precision.hysteresis",
+    "strategy.min_loss_scale": "precision.min_loss_scale",
+    "strategy.compile": "compile.enabled",
+    "strategy.compile_scope": "compile.scope",
+    "strategy.compile_mode": "compile.mode",
+    "strategy.activation_checkpointing": "activation_checkpointing.enabled",
+}
+"""Settings that left ``strategy`` for sections of their own: old key -> new key. A flag or ``--config`` key
+of the old layout is refused in one line naming the new one; an old run's ``hparams.json`` is read through
+:func:`upgrade_layout`."""
+
+
+def moved_setting(key: str, value: Any = None, flag: bool = True) -> str:
+    """The one line for an old ``section.field`` (see :data:`MOVED`): ``--strategy.precision moved: use
+    --precision.dtype bf16`` for a flag, ``strategy.precision moved: use precision.dtype (...)`` for a file key."""
+    new = MOVED[key]
+    if flag:
+        return f"--{key} moved: use --{new}" + (f" {value}" if value is not None else "")
+    section, _, name = new.partition(".")
+    shown = "..." if value is None else value if not isinstance(value, bool) else str(value).lower()
+    return f"{key} moved: use {new} (write {section}: {{{name}: {shown}}})"
+
+
+def upgrade_layout(hparams: dict[str, Any]) -> dict[str, Any]:
+    """A saved config (``hparams.json``) in the current layout: the settings of :data:`MOVED` taken out of its
+    ``strategy`` into their own sections. A config already in the current layout comes back unchanged."""
+    strategy = hparams.get("strategy")
+    if not isinstance(strategy, dict) or not any(f"strategy.{k}" in MOVED for k in strategy):
+        return hparams
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in hparams.items()}
+    for key, value in strategy.items():
+        if f"strategy.{key}" in MOVED:
+            section, _, name = MOVED[f"strategy.{key}"].partition(".")
+            del out["strategy"][key]
+            target = out.setdefault(section, {})
+            if isinstance(target, dict):
+                target.setdefault(name, value)
+    return out
 
 
 def from_dict(cls: type, data: dict[str, Any]) -> Any:

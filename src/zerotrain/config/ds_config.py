@@ -36,9 +36,9 @@ def resolve_precision(requested: str, device: str, bf16_supported: bool) -> Reso
     """``auto`` is bf16 on a GPU that supports it, else fp16 on GPU, else fp32 (CPU)."""
     if requested != "auto":
         if requested == "bf16" and device == "cuda" and not bf16_supported:
-            raise ConfigError("--strategy.precision", "bf16 is not supported by this GPU; use fp16 or fp32")
+            raise ConfigError("--precision.dtype", "bf16 is not supported by this GPU; use fp16 or fp32")
         if requested == "fp16" and device == "cpu":
-            raise ConfigError("--strategy.precision", "fp16 needs a GPU; on CPU use fp32 or bf16")
+            raise ConfigError("--precision.dtype", "fp16 needs a GPU; on CPU use fp32 or bf16")
         return requested  # type: ignore[return-value]
     if device == "cuda":
         return "bf16" if bf16_supported else "fp16"
@@ -87,10 +87,10 @@ def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Res
         ds["fp16"] = {
             "enabled": True,
             "loss_scale": 0,  # 0 = dynamic
-            "initial_scale_power": s.initial_scale_power,
-            "loss_scale_window": s.loss_scale_window,
-            "hysteresis": s.hysteresis,
-            "min_loss_scale": s.min_loss_scale,
+            "initial_scale_power": cfg.precision.initial_scale_power,
+            "loss_scale_window": cfg.precision.loss_scale_window,
+            "hysteresis": cfg.precision.hysteresis,
+            "min_loss_scale": cfg.precision.min_loss_scale,
         }
     zero: dict[str, Any] = {
         "stage": s.zero_stage,
@@ -351,13 +351,13 @@ def _validate_for_device(ds: dict[str, Any], device: str) -> None:
     import difflib
 
     if _enabled(ds.get("fp16")) and device == "cpu":
-        raise ConfigError("fp16.enabled", "= true needs a GPU (as --strategy.precision fp16 does); on CPU set "
+        raise ConfigError("fp16.enabled", "= true needs a GPU (as --precision.dtype fp16 does); on CPU set "
                           "\"fp16\": {\"enabled\": false} in the file given to --strategy.deepspeed_config, or use bf16")
     if "activation_checkpointing" in ds:
         # That block configures deepspeed.checkpointing, which only models calling it use; zerotrain's
         # models recompute through torch.utils.checkpoint, switched by the flag.
         raise ConfigError("activation_checkpointing", "(a block of the file given to --strategy.deepspeed_config) "
-                          "does nothing for zerotrain's models: remove it and pass --strategy.activation_checkpointing true")
+                          "does nothing for zerotrain's models: remove it and pass --activation_checkpointing.enabled true")
     opt = ds.get("optimizer")
     name = opt.get("type") if isinstance(opt, dict) else None
     if isinstance(name, str) and name.lower() not in _DS_OPTIMIZERS:
@@ -376,7 +376,7 @@ def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> Non
     """Write into ``cfg`` (the run's resolved copy) what a user's DeepSpeed file set, so ``hparams.json``
     records the settings the run used rather than the typed config the file overrode."""
     s, zero = cfg.strategy, ds.get("zero_optimization") or {}
-    s.precision = precision
+    cfg.precision.dtype = precision
     s.zero_stage = zero.get("stage", 0)
     for name in ("offload_optimizer", "offload_param"):
         device = _offload_device(zero.get(name))
@@ -479,12 +479,13 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         ds = build_ds_config(cfg, world_size, device, precision)
     validate_ds_config(ds, world_size, device)
     s, stage = cfg.strategy, (ds.get("zero_optimization") or {}).get("stage", 0)
-    if s.compile and s.compile_mode == "reduce-overhead" and stage != 3 and ds["gradient_accumulation_steps"] > 1:
-        # StrategyConfig.validate refuses the flags; a user's file can still set accumulation. Refused on a CPU
+    if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead" and stage != 3 \
+            and ds["gradient_accumulation_steps"] > 1:
+        # config.check_across_sections refuses the flags; a user's file can still set accumulation. Refused on a CPU
         # too, as the flags are, so that a config that runs here runs on a GPU.
         raise ConfigError("gradient_accumulation_steps", f"= {ds['gradient_accumulation_steps']} in "
-                          f"{s.deepspeed_config}, but CUDA graphs (--strategy.compile_mode reduce-overhead) would "
-                          "overwrite the gradients accumulated so far: set it to 1 or --strategy.compile_mode default")
+                          f"{s.deepspeed_config}, but CUDA graphs (--compile.mode reduce-overhead) would "
+                          "overwrite the gradients accumulated so far: set it to 1 or --compile.mode default")
     return ds
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from argparse import ArgumentError
 
-from zerotrain.config import RunConfig
+from zerotrain.config import MOVED, RunConfig, moved_setting
 from zerotrain.errors import UserError
 from zerotrain.tasks import registry as recipes
 
@@ -36,6 +36,7 @@ def build_parser(recipe: str):
 def parse_config(recipe: str, argv: list[str]) -> RunConfig:
     """The typed config of ``recipe`` from defaults < ``--config`` file < flags."""
     cfg_cls = recipes.get(recipe).config_class
+    refuse_moved(argv)
     parser = build_parser(recipe)
     try:
         parsed = parser.parse_args(argv)
@@ -44,6 +45,32 @@ def parse_config(recipe: str, argv: list[str]) -> RunConfig:
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.4x
     ns = instantiate(parsed)
     return cfg_cls(**{f.name: ns[f.name] for f in dataclasses.fields(cfg_cls)})
+
+
+def refuse_moved(argv: list[str]) -> None:
+    """One line for a setting of the old layout (see :data:`zerotrain.config.MOVED`), as a flag or as a key of a
+    ``--config`` file, naming where it is now; checked before parsing, so the line is the same from any command
+    and before any process starts."""
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        if key.startswith("--") and key[2:] in MOVED:
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+            raise UserError(moved_setting(key[2:], value))
+    configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    configs += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in configs:
+        try:
+            import yaml
+
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except (OSError, ValueError, yaml.YAMLError):
+            continue  # the parser says what is wrong with the file
+        strategy = data.get("strategy") if isinstance(data, dict) else None
+        for key, value in (strategy.items() if isinstance(strategy, dict) else ()):
+            if f"strategy.{key}" in MOVED:
+                raise UserError(f"--config {path}: {moved_setting(f'strategy.{key}', value, flag=False)}")
 
 
 def one_line(message: str) -> str:

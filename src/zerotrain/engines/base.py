@@ -211,8 +211,8 @@ class Engine(ABC):
 
 def _compile(module: nn.Module, cfg: RunConfig, device: torch.device) -> None:
     # CUDA graphs replay CUDA kernels; on a CPU inductor would only warn that it skips them
-    mode = cfg.strategy.compile_mode if device.type == "cuda" else "default"
-    logger.info("torch.compile: %s (mode %s)", compile_model(module, cfg.strategy.compile_scope, mode=mode), mode)
+    mode = cfg.compile.mode if device.type == "cuda" else "default"
+    logger.info("torch.compile: %s (mode %s)", compile_model(module, cfg.compile.scope, mode=mode), mode)
 
 
 def _is_one(factor: float | torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""``--strategy.compile``: torch.compile a transformer one block at a time (``--strategy.compile_scope stack``: the
+"""``--compile.enabled``: torch.compile a transformer one block at a time (``--compile.scope stack``: the
 stack of blocks as one graph).
 
 Compiling a whole model makes dynamo trace every layer: a 22-layer Llama with LoRA logged no step

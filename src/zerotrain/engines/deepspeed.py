@@ -67,7 +67,7 @@ class DeepSpeedEngine(Engine):
             # And of its engine: at ZeRO-0 the gradients cleared from a list; at stages 0-2 no empty forward hooks.
             zero_grad_from_list(self.ds)
             drop_idle_forward_hooks(self.ds)
-        if cfg.strategy.compile:
+        if cfg.compile.enabled:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
                 # into; DeepSpeed's own entry point compiles the wrapped module with those hooks left out.

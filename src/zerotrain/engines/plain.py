@@ -34,7 +34,7 @@ class TorchEngine(Engine):
         self.grad_accum = cfg.strategy.gradient_accumulation_steps
         self.clip = cfg.strategy.gradient_clipping
         self._module = model.to(device)
-        if cfg.strategy.compile:
+        if cfg.compile.enabled:
             _compile(self._module, cfg, device)
         self._wrapped: nn.Module = self._module
         if self.world_size > 1:

@@ -219,17 +219,17 @@ class StepLogger:
 
         since = "the start" if self._last_good_step is None else f"step {self._last_good_step}"
         if math.isfinite(loss):
-            what = (f"the fp16 loss scale is stuck at its minimum ({scale:g}, --strategy.min_loss_scale) and "
+            what = (f"the fp16 loss scale is stuck at its minimum ({scale:g}, --precision.min_loss_scale) and "
                     f"steps are still skipped for overflow ({skipped} so far): nothing has trained since {since}")
-            advice = ("bf16 instead of fp16 (--strategy.precision bf16, on GPUs that support it), a lower "
-                      "--optimizer.lr, --strategy.gradient_clipping 1.0, or a lower --strategy.min_loss_scale")
+            advice = ("bf16 instead of fp16 (--precision.dtype bf16, on GPUs that support it), a lower "
+                      "--optimizer.lr, --strategy.gradient_clipping 1.0, or a lower --precision.min_loss_scale")
         else:
             what = f"the training loss is {_json_number(loss)} at step {step} and has not been finite since {since}"
             advice = "a lower --optimizer.lr"
             if not _clip_of(self.engine):
                 advice += ", gradient clipping (--strategy.gradient_clipping 1.0)"
             if self.engine.precision == "fp16":
-                advice += ", or bf16 instead of fp16 (--strategy.precision bf16)"
+                advice += ", or bf16 instead of fp16 (--precision.dtype bf16)"
             else:
                 advice += ", or a longer warm-up (--scheduler.warmup_steps)"
         good = self._good_checkpoint()

@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from zerotrain.config import upgrade_layout
 from zerotrain.errors import OOM_EXIT, UserError
 from zerotrain.plan.strategies import STRATEGIES
 from zerotrain.runtime.rundir import environment, write_json
+from zerotrain.tasks import registry as recipes
 
 if TYPE_CHECKING:
     from zerotrain.plan.probe import Probe
@@ -154,7 +156,7 @@ def _probe(recipe: str, fit_args: list[str], out_dir: Path) -> tuple[Optional["P
         cfg = parse_config(recipe, fit_args)
         per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
         return run_probe(recipe, fit_args, out_dir / "probe.json", per_rank,
-                         checkpointing=cfg.strategy.activation_checkpointing), None
+                         checkpointing=cfg.activation_checkpointing.enabled), None
     except UserError as exc:
         return None, str(exc)
 
@@ -206,6 +208,7 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"--strategies: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
+    short = recipes.name_of(recipes.get(recipe))  # run folder names: a module:Class spec holds a colon
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     if probe_file is not None:
@@ -221,7 +224,7 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
               "rows": rows}
     for rnd, n, name in _fit_order(strategies, nprocs, rounds):
         suffix = f"-r{rnd}" if rounds > 1 else ""
-        run_name = f"{recipe}-{name}-{n}gpu{suffix}"
+        run_name = f"{short}-{name}-{n}gpu{suffix}"
         args = [*fit_args, *STRATEGIES[name].flags(), *extra, "--launch.nproc_per_node", str(n)]
         print(f"[benchmark] {name} x {n}{suffix}: zerotrain fit {recipe} {shlex.join(args)}", flush=True)
         row = {"strategy": name, **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}
@@ -288,7 +291,7 @@ def _standard_fields(recipe: str, row: dict[str, Any], run_dir: Path, env: dict[
     return {
         "recipe": recipe, "model": hparams.get("model"), "n_params": row.get("n_params"),
         "gpu": row.get("device") or (env.get("gpus") or ["cpu"])[0], "n_gpus": row.get("world_size", row["nproc"]),
-        "precision": row.get("precision") or hparams.get("strategy", {}).get("precision"),
+        "precision": row.get("precision") or upgrade_layout(hparams).get("precision", {}).get("dtype"),
         "micro_batch_size": row.get("micro_batch_size") or hparams.get("trainer", {}).get("micro_batch_size"),
         # Mean padded length of a sample: the positions the model computed per example.
         "seq_len": row["throughput_tokens_per_s"] / samples if samples else None,

@@ -100,10 +100,10 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     per_node = cfg.launch.nproc_per_node
     world = per_node * cfg.launch.nnodes
     if probe is not None:
-        cfg.strategy.precision = probe.precision  # what the run resolves to on the probed device (fp32 on a CPU)
-    elif cfg.strategy.precision == "auto":
-        cfg.strategy.precision = "bf16"  # what auto resolves to on any GPU since Ampere; the model is built in it
-    precision = cfg.strategy.precision
+        cfg.precision.dtype = probe.precision  # what the run resolves to on the probed device (fp32 on a CPU)
+    elif cfg.precision.dtype == "auto":
+        cfg.precision.dtype = "bf16"  # what auto resolves to on any GPU since Ampere; the model is built in it
+    precision = cfg.precision.dtype
     device = probe.device if probe is not None else "cuda"
     # Each strategy's DeepSpeed JSON as its run would get it (from the flags, or from
     # --strategy.deepspeed_config): its bucket sizes, and whether it keeps fp32 weights under autocast.
@@ -145,7 +145,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         predictions, judged = {}, []
         for row in rows:
             pred = predict(counts, strategies[row.name], cfg.trainer.micro_batch_size,
-                           cfg.strategy.activation_checkpointing, world, precision, probe,
+                           cfg.activation_checkpointing.enabled, world, precision, probe,
                            buckets.get(row.name, Buckets()), autocast.get(row.name, False),
                            cfg.strategy.gradient_accumulation_steps, export=cfg.trainer.export)
             predictions[row.name] = pred
@@ -162,7 +162,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
-                          activation_checkpointing=cfg.strategy.activation_checkpointing,
+                          activation_checkpointing=cfg.activation_checkpointing.enabled,
                           configured={k: v for k, v in strategies.items() if k not in STRATEGIES},
                           unpinned=alternative)
 

@@ -8,7 +8,7 @@ its first gradient, as the probe measured, plus the gradients it builds or the b
 into, whichever is larger) and the step (all gradients, no activations, no bucket). Measured on one H100 at BERT-base shape (BENCHMARKS.md), the bucket
 is under the forward's peak there; on IMDB's small model it adds on top.
 
-Activations depend on the batch, the sequence length and ``--strategy.activation_checkpointing``,
+Activations depend on the batch, the sequence length and ``--activation_checkpointing.enabled``,
 not on the ZeRO stage: :mod:`zerotrain.plan.probe` measures them on the device, and :func:`predict` adds
 them to the model states (peak GPU memory allocated by PyTorch, rank 0), with what a step's kernels
 keep allocated (cuBLAS workspaces, ~0.1 GiB on an H100: the predictions of BERT-base, HelloDeepSpeed's

@@ -70,7 +70,7 @@ class Candidate:
     def flags(self) -> list[str]:
         return [*STRATEGIES[self.strategy].flags(), "--trainer.micro_batch_size", str(self.micro_batch_size),
                 "--strategy.gradient_accumulation_steps", str(self.grad_accum),
-                "--strategy.activation_checkpointing", str(self.checkpointing).lower(),
+                "--activation_checkpointing.enabled", str(self.checkpointing).lower(),
                 *(["--strategy.offload_pin_memory", "false"] if self.unpinned else [])]
 
     @property
@@ -82,7 +82,7 @@ class Candidate:
         """A copy of ``cfg`` set to this candidate."""
         cfg = STRATEGIES[self.strategy].apply(cfg)
         s = cfg.strategy
-        s.gradient_accumulation_steps, s.activation_checkpointing = self.grad_accum, self.checkpointing
+        s.gradient_accumulation_steps, cfg.activation_checkpointing.enabled = self.grad_accum, self.checkpointing
         s.auto = False
         if self.unpinned:
             s.offload_pin_memory = False
@@ -135,8 +135,8 @@ def candidates(cfg: RunConfig, device: str, strategies: Optional[list[str]] = No
     """Every configuration the planner considers for ``cfg``'s global batch (module docstring)."""
     per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
     micros = sorted({m for m in (2**i for i in range(per_rank.bit_length())) if per_rank % m == 0} | {per_rank})
-    if cfg.strategy.compile and cfg.strategy.compile_mode == "reduce-overhead":
-        micros = [per_rank]  # CUDA graphs cannot accumulate gradients (StrategyConfig.validate)
+    if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead":
+        micros = [per_rank]  # CUDA graphs cannot accumulate gradients (config.check_across_sections)
     names = strategies or [name for name, s in STRATEGIES.items()
                            if device == "cuda" or s.offload_optimizer == "none"]  # offload needs a GPU to offload from
     return [Candidate(name, m, per_rank // m, ckpt) for name in names for m in micros
@@ -301,7 +301,7 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     planned_set = list(to_run)
     if compare_strategies:  # every strategy at the configured micro-batch too: what a benchmark sweep measures
         same = [r for r in rows if r.dropped is None and r.candidate.micro_batch_size == cfg.trainer.micro_batch_size
-                and r.candidate.checkpointing == cfg.strategy.activation_checkpointing]
+                and r.candidate.checkpointing == cfg.activation_checkpointing.enabled]
         to_run += [r for r in same if r not in to_run]
     # Out of memory in every trial of the planner's own: the memory model was wrong for this model;
     # try the next candidates in the ranking, at most as many again. Other failures end the plan.

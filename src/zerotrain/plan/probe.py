@@ -427,7 +427,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     from zerotrain.train.loop import seed_everything
 
     cfg = copy.deepcopy(task.cfg)
-    cfg.strategy.precision = precision  # tasks read it (LoRA loads its base weights in it)
+    cfg.precision.dtype = precision  # tasks read it (LoRA loads its base weights in it)
     seed_everything(cfg.trainer.seed)
     gpu_total = context = room = None
     if device.type == "cuda":
@@ -477,7 +477,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
 
     for ckpt in checkpointing:
         variant_cfg = copy.deepcopy(cfg)
-        variant_cfg.strategy.activation_checkpointing = ckpt
+        variant_cfg.activation_checkpointing.enabled = ckpt
         variant_task = task.with_config(variant_cfg)  # one clone builds and steps: a task may keep facts of its model
         model = variant_task.build_model()
         model.train()
@@ -591,7 +591,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         want = cfg.trainer.device
         device = torch.device("cuda" if want != "cpu" and torch.cuda.is_available() else "cpu")
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        precision = resolve_precision(cfg.strategy.precision, device.type, bf16)
+        precision = resolve_precision(cfg.precision.dtype, device.type, bf16)
         ckpt = (False,) if args.no_checkpointing else (False, True)
         max_micro = args.max_micro or cfg.trainer.micro_batch_size
         # In a process group of one, as a run of one process is: its communicator is part of the host memory.

@@ -134,7 +134,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
             torch.cuda.set_device(local_rank)
             device = torch.device("cuda", local_rank)
             cap_gpu_memory(device, cfg.trainer.gpu_memory_gib)
-        precision = resolve_precision(cfg.strategy.precision, device.type,
+        precision = resolve_precision(cfg.precision.dtype, device.type,
                                       device.type == "cuda" and torch.cuda.is_bf16_supported())
         if device.type == "cuda" and precision == "fp32":
             # fp32 matmuls on tensor cores (TF32), as MFU's fp32 peak assumes; IEEE fp32 runs ~7x slower on Hopper.

@@ -87,15 +87,18 @@ def _refuse_fresh_start_over(run_dir: Path) -> None:
 
 
 def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_config: Optional[dict[str, Any]],
-                   lock: Optional["RunLock"] = None) -> None:
+                   lock: Optional["RunLock"] = None, task: Optional[str] = None) -> None:
     """Create the run folder and write what reruns the run: config, DeepSpeed JSON, environment, code state.
+
+    ``hparams.json`` names the recipe, and with ``task`` (``module:Class``, see :func:`zerotrain.tasks.registry.spec_of`)
+    the class of a task its name alone would not find: what ``predict``, ``export`` and ``load_run`` import.
 
     ``lock`` (rank 0's :class:`RunLock`) takes the folder first, so that nothing is rewritten under a
     run that another process still trains."""
     create(str(run_dir.parent), run_dir.name)
     if lock is not None:
         lock.take(run_dir)
-    write_json(run_dir / "hparams.json", {"recipe": recipe, **hparams})
+    write_json(run_dir / "hparams.json", {"recipe": recipe, **({"task": task} if task else {}), **hparams})
     if ds_config is not None:
         write_json(run_dir / "ds_config.json", ds_config)
     write_json(run_dir / "env.json", environment())
@@ -337,9 +340,10 @@ def _check_device(device: str) -> torch.device:
 
 
 def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
-    """(recipe, typed config, raw hparams.json) of a run folder; one-line errors naming the file."""
-    from zerotrain.config import from_dict
-    from zerotrain.tasks import registry as recipes
+    """(recipe, typed config, raw hparams.json in the current layout) of a run folder; one-line errors naming the file.
+
+    The task class is :func:`task_class` of the raw hparams (imported here already, so the errors come first)."""
+    from zerotrain.config import from_dict, upgrade_layout
 
     if not run_dir.is_dir():
         raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
@@ -356,11 +360,8 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
     recipe = raw.get("recipe") if isinstance(raw, dict) else None
     if not isinstance(recipe, str):
         raise UserError(f"{hparams} names no recipe (no \"recipe\" key): it was not written by zerotrain fit")
-    known = recipes.all_recipes()
-    if recipe not in known:
-        raise UserError(f"{hparams}: the run is of recipe {recipe!r}, which is not registered here (known: "
-                        f"{', '.join(known)}). For a task of your own, import the module that defines it first")
-    config_class = known[recipe].config_class
+    config_class = task_class(raw, hparams).config_class
+    raw = upgrade_layout(raw)  # a run saved before precision, compile and activation checkpointing left strategy
     fields = {f.name for f in dataclasses.fields(config_class)}
     try:
         cfg = from_dict(config_class, {k: v for k, v in raw.items() if k in fields})
@@ -368,6 +369,23 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
         raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc}); "
                         "was the run made by another zerotrain version?") from None
     return recipe, cfg, raw
+
+
+def task_class(raw: dict[str, Any], hparams: Path) -> type:
+    """The Task class of a run from its ``hparams.json`` (``raw``): its ``task`` (``module:Class``) when the run
+    recorded one, else its recipe name, shipped, installed or registered by a module imported first."""
+    from zerotrain.tasks import registry as recipes
+
+    spec = raw.get("task") or raw["recipe"]
+    try:
+        return recipes.get(spec, argument=f'{hparams}: "task"')
+    except UserError as exc:
+        if "task" in raw:
+            raise UserError(f"{exc} (the run was trained with zerotrain fit {spec}: load it from the same folder "
+                            "or environment)") from None
+        known = ", ".join(recipes.all_recipes())
+        raise UserError(f"{hparams}: the run is of recipe {spec!r}, which is not registered here (known: {known}). "
+                        "For a task of your own, import the module that defines it first") from None
 
 
 def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, device: str = "cpu") -> LoadedRun:
@@ -382,19 +400,20 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     ``overrides`` replaces saved settings before anything is built, as ``{"section.field": value}``,
     e.g. ``{"data.tokenizer": "/new/place/tokenizer"}`` when the run's tokenizer folder moved; the
     key ``"tokenizer"`` names the recipe's own tokenizer setting (``data.tokenizer`` or
-    ``model.tokenizer``). A user's own task must be imported (so that it registers) before its runs
-    can be loaded. Every failure is a :class:`~zerotrain.errors.UserError` naming the folder or file
+    ``model.tokenizer``). A run of a task given as ``module:Class`` imports that module again (from the
+    environment or the current folder); a task class defined in a script must be imported (so that it
+    registers) before its runs can be loaded.
+    Every failure is a :class:`~zerotrain.errors.UserError` naming the folder or file
     and what to do.
     """
     from zerotrain.data.io import looks_local
-    from zerotrain.tasks import registry as recipes
 
     run_dir = Path(run_dir).expanduser()
-    recipe, cfg, _ = read_run(run_dir)
+    recipe, cfg, raw = read_run(run_dir)
     dev = _check_device(device)
-    task_cls = recipes.get(recipe)
+    task_cls = task_class(raw, run_dir / "hparams.json")
     _apply_overrides(cfg, dict(overrides or {}), recipe)
-    cfg.strategy.activation_checkpointing = False  # a training setting; inference has no backward pass
+    cfg.activation_checkpointing.enabled = False  # a training setting; inference has no backward pass
 
     setting = _tokenizer_setting(cfg)
     if setting is not None:

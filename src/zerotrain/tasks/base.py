@@ -54,7 +54,8 @@ class StepOutput:
 class Task(ABC, Generic[C]):
     """A recipe: model, data, loss and metrics. Knows nothing about DeepSpeed or torch.distributed.
 
-    A subclass that sets ``name`` registers itself as a recipe (``zerotrain fit NAME``); the loop
+    A subclass that sets ``name`` registers itself as a recipe (``zerotrain fit NAME``); any subclass, named
+    or not, is reached from the command line as ``zerotrain fit my_package.my_module:MyTask``. The loop
     asks it only through the methods below. What a recipe can do beyond the abstract ones (length
     bucketing, DeepSpeed "auto" hints, predictions) it declares by overriding a method, never by
     the loop looking for attributes of its config.
@@ -173,7 +174,7 @@ class Task(ABC, Generic[C]):
         at a time with a log line each: a big model's export holds one shard in host memory, not the model, and
         says how far it has got.
         """
-        from zerotrain.checkpoint import export
+        from zerotrain.checkpoint.manager import export
 
         export.write_safetensors(export.lazy_tensors(state_dict), out_dir, dtype=None,
                                  max_shard_size=export.DEFAULT_MAX_SHARD_SIZE,

@@ -209,7 +209,7 @@ class IMDBTask(Task[IMDBConfig]):
             max_len=m.max_len,
             dropout=m.dropout,
             pad_token_id=self.tokenizer.pad_token_id,
-            activation_checkpointing=self.cfg.strategy.activation_checkpointing,
+            activation_checkpointing=self.cfg.activation_checkpointing.enabled,
             activation="gelu" if m.init_from_mlm else "relu",
         )
         if m.init_from_mlm and pretrained:

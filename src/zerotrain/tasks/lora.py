@@ -53,7 +53,7 @@ class LoRAModelConfig:
     config: Optional[str] = None
     """init=random: a config.json file (or a folder holding one) describing the architecture, e.g. configs/tiny_llama_config.json."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Weights' dtype when loading; auto follows --strategy.precision (bf16/fp16 there, else fp32)."""
+    """Weights' dtype when loading; auto follows --precision.dtype (bf16/fp16 there, else fp32)."""
     lora_r: int = 8
     """Rank of the LoRA update matrices."""
     lora_alpha: int = 32
@@ -108,7 +108,7 @@ class LoRADataConfig:
     bucket_by_length: bool = False
     """Group examples of similar length into the same batches to cut padding (batches stay shuffled)."""
     pad_to_multiple_of: int = 8
-    """Pad each batch to a multiple of this many tokens. With --strategy.compile use 64: padded to 8, compiled
+    """Pad each batch to a multiple of this many tokens. With --compile.enabled use 64: padded to 8, compiled
     LoRA 1.2B stalled 12-15 s once mid-run (a rebuild of the Triton kernels for a new divisibility of the
     length by 16, likely but not confirmed); padded to 64 it did not (BENCHMARKS.md, session 8)."""
 
@@ -173,7 +173,7 @@ class LoRATask(Task[LoRAConfig]):
     def _dtype(self) -> torch.dtype:
         choice = self.cfg.model.dtype
         if choice == "auto":
-            choice = self.cfg.strategy.precision if self.cfg.strategy.precision in ("bf16", "fp16") else "fp32"
+            choice = self.cfg.precision.dtype if self.cfg.precision.dtype in ("bf16", "fp16") else "fp32"
         return _DTYPES[choice]
 
     def _load_base(self, pretrained: bool = True) -> nn.Module:
@@ -223,7 +223,7 @@ class LoRATask(Task[LoRAConfig]):
         from peft import LoraConfig, get_peft_model
 
         m = self.cfg.model
-        if self.cfg.strategy.activation_checkpointing:
+        if self.cfg.activation_checkpointing.enabled:
             if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
                 base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:

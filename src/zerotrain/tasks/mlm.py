@@ -137,7 +137,7 @@ class MLMTask(Task[MLMConfig]):
             vocab_size=len(self.tokenizer), num_layers=m.num_layers, num_heads=m.num_heads, h_dim=m.h_dim,
             ff_dim=m.ff_dim, dropout=m.dropout, max_seq_length=m.max_seq_length,
             pad_token_id=pad if pad is not None else self.tokenizer.eos_token_id,
-            activation_checkpointing=self.cfg.strategy.activation_checkpointing,
+            activation_checkpointing=self.cfg.activation_checkpointing.enabled,
         )
 
     def build_datasets(self) -> Splits:

@@ -55,6 +55,7 @@ from zerotrain.runtime.collectives import barrier, main_process_first, run_on_ma
 from zerotrain.runtime.distributed import Runtime, setup
 from zerotrain.runtime.launcher import Heartbeat
 from zerotrain.runtime.preemption import armed
+from zerotrain.tasks import registry as recipes
 from zerotrain.tasks.base import Splits, Task
 from zerotrain.train.evaluate import Evaluator, fmt
 from zerotrain.train.heap import FrozenHeap
@@ -116,7 +117,8 @@ def _train(run: Run) -> FitResult:
     rt = run.rt
     tr = run.cfg.trainer
     state, engine = TrainState(), run.engine
-    checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state, shape_of(engine, run.task.name))
+    shape = shape_of(engine, recipes.name_of(type(run.task)))
+    checkpointer = Checkpointer(run.cfg.checkpoint, run.run_dir, engine, state, shape)
     if run.resume_from is not None:
         checkpointer.load(run.resume_from, seed=tr.seed)  # the seed re-seeds RNG on another process count
         log.info("resumed from %s at step %d (epoch %d, %d micro-batches in)", run.resume_from,
@@ -191,13 +193,14 @@ def _train(run: Run) -> FitResult:
 def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Run:
     """Data, sampling plan, model and engine; the run folder once all of them were built without error."""
     cfg = copy.deepcopy(task.cfg)
-    cfg.strategy.precision = rt.precision  # tasks read it (LoRA loads weights in it); hparams.json shows it
+    cfg.precision.dtype = rt.precision  # tasks read it (LoRA loads weights in it); hparams.json shows it
     task = task.with_config(cfg)
     tr = cfg.trainer
-    run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, task.name, cfg.checkpoint.resume, rt.is_main,
+    name = recipes.name_of(type(task))
+    run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, name, cfg.checkpoint.resume, rt.is_main,
                                           lock, cfg.checkpoint.verify)
     if resume_from is not None:  # before anything is built or hparams.json rewritten
-        run_on_main(lambda: check_same_model(resume_from, task.name, cfg))
+        run_on_main(lambda: check_same_model(resume_from, name, cfg))
 
     check_nvme_io(cfg)  # before the data and the model: a missing op would otherwise end the run minutes later
     # Identical initial weights on every rank, then per-rank randomness (dropout).
@@ -229,17 +232,18 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         if cfg.strategy.deepspeed_config and engine.ds_config is not None:
             reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
         if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
-            check_compatible(resume_from, shape_of(engine, task.name))
+            check_compatible(resume_from, shape_of(engine, name))
         if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
             one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
             run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
         # On rank 0, with its error shared: a lock held by another run stops every rank.
-        run_on_main(lambda: rundir.write_metadata(run_dir, task.name, cfg.to_dict(), engine.ds_config, lock))
+        run_on_main(lambda: rundir.write_metadata(run_dir, name, cfg.to_dict(), engine.ds_config, lock,
+                                                  task=recipes.spec_of(type(task))))
         if rt.is_main:
             if engine.ds_config is not None and cfg.logging.print_ds_config:
                 print(json.dumps(engine.ds_config, indent=2), flush=True)
         log.info("run directory: %s", run_dir)
-        log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s", task.name, n_params / 1e6,
+        log.info("%s: %.2fM parameters (%.2fM trainable), %s x %d process(es), %s, %s", name, n_params / 1e6,
                  n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
         log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
                  total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)

@@ -51,8 +51,8 @@ def next_smaller(cfg: RunConfig, world_size: int = 1) -> Optional[tuple[str, lis
     if micro > 1 and micro % 2 == 0:
         return (f"micro-batch {micro // 2} x {accum * 2} accumulation steps (the same global batch)",
                 ["--trainer.micro_batch_size", str(micro // 2), "--strategy.gradient_accumulation_steps", str(accum * 2)])
-    if not s.activation_checkpointing:
-        return "activation checkpointing", ["--strategy.activation_checkpointing", "true"]
+    if not cfg.activation_checkpointing.enabled:
+        return "activation checkpointing", ["--activation_checkpointing.enabled", "true"]
     return _next_zero(s, world_size)
 
 
