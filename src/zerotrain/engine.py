@@ -255,6 +255,9 @@ class DeepSpeedEngine(Engine):
         # A "scheduler" block in the user's file makes DeepSpeed build the schedule; else ours runs.
         scheduler = None if "scheduler" in ds else (lambda opt: make_scheduler(opt, cfg, total_steps, steps_per_epoch))
         params = [p for p in model.parameters() if p.requires_grad]
+        from zerotrain.doctor import ops_for, prepare_ops
+
+        prepare_ops(ops_for(ds))  # a first run compiles DeepSpeed's optimizer op in there: say so, clear a stale lock
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
         mask_norms_without_sync(cfg.strategy.fast_path)  # process-wide: set either way, so false is DeepSpeed's
