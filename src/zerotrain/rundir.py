@@ -281,8 +281,7 @@ def commit(here: Path = Path(__file__).resolve().parent) -> str | None:
     as the one a GPU machine receives, may carry a stale .git whose HEAD is not the code), else the HEAD of
     the checkout holding ``here`` (the package's folder), marked ``-dirty`` as ``git describe`` does when the
     files under ``here`` differ from it, untracked ones included: such a HEAD does not name the code that
-    ran (BENCHMARKS.md session 18's rows read the session's first commit while later code ran); None when
-    neither says."""
+    ran (a result would be credited to an older commit than the code that produced it); None when neither says."""
     named = os.environ.get("ZEROTRAIN_COMMIT")
     if named:
         return named
