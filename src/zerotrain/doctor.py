@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterable, Optional
 from zerotrain.launcher import sanitize_cuda_arch_list
 
 # The ops zerotrain's strategies use: FusedAdam (GPU Adam), CPUAdam (optimizer offload),
-# AsyncIO (NVMe offload).
-OPS = {"FusedAdamBuilder": "FusedAdam (GPU optimizer)",
+# AsyncIO (NVMe offload), and the shared-memory collectives DeepSpeed builds for any CPU run.
+OPS = {"ShareMemCommBuilder": "shared-memory communication op (CPU runs)",
+       "FusedAdamBuilder": "FusedAdam (GPU optimizer)",
        "CPUAdamBuilder": "DeepSpeedCPUAdam (--strategy.offload_optimizer cpu)",
        "AsyncIOBuilder": "AsyncIO (nvme offload)"}
 

@@ -24,7 +24,7 @@ def run(argv: list[str]) -> int:
     if unknown:
         from zerotrain.errors import UserError
 
-        raise UserError(f"zerotrain doctor: unknown argument {unknown[0]!r}; it takes --json and --build")
+        raise UserError(f"unknown argument {unknown[0]!r}; zerotrain doctor takes --json and --build")
     if "--json" in argv:
         # DeepSpeed logs to stdout (its accelerator warning on import); keep stdout pure JSON for `| jq`.
         with contextlib.redirect_stdout(sys.stderr):
