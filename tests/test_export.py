@@ -63,6 +63,18 @@ def test_export_of_the_last_checkpoint_is_the_trained_model(toy_runs, engine, ca
     assert not list(out.parent.glob(f".{out.name}.partial-*"))  # no staging folder left behind
 
 
+def test_a_smaller_shard_size_is_told_only_when_it_changes_the_files():
+    """No host has 4,000 TB free, so shards are cut to a quarter of its free memory: worth a line for a model
+    bigger than that, and nothing for one that is a single file either way (the toy runs' 2.21 kB)."""
+    from zerotrain.checkpoint.export import _shard_size_for_host
+
+    lines: list[str] = []
+    smaller = _shard_size_for_host("1000TB", lines.append, total_bytes=10**15)
+    assert smaller < 10**15 and len(lines) == 1 and "of host memory free: shards of" in lines[0]
+    lines.clear()
+    assert _shard_size_for_host("1000TB", lines.append, total_bytes=2210) == smaller and lines == []
+
+
 def test_an_older_step_and_bf16(toy_runs):
     run = toy_runs["zero2"]
     result = export_run(run, step=2, dtype="bf16")

@@ -119,7 +119,7 @@ def test_bad_csv_label_and_empty_split(tmp_path):
 def test_hub_name_offline_says_what_to_pass(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(UserError, match=r"--data.path ../shared/data/imdb"):
+    with pytest.raises(UserError, match=r"--data.path DIR, a folder with train\.jsonl\.gz and test\.jsonl\.gz such as examples/data/imdb-sample"):
         load_split("no-such-owner/no-such-imdb", "train")
 
 

@@ -199,10 +199,10 @@ def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]
     from safetensors.torch import save_file
 
     rename = rename or (lambda k: k)
-    max_shard_size = _shard_size_for_host(max_shard_size, progress)
     names = {rename(k): k for k in lazy}
     meta = {new: torch.empty(lazy[old][0], dtype=(dtype or lazy[old][1]) if lazy[old][1].is_floating_point
                              else lazy[old][1], device="meta") for new, old in names.items()}
+    max_shard_size = _shard_size_for_host(max_shard_size, progress, sum(t.nbytes for t in meta.values()))
     split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -244,11 +244,13 @@ def _parse_size(size: str | int | float) -> int:
     return int(float(text.removesuffix("B")))
 
 
-def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[[str], None]]) -> int:
+def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[[str], None]],
+                         total_bytes: Optional[int] = None) -> int:
     """``max_shard_size``, or less when this host has little memory free. A shard is on the host twice while it
     is written (the tensors copied from the GPU and safetensors' serialised bytes), so shards are kept to a
     quarter of the free memory: the end of a big run whose optimizer fills the host (5B parameters under CPU
-    offload: 120 of 125 GiB) still exports, in more files."""
+    offload: 120 of 125 GiB) still exports, in more files. ``progress`` is told only when that changes the files
+    written: a model of ``total_bytes`` that fits in one smaller shard is written as one file either way."""
     import psutil
 
     wanted = _parse_size(max_shard_size)
@@ -256,7 +258,7 @@ def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[
     if 4 * wanted <= free:
         return wanted
     smaller = max(MIN_SHARD_BYTES, free // 4)
-    if progress:
+    if progress and (total_bytes is None or total_bytes > smaller):
         progress(f"{_size(free)} of host memory free: shards of {_size(smaller)} instead of {_size(wanted)}")
     return smaller
 
@@ -335,9 +337,15 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
             files = ["model/" + f for f in write_safetensors(lazy, staging / "model", torch_dtype, max_shard_size,
                                                              progress=progress)]
         if fmt == "safetensors":
-            # hparams.json beside model/: the folder is a run folder to load_run and zerotrain predict.
+            # hparams.json beside model/ (and the run's tokenizer): the folder is a run folder to load_run and
+            # zerotrain predict, wherever it goes.
+            rundir.write_model_config(task, staging / "model")
+            files.append(f"model/{rundir.MODEL_CONFIG}")
             shutil.copyfile(run_dir / "hparams.json", staging / "hparams.json")
             files.append("hparams.json")
+            if (run_dir / rundir.TOKENIZER_DIR).is_dir():
+                shutil.copytree(run_dir / rundir.TOKENIZER_DIR, staging / rundir.TOKENIZER_DIR)
+                files += sorted(str(p.relative_to(staging)) for p in (staging / rundir.TOKENIZER_DIR).iterdir())
         info = {"source_run": str(run_dir.resolve()), "checkpoint": str(folder.resolve()), "step": step_n,
                 "recipe": recipe, "dtype": dtype, "format": fmt}
         (staging / "export.json").write_text(json.dumps(info, indent=2) + "\n")

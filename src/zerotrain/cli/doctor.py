@@ -1,4 +1,4 @@
-"""``zerotrain doctor``: what this machine can run, before a long job finds out the hard way."""
+"""``zerotrain doctor [--json] [--build]``: what this machine can run, before a long job finds out the hard way."""
 
 from __future__ import annotations
 
@@ -6,17 +6,31 @@ import contextlib
 import json
 import sys
 
-from zerotrain.runtime.doctor import report
+from zerotrain.runtime.doctor import build_ops, report
+
+USAGE = """usage: zerotrain doctor [--json] [--build]
+
+Report versions, GPUs, compilers and DeepSpeed op build readiness.
+  --json   the report as JSON on stdout
+  --build  also compile the DeepSpeed ops this machine can use (the CPU communication op, CPUAdam, FusedAdam,
+           AsyncIO), which a first run would otherwise compile on first use, for minutes"""
 
 
 def run(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: zerotrain doctor [--json]\n\nReport versions, GPUs, compilers and DeepSpeed op build readiness.")
+        print(USAGE)
         return 0
+    unknown = [a for a in argv if a not in ("--json", "--build")]
+    if unknown:
+        from zerotrain.errors import UserError
+
+        raise UserError(f"unknown argument {unknown[0]!r}; zerotrain doctor takes --json and --build")
     if "--json" in argv:
         # DeepSpeed logs to stdout (its accelerator warning on import); keep stdout pure JSON for `| jq`.
         with contextlib.redirect_stdout(sys.stderr):
             info = report()
+            if "--build" in argv:
+                info["built"] = build_ops(say=lambda line: print(line, file=sys.stderr))
         json.dump(info, sys.stdout, indent=2, default=str)
         print()
         return 0
@@ -32,4 +46,8 @@ def run(argv: list[str]) -> int:
                 print(f"  {v}")
         else:
             print(f"  {values}")
+    if "--build" in argv:
+        print("building DeepSpeed's ops:")
+        results = build_ops(say=lambda line: print(f"  {line}", flush=True))
+        return 1 if any(v.startswith("FAILED") for v in results.values()) else 0
     return 0

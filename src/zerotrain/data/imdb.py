@@ -4,7 +4,7 @@ Sources, all read into ``(texts, labels)`` with label 0 = negative, 1 = positive
 
 * a folder holding ``{split}.jsonl.gz`` / ``{split}.jsonl`` / ``{split}.csv`` / ``{split}.parquet``
   (JSON lines and Parquet with ``text`` and ``label`` fields, CSV with a ``text,label`` header),
-  such as ``../shared/data/imdb``;
+  such as the sample ``examples/data/imdb-sample`` in the repository;
 * the original ``aclImdb/`` tree, ``<root>/{train,test}/{pos,neg}/*.txt`` (``<root>`` may also be
   the folder that contains ``aclImdb/``);
 * one file whose name contains ``train`` or ``test`` (``data/imdb_train.csv``): the other split is
@@ -40,8 +40,8 @@ LABEL_NAMES = ("negative", "positive")
 _BR = re.compile(r"<br\s*/?>", re.IGNORECASE)
 _SUFFIXES = (".jsonl.gz", ".jsonl", ".csv", ".parquet")
 _LOCAL_EXAMPLE = (
-    "../shared/data/imdb (a folder with train.jsonl.gz and test.jsonl.gz), "
-    "or explicit files such as --data.path data/imdb_{split}.csv"
+    "DIR, a folder with train.jsonl.gz and test.jsonl.gz such as examples/data/imdb-sample in the zerotrain "
+    "repository, or explicit files such as --data.path data/imdb_{split}.csv"
 )
 
 

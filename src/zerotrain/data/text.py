@@ -29,6 +29,8 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".jsonl.bz2")
 SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
 TOKENIZE_CHUNK_LINES = 1000
 _CACHE_FORMAT = 1  # bump when the packing changes, so old caches are not reused
+LOCAL_TEXT = ("a text file (.txt, .txt.xz, or .jsonl with a 'text' field), such as "
+              "examples/data/imdb-sample/train.jsonl.gz in the zerotrain repository")
 
 
 def _read_file(path: Path, text_field: str, max_lines: Optional[int]) -> list[str]:
@@ -52,8 +54,8 @@ def _read_file(path: Path, text_field: str, max_lines: Optional[int]) -> list[st
 
 def _local_files(path: Path, flag: str) -> list[Path]:
     if not path.exists():
-        raise DataError(f"{flag}: {path}: no such file or folder. Pass a text file, e.g. "
-                        "../shared/data/gutenberg/train.txt.xz, or a hub dataset name")
+        raise DataError(f"{flag}: {path}: no such file or folder. Pass {LOCAL_TEXT}, or a hub dataset name "
+                        "such as wikitext:wikitext-2-raw-v1 when online")
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(SUFFIXES))
         if not files:
@@ -96,7 +98,7 @@ def read_text_lines(
 
 
 def _read_hub(name: str, split: str, text_field: str, max_lines: Optional[int], flag: str) -> list[str]:
-    ds = load_hub_dataset(name, split, flag, "../shared/data/gutenberg/train.txt.xz")
+    ds = load_hub_dataset(name, split, flag, f"FILE, {LOCAL_TEXT}")
     if text_field not in ds.column_names:
         raise DataError(f"hub dataset {name!r} has no column {text_field!r} (columns: {ds.column_names})")
     lines = []

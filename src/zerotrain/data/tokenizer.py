@@ -9,6 +9,10 @@ from zerotrain.errors import UserError
 
 __all__ = ["load_tokenizer", "looks_local"]
 
+LOCAL_TOKENIZER = ("a folder with tokenizer.json (or vocab.json + merges.txt), such as examples/data/roberta-tokenizer "
+                   "in the zerotrain repository")
+"""What to pass instead of a tokenizer that failed: the RoBERTa tokenizer ships with the repository."""
+
 
 def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
     """Return a fast tokenizer from a local folder (``tokenizer.json`` or ``vocab.json`` + ``merges.txt``)
@@ -23,8 +27,8 @@ def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
     path = Path(name_or_path).expanduser()
     local = looks_local(name_or_path)
     if local and not path.is_dir():
-        raise UserError(f"{flag}: tokenizer folder {name_or_path!r} does not exist. Pass a folder with tokenizer.json "
-                        "(or vocab.json + merges.txt), e.g. ../shared/data/roberta-tokenizer")
+        raise UserError(f"{flag}: tokenizer folder {name_or_path!r} does not exist. Pass {LOCAL_TOKENIZER}, "
+                        "or a hub name such as roberta-base when online")
     if not local:
         hub_offline()
     try:
@@ -34,8 +38,7 @@ def load_tokenizer(name_or_path: str, flag: str = "--data.tokenizer"):
         raise UserError(
             f"{flag}: could not load a tokenizer from the {where} "
             f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}). "
-            "Offline, pass a local folder with tokenizer.json (or vocab.json + merges.txt), "
-            f"e.g. {flag} ../shared/data/roberta-tokenizer"
+            f"Offline, pass {LOCAL_TOKENIZER}"
         ) from None
     check_encodes_text(tok, name_or_path, flag)
     return tok
@@ -62,6 +65,5 @@ def check_encodes_text(tok, name_or_path: str, flag: str) -> None:
     if len(ordinary) < 2:
         raise UserError(
             f"{flag}: the tokenizer in {name_or_path!r} cannot encode text: {PROBE!r} becomes "
-            f"{len(ordinary)} ordinary token(s){detail} (vocabulary of {len(tok)}). Pass a folder with "
-            "tokenizer.json (or vocab.json + merges.txt), e.g. ../shared/data/roberta-tokenizer"
+            f"{len(ordinary)} ordinary token(s){detail} (vocabulary of {len(tok)}). Pass {LOCAL_TOKENIZER}"
         )

@@ -31,6 +31,7 @@ from zerotrain.engines.ds_private.zero_host import (
     zero_grad_from_list,
 )
 from zerotrain.errors import UserError
+from zerotrain.runtime.doctor import ops_for, prepare_ops
 from zerotrain.train.schedule import make_scheduler
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class DeepSpeedEngine(Engine):
         # A "scheduler" block in the user's file makes DeepSpeed build the schedule; else ours runs.
         scheduler = None if "scheduler" in ds else (lambda opt: make_scheduler(opt, cfg, total_steps, steps_per_epoch))
         params = [p for p in model.parameters() if p.requires_grad]
+        prepare_ops(ops_for(ds))  # a first run compiles DeepSpeed's optimizer op in there: say so, clear a stale lock
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
         mask_norms_without_sync(cfg.strategy.fast_path)  # process-wide: set either way, so false is DeepSpeed's

@@ -63,6 +63,10 @@ def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", t
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
 
+            from zerotrain.runtime.doctor import prepare_ops
+
+            if device == "cpu":
+                prepare_ops(["ShareMemCommBuilder"])
             # On CPU it builds its shared-memory op and prints "... built successfully" on stdout, which is
             # where a user reads the run's own output (the run directory line).
             with contextlib.redirect_stdout(io.StringIO()):
@@ -124,11 +128,13 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         device_type = _device_type(cfg.trainer.device)
         backend = comm_backend(cfg.launch.comm_backend, device_type)
         undo_group_timeout = inherit_group_timeout(cfg.launch.timeout_minutes)
+        # Before the process group: a first run builds DeepSpeed's CPU communication op there, and says so.
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
+        restore_logging = setup_logging(rank == 0)
         init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
                            timeout_minutes=cfg.launch.timeout_minutes)
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        restore_logging = setup_logging(rank == 0)
         device = torch.device("cpu")
         if device_type == "cuda":
             torch.cuda.set_device(local_rank)

@@ -2,8 +2,12 @@
 
 ``<recipe>.<YYYY>.<MM>.<DD>.<HH>.<MM>.<SS>.<id>/`` holds ``hparams.json`` (the resolved config),
 ``ds_config.json`` (what DeepSpeed got), ``githash.log`` and ``gitdiff.log`` (the code),
-``env.json`` (versions, hardware, the command line), ``metrics.jsonl``, ``tb_dir/`` and
-``checkpoints/``. The layout follows DeepSpeedExamples' HelloDeepSpeed.
+``env.json`` (versions, hardware, the command line), ``tokenizer/`` (a copy of the run's tokenizer),
+``metrics.jsonl``, ``tb_dir/``, ``checkpoints/`` and, once trained, ``model/`` (the weights and their
+``config.json``). The layout follows DeepSpeedExamples' HelloDeepSpeed.
+
+A run folder travels: nothing in it is read through a path relative to where the run started, so it loads
+from any working directory, after it was moved, and on another machine.
 """
 
 from __future__ import annotations
@@ -87,8 +91,9 @@ def _refuse_fresh_start_over(run_dir: Path) -> None:
 
 
 def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_config: Optional[dict[str, Any]],
-                   lock: Optional["RunLock"] = None, task: Optional[str] = None) -> None:
-    """Create the run folder and write what reruns the run: config, DeepSpeed JSON, environment, code state.
+                   lock: Optional["RunLock"] = None, task: Optional[str] = None, tokenizer: Any = None) -> None:
+    """Create the run folder and write what reruns the run: config, DeepSpeed JSON, environment, code state,
+    and a copy of ``tokenizer`` (the task's :meth:`~zerotrain.tasks.base.Task.run_tokenizer`; None: none).
 
     ``hparams.json`` names the recipe, and with ``task`` (``module:Class``, see :func:`zerotrain.tasks.registry.spec_of`)
     the class of a task its name alone would not find: what ``predict``, ``export`` and ``load_run`` import.
@@ -103,6 +108,40 @@ def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_confi
         write_json(run_dir / "ds_config.json", ds_config)
     write_json(run_dir / "env.json", environment())
     write_code_state(run_dir)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
+
+
+TOKENIZER_DIR = "tokenizer"
+"""The run folder's copy of its tokenizer, which :func:`read_run` uses instead of the path hparams.json records."""
+
+MODEL_CONFIG = "config.json"
+"""``<run>/model/config.json``: the recipe, its model settings and the vocabulary size the weights were trained with."""
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, written beside and renamed into place: a crash leaves no half copy."""
+    import shutil
+
+    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    with writing("the run's copy of its tokenizer", folder.parent):
+        tokenizer.save_pretrained(str(staging))
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def write_model_config(task: Any, model_dir: Path) -> None:
+    """``model_dir/config.json`` beside the exported weights, as a ``save_pretrained`` folder has: the recipe, its
+    ``model`` settings and ``vocab_size``, the size of the tokenizer the weights were trained with, which
+    :func:`load_run` checks a tokenizer against before it blames the weights."""
+    model = getattr(task.cfg, "model", None)
+    tokenizer = task.run_tokenizer()
+    config = {"recipe": task.name,
+              "model": dataclasses.asdict(model) if dataclasses.is_dataclass(model) else None,
+              "vocab_size": len(tokenizer) if tokenizer is not None else None}
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_json(model_dir / MODEL_CONFIG, config)
 
 
 # ---- who owns a run folder ----------------------------------------------------------------------
@@ -245,8 +284,7 @@ def commit(here: Path = Path(__file__).resolve().parent) -> str | None:
     as the one a GPU machine receives, may carry a stale .git whose HEAD is not the code), else the HEAD of
     the checkout holding ``here`` (the package's folder), marked ``-dirty`` as ``git describe`` does when the
     files under ``here`` differ from it, untracked ones included: such a HEAD does not name the code that
-    ran (BENCHMARKS.md session 18's rows read the session's first commit while later code ran); None when
-    neither says."""
+    ran (a result would be credited to an older commit than the code that produced it); None when neither says."""
     named = os.environ.get("ZEROTRAIN_COMMIT")
     if named:
         return named
@@ -342,7 +380,9 @@ def _check_device(device: str) -> torch.device:
 def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
     """(recipe, typed config, raw hparams.json in the current layout) of a run folder; one-line errors naming the file.
 
-    The task class is :func:`task_class` of the raw hparams (imported here already, so the errors come first)."""
+    The task class is :func:`task_class` of the raw hparams (imported here already, so the errors come first).
+    The config's tokenizer setting names the run's own copy (``<run>/tokenizer``) when the run has one; the raw
+    hparams.json keeps the path the run was started with."""
     from zerotrain.config import from_dict, upgrade_layout
 
     if not run_dir.is_dir():
@@ -368,6 +408,11 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
     except (UserError, TypeError, ValueError) as exc:
         raise UserError(f"{hparams} does not match the {recipe} recipe's config ({exc}); "
                         "was the run made by another zerotrain version?") from None
+    setting = _tokenizer_setting(cfg)
+    if setting is not None and (run_dir / TOKENIZER_DIR).is_dir():
+        # The run's own copy, not the path it was started with (relative to a folder it may no longer be in).
+        section, _, name = setting.partition(".")
+        setattr(getattr(cfg, section), name, str(run_dir / TOKENIZER_DIR))
     return recipe, cfg, raw
 
 
@@ -388,6 +433,21 @@ def task_class(raw: dict[str, Any], hparams: Path) -> type:
                         "For a task of your own, import the module that defines it first") from None
 
 
+def _check_tokenizer_fits(task: Any, export_dir: Path, tokenizer: Any, setting: Optional[str]) -> None:
+    """A tokenizer whose vocabulary is not the size the weights were trained with is named as the cause, before
+    the weights are loaded (where it would read as damaged weights). Runs exported without ``config.json``
+    are not checked."""
+    try:
+        trained = json.loads((export_dir / MODEL_CONFIG).read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return
+    tok = task.run_tokenizer() if isinstance(trained, int) else None
+    if tok is not None and len(tok) != trained:
+        raise UserError(f"the tokenizer {tokenizer!r} ({setting}) has {len(tok)} tokens, but the model in {export_dir} "
+                        f"was trained with a tokenizer of {trained}: pass the tokenizer the run was trained with, "
+                        "--tokenizer DIR (load_run(..., overrides={'tokenizer': DIR}) from Python)")
+
+
 def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, device: str = "cpu") -> LoadedRun:
     """Rebuild the model a finished ``zerotrain fit`` run exported, ready for inference.
 
@@ -397,13 +457,15 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     ``Task.load_exported``. The model is put in eval mode on ``device``; activation checkpointing,
     a training-time setting, is turned off.
 
-    ``overrides`` replaces saved settings before anything is built, as ``{"section.field": value}``,
-    e.g. ``{"data.tokenizer": "/new/place/tokenizer"}`` when the run's tokenizer folder moved; the
-    key ``"tokenizer"`` names the recipe's own tokenizer setting (``data.tokenizer`` or
-    ``model.tokenizer``). A run of a task given as ``module:Class`` imports that module again (from the
-    environment or the current folder); a task class defined in a script must be imported (so that it
-    registers) before its runs can be loaded.
-    Every failure is a :class:`~zerotrain.errors.UserError` naming the folder or file
+    The tokenizer is the run's own copy (``<run_dir>/tokenizer``) when it has one, so the folder loads from
+    anywhere; a tokenizer of another vocabulary size than the weights' (``model/config.json``) is refused
+    naming the tokenizer. ``overrides`` replaces saved settings before anything is built, as
+    ``{"section.field": value}``, e.g. ``{"data.tokenizer": "/new/place/tokenizer"}`` for a run without its
+    own copy whose tokenizer folder moved; the key ``"tokenizer"`` names the recipe's own tokenizer setting
+    (``data.tokenizer`` or ``model.tokenizer``). A run of a task given as ``module:Class`` imports that module
+    again (from the environment or the current folder); a task class defined in a script must be imported (so
+    that it registers) before its runs can be loaded. Every failure is a :class:`~zerotrain.errors.UserError`
+    naming the folder or file
     and what to do.
     """
     from zerotrain.data.io import looks_local
@@ -416,6 +478,7 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     cfg.activation_checkpointing.enabled = False  # a training setting; inference has no backward pass
 
     setting = _tokenizer_setting(cfg)
+    tokenizer = None
     if setting is not None:
         section, _, name = setting.partition(".")
         tokenizer = getattr(getattr(cfg, section), name)
@@ -429,6 +492,7 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
         raise UserError(f"{export_dir} is missing: the run did not finish exporting its model. "
                         "Let it finish (or resume it) and try again")
     task = task_cls(cfg)
+    _check_tokenizer_fits(task, export_dir, tokenizer, setting)
     # Random initialisation before the weights are loaded must not move the caller's random streams.
     with torch.random.fork_rng(devices=[]):
         try:

@@ -210,6 +210,15 @@ class Task(ABC, Generic[C]):
             raise UserError(f"{weights} does not fit the model the run's hparams.json describes "
                             f"({detail[:300]}). Was the folder's model/ copied from another run?") from None
 
+    def run_tokenizer(self) -> Any:
+        """The tokenizer this task's token ids come from, or None (the default) when it has none.
+
+        A run folder keeps a copy of it (``<run>/tokenizer``, written with ``save_pretrained``), so that
+        :func:`zerotrain.runtime.rundir.load_run`, ``zerotrain predict`` and ``zerotrain export`` read the run from any
+        working directory and on another machine, whatever path the run was started with.
+        """
+        return None
+
     def predict(self, model: nn.Module, inputs: list[str], **options: Any) -> list[str]:
         """One output line per input text, from the trained ``model`` (in eval mode, on its device):
         what ``zerotrain predict RUN_DIR TEXT...`` prints.

@@ -83,7 +83,7 @@ class SentimentDataConfig:
     path: str = "stanfordnlp/imdb"
     """Hub dataset name, or a local folder (train/test as .jsonl.gz, .jsonl, .csv, .parquet, or an aclImdb tree) or file."""
     tokenizer: str = "roberta-base"
-    """Hub tokenizer name or local folder with tokenizer.json (offline: ../shared/data/roberta-tokenizer)."""
+    """Hub tokenizer name, or a local folder with tokenizer.json (offline: the repository's examples/data/roberta-tokenizer)."""
     max_train_samples: Optional[int] = None
     """Train on a class-balanced subset of this many reviews, drawn with --trainer.seed (None: all 25,000)."""
     max_eval_samples: Optional[int] = None
@@ -195,6 +195,9 @@ class IMDBTask(Task[IMDBConfig]):
     @cached_property
     def tokenizer(self):
         return load_tokenizer(self.cfg.data.tokenizer)
+
+    def run_tokenizer(self):
+        return self.tokenizer
 
     def build_model(self, pretrained: bool = True) -> nn.Module:
         """The classifier; with ``--model.init_from_mlm``, GELU layers filled from the MLM run

@@ -170,6 +170,9 @@ class LoRATask(Task[LoRAConfig]):
             self._tokenizer = tok
         return self._tokenizer
 
+    def run_tokenizer(self):
+        return self.tokenizer
+
     def _dtype(self) -> torch.dtype:
         choice = self.cfg.model.dtype
         if choice == "auto":

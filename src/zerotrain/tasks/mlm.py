@@ -69,7 +69,7 @@ class MLMDataConfig:
     text_field: str = "text"
     """Field (column) that holds the text in .jsonl files and hub datasets."""
     tokenizer: str = "roberta-base"
-    """Tokenizer: a hub name or a local folder (e.g. ../shared/data/roberta-tokenizer)."""
+    """Tokenizer: a hub name or a local folder with tokenizer.json (offline: the repository's examples/data/roberta-tokenizer)."""
     mask_prob: float = 0.15
     """Fraction of (non-special) tokens chosen for prediction."""
     random_replace_prob: float = 0.1
@@ -129,6 +129,9 @@ class MLMTask(Task[MLMConfig]):
                                 "which masked-language modelling needs")
             self._tokenizer = tok
         return self._tokenizer
+
+    def run_tokenizer(self):
+        return self.tokenizer
 
     def build_model(self, pretrained: bool = True) -> nn.Module:
         m = self.cfg.model

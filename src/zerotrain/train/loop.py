@@ -238,7 +238,7 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
             run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
         # On rank 0, with its error shared: a lock held by another run stops every rank.
         run_on_main(lambda: rundir.write_metadata(run_dir, name, cfg.to_dict(), engine.ds_config, lock,
-                                                  task=recipes.spec_of(type(task))))
+                                                  task=recipes.spec_of(type(task)), tokenizer=task.run_tokenizer()))
         if rt.is_main:
             if engine.ds_config is not None and cfg.logging.print_ds_config:
                 print(json.dumps(engine.ds_config, indent=2), flush=True)
@@ -306,6 +306,7 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
             t0 = time.perf_counter()
             with rundir.writing("the exported model", run.run_dir / "model"), HostPeak() as host:
                 run.task.export(run.engine.module, weights, run.run_dir / "model")
+                rundir.write_model_config(run.task, run.run_dir / "model")
             results.update(export_s=time.perf_counter() - t0, export_host_rss_before_gib=host.before_gib,
                            export_host_rss_peak_gib=host.peak_gib)
             log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",
