@@ -95,8 +95,8 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     ends: the process group this call created is destroyed after a last barrier, and the environment,
     the TF32 flags and the logging handlers are restored.
     """
-    # The whole environment: besides the launcher variables set here, importing DeepSpeed sets some of its own.
-    saved_env = dict(os.environ)
+    before = dict(os.environ)
+    set_here: Optional[dict[str, Optional[str]]] = None  # what joining the job set, with its value before
     saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     owns_group = not torch.distributed.is_initialized()
     restore_logging = None
@@ -122,6 +122,10 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         undo_group_timeout = inherit_group_timeout(cfg.launch.timeout_minutes)
         init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
                            timeout_minutes=cfg.launch.timeout_minutes)
+        # Joining set the launcher variables of a group of one or SLURM's, DeepSpeed's accelerator choice, a
+        # fixed arch list, and what importing DeepSpeed sets (PYTORCH_NVML_BASED_CUDA_CHECK): undone on exit.
+        # What the block itself sets (a task's own variables) is the caller's business and stays.
+        set_here = _changed_since(before)
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         restore_logging = setup_logging(rank == 0)
@@ -148,11 +152,21 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         if undo_group_timeout is not None:
             undo_group_timeout()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
-        os.environ.clear()
-        os.environ.update(saved_env)
+        if set_here is None:  # failed while joining: whatever it had set by then
+            set_here = _changed_since(before)
+        for key, value in set_here.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         if restore_logging is not None:
             restore_logging()
         quiet.__exit__(None, None, None)
+
+
+def _changed_since(before: dict[str, str]) -> dict[str, Optional[str]]:
+    """The environment variables that differ from ``before``, with their value there (None: absent)."""
+    return {k: before.get(k) for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
 
 
 def cap_gpu_memory(device: torch.device, gib: Optional[float]) -> Optional[float]:

@@ -45,7 +45,7 @@ from zerotrain.engine import Engine, build_engine
 from zerotrain.errors import DataError, OutOfMemory
 from zerotrain.evaluate import Evaluator, fmt
 from zerotrain.heap import FrozenHeap
-from zerotrain.launcher import Heartbeat
+from zerotrain.launcher import Progress
 from zerotrain.memory import Buckets, ParamCounts, count_params, model_state_memory
 from zerotrain.metrics import HostPeak, StepProfiler, ThroughputMeter, compile_counters, memory_snapshot
 from zerotrain.oom import describe_oom, failed_step
@@ -129,7 +129,7 @@ def _train(run: Run) -> FitResult:
     profiler = StepProfiler(tr.profile_steps, state.step + after_warmup, rt.device, run.run_dir, rt.is_main)
     stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
     results: dict[str, Any] = {}
-    heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
+    heartbeat = Progress(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
     heap = FrozenHeap(tr.gc_freeze, after_warmup, run.total_steps - state.step)
     engine.train()
     meter.start()
