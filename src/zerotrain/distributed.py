@@ -96,7 +96,6 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     the TF32 flags and the logging handlers are restored.
     """
     before = dict(os.environ)
-    set_here: Optional[dict[str, Optional[str]]] = None  # what joining the job set, with its value before
     saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     owns_group = not torch.distributed.is_initialized()
     restore_logging = None
@@ -122,10 +121,6 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         undo_group_timeout = inherit_group_timeout(cfg.launch.timeout_minutes)
         init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
                            timeout_minutes=cfg.launch.timeout_minutes)
-        # Joining set the launcher variables of a group of one or SLURM's, DeepSpeed's accelerator choice, a
-        # fixed arch list, and what importing DeepSpeed sets (PYTORCH_NVML_BASED_CUDA_CHECK): undone on exit.
-        # What the block itself sets (a task's own variables) is the caller's business and stays.
-        set_here = _changed_since(before)
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         restore_logging = setup_logging(rank == 0)
@@ -152,9 +147,10 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         if undo_group_timeout is not None:
             undo_group_timeout()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
-        if set_here is None:  # failed while joining: whatever it had set by then
-            set_here = _changed_since(before)
-        for key, value in set_here.items():
+        # Only the variables that changed: the launcher variables of a group of one or SLURM's, DeepSpeed's
+        # accelerator choice, a fixed arch list, and what the libraries set on the way (DeepSpeed's import sets
+        # PYTORCH_NVML_BASED_CUDA_CHECK, its engine TORCHINDUCTOR_CACHE_DIR).
+        for key, value in _changed_since(before).items():
             if value is None:
                 os.environ.pop(key, None)
             else:
