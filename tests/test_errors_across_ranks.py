@@ -21,11 +21,7 @@ from zerotrain.runtime.distributed import free_port
 
 from zerotrain.runtime.collectives import main_process_first, run_on_main
 from zerotrain.errors import DataError
-from zerotrain.runtime.launcher import (
-    _report_worker_failure,
-    _restore_levels,
-    _silence_torchelastic,
-)
+from zerotrain.runtime.launcher import _restore_levels, _silence_torchelastic, describe_failure
 
 # Two Gloo ranks on CPU: each scenario records, per rank, whether the block ran and what it raised.
 TWO_RANKS = textwrap.dedent('''
@@ -176,38 +172,37 @@ def test_in_a_group_of_one_it_is_just_the_block():
 
 # --- what spawn_local_workers reports, from torchelastic's failures -----------------------------------
 
-def _failure(exitcode: int, local_rank: int, timestamp: int = 100, record: dict | None = None, message: str = ""):
-    data = {"message": message, "timestamp": timestamp, "zerotrain_user_error": record} if record else {}
-    return SimpleNamespace(exitcode=exitcode, local_rank=local_rank, timestamp=timestamp, message=message,
-                           error_file_data=data, signal_name=lambda: {-15: "SIGTERM", -9: "SIGKILL"}[exitcode])
+def _failure(exitcode: int, local_rank: int, timestamp: int = 100, line: str | None = None):
+    """What torchelastic's ProcessFailure holds; ``line``: the record the worker left (see launcher.ErrorFile)."""
+    message = {"message": line, "errorCode": exitcode, "extraInfo": {"timestamp": str(timestamp)}} if line else ""
+    return SimpleNamespace(exitcode=exitcode, local_rank=local_rank, timestamp=timestamp, message=message, pid=0,
+                           signal_name=lambda: {-15: "SIGTERM", -9: "SIGKILL"}[exitcode])
 
 
-def test_a_user_error_printed_by_rank0_adds_nothing(capsys):
-    assert _report_worker_failure({0: _failure(2, 0), 1: _failure(-15, 1)}) == 2
-    assert capsys.readouterr().err == ""
-
-
-def test_a_user_error_not_printed_on_this_node_is_printed_once(capsys):
-    """A node without rank 0 (or a rank 0 stopped before it printed): the worker's line from its error file."""
+def test_a_user_error_is_said_once_from_the_lowest_ranks_record():
+    """Every rank raised it (rank 0 found it, or the others got it from rank 0): one line, whichever ranks
+    left their record before torchelastic stopped the rest, and on a node without rank 0 too."""
     line = "zerotrain fit: error: /data/train.jsonl: file not found"
-    failures = {2: _failure(2, 0, record={"printed": False}, message=line), 3: _failure(2, 1)}
-    assert _report_worker_failure(failures) == 2
-    assert capsys.readouterr().err == line + "\n"
+    assert describe_failure({0: _failure(2, 0, line=line), 1: _failure(-15, 1)}) == (line, 2)
+    assert describe_failure({3: _failure(2, 1, line=line), 2: _failure(2, 0, line=line)}) == (line, 2)
 
 
-def test_a_crash_is_one_line_naming_the_first_rank_that_failed(capsys):
+def test_a_user_error_without_a_record_is_still_said_once():
+    assert describe_failure({0: _failure(2, 0), 1: _failure(-15, 1)}) == (
+        "zerotrain: rank 0 stopped on an error (exit status 2)", 2)
+
+
+def test_a_crash_is_one_line_naming_the_first_rank_that_failed():
     failures = {0: _failure(-15, 0, timestamp=101), 1: _failure(1, 1, timestamp=100)}
-    assert _report_worker_failure(failures) == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert err.startswith("zerotrain: rank 1 (local rank 1) failed with exit status 1")
+    line, code = describe_failure(failures)
+    assert code == 1 and "\n" not in line
+    assert line.startswith("zerotrain: rank 1 (local rank 1) failed with exit status 1")
 
 
-def test_a_killed_worker_returns_128_plus_the_signal(capsys):
-    assert _report_worker_failure({0: _failure(-9, 0), 1: _failure(-15, 1)}) == 137
-    assert capsys.readouterr().err == ("zerotrain: rank 0 (local rank 0) was killed by SIGKILL before its first step "
-                                       "(out of memory?); the job stopped. No checkpoint: the workers had not started "
-                                       "training\n")
+def test_a_killed_worker_returns_128_plus_the_signal():
+    assert describe_failure({0: _failure(-9, 0), 1: _failure(-15, 1)}) == (
+        "zerotrain: rank 0 (local rank 0) was killed by SIGKILL before its first step (out of memory?); the job "
+        "stopped. No checkpoint: the workers had not started training", 137)
 
 
 def test_torchelastic_loggers_are_muted_then_restored():

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -22,15 +21,13 @@ from conftest import start_zerotrain, zerotrain_cmd
 
 from zerotrain.checkpoint.layout import is_complete
 from zerotrain.config import LaunchConfig
-from zerotrain.errors import DIVERGED_EXIT, ConfigError, TrainingDiverged
+from zerotrain.errors import DIVERGED_EXIT, RANK_LOST_EXIT, ConfigError, TrainingDiverged
 from zerotrain.runtime.launcher import (
-    HEARTBEAT_ENV,
-    LOST_FILE_KEY,
-    RANK_LOST_EXIT,
-    Heartbeat,
-    _report_worker_failure,
+    PROGRESS_ENV,
+    Progress,
     collective_failure,
-    read_heartbeats,
+    describe_failure,
+    read_progress,
 )
 from zerotrain.metrics.tracking import DIVERGED_WINDOWS, StepLogger
 
@@ -65,22 +62,22 @@ def test_a_fractional_timeout_reaches_the_groups_deepspeed_creates():
     assert seen["timeout"] == datetime.timedelta(seconds=12)
 
 
-# ---- which rank, which step: heartbeats and the launcher's report --------------------------------
+# ---- which rank, which step: progress files and the launcher's report ----------------------------
 
 
-def test_heartbeat_records_step_pid_and_run_folder(tmp_path, monkeypatch):
-    monkeypatch.setenv(HEARTBEAT_ENV, str(tmp_path))
-    beat = Heartbeat(3, Path("/runs/toy.1"), step=0)
+def test_progress_records_step_and_run_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(PROGRESS_ENV, str(tmp_path))
+    beat = Progress(3, Path("/runs/toy.1"), step=0)
     for step in range(1, 1001):
         beat.beat(step)
     beat.close()
-    assert read_heartbeats(str(tmp_path)) == {3: {"step": 1000, "pid": os.getpid(), "run_dir": "/runs/toy.1"}}
+    assert read_progress(str(tmp_path)) == {3: {"step": 1000, "run_dir": "/runs/toy.1"}}
 
 
-def test_without_a_launcher_the_heartbeat_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.delenv(HEARTBEAT_ENV, raising=False)
+def test_without_a_launcher_progress_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
-    beat = Heartbeat(0, tmp_path / "run", step=5)
+    beat = Progress(0, tmp_path / "run", step=5)
     beat.beat(6)
     beat.close()
     assert list(tmp_path.iterdir()) == []
@@ -104,34 +101,34 @@ def test_other_errors_are_not_collective_failures():
     assert collective_failure(ValueError("Connection reset by peer")) is None  # not what torch.distributed raises
 
 
-def _failure(exitcode: int, local_rank: int, timestamp: int = 100, data: dict | None = None):
+def _failure(exitcode: int, local_rank: int, timestamp: int = 100, message: dict | str = "", pid: int = 0):
+    """What torchelastic's ProcessFailure holds: ``message`` is the worker's record (see launcher.ErrorFile)."""
     names = {-15: "SIGTERM", -9: "SIGKILL", -19: "SIGSTOP"}
-    return SimpleNamespace(exitcode=exitcode, local_rank=local_rank, timestamp=timestamp, message="",
-                           error_file_data=data or {}, signal_name=lambda: names[exitcode])
+    return SimpleNamespace(exitcode=exitcode, local_rank=local_rank, timestamp=timestamp, message=message, pid=pid,
+                           signal_name=lambda: names[exitcode])
 
 
-def _lost(timed_out: bool, step: int, at: float = 100.0) -> dict:
-    return {"message": "...", "timestamp": int(at), LOST_FILE_KEY: {"timed_out": timed_out, "step": step, "time": at}}
+def _lost(timed_out: bool) -> dict:
+    return {"message": "zerotrain fit: rank R: a collective ...", "errorCode": RANK_LOST_EXIT,
+            "extraInfo": {"timestamp": "100", "timed_out": timed_out}}
 
 
 _STOP_EVERYWHERE = '''
 import os, sys
 from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-import zerotrain.cli as cli
-from zerotrain.runtime.launcher import HEARTBEAT_ENV, LOST_FILE_KEY
+from zerotrain.errors import OutOfMemory, RankLost
+from zerotrain.runtime.launcher import ErrorFile
 
 writer, path = sys.argv[1], Path(sys.argv[2])
-os.environ.update(TORCHELASTIC_ERROR_FILE=str(path), **{HEARTBEAT_ENV: str(path.parent / "heartbeats")})
-os.environ.pop("TORCHELASTIC_RUN_ID", None)  # _rank_lost would end this process otherwise
-cli._end_process_group = lambda: None
+os.environ.update(TORCHELASTIC_ERROR_FILE=str(path))
+error = (OutOfMemory("out of GPU memory at step 3 (rank 1)") if writer == "user error" else
+         RankLost("rank 1: a collective lost its connection", timed_out=False))
+handler = ErrorFile("toy")
 
 
 def write():
-    if writer == "user error":
-        cli._tell_launcher("zerotrain toy: error: out of GPU memory", printed=False, code=5)
-    else:
-        cli._rank_lost("toy", timed_out=False)
+    handler.record_exception(error)
 
 
 write()  # imports done, so that the stops below fall in the write itself
@@ -160,10 +157,9 @@ while True:
         path.unlink()
     for leftover in path.parent.glob(".*.tmp"):  # a stop inside the clean-up of the temporary file
         leftover.unlink()
-failure = ProcessFailure(local_rank=1, pid=1, exitcode=5, error_file=str(path))
-key = "zerotrain_user_error" if writer == "user error" else LOST_FILE_KEY
-assert key in failure.error_file_data and failure.message.startswith("zerotrain toy"), failure
-assert [p.name for p in path.parent.iterdir() if p.name != "heartbeats"] == ["error.json"]
+failure = ProcessFailure(local_rank=1, pid=1, exitcode=error.exit_status, error_file=str(path))
+assert failure.message["message"].startswith("zerotrain toy") and failure.message["errorCode"] == error.exit_status
+assert [p.name for p in path.parent.iterdir()] == ["error.json"]
 print("stops", stops)
 '''
 
@@ -187,28 +183,24 @@ def test_a_worker_stopped_anywhere_in_writing_its_error_file_leaves_none_or_a_wh
     assert int(out.stdout.split("stops")[-1]) > 10
 
 
-@pytest.mark.parametrize("content", ["", '{"message": "zerotrain to', "[1, 2]", b"\xff\xfe"])
-def test_the_launcher_reads_an_error_file_it_cannot_parse_as_none(tmp_path, content):
-    """A worker's error file torchelastic cannot parse (a user's ``@record`` handler killed mid-write) must not end
-    the launcher's run in a parse error that hides the job's failures: while the launcher runs, such a file
-    reads as a worker that left no reply; afterwards torchelastic is as it was."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+def test_torchelastic_reads_a_workers_record_as_its_failure(tmp_path, monkeypatch):
+    """The record a worker leaves through torchelastic's ``record`` is what ProcessFailure hands the launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure, record
 
-    from zerotrain.runtime.launcher import _unparsable_error_files_read_as_none
+    from zerotrain.errors import OutOfMemory
+    from zerotrain.runtime.launcher import ErrorFile
 
     path = tmp_path / "error.json"
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    undo = _unparsable_error_files_read_as_none()
-    try:
-        failure = ProcessFailure(local_rank=0, pid=7, exitcode=-15, error_file=str(path))
-        whole = tmp_path / "whole.json"
-        whole.write_text(json.dumps({"message": "zerotrain toy: error: out of GPU memory", "timestamp": 5}))
-        assert ProcessFailure(local_rank=1, pid=8, exitcode=5, error_file=str(whole)).message.startswith("zerotrain toy")
-    finally:
-        undo()
-    assert failure.message == "Signal 15 (SIGTERM) received by PID 7"
-    with pytest.raises(Exception):
-        ProcessFailure(local_rank=0, pid=7, exitcode=-15, error_file=str(path))
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def run():
+        raise OutOfMemory("out of GPU memory at step 3 (rank 1)")
+
+    with pytest.raises(OutOfMemory):
+        record(run, error_handler=ErrorFile("fit"))()
+    failure = ProcessFailure(local_rank=1, pid=7, exitcode=5, error_file=str(path))
+    assert describe_failure({1: failure, 0: _failure(-15, 0)}) == (
+        "zerotrain fit: error: out of GPU memory at step 3 (rank 1)", 5)
 
 
 @pytest.fixture
@@ -223,52 +215,54 @@ def run_with_checkpoints(tmp_path) -> Path:
     return run
 
 
-def test_a_stopped_rank_is_named_with_its_step_and_the_last_checkpoint(run_with_checkpoints, capsys):
+def test_a_stopped_rank_is_named_with_its_step_and_the_last_checkpoint(run_with_checkpoints):
     """Rank 0 timed out waiting; rank 1 was found stopped, then continued and lost its connection."""
     run = run_with_checkpoints
-    progress = {0: {"step": 12, "pid": 100, "run_dir": str(run)}, 1: {"step": 12, "pid": 101, "run_dir": str(run)}}
-    failures = {0: _failure(RANK_LOST_EXIT, 0, 100, _lost(True, 12)),
-                1: _failure(RANK_LOST_EXIT, 1, 101, _lost(False, 12))}
-    assert _report_worker_failure(failures, progress, 0.2, {101}) == RANK_LOST_EXIT
-    assert capsys.readouterr().err == (
+    progress = {0: {"step": 12, "run_dir": str(run)}, 1: {"step": 12, "run_dir": str(run)}}
+    failures = {0: _failure(RANK_LOST_EXIT, 0, 100, _lost(True), pid=100),
+                1: _failure(RANK_LOST_EXIT, 1, 101, _lost(False), pid=101)}
+    assert describe_failure(failures, progress, 0.2, {101}) == (
         "zerotrain: rank 1 stopped responding after step 12; the job stopped after --launch.timeout_minutes 0.2. "
         f"Last complete checkpoint: {run}/checkpoints/step00000010 (resume with --checkpoint.resume auto "
-        "--trainer.run_name toy.run1)\n")
+        "--trainer.run_name toy.run1)", RANK_LOST_EXIT)
 
 
-def test_a_hung_rank_that_said_nothing_is_named_before_one_that_lost_its_connection(capsys):
+def test_a_hung_rank_that_said_nothing_is_named_before_one_that_lost_its_connection():
     """Four ranks: 0 and 2 timed out, 3 lost its connection when they left, 1 never answered (killed at the end)."""
-    progress = {r: {"step": 7, "pid": 100 + r, "run_dir": None} for r in range(4)}
-    failures = {0: _failure(RANK_LOST_EXIT, 0, 100, _lost(True, 7)), 2: _failure(RANK_LOST_EXIT, 2, 100, _lost(True, 7)),
-                3: _failure(RANK_LOST_EXIT, 3, 101, _lost(False, 7)), 1: _failure(-9, 1, 131)}
-    assert _report_worker_failure(failures, progress, 1.0) == RANK_LOST_EXIT
-    assert capsys.readouterr().err.startswith("zerotrain: rank 1 stopped responding after step 7; the job stopped "
-                                              "after --launch.timeout_minutes 1. No checkpoint")
+    progress = {r: {"step": 7, "run_dir": None} for r in range(4)}
+    failures = {0: _failure(RANK_LOST_EXIT, 0, 100, _lost(True)), 2: _failure(RANK_LOST_EXIT, 2, 100, _lost(True)),
+                3: _failure(RANK_LOST_EXIT, 3, 101, _lost(False)), 1: _failure(-9, 1, 131)}
+    line, code = describe_failure(failures, progress, 1.0)
+    assert code == RANK_LOST_EXIT
+    assert line.startswith("zerotrain: rank 1 stopped responding after step 7; the job stopped after "
+                           "--launch.timeout_minutes 1. No checkpoint")
 
 
-def test_a_killed_rank_is_named_with_its_step(run_with_checkpoints, capsys):
+def test_a_killed_rank_is_named_with_its_step(run_with_checkpoints):
     run = run_with_checkpoints
-    progress = {0: {"step": 31, "pid": 100, "run_dir": str(run)}, 1: {"step": 30, "pid": 101, "run_dir": str(run)}}
-    failures = {1: _failure(-9, 1, 100), 0: _failure(RANK_LOST_EXIT, 0, 100, _lost(False, 31))}
-    assert _report_worker_failure(failures, progress, 0.2) == 137
-    assert capsys.readouterr().err == (
+    progress = {0: {"step": 31, "run_dir": str(run)}, 1: {"step": 30, "run_dir": str(run)}}
+    failures = {1: _failure(-9, 1, 100), 0: _failure(RANK_LOST_EXIT, 0, 100, _lost(False))}
+    assert describe_failure(failures, progress, 0.2) == (
         "zerotrain: rank 1 (local rank 1) was killed by SIGKILL after step 30 (out of memory?); the job stopped. "
         f"Last complete checkpoint: {run}/checkpoints/step00000010 (resume with --checkpoint.resume auto "
-        "--trainer.run_name toy.run1)\n")
+        "--trainer.run_name toy.run1)", 137)
 
 
-def test_a_rank_lost_on_another_node_is_said_from_this_one(capsys):
-    failures = {2: _failure(RANK_LOST_EXIT, 0, 100, _lost(True, 4)), 3: _failure(RANK_LOST_EXIT, 1, 100, _lost(True, 4))}
-    progress = {2: {"step": 4, "pid": 1, "run_dir": None}, 3: {"step": 4, "pid": 2, "run_dir": None}}
-    assert _report_worker_failure(failures, progress, 5.0) == RANK_LOST_EXIT
-    assert capsys.readouterr().err.startswith("zerotrain: a rank on another node stopped responding (rank 2 waited "
-                                              "for it after step 4; see that node's output)")
+def test_a_rank_lost_on_another_node_is_said_from_this_one():
+    failures = {2: _failure(RANK_LOST_EXIT, 0, 100, _lost(True)), 3: _failure(RANK_LOST_EXIT, 1, 100, _lost(True))}
+    progress = {2: {"step": 4, "run_dir": None}, 3: {"step": 4, "run_dir": None}}
+    line, code = describe_failure(failures, progress, 5.0)
+    assert code == RANK_LOST_EXIT
+    assert line.startswith("zerotrain: a rank on another node stopped responding (rank 2 waited for it after step 4; "
+                           "see that node's output)")
 
 
-def test_a_diverged_run_printed_by_rank0_adds_nothing(capsys):
-    record = {"message": "x", "timestamp": 1, "zerotrain_user_error": {"printed": True, "exit": DIVERGED_EXIT}}
-    assert _report_worker_failure({0: _failure(DIVERGED_EXIT, 0, data=record), 1: _failure(-15, 1)}) == DIVERGED_EXIT
-    assert capsys.readouterr().err == ""
+def test_a_diverged_run_is_said_once_from_the_lowest_ranks_record():
+    record = {"message": "zerotrain fit: error: training diverged at step 9", "errorCode": DIVERGED_EXIT,
+              "extraInfo": {"timestamp": "1"}}
+    failures = {1: _failure(DIVERGED_EXIT, 1, message=record), 0: _failure(DIVERGED_EXIT, 0, message=record),
+                2: _failure(-15, 2)}
+    assert describe_failure(failures) == ("zerotrain fit: error: training diverged at step 9", DIVERGED_EXIT)
 
 
 # ---- a loss that diverged ------------------------------------------------------------------------
@@ -426,16 +420,19 @@ def test_two_workers_whose_loss_diverges_stop_with_rank0s_line_only(tmp_path):
 
 
 def _start_and_wait_for_step(tmp_path: Path, step: int, timeout_minutes: str):
-    """Start two workers for a long run; return the launcher and the heartbeats once both passed ``step``."""
-    beats = tmp_path / "heartbeats"
+    """Start two workers for a long run; return the launcher and rank -> worker pid once both passed ``step``."""
+    import psutil
+
+    folder = tmp_path / "progress"
     proc = start_zerotrain([*TWO, "--trainer.max_steps", "100000", "--trainer.output_dir", str(tmp_path / "runs"),
                             "--trainer.run_name", "job", "--launch.timeout_minutes", timeout_minutes], tmp_path,
-                           **{HEARTBEAT_ENV: str(beats)})
+                           **{PROGRESS_ENV: str(folder)})
     deadline = time.monotonic() + 240  # start-up on 2 shared cores: imports, DeepSpeed, the first steps
     while time.monotonic() < deadline:
-        now = read_heartbeats(str(beats))
+        now = read_progress(str(folder))
         if len(now) == 2 and min(b["step"] for b in now.values()) >= step:
-            return proc, now
+            workers = {int(p.environ()["RANK"]): p.pid for p in psutil.Process(proc.pid).children()}
+            return proc, workers
         assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
         time.sleep(0.2)
     proc.kill()
@@ -457,8 +454,8 @@ LINE = (r"Last complete checkpoint: (?P<ckpt>\S+/runs/job/checkpoints/step\d{8})
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_training_ends_the_job_with_one_line(tmp_path):
-    proc, beats = _start_and_wait_for_step(tmp_path, 12, "0.2")
-    os.kill(beats[1]["pid"], signal.SIGKILL)
+    proc, workers = _start_and_wait_for_step(tmp_path, 12, "0.2")
+    os.kill(workers[1], signal.SIGKILL)
     err = _finish(proc, tmp_path, timeout=60)  # a death is seen at once: no collective timeout to wait for
     assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
     assert "Traceback" not in err
@@ -478,8 +475,8 @@ def test_a_stopped_worker_ends_the_job_after_the_timeout_with_one_line(tmp_path)
     The subprocess timeout below is what asserts that the job does not hang: 12 s, the stopped worker's
     stop signal and the teardown fit in 90 s; Gloo's default timeout for DeepSpeed's groups (30 min) does not.
     """
-    proc, beats = _start_and_wait_for_step(tmp_path, 12, "0.2")
-    os.kill(beats[1]["pid"], signal.SIGSTOP)
+    proc, workers = _start_and_wait_for_step(tmp_path, 12, "0.2")
+    os.kill(workers[1], signal.SIGSTOP)
     err = _finish(proc, tmp_path, timeout=90)
     assert proc.returncode == RANK_LOST_EXIT, err[-3000:]
     assert "Traceback" not in err

@@ -89,7 +89,7 @@ def test_launcher_passes_only_the_torchrun_flags_this_torch_has(monkeypatch):
     import torch.distributed.run as torchrun
 
     from zerotrain.config import LaunchConfig
-    from zerotrain.runtime.launcher import spawn_local_workers
+    from zerotrain.runtime.launcher import torchrun_arguments
 
     real = torchrun.get_args_parser
 
@@ -102,9 +102,10 @@ def test_launcher_passes_only_the_torchrun_flags_this_torch_has(monkeypatch):
                 parser._add_action(action)
         return parser
 
-    seen = {}
+    assert vars(torchrun_arguments(LaunchConfig(nproc_per_node=2), ["fit", "toy"]))["shutdown_timeout"] == 600
     monkeypatch.setattr(torchrun, "get_args_parser", without_shutdown_timeout)
-    monkeypatch.setattr(torchrun, "run", lambda args: seen.update(vars(args)))
-    assert spawn_local_workers(LaunchConfig(nproc_per_node=2), ["fit", "toy"]) == 0
+    seen = vars(torchrun_arguments(LaunchConfig(nproc_per_node=2), ["fit", "toy", "--trainer.max_steps", "3"]))
     assert seen["nproc_per_node"] == "2" and "shutdown_timeout" not in seen
     assert "SIGUSR1" in seen["signals_to_handle"]
+    assert (seen["module"], seen["training_script"], seen["training_script_args"]) == (
+        True, "zerotrain", ["fit", "toy", "--trainer.max_steps", "3"])

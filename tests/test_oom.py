@@ -24,7 +24,7 @@ from conftest import zerotrain_cmd  # noqa: E402
 
 from zerotrain.config.flags import parse_config  # noqa: E402
 from zerotrain.errors import OOM_EXIT, OutOfMemory  # noqa: E402
-from zerotrain.runtime.launcher import _report_worker_failure  # noqa: E402
+from zerotrain.runtime.launcher import describe_failure  # noqa: E402
 from zerotrain.train.oom import describe_oom, failed_step, next_smaller  # noqa: E402
 from zerotrain.tasks.base import REGISTRY  # noqa: E402
 from zerotrain.tasks.toy import ToyConfig  # noqa: E402
@@ -174,22 +174,20 @@ def test_the_failed_step_is_the_next_one_inside_train_step_and_the_last_one_afte
         assert failed_step(caught.value, 4) == expected
 
 
-def test_the_launcher_prints_the_lowest_ranks_line_once_and_exits_5(capsys):
+def test_the_launcher_says_the_lowest_ranks_line_once_and_exits_5():
     from types import SimpleNamespace
 
-    def failure(exitcode, rank, message=None):
-        data = {"message": message, "timestamp": 1,
-                "zerotrain_user_error": {"printed": False, "exit": OOM_EXIT}} if message else {}
-        return SimpleNamespace(exitcode=exitcode, local_rank=rank, timestamp=100, message=message or "",
-                               error_file_data=data, signal_name=lambda: "SIGTERM")
+    def failure(exitcode, rank, line=None):
+        message = {"message": line, "errorCode": OOM_EXIT, "extraInfo": {"timestamp": "1"}} if line else ""
+        return SimpleNamespace(exitcode=exitcode, local_rank=rank, timestamp=100, message=message, pid=0,
+                               signal_name=lambda: "SIGTERM")
 
     failures = {2: failure(OOM_EXIT, 2, "zerotrain fit: error: out of GPU memory at step 3 (rank 2)"),
                 1: failure(OOM_EXIT, 1, "zerotrain fit: error: out of GPU memory at step 3 (rank 1)"), 0: failure(-15, 0)}
-    assert _report_worker_failure(failures) == OOM_EXIT
-    assert capsys.readouterr().err == "zerotrain fit: error: out of GPU memory at step 3 (rank 1)\n"
+    assert describe_failure(failures) == ("zerotrain fit: error: out of GPU memory at step 3 (rank 1)", OOM_EXIT)
     # Rank 0 ran out but could not leave its line: the launcher still says something, once.
-    assert _report_worker_failure({0: failure(OOM_EXIT, 0), 1: failure(-15, 1)}) == OOM_EXIT
-    assert capsys.readouterr().err == "zerotrain: rank 0 stopped on an error (exit status 5)\n"
+    assert describe_failure({0: failure(OOM_EXIT, 0), 1: failure(-15, 1)}) == (
+        "zerotrain: rank 0 stopped on an error (exit status 5)", OOM_EXIT)
 
 
 # ---- end to end ------------------------------------------------------------------------------------

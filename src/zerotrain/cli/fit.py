@@ -10,7 +10,6 @@ the typed config is a flag, its docstring is the help text, and a YAML file give
 
 from __future__ import annotations
 
-import os
 import sys
 
 # parse_config lives in zerotrain.config.flags (estimate and the benchmarks use it too, without this command).
@@ -70,12 +69,4 @@ def run(argv: list[str]) -> int:
     result = fit(task_cls(cfg))  # leaves no process group behind (distributed.setup)
     if result.is_main:
         print(f"run directory: {result.run_dir}")
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # A worker whose job finished: fit has synced every file and left the process group (barrier,
-        # destroy). Skip the interpreter's teardown, where the C++ threads of DeepSpeed/Gloo objects,
-        # destroyed in arbitrary order, can abort a finished job ("terminate called without an active
-        # exception", seen in ~1 of 13 two-process ZeRO-3 runs) and turn its exit status 0 into a failure.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
     return 0

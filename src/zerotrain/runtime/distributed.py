@@ -103,8 +103,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     ends: the process group this call created is destroyed after a last barrier, and the environment,
     the TF32 flags and the logging handlers are restored.
     """
-    # The whole environment: besides the launcher variables set here, importing DeepSpeed sets some of its own.
-    saved_env = dict(os.environ)
+    before = dict(os.environ)
     saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     owns_group = not torch.distributed.is_initialized()
     restore_logging = None
@@ -158,11 +157,22 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         if undo_group_timeout is not None:
             undo_group_timeout()
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
-        os.environ.clear()
-        os.environ.update(saved_env)
+        # Only the variables that changed: the launcher variables of a group of one or SLURM's, DeepSpeed's
+        # accelerator choice, a fixed arch list, and what the libraries set on the way (DeepSpeed's import sets
+        # PYTORCH_NVML_BASED_CUDA_CHECK, its engine TORCHINDUCTOR_CACHE_DIR).
+        for key, value in _changed_since(before).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         if restore_logging is not None:
             restore_logging()
         quiet.__exit__(None, None, None)
+
+
+def _changed_since(before: dict[str, str]) -> dict[str, Optional[str]]:
+    """The environment variables that differ from ``before``, with their value there (None: absent)."""
+    return {k: before.get(k) for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
 
 
 def cap_gpu_memory(device: torch.device, gib: Optional[float]) -> Optional[float]:

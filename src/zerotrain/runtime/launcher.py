@@ -2,22 +2,31 @@
 
 zerotrain reads the environment the usual launchers write (torchrun, the ``deepspeed`` launcher,
 SLURM's ``srun``) and, when started alone with ``--launch.nproc_per_node N``, starts the N
-processes itself through torchrun's own library (``torch.distributed.run``). Nothing here
-re-implements a rendezvous. When a worker fails, the launcher reports it in one line: which rank,
-its last step (from a per-rank heartbeat file) and the last complete checkpoint.
+processes itself: it builds torchrun's arguments with torchrun's own parser and calls
+``torch.distributed.run.run``. The workers record how they ended in torchelastic's error file
+(:class:`ErrorFile`, through ``record``); when one fails, the ``ChildFailedError`` that ``run``
+raises lists every failed rank with its exit status and that record, and :func:`describe_failure`
+turns it into one line: the worker's own line, or which rank died or hung, its last step (from a
+per-rank progress file, :class:`Progress`) and the last complete checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import re
+import signal
 import sys
+import threading
+import time
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
 from zerotrain.config import LaunchConfig
-from zerotrain.errors import ERROR_FILE_KEY, USER_ERROR_EXIT
+from zerotrain.errors import RANK_LOST_EXIT, RankLost, RunStopped
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "MASTER_ADDR", "MASTER_PORT")
@@ -69,21 +78,26 @@ def adopt_slurm_env(launch: LaunchConfig) -> None:
 PREEMPTION_SAVE_TIMEOUT_S = 600
 """How long the launcher waits, after forwarding a stop signal, for its workers to save and exit."""
 
+PROGRESS_ENV = "ZEROTRAIN_PROGRESS_DIR"
+"""Folder of the per-rank progress files; set by :func:`spawn_local_workers` for its workers, which also
+tells a worker that this launcher, not the worker, says how the job ended."""
 
-def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
-    """Re-run this command in ``nproc_per_node`` processes on this node through torchrun's library.
+
+def under_own_launcher() -> bool:
+    """Whether this process is a worker started by :func:`spawn_local_workers`."""
+    return bool(os.environ.get(PROGRESS_ENV)) and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+
+
+def torchrun_arguments(launch: LaunchConfig, argv: list[str]):
+    """torchrun's parsed arguments for ``python -m zerotrain ARGV`` in ``nproc_per_node`` processes.
 
     Single node: torchrun's standalone mode picks a free port. Several nodes: a static rendezvous at
     ``rdzv_endpoint`` with this node's ``node_rank``, exactly as ``torchrun --nnodes --node-rank
-    --master-addr --master-port`` would do.
-
-    Returns 0, or the exit status of the first worker that failed (2 for a :class:`UserError`, whose
-    one line a worker has printed already). A failure is reported in one line of our own: torchelastic's
-    warnings and its failure banner are silenced for this call.
+    --master-addr --master-port`` would do. Parsed by torchrun's own parser; a flag this torch's
+    torchrun does not have yet is left out (torch 2.11 has ``--signals-to-handle``, not
+    ``--shutdown-timeout``): both only help, neither is needed to run.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.run import get_args_parser
 
     args = [f"--nproc-per-node={launch.nproc_per_node}"]
     if launch.nnodes == 1 and launch.rdzv_endpoint == LaunchConfig.rdzv_endpoint:
@@ -94,16 +108,25 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
                  f"--master-addr={host}", f"--master-port={port}",
                  # The static rendezvous' TCPStore waits this long for every node (torchrun's default: 600 s).
                  f"--rdzv-conf=timeout={max(1, round(launch.rdzv_timeout_minutes * 60))}"]
-    parser = get_args_parser()
-    known = {opt for action in parser._actions for opt in action.option_strings}
-    # Each flag only where this torch's torchrun has it (torch 2.11 has the first, not the second):
-    # forward SLURM's --signal=USR1 too (by default it would kill this launcher and orphan the workers),
-    # and give the workers time to save their pre-emption checkpoint before torchelastic's SIGKILL.
-    if "--signals-to-handle" in known:
-        args.append("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    if "--shutdown-timeout" in known:
-        args.append(f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}")
-    args += ["-m", "zerotrain", *argv]
+    # Forward SLURM's --signal=USR1 too (by default it would kill this launcher and orphan the workers), and
+    # give the workers time to save their pre-emption checkpoint before torchelastic's SIGKILL.
+    optional = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+                f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}"]
+    parsed, _lacking = get_args_parser().parse_known_args([*args, *optional, "-m", "zerotrain", *argv])
+    return parsed
+
+
+def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
+    """Re-run this command in ``nproc_per_node`` processes on this node through ``torch.distributed.run``.
+
+    Returns 0, or the job's exit status after one line on stderr (see :func:`describe_failure`).
+    torchelastic's own warnings and failure banner are muted for this call.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    args = torchrun_arguments(launch, argv)
     # Until the workers start, the launcher sits in TCPStore's C++ wait, where Python's KeyboardInterrupt is
     # never delivered: Ctrl-C must end the process at once. torchelastic installs its own SIGINT handler
     # (stop the workers, then raise) when it starts them. Set before the line that promises "Ctrl-C stops":
@@ -114,30 +137,18 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
               f"(--launch.rdzv_timeout_minutes) for all {launch.nnodes} nodes to join at {launch.rdzv_endpoint} "
               "(Ctrl-C stops)", file=sys.stderr, flush=True)
     saved_levels = _silence_torchelastic()
-    heartbeats, own_heartbeats = _heartbeat_dir()
-    stopped: set[int] = set()
-    undo_close = _continue_stopped_workers(stopped)
-    undo_parse = _unparsable_error_files_read_as_none()
+    folder, own_folder = _progress_dir()
+    watcher = StoppedWorkers().start()
+    code = 0
     try:
-        run(parser.parse_args(args))
+        run(args)
     except ChildFailedError as exc:  # lists every failed rank of this node, the ones torchelastic stopped too
-        return _report_worker_failure(exc.failures, read_heartbeats(heartbeats), launch.timeout_minutes, stopped)
+        line, code = describe_failure(exc.failures, read_progress(folder), launch.timeout_minutes, watcher.stopped)
+        if line:
+            print(line, file=sys.stderr)
     except SignalException as exc:  # Ctrl-C or a scheduler's SIGTERM; torchelastic has stopped the workers
-        from zerotrain.runtime.preemption import PREEMPTED_EXIT, SIGNALS
-
-        progress = read_heartbeats(heartbeats)
-        if exc.sigval in SIGNALS and _saved_at_last_step(progress):
-            # Forwarded to the workers, which saved a checkpoint at the step they stopped and exited
-            # (zerotrain.runtime.preemption): requeue. Without that checkpoint a requeue would not resume where it stopped.
-            print(f"zerotrain: stopped by {exc.sigval.name}; the workers saved a checkpoint (exit status "
-                  f"{PREEMPTED_EXIT}: requeue). {_last_checkpoint_hint(progress)}", file=sys.stderr)
-            return PREEMPTED_EXIT
-        if exc.sigval in SIGNALS:
-            print(f"zerotrain: stopped by {exc.sigval.name} before the workers saved a checkpoint at their last step. "
-                  f"{_last_checkpoint_hint(progress)}", file=sys.stderr)
-            return 128 + int(exc.sigval)
-        print(f"zerotrain: interrupted ({exc.sigval.name})", file=sys.stderr)
-        return 128 + int(exc.sigval)
+        line, code = _describe_signal(exc.sigval, read_progress(folder))
+        print(line, file=sys.stderr)
     except Exception as exc:  # no worker ran: the rendezvous or the start failed
         if launch.nnodes > 1:
             print(f"zerotrain: node {launch.node_rank}: not all {launch.nnodes} nodes joined at {launch.rdzv_endpoint} "
@@ -147,32 +158,41 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
         else:
             print(f"zerotrain: could not start the worker processes: {type(exc).__name__}: {' '.join(str(exc).split())}",
                   file=sys.stderr)
-        return 1
+        code = 1
     finally:
-        undo_close()
-        undo_parse()
+        watcher.stop()
         _restore_sigint(saved_sigint)
         _restore_levels(saved_levels)
-        if own_heartbeats:
+        if own_folder:
             import shutil
 
-            os.environ.pop(HEARTBEAT_ENV, None)
-            shutil.rmtree(heartbeats, ignore_errors=True)
-    return 0
+            os.environ.pop(PROGRESS_ENV, None)
+            shutil.rmtree(folder, ignore_errors=True)
+    return code
+
+
+def _describe_signal(sig: signal.Signals, progress: dict[int, dict]) -> tuple[str, int]:
+    """The launcher itself got a stop signal; torchelastic forwarded it and waited for the workers."""
+    from zerotrain.runtime.preemption import PREEMPTED_EXIT, SIGNALS
+
+    if sig in SIGNALS and _saved_at_last_step(progress):
+        # The workers saved a checkpoint at the step they stopped and exited (zerotrain.runtime.preemption): requeue.
+        # Without that checkpoint a requeue would not resume where it stopped.
+        return (f"zerotrain: stopped by {sig.name}; the workers saved a checkpoint (exit status {PREEMPTED_EXIT}: "
+                f"requeue). {last_checkpoint_hint(progress)}", PREEMPTED_EXIT)
+    if sig in SIGNALS:
+        return (f"zerotrain: stopped by {sig.name} before the workers saved a checkpoint at their last step. "
+                f"{last_checkpoint_hint(progress)}", 128 + int(sig))
+    return f"zerotrain: interrupted ({sig.name})", 128 + int(sig)
 
 
 def _default_sigint():
-    import signal
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _restore_sigint(saved) -> None:
-    import signal
-
     if saved is not None:
         signal.signal(signal.SIGINT, saved)
 
@@ -200,6 +220,79 @@ def sanitize_cuda_arch_list() -> str | None:
         return None
     os.environ["TORCH_CUDA_ARCH_LIST"] = new
     return value
+
+
+# --- what a worker leaves for the launcher: torchelastic's error file ---------------------------------
+
+
+class ErrorFile(ErrorHandler):
+    """The error handler a worker gives torchelastic's ``record``: how the worker ended, in its error file.
+
+    A :class:`~zerotrain.errors.RunStopped` (a user error, a diverged loss, out of memory, a lost rank,
+    a pre-emption) is recorded as its one line (``message``), its exit status (``errorCode``) and, for a
+    lost rank, whether the collective timed out (``extraInfo``); any other exception as torchelastic's
+    handler records it (its type, message and traceback). The file is written whole or not at all (beside
+    it, then renamed): once one worker has failed, torchelastic stops the others and parses every failed
+    worker's file, and a file cut short by that stop fails the parse and hides every failure of the job.
+    ``record_exception`` is ``ErrorHandler``'s documented extension point.
+    """
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if path:
+            _write_error_file(path, error_record(self.name, e))
+
+
+def error_record(name: str, exc: BaseException) -> dict:
+    """What :class:`ErrorFile` writes for ``exc`` raised by subcommand ``name`` (torchelastic's format)."""
+    info: dict[str, Any] = {"timestamp": str(int(time.time()))}
+    if isinstance(exc, RunStopped):
+        message: dict[str, Any] = {"message": stop_line(name, exc), "errorCode": exc.exit_status}
+        if isinstance(exc, RankLost):
+            info["timed_out"] = exc.timed_out
+    else:
+        message = {"message": f"{type(exc).__name__}: {exc}"}
+        info["py_callstack"] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    message["extraInfo"] = info
+    return {"message": message}
+
+
+def stop_line(name: str, exc: RunStopped) -> str:
+    """The one line that says ``exc`` (raised by subcommand ``name``), the same from any rank or launcher."""
+    from zerotrain.runtime.preemption import Preempted
+
+    if isinstance(exc, Preempted):
+        return f"zerotrain {name}: {exc} (exit status {exc.exit_status})"
+    if isinstance(exc, RankLost):
+        return f"zerotrain {name}: {exc}"
+    origin = getattr(exc, "zerotrain_origin_rank", None)
+    return f"zerotrain {name}: error: {exc}" + (f" (on rank {origin})" if origin not in (None, 0) else "")
+
+
+def _write_error_file(path: str, record: dict) -> None:
+    from zerotrain.data.io import atomic_write_text
+
+    try:
+        # ASCII (json's default): torchelastic reads the file in the locale's encoding, which may not be UTF-8
+        atomic_write_text(path, json.dumps(record) + "\n")
+    except OSError:
+        pass
+
+
+def _said(failure) -> Optional[dict]:
+    """A worker's own record of a :class:`~zerotrain.errors.RunStopped` (line, status, ...), if it left one."""
+    message = failure.message
+    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
+        return None
+    status = message.get("errorCode")
+    if not isinstance(status, int) or status != failure.exitcode:  # a record of an earlier attempt, or none
+        return None
+    extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
+    return {"line": message["message"], "status": status, "timed_out": bool(extra.get("timed_out"))}
 
 
 # --- what spawn_local_workers says when a worker fails -----------------------------------------------
@@ -237,79 +330,60 @@ def _restore_levels(saved: dict) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] = None,
-                           timeout_minutes: Optional[float] = None, stopped: frozenset[int] | set[int] = frozenset()) -> int:
-    """Say (at most) one line about the worker that ended the job; return the launcher's exit status.
+def describe_failure(failures: dict, progress: Optional[dict[int, dict]] = None,
+                     timeout_minutes: Optional[float] = None,
+                     stopped: frozenset[int] | set[int] = frozenset()) -> tuple[str, int]:
+    """One line about the worker that ended the job, and the launcher's exit status.
 
     ``failures`` is torchelastic's ``ChildFailedError.failures``: global rank -> ``ProcessFailure``
-    (``exitcode``, ``local_rank``, ``pid``, ``timestamp``, ``message``, ``error_file_data``). It also lists the
-    workers torchelastic stopped (SIGTERM, then SIGKILL after 30 s) once the first had failed; those are
-    not the cause. ``progress`` is what :func:`read_heartbeats` found (rank -> step, pid, run folder),
-    ``stopped`` the pids found stopped (SIGSTOP) when torchelastic began to stop the workers.
+    (``exitcode``, ``local_rank``, ``pid``, ``timestamp``, ``message``: what the worker recorded, see
+    :class:`ErrorFile`). It also lists the workers torchelastic stopped (SIGTERM, then SIGKILL after 30 s)
+    once the first had failed; those are not the cause. ``progress`` is what :func:`read_progress` found
+    (rank -> step, run folder), ``stopped`` the pids found stopped (SIGSTOP) when torchelastic began to stop
+    the workers (:class:`StoppedWorkers`).
 
-    In order: an error a worker printed already (a UserError, a diverged loss) adds nothing, and one it left
-    in its error file for this launcher to print (out of GPU memory: the lowest rank's line) is printed; all workers
-    pre-empted; a worker that crashed (its traceback is above); a worker killed by a signal before any
+    In order: a worker's own line (a user error, a diverged loss, out of memory, a pre-emption: the lowest
+    rank's); a worker that crashed (its traceback is above); a worker killed by a signal before any
     collective failed (128 + signal); a rank that stopped responding, or the others lost it on another
-    node (:data:`RANK_LOST_EXIT`). Each line names the rank, its last finished step (heartbeat) and the
-    run's last complete checkpoint.
+    node (:data:`~zerotrain.errors.RANK_LOST_EXIT`). Each names the rank, its last finished step (from its
+    progress file) and the run's last complete checkpoint.
     """
-    from zerotrain.errors import DIVERGED_EXIT, OOM_EXIT
-
     progress = progress or {}
-
-    def record(failure, key: str = ERROR_FILE_KEY) -> dict | None:  # left by zerotrain.cli in the worker's error file
-        data = failure.error_file_data
-        found = data.get(key) if isinstance(data, dict) else None
-        return found if isinstance(found, dict) else None
-
-    own_line = (USER_ERROR_EXIT, DIVERGED_EXIT, OOM_EXIT)  # the CLI's exit statuses of an error said in one line
-    announced = {r: f for r, f in failures.items() if f.exitcode in own_line or record(f) is not None}
-    if announced:
-        code = next((f.exitcode for f in announced.values() if f.exitcode in own_line),
-                    None) or next(int(record(f).get("exit", USER_ERROR_EXIT)) for f in announced.values())
-        # Rank 0 prints a user error or a diverged loss itself; an out-of-memory line is left to this launcher.
-        printed = any((record(f) or {}).get("printed") or (r == 0 and f.exitcode == code and code != OOM_EXIT)
-                      for r, f in announced.items())
-        if not printed:  # rank 0 runs on another node (or was stopped before it could print): say it here
-            rank = min(announced, key=lambda r: (record(announced[r]) is None, r))
-            print(announced[rank].message if record(announced[rank]) else
-                  f"zerotrain: rank {rank} stopped on an error (exit status {code})", file=sys.stderr)
-        return code
+    said = {r: rec for r, rec in ((r, _said(f)) for r, f in failures.items()) if rec is not None}
+    lines = {r: rec for r, rec in said.items() if rec["status"] != RANK_LOST_EXIT}
+    if lines:
+        return lines[min(lines)]["line"], lines[min(lines)]["status"]
+    from zerotrain.errors import DIVERGED_EXIT, OOM_EXIT, USER_ERROR_EXIT
     from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
-    if all(f.exitcode == PREEMPTED_EXIT for f in failures.values()):
-        # Every worker got the stop signal itself (SLURM signals every process) and saved: not a failure.
-        print(f"zerotrain: pre-empted; the workers saved a checkpoint (exit status {PREEMPTED_EXIT}: "
-              "requeue with --checkpoint.resume auto)", file=sys.stderr)
-        return PREEMPTED_EXIT
+    unsaid = {r: f for r, f in failures.items() if f.exitcode in (USER_ERROR_EXIT, DIVERGED_EXIT, OOM_EXIT, PREEMPTED_EXIT)}
+    if unsaid:  # stopped before it could leave its line
+        rank = min(unsaid)
+        return f"zerotrain: rank {rank} stopped on an error (exit status {unsaid[rank].exitcode})", unsaid[rank].exitcode
 
     def after(rank: int) -> str:
         step = progress.get(rank, {}).get("step")
         return "before its first step" if step is None else f"after step {step}"
 
-    lost = {r: record(f, LOST_FILE_KEY) for r, f in failures.items()
-            if f.exitcode == RANK_LOST_EXIT and record(f, LOST_FILE_KEY) is not None}
+    lost = {r: rec for r, rec in said.items() if rec["status"] == RANK_LOST_EXIT}
     crashed = {r: f for r, f in failures.items() if f.exitcode > 0 and r not in lost}
     if crashed:
         rank, failure = min(crashed.items(), key=lambda item: (item[1].timestamp, item[0]))
-        print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) failed with exit status {failure.exitcode} "
-              f"{after(rank)}; its traceback, if any, is above", file=sys.stderr)
-        return failure.exitcode
-    checkpoint = _last_checkpoint_hint(progress)
-    stopped_ranks = sorted(r for r, p in progress.items() if p.get("pid") in stopped)
+        return (f"zerotrain: rank {rank} (local rank {failure.local_rank}) failed with exit status {failure.exitcode} "
+                f"{after(rank)}; its traceback, if any, is above", failure.exitcode)
+    checkpoint = last_checkpoint_hint(progress)
+    stopped_ranks = sorted(r for r, f in failures.items() if f.pid in stopped)
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and -f.exitcode not in _STOP_SIGNALS}
     if lost:
         # A kill that came after a rank had reported a failed collective is torchelastic's own SIGKILL of a
         # worker that ignored its SIGTERM (a hung one), not the cause. Failure timestamps are whole seconds.
-        first_report = min(float(rec.get("time", 0)) for rec in lost.values())
+        first_report = min(failures[r].timestamp for r in lost)
         killed = {r: f for r, f in killed.items() if f.timestamp <= first_report + 1}
     if killed and not stopped_ranks:
         rank, failure = min(killed.items(), key=lambda item: (item[1].timestamp, item[0]))
         hint = " (out of memory?)" if failure.exitcode == -9 else ""
-        print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
-              f"{after(rank)}{hint}; the job stopped. {checkpoint}", file=sys.stderr)
-        return 128 - failure.exitcode
+        return (f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
+                f"{after(rank)}{hint}; the job stopped. {checkpoint}", 128 - failure.exitcode)
     if lost or stopped_ranks:
         # Which rank the others waited for: one found stopped (SIGSTOP) when torchelastic began to stop the
         # workers, else one of this node that reported nothing (stuck, then killed). What each survivor's
@@ -320,21 +394,16 @@ def _report_worker_failure(failures: dict, progress: Optional[dict[int, dict]] =
         stopped_after = f"the job stopped after --launch.timeout_minutes{timeout}"
         if stopped_ranks or silent:
             rank = (stopped_ranks or silent)[0]
-            print(f"zerotrain: rank {rank} stopped responding {after(rank)}; {stopped_after}. {checkpoint}",
-                  file=sys.stderr)
-        elif any(rec.get("timed_out") for rec in lost.values()):
-            rank = min(lost)
-            print(f"zerotrain: a rank on another node stopped responding (rank {rank} waited for it {after(rank)}; "
-                  f"see that node's output); {stopped_after}. {checkpoint}", file=sys.stderr)
-        else:
-            rank = min(lost)
-            print(f"zerotrain: rank {rank} lost its connection to another rank {after(rank)} (a process on another "
-                  f"node ended: see that node's output); the job stopped. {checkpoint}", file=sys.stderr)
-        return RANK_LOST_EXIT
+            return f"zerotrain: rank {rank} stopped responding {after(rank)}; {stopped_after}. {checkpoint}", RANK_LOST_EXIT
+        rank = min(lost)
+        if any(rec["timed_out"] for rec in lost.values()):
+            return (f"zerotrain: a rank on another node stopped responding (rank {rank} waited for it {after(rank)}; "
+                    f"see that node's output); {stopped_after}. {checkpoint}", RANK_LOST_EXIT)
+        return (f"zerotrain: rank {rank} lost its connection to another rank {after(rank)} (a process on another "
+                f"node ended: see that node's output); the job stopped. {checkpoint}", RANK_LOST_EXIT)
     rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
-    print(f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
-          f"{after(rank)}", file=sys.stderr)
-    return 128 - failure.exitcode
+    return (f"zerotrain: rank {rank} (local rank {failure.local_rank}) was killed by {failure.signal_name()} "
+            f"{after(rank)}", 128 - failure.exitcode)
 
 
 _STOP_SIGNALS = (15, 2)
@@ -353,7 +422,7 @@ def _saved_at_last_step(progress: dict[int, dict]) -> bool:
     return bool(folders) and read_marker(folders[-1]).get("step") == last
 
 
-def _last_checkpoint_hint(progress: dict[int, dict]) -> str:
+def last_checkpoint_hint(progress: dict[int, dict]) -> str:
     """'Last complete checkpoint: FOLDER (resume with ...)' for the run the workers wrote into."""
     run_dir = next((p["run_dir"] for p in progress.values() if p.get("run_dir")), None)
     if run_dir is None:
@@ -367,47 +436,42 @@ def _last_checkpoint_hint(progress: dict[int, dict]) -> str:
             f"--trainer.run_name {Path(run_dir).name})")
 
 
-# --- how the launcher learns where each worker stands: a heartbeat file per rank ---------------------
-#
-# A worker started by spawn_local_workers writes, at every optimizer step, the step it finished into
-# HEARTBEAT_ENV/rank<R> (one pwrite of a few bytes into a file on the node's local disk: no host-device
-# sync, no collective). When the job fails, the launcher reads them to name the step of the rank that
-# died or hung and the run folder whose checkpoints are listed; the workers themselves may be gone.
-
-HEARTBEAT_ENV = "ZEROTRAIN_HEARTBEAT_DIR"
-"""Folder of the per-rank heartbeat files; spawn_local_workers makes a temporary one unless it is set."""
-
-RANK_LOST_EXIT = 4
-"""Exit status of a job ended because a rank stopped responding (the others' collectives timed out after
-``--launch.timeout_minutes``), and of each worker that saw a collective fail. A worker killed by a signal
-ends the job with 128 + signal instead (137: SIGKILL, often the out-of-memory killer)."""
-
-LOST_FILE_KEY = "zerotrain_rank_lost"
-"""Key of the record the CLI leaves in torchelastic's error file of a worker whose collective failed."""
+# --- where each worker stands: a progress file per rank ------------------------------------------------
 
 _STEP_WIDTH = 12
 _PROGRESS: dict[str, Any] = {"step": None, "run_dir": None}
-"""This process's last finished step and run folder, for the CLI's line when a collective fails."""
+"""This process's last finished step and run folder, for the line of a collective that failed."""
 
 
 def forget_progress() -> None:
     _PROGRESS.update(step=None, run_dir=None)
 
 
-class Heartbeat:
-    """This rank's progress, in a file the launcher reads when the job fails (a no-op without a launcher)."""
+def progress() -> dict[str, Any]:
+    """This process's last finished step and run folder (None before training started)."""
+    return dict(_PROGRESS)
+
+
+class Progress:
+    """This rank's last finished step and run folder, in a file :func:`spawn_local_workers` reads when the job fails.
+
+    torchelastic reports how each worker ended, not where it stood: a worker killed by a signal (SIGKILL, the
+    out-of-memory killer) or stopped leaves no error file, yet the launcher's line names the step it had
+    finished and the run whose checkpoints to resume from. So each worker writes them in
+    ``$ZEROTRAIN_PROGRESS_DIR/rank<R>`` (the launcher's temporary folder on the node's local disk): the step
+    rewritten in place at every optimizer step (one ``pwrite`` of a few bytes: no host-device sync, no
+    collective), the run folder once. Without that variable (not this launcher's worker) no file is written.
+    """
 
     def __init__(self, rank: int, run_dir: Path, step: int):
         _PROGRESS.update(step=step, run_dir=str(run_dir))
         self._fd: Optional[int] = None
-        folder = os.environ.get(HEARTBEAT_ENV)
+        folder = os.environ.get(PROGRESS_ENV)
         if not folder:
             return
         try:
-            # Fixed-width step first, so that beat() rewrites a few bytes in place (no rename per step).
-            text = f"{step:>{_STEP_WIDTH}d}\n{os.getpid()}\n{run_dir}\n"
             self._fd = os.open(os.path.join(folder, f"rank{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.write(self._fd, text.encode())
+            os.write(self._fd, f"{step:>{_STEP_WIDTH}d}\n{run_dir}\n".encode())
         except OSError:  # the launcher's folder is gone: its report loses the step, not the run
             self.close()
 
@@ -422,8 +486,8 @@ class Heartbeat:
             self._fd = None
 
 
-def read_heartbeats(folder: Optional[str]) -> dict[int, dict]:
-    """rank -> {"step", "pid", "run_dir"} from the heartbeat files in ``folder`` (what can be parsed)."""
+def read_progress(folder: Optional[str]) -> dict[int, dict]:
+    """rank -> {"step", "run_dir"} from the progress files in ``folder`` (what can be parsed)."""
     out: dict[int, dict] = {}
     if not folder or not os.path.isdir(folder):
         return out
@@ -431,96 +495,90 @@ def read_heartbeats(folder: Optional[str]) -> dict[int, dict]:
         if not re.fullmatch(r"rank\d+", name):
             continue
         try:
-            step, pid, run_dir = Path(folder, name).read_text().split("\n")[:3]
-            out[int(name[4:])] = {"step": int(step), "pid": int(pid), "run_dir": run_dir or None}
+            step, run_dir = Path(folder, name).read_text().split("\n")[:2]
+            out[int(name[4:])] = {"step": int(step), "run_dir": run_dir or None}
         except (OSError, ValueError):
             continue
     return out
 
 
-def _heartbeat_dir() -> tuple[str, bool]:
-    """The folder the workers write their heartbeats into (inherited through the environment); whether we made it."""
-    folder = os.environ.get(HEARTBEAT_ENV)
+def _progress_dir() -> tuple[str, bool]:
+    """The folder the workers write their progress into (inherited through the environment); whether we made it."""
+    folder = os.environ.get(PROGRESS_ENV)
     if folder:
         os.makedirs(folder, exist_ok=True)
         return folder, False
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="zerotrain-heartbeat-")
-    os.environ[HEARTBEAT_ENV] = folder
+    folder = tempfile.mkdtemp(prefix="zerotrain-progress-")
+    os.environ[PROGRESS_ENV] = folder
     return folder, True
 
 
-def _unparsable_error_files_read_as_none():
-    """Have torchelastic read a worker's error file that it cannot parse as no file at all; return the undo.
+# --- a stopped worker -------------------------------------------------------------------------------------
 
-    torchelastic's ``ProcessFailure`` re-raises such a parse error, which escapes its ``run`` and hides every
-    failure of the job (an out-of-memory line and its status included) behind "could not start the worker
-    processes". zerotrain's workers write their files whole or not at all (``zerotrain.cli``), but a worker
-    killed while torchelastic's own error handler wrote one (a user's ``@record``) leaves it cut short."""
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+class StoppedWorkers:
+    """Continue a stopped (SIGSTOP) worker as soon as torchelastic asks it to stop, and remember its pid.
 
-    parse = ProcessFailure.__post_init__
-
-    def parse_or_none(failure) -> None:
-        try:
-            parse(failure)
-        except Exception:  # empty, cut short, not JSON, no "message", not decodable
-            failure.error_file = ""  # not a file: torchelastic's reading of a worker that left no reply
-            parse(failure)
-
-    ProcessFailure.__post_init__ = parse_or_none
-    return lambda: setattr(ProcessFailure, "__post_init__", parse)
-
-
-def _continue_stopped_workers(stopped: set[int]):
-    """Make torchelastic's stop signal reach a stopped (SIGSTOP) worker at once; return the undo.
-
-    torchelastic stops the other workers of a failed job with SIGTERM and sends SIGKILL 30 s later.
-    A stopped process keeps SIGTERM pending until it is continued, so the job waited those 30 s: send
-    SIGCONT right after the stop signal, as shells do. The pids found stopped are added to ``stopped``
-    (the report names such a rank as the one that stopped responding).
+    Once one worker has failed, torchelastic sends the others SIGTERM and SIGKILL 30 s later. A stopped
+    process keeps the SIGTERM pending until it is continued, so the job would wait those 30 s; and the
+    launcher's line names a rank found stopped as the one that stopped responding (once continued it only
+    reports a lost connection, like every other rank). A thread of the launcher looks at its child processes
+    every :attr:`PERIOD_S` and sends SIGCONT to one that is stopped with a stop signal pending, as a shell
+    does after ``kill``. Linux only (``/proc``); elsewhere torchelastic's SIGKILL ends such a worker.
     """
-    import signal
 
-    try:
-        from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import (
-            SubprocessHandler,
-        )
-    except ImportError:
-        return lambda: None
-    original = SubprocessHandler.close
+    PERIOD_S = 0.2
+    _PENDING = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
 
-    def close(self, death_sig=None):
-        pid = self.proc.pid
-        if _process_state(pid) in ("T", "t"):
-            stopped.add(pid)
-        original(self, death_sig)
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGCONT)
+    def __init__(self) -> None:
+        self.stopped: set[int] = set()
+        self._done = threading.Event()
 
-    SubprocessHandler.close = close
+    def start(self) -> "StoppedWorkers":
+        if sys.platform.startswith("linux"):
+            threading.Thread(target=self._watch, name="zerotrain-stopped-workers", daemon=True).start()
+        return self
 
-    def undo() -> None:
-        SubprocessHandler.close = original
+    def stop(self) -> None:
+        self._done.set()
 
-    return undo
+    def _watch(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._done.wait(self.PERIOD_S):
+            try:
+                children = me.children()
+            except psutil.Error:
+                continue
+            for child in children:
+                if child.pid not in self.stopped and self._asked_to_stop_while_stopped(child.pid):
+                    self.stopped.add(child.pid)
+                    try:
+                        os.killpg(child.pid, signal.SIGCONT)  # torchelastic starts each worker in a session of its own
+                    except OSError:
+                        pass
+
+    def _asked_to_stop_while_stopped(self, pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            return False
+        if not fields.get("State", "").strip().startswith(("T", "t")):
+            return False
+        pending = int(fields.get("ShdPnd", "0").strip() or "0", 16) | int(fields.get("SigPnd", "0").strip() or "0", 16)
+        return bool(pending & self._PENDING)
 
 
-def _process_state(pid: int) -> str:
-    """The state letter of /proc/PID/stat (R, S, D, T for stopped, ...); '' where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
+# --- a collective that failed because another rank is gone --------------------------------------------
 
 _COLLECTIVE_FAILURE = re.compile(
     r"Timed out waiting|Connection (reset|closed) by peer|Application timeout caused pair closure|Broken pipe"
     r"|NCCL communicator was aborted|collective operation timeout", re.IGNORECASE)
-"""What Gloo and NCCL say when the rank at the other end of a collective is gone or silent."""
+"""What Gloo and NCCL say when the rank at the other end of a collective is gone or silent. Both raise a plain
+RuntimeError (DistBackendError for some of NCCL's), so the text is all there is to tell it from a bug."""
 
 _TIMED_OUT = re.compile(r"Timed out waiting|collective operation timeout", re.IGNORECASE)
 """Of those, what a rank says that waited for another one in vain. Gloo's "Application timeout caused pair
@@ -536,6 +594,14 @@ def collective_failure(exc: BaseException) -> Optional[bool]:
     return bool(_TIMED_OUT.search(text))
 
 
-def progress() -> dict[str, Any]:
-    """This process's last finished step and run folder (None before training started)."""
-    return dict(_PROGRESS)
+def rank_lost(exc: BaseException, rank: int) -> Optional[RunStopped]:
+    """``exc`` as a :class:`~zerotrain.errors.RankLost` naming ``rank`` and its last step, if it is a collective
+    that failed because another rank is gone (None otherwise)."""
+    timed_out = collective_failure(exc)
+    if timed_out is None:
+        return None
+    step = _PROGRESS["step"]
+    why = ("timed out (--launch.timeout_minutes): another rank stopped responding" if timed_out else
+           "lost its connection: another rank ended (see its output)")
+    where = "before its first step" if step is None else f"after step {step}"
+    return RankLost(f"rank {rank}: a collective {why}, {where}; the job stopped", timed_out)

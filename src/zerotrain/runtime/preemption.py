@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from zerotrain.errors import RunStopped
+
 PREEMPTED_EXIT = 75
 """Exit status of a run stopped by SIGTERM/SIGINT/SIGUSR1 after saving its checkpoint: BSD's
 EX_TEMPFAIL ("try again later"), distinct from success (0), a user error (2), a crash (1) and a death
@@ -40,8 +42,10 @@ SAME_EVENT_S = 1.0
 """Signals this soon after the first are the same request (forwarded by a launcher), not a second one."""
 
 
-class Preempted(Exception):
+class Preempted(RunStopped):
     """Raised by ``fit`` after the pre-emption checkpoint is written; the CLI exits with PREEMPTED_EXIT."""
+
+    exit_status = PREEMPTED_EXIT
 
     def __init__(self, signame: str, folder: Any, step: int):
         self.signame, self.folder, self.step = signame, folder, step

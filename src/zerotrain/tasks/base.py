@@ -174,7 +174,7 @@ class Task(ABC, Generic[C]):
         at a time with a log line each: a big model's export holds one shard in host memory, not the model, and
         says how far it has got.
         """
-        from zerotrain.checkpoint.manager import export
+        from zerotrain.checkpoint import export
 
         export.write_safetensors(export.lazy_tensors(state_dict), out_dir, dtype=None,
                                  max_shard_size=export.DEFAULT_MAX_SHARD_SIZE,

@@ -53,7 +53,7 @@ from zerotrain.metrics.tracking import StepLogger, Tracker, log, progress_bar
 from zerotrain.runtime import rundir
 from zerotrain.runtime.collectives import barrier, main_process_first, run_on_main
 from zerotrain.runtime.distributed import Runtime, setup
-from zerotrain.runtime.launcher import Heartbeat
+from zerotrain.runtime.launcher import Progress
 from zerotrain.runtime.preemption import armed
 from zerotrain.tasks import registry as recipes
 from zerotrain.tasks.base import Splits, Task
@@ -137,7 +137,7 @@ def _train(run: Run) -> FitResult:
     profiler = StepProfiler(tr.profile_steps, state.step + after_warmup, rt.device, run.run_dir, rt.is_main)
     stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
     results: dict[str, Any] = {}
-    heartbeat = Heartbeat(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
+    heartbeat = Progress(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
     heap = FrozenHeap(tr.gc_freeze, after_warmup, run.total_steps - state.step)
     engine.train()
     meter.start()
