@@ -21,18 +21,18 @@ BERT=(--data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenber
       --model.num_layers 12 --model.num_heads 12 --model.h_dim 768 --model.ff_dim 3072 --model.max_seq_length 512
       --trainer.micro_batch_size 32 --trainer.max_steps 120 --trainer.log_every_steps 10
       --trainer.warmup_steps_excluded 20 --trainer.eval_max_batches 4 --trainer.eval_every_steps 100000
-      --strategy.precision bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
+      --precision.dtype bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 20 --optimizer.lr 1e-4
       --checkpoint.save_final false)
 # The encoder compiled as one graph and replayed as CUDA graphs
-GRAPHS=(--strategy.compile true --strategy.compile_scope stack --strategy.compile_mode reduce-overhead --predict false)
+GRAPHS=(--compile.enabled true --compile.scope stack --compile.mode reduce-overhead --predict false)
 # MLM x 4096 wide (FFN 16384, 32 heads), activation checkpointing, 6 steps (2 untimed), no evaluation or export
 BIG=("${BERT[@]}" --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
-     --strategy.activation_checkpointing true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
+     --activation_checkpointing.enabled true --trainer.max_steps 6 --trainer.warmup_steps_excluded 2
      --trainer.log_every_steps 1 --scheduler.warmup_steps 1 --trainer.evaluate false --trainer.export false)
 # LoRA on the 1.2B Llama-style model of configs/llama_1b_config.json (random weights), 2,000 IMDB prompts
 LORA=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
       --data.train_path "$OUT/sft.jsonl" --data.max_length 512 --trainer.micro_batch_size 4
-      --strategy.precision bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false)
+      --precision.dtype bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false)
 plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
   local name=$1; shift
   z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials 3 > "$OUT/planner/$name.log" 2>&1
@@ -73,7 +73,7 @@ for part in "$@"; do
       FLAGS=("${LORA[@]}" --trainer.max_steps 120 --trainer.log_every_steps 10 --trainer.warmup_steps_excluded 40
              --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora/compiled" "${FLAGS[@]}" \
-        --strategy.compile true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
+        --compile.enabled true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
       python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
         > "$OUT/lora/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora/hf_trainer.log" ;;
     offload_large_model)  # full AdamW with the optimizer on the host (ZeRO-2 + CPU offload), one GPU.
