@@ -142,7 +142,9 @@ def test_shards_shrink_to_a_quarter_of_the_free_host_memory_saying_so():
     from types import SimpleNamespace
     from unittest import mock
 
-    from zerotrain.checkpoint.export import _parse_size, _shard_size_for_host
+    from zerotrain.checkpoint.export import _shard_size_for_host
+
+    from zerotrain.checkpoint.weights import _parse_size
 
     assert _parse_size("5GB") == 5 * 10**9 and _parse_size("2GiB") == 2**31 and _parse_size(600) == 600
     assert _parse_size("1.5MB") == 1_500_000 and _parse_size("1000") == 1000

@@ -172,7 +172,7 @@ def test_init_from_a_real_mlm_run_copies_embedding_and_layers(tmp_path, tiny_tok
     from an export in one file or in Hugging Face's shards (a big MLM's export)."""
     from safetensors.torch import save_file
 
-    from zerotrain.checkpoint.export import lazy_tensors, write_safetensors
+    from zerotrain.checkpoint.weights import lazy_tensors, write_safetensors
     from zerotrain.models.roberta_mlm import RobertaMLM
     from zerotrain.data.tokenizer import load_tokenizer
 

@@ -32,12 +32,26 @@ from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 
+from zerotrain.checkpoint.layout import (
+    complete_checkpoints,
+    is_complete,
+    step_folder,
+)
+from zerotrain.checkpoint.weights import (
+    DEFAULT_MAX_SHARD_SIZE,
+    LazyTensor,
+    _cast,
+    _const,
+    _thunk,
+    materialise,
+    write_safetensors,
+)
 from zerotrain.errors import UserError
+from zerotrain.models.roberta_mlm import hf_roberta_config, hf_roberta_state_dict
 from zerotrain.runtime import rundir
 
 Format = Literal["safetensors", "hf"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 TORCH_STATE = "torch_state.pt"  # zerotrain.engines.plain.TorchEngine.STATE_FILE, without importing the engines
 
 
@@ -54,11 +68,6 @@ class ExportResult:
 
 def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
     """The newest complete checkpoint, or the one of ``step``."""
-    from zerotrain.checkpoint.layout import (
-        complete_checkpoints,
-        is_complete,
-        step_folder,
-    )
 
     ckpts = run_dir / "checkpoints"
     found = complete_checkpoints(ckpts)
@@ -81,8 +90,6 @@ def _step_of(folder: Path) -> int:
 
 
 # ---- the consolidated weights, lazily ----------------------------------------------------------
-
-LazyTensor = Callable[[], torch.Tensor]
 
 
 @contextlib.contextmanager
@@ -158,136 +165,7 @@ def _strip(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
 
-def _const(t: torch.Tensor) -> LazyTensor:
-    return lambda: t
-
-
-def _thunk(v: Any) -> LazyTensor:
-    # zero_to_fp32's lazy values are GatheredTensor (ZeRO-3, .contiguous() gathers) or plain tensors.
-    return v.contiguous
-
-
-def materialise(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]], dtype: Optional[torch.dtype] = None
-                ) -> dict[str, torch.Tensor]:
-    """The whole state dict in memory (small models, the conversions that need every tensor at once)."""
-    return {k: _cast(thunk(), dtype) for k, (_, _, thunk) in lazy.items()}
-
-
-def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    t = t.detach().cpu()
-    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
-
-
 # ---- writing ---------------------------------------------------------------------------------
-
-def lazy_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype, LazyTensor]]:
-    """A state dict already in hand (on any device), in the shape :func:`write_safetensors` reads."""
-    return {k: (v.shape, v.dtype, _const(v)) for k, v in state_dict.items()}
-
-
-def write_safetensors(lazy: dict[str, tuple[torch.Size, torch.dtype, LazyTensor]], out_dir: Path,
-                      dtype: Optional[torch.dtype], max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                      rename: Optional[Callable[[str], str]] = None,
-                      progress: Optional[Callable[[str], None]] = None) -> list[str]:
-    """Write ``model.safetensors`` (or shards and ``model.safetensors.index.json``); return the file names.
-
-    Shards are planned from shapes alone (Hugging Face's splitter on empty tensors) and each is
-    materialised on the host, written and dropped before the next, so memory holds one shard at a time.
-    ``dtype`` None keeps each tensor's own; ``progress`` gets a line per shard written.
-    """
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    rename = rename or (lambda k: k)
-    names = {rename(k): k for k in lazy}
-    meta = {new: torch.empty(lazy[old][0], dtype=(dtype or lazy[old][1]) if lazy[old][1].is_floating_point
-                             else lazy[old][1], device="meta") for new, old in names.items()}
-    max_shard_size = _shard_size_for_host(max_shard_size, progress, sum(t.nbytes for t in meta.values()))
-    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=max_shard_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written, done, total = [], 0, sum(t.nbytes for t in meta.values())
-    for filename, tensors in split.filename_to_tensors.items():
-        shard, storages = {}, set()
-        for n in tensors:
-            t = _cast(lazy[names[n]][2](), dtype).contiguous()
-            if t.untyped_storage().data_ptr() in storages:
-                t = t.clone()  # tied weights share storage, which safetensors refuses to write twice
-            storages.add(t.untyped_storage().data_ptr())
-            shard[n] = t
-        save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
-        written.append(filename)
-        done += sum(t.nbytes for t in shard.values())
-        del shard
-        if progress:
-            progress(f"wrote {out_dir / filename} ({_size(done)} of {_size(total)})")
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        written.append("model.safetensors.index.json")
-    return written
-
-
-MIN_SHARD_BYTES = 2**26
-UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def _parse_size(size: str | int | float) -> int:
-    """``5GB``, ``500MB``, ``2GiB``, ``5e9``, ``100B`` or a number of bytes (Hugging Face's ``max_shard_size``
-    spellings). Raises ValueError for anything else."""
-    if isinstance(size, (int, float)):
-        return int(size)
-    text = str(size).strip().upper()
-    for unit in sorted(UNITS, key=len, reverse=True):
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * UNITS[unit])
-    return int(float(text.removesuffix("B")))
-
-
-def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[[str], None]],
-                         total_bytes: Optional[int] = None) -> int:
-    """``max_shard_size``, or less when this host has little memory free. A shard is on the host twice while it
-    is written (the tensors copied from the GPU and safetensors' serialised bytes), so shards are kept to a
-    quarter of the free memory: the end of a big run whose optimizer fills the host (5B parameters under CPU
-    offload: 120 of 125 GiB) still exports, in more files. ``progress`` is told only when that changes the files
-    written: a model of ``total_bytes`` that fits in one smaller shard is written as one file either way."""
-    import psutil
-
-    wanted = _parse_size(max_shard_size)
-    free = psutil.virtual_memory().available
-    if 4 * wanted <= free:
-        return wanted
-    smaller = max(MIN_SHARD_BYTES, free // 4)
-    if progress and (total_bytes is None or total_bytes > smaller):
-        progress(f"{_size(free)} of host memory free: shards of {_size(smaller)} instead of {_size(wanted)}")
-    return smaller
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """``folder``'s ``model.safetensors``, or every shard its ``model.safetensors.index.json`` names, as one
-    state dict. Raises ``FileNotFoundError`` when neither file is there."""
-    from safetensors.torch import load_file
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(2, "no such file", str(folder / "model.safetensors"))
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        if not (folder / name).is_file():
-            raise FileNotFoundError(2, "no such file", str(folder / name))
-        state.update(load_file(str(folder / name)))
-    return state
 
 
 def default_out(run_dir: Path, step: int, fmt: Format, dtype: str) -> Path:
@@ -396,7 +274,6 @@ def _export_hf_roberta(task: Any, lazy: dict, out_dir: Path, dtype: torch.dtype)
     """
     from safetensors.torch import save_file
 
-    from zerotrain.models.roberta_mlm import hf_roberta_config, hf_roberta_state_dict
 
     m = task.cfg.model
     with torch.random.fork_rng(devices=[]):

@@ -59,6 +59,7 @@ from zerotrain.engines import Engine
 from zerotrain.errors import UserError
 from zerotrain.runtime import rundir
 from zerotrain.runtime.collectives import run_on_main
+from zerotrain.runtime.preemption import Preempted
 from zerotrain.train.state import TrainState, load_safely
 
 log = logging.getLogger("zerotrain")
@@ -273,7 +274,6 @@ class Checkpointer:
         and raise :class:`~zerotrain.runtime.preemption.Preempted`, which ends the run with its exit status."""
         if preemption is None or not preemption.should_stop(self.engine.device):
             return
-        from zerotrain.runtime.preemption import Preempted
 
         folder = self.save()
         log.info("pre-empted by %s at step %d: checkpoint %s", preemption.name(), self.state.step, folder)

@@ -22,8 +22,10 @@ from zerotrain.checkpoint.layout import (
     seal,
 )
 from zerotrain.data.io import atomic_write_text, fsync_dir
+from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.errors import UserError
 from zerotrain.runtime import rundir
+from zerotrain.train.state import weights_only_torch_load
 
 log = logging.getLogger("zerotrain")
 
@@ -64,8 +66,6 @@ def universal_checkpoint(folder: Path, verify: bool = True) -> Path:
              meta.get("world_size"), out)
     from deepspeed.checkpoint import ds_to_universal
 
-    from zerotrain.engines.ds_private.safe_load import ds_safe_globals
-    from zerotrain.train.state import weights_only_torch_load
 
     args = argparse.Namespace(input_folder=str(folder), output_folder=str(work / UNIVERSAL), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)

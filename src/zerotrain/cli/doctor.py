@@ -6,6 +6,7 @@ import contextlib
 import json
 import sys
 
+from zerotrain.errors import UserError
 from zerotrain.runtime.doctor import build_ops, report
 
 USAGE = """usage: zerotrain doctor [--json] [--build]
@@ -22,7 +23,6 @@ def run(argv: list[str]) -> int:
         return 0
     unknown = [a for a in argv if a not in ("--json", "--build")]
     if unknown:
-        from zerotrain.errors import UserError
 
         raise UserError(f"unknown argument {unknown[0]!r}; zerotrain doctor takes --json and --build")
     if "--json" in argv:

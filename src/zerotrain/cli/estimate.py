@@ -13,6 +13,7 @@ import argparse
 
 from zerotrain.config.flags import parse_config
 from zerotrain.plan.estimate import estimate, format_report
+from zerotrain.plan.probe import run_probe
 
 
 def run(argv: list[str]) -> int:
@@ -32,7 +33,6 @@ def run(argv: list[str]) -> int:
         import tempfile
         from pathlib import Path
 
-        from zerotrain.plan.probe import run_probe
 
         with tempfile.TemporaryDirectory() as tmp:
             probe = run_probe(args.recipe, fit_args, Path(tmp) / "probe.json", cfg.trainer.micro_batch_size)

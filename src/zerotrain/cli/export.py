@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from zerotrain.checkpoint.export import export_run
+from zerotrain.checkpoint.weights import _parse_size
 from zerotrain.errors import UserError
 
 
@@ -29,7 +31,7 @@ def run(argv: list[str]) -> int:
     if args.step is not None and args.step < 0:
         raise UserError(f"--step must be >= 0, got {args.step}")
 
-    from zerotrain.checkpoint.export import _parse_size, export_run
+
 
     try:
         if _parse_size(args.max_shard_size) <= 0:

@@ -14,7 +14,11 @@ import sys
 
 # parse_config lives in zerotrain.config.flags (estimate and the benchmarks use it too, without this command).
 from zerotrain.config.flags import parse_config
+from zerotrain.errors import ConfigError
+from zerotrain.plan.planner import plan_for_fit
+from zerotrain.runtime.launcher import launched_by_a_launcher, spawn_local_workers
 from zerotrain.tasks import registry as recipes
+from zerotrain.train.loop import fit
 
 
 def _recipe_list() -> str:
@@ -46,17 +50,14 @@ def run(argv: list[str]) -> int:
     task_cls = recipes.get(recipe)  # one line naming RECIPE when it names no task
     cfg = parse_config(recipe, rest).validate()
 
-    from zerotrain.runtime.launcher import launched_by_a_launcher, spawn_local_workers
 
     launch = cfg.launch
     if cfg.strategy.auto:
         if launched_by_a_launcher(launch):
-            from zerotrain.errors import ConfigError
 
             raise ConfigError("--strategy.auto", "plans before the processes start, which another launcher (torchrun, "
                               "srun, deepspeed) has already done: run `zerotrain plan RECIPE ...` once and start the "
                               "job with --config <plan folder>/plan.yaml, or launch with zerotrain itself")
-        from zerotrain.plan.planner import plan_for_fit
 
         rest = [*rest, *plan_for_fit(recipe, cfg, rest)]  # later flags win: the plan's choice, auto off
         argv = [recipe, *rest]
@@ -64,7 +65,6 @@ def run(argv: list[str]) -> int:
     if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher(launch):
         return spawn_local_workers(launch, ["fit", *argv])
 
-    from zerotrain.train.loop import fit
 
     result = fit(task_cls(cfg))  # leaves no process group behind (distributed.setup)
     if result.is_main:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from zerotrain.config.flags import parse_config
 from zerotrain.errors import UserError
+from zerotrain.plan.planner import plan
 from zerotrain.tasks import registry as recipes
 
 
@@ -43,7 +44,6 @@ def run(argv: list[str]) -> int:
     short = recipes.name_of(recipes.get(args.recipe))  # a module:Class spec holds a colon
     out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "plans" / short
 
-    from zerotrain.plan.planner import plan
 
     plan(args.recipe, cfg, fit_args, out, trials=args.trials, trial_steps=args.trial_steps,
          strategies=args.strategies.split(",") if args.strategies else None,

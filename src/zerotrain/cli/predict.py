@@ -13,6 +13,8 @@ import argparse
 from pathlib import Path
 
 from zerotrain.errors import UserError
+from zerotrain.runtime.rundir import load_run
+from zerotrain.tasks.base import Task
 
 
 def snippet(text: str, width: int = 60) -> str:
@@ -42,10 +44,8 @@ def run(argv: list[str]) -> int:
     if not texts:
         raise UserError("give texts as arguments or --file TEXTS.txt (one per line)")
 
-    from zerotrain.runtime.rundir import load_run
 
     loaded = load_run(args.run_dir, {"tokenizer": args.tokenizer} if args.tokenizer else None, device=args.device)
-    from zerotrain.tasks.base import Task
 
     if type(loaded.task).predict is Task.predict:
         raise UserError(f"{args.run_dir} is a run of the {loaded.recipe} recipe, which has nothing to predict "

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from zerotrain.config import RunConfig
 from zerotrain.errors import ConfigError, UserError
+from zerotrain.runtime.doctor import op_buildable
 
 ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
 
@@ -425,7 +426,6 @@ def check_nvme_io(cfg: RunConfig) -> None:
         nvme = [key for key in keys if getattr(s, key) == "nvme"]
     if not nvme:
         return
-    from zerotrain.runtime.doctor import op_buildable
 
     if op_buildable("AsyncIOBuilder"):
         return

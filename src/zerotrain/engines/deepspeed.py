@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerotrain.checkpoint.universal import universal_checkpoint
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import (
     precision_of,
@@ -31,8 +32,10 @@ from zerotrain.engines.ds_private.zero_host import (
     zero_grad_from_list,
 )
 from zerotrain.errors import UserError
+from zerotrain.runtime.collectives import run_on_main
 from zerotrain.runtime.doctor import ops_for, prepare_ops
 from zerotrain.train.schedule import make_scheduler
+from zerotrain.train.state import load_safely, weights_only_torch_load
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +154,6 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed's checkpoint engine calls torch.load(weights_only=False): a crafted file in the
         # folder would run code. This engine's loader is replaced, for this call only, by a
         # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS).
-        from zerotrain.train.state import load_safely
 
         allow = ds_safe_globals()
         ckpt_engine = self.ds.checkpoint_engine
@@ -179,9 +181,6 @@ class DeepSpeedEngine(Engine):
         ZeRO-0 keeps the whole optimizer state in its model-states file: it loads as a same-size
         checkpoint when no ``*optim_states.pt`` shard exists (fp32), else it is refused.
         """
-        from zerotrain.checkpoint.universal import universal_checkpoint
-        from zerotrain.runtime.collectives import run_on_main
-        from zerotrain.train.state import load_safely, weights_only_torch_load
 
         if not self.ds.zero_optimization():
             if any(folder.glob("*optim_states.pt")):

@@ -17,6 +17,7 @@ from zerotrain.config.ds_config import (
 )
 from zerotrain.engines.base import Engine, _compile
 from zerotrain.train.schedule import make_scheduler
+from zerotrain.train.state import load_safely
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,6 @@ class TorchEngine(Engine):
             torch.save(state, folder / self.STATE_FILE)
 
     def load(self, folder: Path) -> None:
-        from zerotrain.train.state import load_safely
 
         # Tensors and plain containers only: a crafted file cannot run code here (it is one UserError line).
         state = load_safely(folder / self.STATE_FILE, map_location=self.device)

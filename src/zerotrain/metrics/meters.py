@@ -51,6 +51,8 @@ from typing import Callable, Optional
 import psutil
 import torch
 
+from zerotrain.data.io import atomic_write_text, write_json
+
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor core, tf32 tensor core).
 # Matched by substring of torch.cuda.get_device_name(); the first match wins, so specific names go first.
 PEAK_TFLOPS: list[tuple[str, float, float]] = [
@@ -491,7 +493,6 @@ class StepProfiler:
             summary = summarize_profile(self._prof.key_averages(), self.steps, wall)
             self._prof, self.steps = None, 0
             if self.is_main:
-                from zerotrain.data.io import atomic_write_text, write_json
 
                 write_json(self.out_dir / "profile.json", summary)
                 atomic_write_text(self.out_dir / "profile.md", profile_markdown(summary))

@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from zerotrain.checkpoint.layout import complete_checkpoints
 from zerotrain.config import LoggingConfig
 from zerotrain.data.io import atomic_write_text
-from zerotrain.errors import UserError
+from zerotrain.errors import TrainingDiverged, UserError
+from zerotrain.metrics.meters import memory_snapshot
+from zerotrain.runtime.rundir import writing
 
 log = logging.getLogger("zerotrain")
 
@@ -154,7 +157,6 @@ def _clear_earlier_attempt(run_dir: Path) -> None:
 
 
 def rundir_writing(what: str, folder: Path):
-    from zerotrain.runtime.rundir import writing
 
     return writing(what, folder)
 
@@ -189,7 +191,6 @@ class StepLogger:
 
     def log(self, state: Any) -> dict[str, Any]:
         """Log the open window of ``state`` (a TrainState), close it and return what was logged."""
-        from zerotrain.metrics.meters import memory_snapshot
 
         e = self.engine
         loss = e.all_reduce_sum({"loss": state.window_loss / state.window_steps})["loss"] / e.world_size
@@ -215,7 +216,6 @@ class StepLogger:
         self._bad_windows += 1
         if self._bad_windows < DIVERGED_WINDOWS:
             return
-        from zerotrain.errors import TrainingDiverged
 
         since = "the start" if self._last_good_step is None else f"step {self._last_good_step}"
         if math.isfinite(loss):
@@ -243,7 +243,6 @@ class StepLogger:
         """The newest complete checkpoint saved at or before the last healthy log step (None: none)."""
         if self._last_good_step is None:
             return None
-        from zerotrain.checkpoint.layout import complete_checkpoints
 
         for folder in reversed(complete_checkpoints(self.tracker.run_dir / "checkpoints")):
             step = folder.name[len("step"):]  # step{N:08d}, as checkpoint.step_folder names it

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from zerotrain.config import upgrade_layout
+from zerotrain.config.flags import parse_config
 from zerotrain.errors import OOM_EXIT, UserError
+from zerotrain.plan.estimate import estimate
+from zerotrain.plan.probe import Probe, run_probe
 from zerotrain.plan.strategies import STRATEGIES
 from zerotrain.runtime.rundir import environment, write_json
 from zerotrain.tasks import registry as recipes
@@ -149,8 +152,6 @@ def _nproc(fit_args: list[str]) -> int:
 
 def _probe(recipe: str, fit_args: list[str], out_dir: Path) -> tuple[Optional["Probe"], Optional[str]]:
     """The memory model's measurements for this sweep's workload (one probe serves every row), or why not."""
-    from zerotrain.config.flags import parse_config
-    from zerotrain.plan.probe import run_probe
 
     try:  # a config the probe cannot take is reported by each fit's own row, not here
         cfg = parse_config(recipe, fit_args)
@@ -164,8 +165,6 @@ def _probe(recipe: str, fit_args: list[str], out_dir: Path) -> tuple[Optional["P
 def predicted(recipe: str, fit_args: list[str], strategy: str, probe: "Probe") -> dict[str, Any]:
     """The memory model's peak GPU and host memory (rank 0) for the run ``fit_args`` describe, whose
     strategy flags are those of ``strategy``."""
-    from zerotrain.config.flags import parse_config
-    from zerotrain.plan.estimate import estimate
 
     cfg = parse_config(recipe, fit_args)
     pred = estimate(recipe, cfg, probe=probe).predictions[strategy]  # type: ignore[index]
@@ -184,7 +183,6 @@ def _predicted_or_why(recipe: str, fit_args: list[str], strategy: str, probe: Op
 
 def read_probe(path: Path) -> "Probe":
     """A probe file written earlier (``python -m zerotrain.plan.probe``, or a plan's or sweep's probe.json)."""
-    from zerotrain.plan.probe import Probe
 
     try:
         return Probe.from_dict(json.loads(Path(path).read_text()))

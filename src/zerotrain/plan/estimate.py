@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from zerotrain.config import RunConfig
+from zerotrain.config.ds_config import _enabled, make_ds_config
 from zerotrain.engines.states import Buckets, ParamCounts, count_params
 from zerotrain.errors import ConfigError
 from zerotrain.plan.memory import (
@@ -88,7 +89,6 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     """
     import psutil
 
-    from zerotrain.config.ds_config import _enabled, make_ds_config
 
     _check_gib("--gpu_memory_gib", gpu_memory_gib, minimum_exclusive=True)
     _check_gib("--host_memory_gib", host_memory_gib, minimum_exclusive=True)

@@ -34,13 +34,25 @@ from typing import Any, Optional
 
 import torch
 
+from zerotrain import __version__
+from zerotrain.checkpoint.manager import estimate_bytes
 from zerotrain.config import RunConfig
+from zerotrain.config.ds_config import (
+    _enabled,
+    hf_training_arguments,
+    lightning_trainer_arguments,
+    make_ds_config,
+    portable_ds_config,
+)
 from zerotrain.engines.states import Buckets, count_params
 from zerotrain.errors import ConfigError, UserError
+from zerotrain.metrics.tracking import log
+from zerotrain.plan.benchmark import run_one
 from zerotrain.plan.memory import GIB, MemoryPrediction, fits, predict
 from zerotrain.plan.probe import Probe, run_probe
 from zerotrain.plan.speed import StepTime, step_time
 from zerotrain.plan.strategies import STRATEGIES
+from zerotrain.runtime.rundir import commit, environment, write_json
 from zerotrain.tasks import registry as recipes
 
 TRIAL_FLAGS = ["--trainer.evaluate", "false", "--trainer.export", "false", "--checkpoint.save_final", "false",
@@ -158,7 +170,6 @@ def _meta_counts(recipe: str, cfg: RunConfig):
 
 def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], host_bytes: float) -> list[Row]:
     """Predicted memory and step time of every candidate, and why each dropped one is out."""
-    from zerotrain.config.ds_config import _enabled, make_ds_config
 
     counts = _meta_counts(recipe, cfg)
     world = _world(cfg)
@@ -205,7 +216,6 @@ def _nothing_fits(rows: list[Row], cfg: RunConfig) -> UserError:
 
 def _disk_problem(recipe: str, cfg: RunConfig, precision: str) -> Optional[str]:
     """Whether one checkpoint of the run fits the disk of ``--trainer.output_dir``."""
-    from zerotrain.checkpoint.manager import estimate_bytes
 
     if not (cfg.checkpoint.save_final or cfg.checkpoint.every_steps):
         return None
@@ -236,7 +246,6 @@ def pick_trials(rows: list[Row], trials: int, per_strategy: int = 2) -> list[Row
 
 def _trial(recipe: str, fit_args: list[str], row: Row, out_dir: Path, trial_steps: int, warmup: int,
            timeout_s: int, trial_seconds: float) -> None:
-    from zerotrain.plan.benchmark import run_one
 
     # Enough steps for ~trial_seconds of predicted training: ten 50 ms steps measured start-up noise
     # (a 2-GPU BERT-base plan ranked ZeRO-1 over DDP on them; 100 steps ranked them the other way).
@@ -263,7 +272,6 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     """Probe, rank, trial and choose (module docstring); writes the plan folder ``out_dir``."""
     import psutil
 
-    from zerotrain.metrics.tracking import log
 
     checked = copy.deepcopy(cfg)
     if checked.trainer.max_steps is None and checked.trainer.epochs is None:
@@ -337,12 +345,6 @@ def write(p: Plan, cfg: RunConfig, fit_args: list[str]) -> None:
     """plan.json, plan.md, plan.yaml and ds_config.json in the plan folder."""
     import yaml
 
-    from zerotrain.config.ds_config import (
-        hf_training_arguments,
-        lightning_trainer_arguments,
-        portable_ds_config,
-    )
-    from zerotrain.runtime.rundir import environment, write_json
 
     chosen_cfg = p.choice.candidate.apply(cfg)
     deepspeed_rows = [r for r in p.trialled if r.dropped is None and STRATEGIES[r.candidate.strategy].backend == "deepspeed"]
@@ -428,8 +430,6 @@ def plan_key(recipe: str, cfg: RunConfig, device_name: str) -> str:
     faster on two GPUs, which can change the pick)."""
     import deepspeed
 
-    from zerotrain import __version__
-    from zerotrain.runtime.rundir import commit
 
     tree = cfg.to_dict()
     for section, key in (("trainer", "run_name"), ("trainer", "output_dir"), ("trainer", "max_steps"),

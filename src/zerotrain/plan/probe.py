@@ -46,7 +46,19 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from zerotrain.config.ds_config import resolve_precision
+from zerotrain.config.flags import parse_config
+from zerotrain.data.loader import make_loader
+from zerotrain.engines import to_device
+from zerotrain.engines.states import count_params
+from zerotrain.errors import UserError
+from zerotrain.runtime import distributed
+from zerotrain.runtime.distributed import cap_gpu_memory
+from zerotrain.runtime.launcher import environment_alone
+from zerotrain.runtime.rundir import write_json
+from zerotrain.tasks import registry as recipes
 from zerotrain.tasks.base import Task
+from zerotrain.train.loop import seed_everything
 
 LINEAR_REGIME = 1.6
 """Peak growth from one probe size to twice it above which the peak scales with the batch. Below it a
@@ -215,7 +227,6 @@ def _host_length_sweep(task: Task, train: Any, model: nn.Module, device: torch.d
     """Step ``model`` (forward and backward, one item) at every padded length of the split, or at
     :data:`MAX_SWEPT_LENGTHS` of them spread evenly; the resident memory this added, scaled to all
     lengths. None when the split has one length or none."""
-    from zerotrain.engines import to_device
 
     found = padded_lengths(task, train)
     if len(found) < 2:
@@ -242,7 +253,6 @@ def _workers_bytes(task: Task, train: Any, workers: int, micro_batch_size: int, 
         return 0.0
     import psutil
 
-    from zerotrain.data.loader import make_loader
 
     size = max(1, min(micro_batch_size, len(train)))
     batches = [[(k * size + i) % len(train) for i in range(size)] for k in range(2 * workers)]
@@ -337,7 +347,6 @@ def _trace(task: Task, model: nn.Module, batch_of: Callable[[int], dict[str, tor
     not measured) of ``model``, micro-batch 1, 2, 4, ... until both
     grow with the batch (:data:`LINEAR_REGIME`) or ``max_micro`` is reached; fitted. ``precision``
     None runs without autocast (a model already in 16 bits, as DeepSpeed's bf16/fp16 blocks hold it)."""
-    from zerotrain.engines import to_device
 
     memory: dict[int, float] = {}
     seconds: dict[int, float] = {}
@@ -402,7 +411,6 @@ def _sampled_optimizer_step_s(trainable: int, device: torch.device, lr: float) -
 def _fp32_adam_fits(model: nn.Module, room: Optional[float]) -> bool:
     """Whether the model as built, its gradients and two Adam moments fit in ``room`` bytes of the GPU
     with a tenth to spare for activations (``room`` None: on the CPU, where the host is the limit)."""
-    from zerotrain.engines.states import count_params
 
     if room is None:
         return True
@@ -424,14 +432,12 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
             checkpointing: tuple[bool, ...] = (False, True)) -> Probe:
     """Trace ``task``'s model on ``device`` at micro-batches up to ``max_micro`` (see the module
     docstring). ``task.cfg`` is not changed."""
-    from zerotrain.train.loop import seed_everything
 
     cfg = copy.deepcopy(task.cfg)
     cfg.precision.dtype = precision  # tasks read it (LoRA loads its base weights in it)
     seed_everything(cfg.trainer.seed)
     gpu_total = context = room = None
     if device.type == "cuda":
-        from zerotrain.runtime.distributed import cap_gpu_memory
 
         torch.cuda.init()
         free, total = torch.cuda.mem_get_info(device)
@@ -551,8 +557,6 @@ def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeo
     import subprocess
     import sys
 
-    from zerotrain.errors import UserError
-    from zerotrain.runtime.launcher import environment_alone
 
     cmd = [sys.executable, "-m", "zerotrain.plan.probe", recipe, "--out", str(out), "--max_micro", str(max_micro),
            *([] if checkpointing else ["--no_checkpointing"]), *fit_args]
@@ -572,13 +576,6 @@ def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeo
 def main(argv: Optional[list[str]] = None) -> int:
     import sys
 
-    from zerotrain.cli import main as cli_main  # noqa: F401  (same environment defaults as the CLI)
-    from zerotrain.config.ds_config import resolve_precision
-    from zerotrain.config.flags import parse_config
-    from zerotrain.errors import UserError
-    from zerotrain.runtime import distributed
-    from zerotrain.runtime.rundir import write_json
-    from zerotrain.tasks import registry as recipes
 
     parser = argparse.ArgumentParser(prog="python -m zerotrain.plan.probe")
     parser.add_argument("recipe")

@@ -25,11 +25,13 @@ from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, resolve_precision
 from zerotrain.errors import UserError
 from zerotrain.metrics.tracking import setup_logging
+from zerotrain.runtime.doctor import prepare_ops
 from zerotrain.runtime.launcher import (
     adopt_slurm_env,
     forget_progress,
     sanitize_cuda_arch_list,
 )
+from zerotrain.runtime.preemption import Preemption
 
 
 def free_port() -> int:
@@ -63,7 +65,6 @@ def init_process_group(backend: str, use_deepspeed: bool, device: str = "cpu", t
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
 
-            from zerotrain.runtime.doctor import prepare_ops
 
             if device == "cpu":
                 prepare_ops(["ShareMemCommBuilder"])
@@ -114,7 +115,6 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     # DeepSpeed 0.19 calls collectives that torch deprecates, once per call site: noise for a user,
     # and nothing a user could change.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    from zerotrain.runtime.preemption import Preemption
 
     preemption = Preemption()
     forget_progress()  # an earlier fit in this process does not speak for this one

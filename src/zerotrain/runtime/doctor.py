@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from zerotrain.errors import UserError
 from zerotrain.runtime.launcher import sanitize_cuda_arch_list
 
 # The ops zerotrain's strategies use: FusedAdam (GPU Adam), CPUAdam (optimizer offload),
@@ -214,7 +215,6 @@ def clear_stale_lock(build_dir: Path, what: str, now: Optional[float] = None) ->
     except FileNotFoundError:  # its build just finished
         return None
     except OSError as exc:
-        from zerotrain.errors import UserError
 
         raise UserError(f"{lock} is left from an interrupted build of {what} and cannot be removed "
                         f"({exc.strerror or exc}). Remove it by hand: rm {lock}") from None

@@ -25,8 +25,18 @@ from typing import Any, Optional
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+from zerotrain.checkpoint.layout import complete_checkpoints, read_marker
 from zerotrain.config import LaunchConfig
-from zerotrain.errors import RANK_LOST_EXIT, RankLost, RunStopped
+from zerotrain.data.io import atomic_write_text
+from zerotrain.errors import (
+    DIVERGED_EXIT,
+    OOM_EXIT,
+    RANK_LOST_EXIT,
+    USER_ERROR_EXIT,
+    RankLost,
+    RunStopped,
+)
+from zerotrain.runtime.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "MASTER_ADDR", "MASTER_PORT")
@@ -173,7 +183,6 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
 
 def _describe_signal(sig: signal.Signals, progress: dict[int, dict]) -> tuple[str, int]:
     """The launcher itself got a stop signal; torchelastic forwarded it and waited for the workers."""
-    from zerotrain.runtime.preemption import PREEMPTED_EXIT, SIGNALS
 
     if sig in SIGNALS and _saved_at_last_step(progress):
         # The workers saved a checkpoint at the step they stopped and exited (zerotrain.runtime.preemption): requeue.
@@ -263,7 +272,6 @@ def error_record(name: str, exc: BaseException) -> dict:
 
 def stop_line(name: str, exc: RunStopped) -> str:
     """The one line that says ``exc`` (raised by subcommand ``name``), the same from any rank or launcher."""
-    from zerotrain.runtime.preemption import Preempted
 
     if isinstance(exc, Preempted):
         return f"zerotrain {name}: {exc} (exit status {exc.exit_status})"
@@ -274,7 +282,6 @@ def stop_line(name: str, exc: RunStopped) -> str:
 
 
 def _write_error_file(path: str, record: dict) -> None:
-    from zerotrain.data.io import atomic_write_text
 
     try:
         # ASCII (json's default): torchelastic reads the file in the locale's encoding, which may not be UTF-8
@@ -353,8 +360,6 @@ def describe_failure(failures: dict, progress: Optional[dict[int, dict]] = None,
     lines = {r: rec for r, rec in said.items() if rec["status"] != RANK_LOST_EXIT}
     if lines:
         return lines[min(lines)]["line"], lines[min(lines)]["status"]
-    from zerotrain.errors import DIVERGED_EXIT, OOM_EXIT, USER_ERROR_EXIT
-    from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
     unsaid = {r: f for r, f in failures.items() if f.exitcode in (USER_ERROR_EXIT, DIVERGED_EXIT, OOM_EXIT, PREEMPTED_EXIT)}
     if unsaid:  # stopped before it could leave its line
@@ -415,7 +420,6 @@ def _saved_at_last_step(progress: dict[int, dict]) -> bool:
     run_dir = next((p["run_dir"] for p in progress.values() if p.get("run_dir")), None)
     if run_dir is None:
         return False
-    from zerotrain.checkpoint.layout import complete_checkpoints, read_marker
 
     folders = complete_checkpoints(Path(run_dir) / "checkpoints")
     last = max(p["step"] for p in progress.values())
@@ -427,7 +431,6 @@ def last_checkpoint_hint(progress: dict[int, dict]) -> str:
     run_dir = next((p["run_dir"] for p in progress.values() if p.get("run_dir")), None)
     if run_dir is None:
         return "No checkpoint: the workers had not started training"
-    from zerotrain.checkpoint.layout import complete_checkpoints
 
     folders = complete_checkpoints(Path(run_dir) / "checkpoints")
     if not folders:

@@ -27,7 +27,13 @@ from typing import Any, Optional
 
 import torch
 
+from zerotrain.checkpoint.layout import complete_checkpoints, find_resume_folder
+from zerotrain.config import from_dict, upgrade_layout
+from zerotrain.data.io import looks_local
+from zerotrain.data.io import write_json as atomic_write_json
 from zerotrain.errors import UserError
+from zerotrain.runtime.collectives import broadcast_object, run_on_main
+from zerotrain.tasks import registry as recipes
 
 
 def new_run_name(recipe: str) -> str:
@@ -66,8 +72,6 @@ def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optio
     read: a run still training there is not raced. ``verify``: check the checkpoint's checksums too
     (sizes are always checked; see :func:`zerotrain.checkpoint.manager.find_resume_folder`).
     """
-    from zerotrain.checkpoint.layout import find_resume_folder
-    from zerotrain.runtime.collectives import broadcast_object, run_on_main
 
     name = broadcast_object(run_name or new_run_name(recipe) if is_main else None)
     run_on_main(lambda: check_writable(output_dir))  # its error stops every rank, not rank 0 alone
@@ -82,7 +86,6 @@ def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optio
 
 def _refuse_fresh_start_over(run_dir: Path) -> None:
     """A new run would rewrite hparams.json and the logs of a trained one, and pass its checkpoints off as its own."""
-    from zerotrain.checkpoint.layout import complete_checkpoints
 
     found = complete_checkpoints(run_dir / "checkpoints")
     if found:
@@ -259,7 +262,6 @@ class writing:
 
 def write_json(path: Path, data: Any) -> None:
     """``data`` as indented JSON (values json cannot encode written as strings), replaced atomically."""
-    from zerotrain.data.io import write_json as atomic_write_json
 
     atomic_write_json(path, data, indent=2, default=str)
 
@@ -383,7 +385,6 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
     The task class is :func:`task_class` of the raw hparams (imported here already, so the errors come first).
     The config's tokenizer setting names the run's own copy (``<run>/tokenizer``) when the run has one; the raw
     hparams.json keeps the path the run was started with."""
-    from zerotrain.config import from_dict, upgrade_layout
 
     if not run_dir.is_dir():
         raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
@@ -419,7 +420,6 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
 def task_class(raw: dict[str, Any], hparams: Path) -> type:
     """The Task class of a run from its ``hparams.json`` (``raw``): its ``task`` (``module:Class``) when the run
     recorded one, else its recipe name, shipped, installed or registered by a module imported first."""
-    from zerotrain.tasks import registry as recipes
 
     spec = raw.get("task") or raw["recipe"]
     try:
@@ -468,7 +468,6 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     naming the folder or file
     and what to do.
     """
-    from zerotrain.data.io import looks_local
 
     run_dir = Path(run_dir).expanduser()
     recipe, cfg, raw = read_run(run_dir)

@@ -19,7 +19,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from zerotrain.checkpoint.weights import (
+    DEFAULT_MAX_SHARD_SIZE,
+    lazy_tensors,
+    read_safetensors,
+    write_safetensors,
+)
 from zerotrain.config import RunConfig
+from zerotrain.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +181,8 @@ class Task(ABC, Generic[C]):
         at a time with a log line each: a big model's export holds one shard in host memory, not the model, and
         says how far it has got.
         """
-        from zerotrain.checkpoint import export
-
-        export.write_safetensors(export.lazy_tensors(state_dict), out_dir, dtype=None,
-                                 max_shard_size=export.DEFAULT_MAX_SHARD_SIZE,
-                                 progress=lambda line: logger.info("export: %s", line))
+        write_safetensors(lazy_tensors(state_dict), out_dir, dtype=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+                          progress=lambda line: logger.info("export: %s", line))
 
     def load_exported(self, model: nn.Module, export_dir: Path) -> None:
         """Load into ``model`` (built with ``build_model(pretrained=False)``) what :meth:`export` wrote
@@ -189,9 +193,6 @@ class Task(ABC, Generic[C]):
         :class:`~zerotrain.errors.UserError` naming the file when it is missing or does not fit.
         """
         from safetensors import SafetensorError
-
-        from zerotrain.checkpoint.export import read_safetensors
-        from zerotrain.errors import UserError
 
         weights = Path(export_dir) / "model.safetensors"
         try:
@@ -226,8 +227,6 @@ class Task(ABC, Generic[C]):
         ``options`` are the command's settings (``top_k``, ``max_new_tokens``); a recipe reads the
         ones it uses and ignores the others. The default has nothing to predict and says so.
         """
-        from zerotrain.errors import UserError
-
         raise UserError(f"recipe {self.name or type(self).__name__} has no prediction to make "
                         "(zerotrain predict knows the imdb, mlm and lora recipes)")
 

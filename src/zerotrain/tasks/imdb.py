@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from zerotrain.checkpoint.weights import read_safetensors
 from zerotrain.config import RunConfig
 from zerotrain.data.collate import PadCollator
 from zerotrain.data.imdb import (
@@ -37,6 +38,7 @@ from zerotrain.data.imdb import (
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models.sentiment import SentimentClassifier
+from zerotrain.runtime.rundir import load_run
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 
 log = logging.getLogger(__name__)
@@ -125,7 +127,6 @@ def _read_weights(path: str, flag: str) -> dict[str, torch.Tensor]:
     ``.safetensors`` file."""
     from safetensors.torch import load_file
 
-    from zerotrain.checkpoint.export import read_safetensors
 
     p = Path(path).expanduser()
     if p.is_dir():
@@ -317,7 +318,6 @@ def predict(
     replaces the run's when its path no longer resolves. Returns ``(label, probability of that
     label)`` per text, label "negative" or "positive".
     """
-    from zerotrain.runtime.rundir import load_run
 
     run = load_run(run_dir, {"data.tokenizer": tokenizer} if tokenizer is not None else None, device=device)
     if not isinstance(run.task, IMDBTask):

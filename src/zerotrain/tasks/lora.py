@@ -22,7 +22,7 @@ from torch import nn
 from zerotrain.config import RunConfig
 from zerotrain.data.collate import IGNORE_INDEX, PadCollator
 from zerotrain.data.io import hub_offline, looks_local
-from zerotrain.data.sft import build_examples, load_records
+from zerotrain.data.sft import _adds_bos, build_examples, load_records, split_template
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
@@ -425,7 +425,6 @@ class LoRATask(Task[LoRAConfig]):
         ``{target}`` with the input in place of ``{input}`` (and BOS first when the tokenizer adds
         one). At most ``max_new_tokens`` new tokens, stopping at EOS; newlines and tabs in the
         continuation are written as ``\\n`` and ``\\t`` so that each input gets one line."""
-        from zerotrain.data.sft import _adds_bos, split_template
 
         tok = self.tokenizer
         head, _ = split_template(self.cfg.data.template)
