@@ -11,7 +11,7 @@ from zerotrain.runtime.doctor import report
 
 def run(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: zerotrain doctor [--json]\n\nReport versions, GPUs, compilers and DeepSpeed op build readiness.")
+        print("usage: zerotrain doctor [--json]\n\nReport versions, GPUs, compilers, DeepSpeed op build readiness and the DeepSpeed patches active for the\ninstalled version.")
         return 0
     if "--json" in argv:
         # DeepSpeed logs to stdout (its accelerator warning on import); keep stdout pure JSON for `| jq`.

@@ -1,4 +1,5 @@
-"""Environment report: versions, GPUs, compilers, and whether DeepSpeed's ops can be built here."""
+"""Environment report: versions, GPUs, compilers, whether DeepSpeed's ops can be built here, and which of zerotrain's
+DeepSpeed patches are active for the installed version."""
 
 from __future__ import annotations
 
@@ -57,7 +58,23 @@ def report() -> dict[str, Any]:
     }
     compilers = {"gcc": _tool(["gcc", "--version"]), "nvcc": _tool(["nvcc", "--version"]),
                  "ninja": _tool(["ninja", "--version"])}
-    return {"versions": versions, "gpus": gpus, "cuda": cuda, "compilers": compilers, "deepspeed ops": _ops()}
+    return {"versions": versions, "gpus": gpus, "cuda": cuda, "compilers": compilers, "deepspeed ops": _ops(),
+            "deepspeed patches": deepspeed_patches()}
+
+
+def deepspeed_patches() -> dict[str, str]:
+    """Each of zerotrain's DeepSpeed patches: active on the installed version (where its conditions hold on the
+    built engine), or off and why."""
+    from zerotrain.engines.ds_private.patches import PATCHES, installed_version, patches_for, unverified_line
+
+    version = installed_version()
+    active = {p.name for p in patches_for(version)}
+    out = {p.name: (f"active on DeepSpeed {version} where it applies: {p.what}" if p.name in active
+                    else f"off: verified on DeepSpeed {', '.join(p.verified_versions)} only") for p in PATCHES}
+    line = unverified_line(version)
+    if line is not None:
+        out["note"] = line
+    return out
 
 
 def op_buildable(op: str) -> bool:
