@@ -44,9 +44,6 @@ class DeepSpeedEngine(Engine):
         params = [p for p in model.parameters() if p.requires_grad]
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
-        # Methods of DeepSpeed's optimizer and engine instances, not config keys: a user's own JSON gets them too,
-        # on the DeepSpeed versions they were verified on (see ds_private.patches)
-        self.patches = apply_patches(self.ds) if cfg.strategy.fast_path else Applied()
         if cfg.strategy.compile:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
@@ -62,11 +59,15 @@ class DeepSpeedEngine(Engine):
             self.ds.enable_backward_allreduce = False
         self._norm: Optional[torch.Tensor] = None
         self._lr: Optional[float] = None
+        # Methods of DeepSpeed's optimizer and engine instances, not config keys: a user's own JSON gets them too,
+        # on the DeepSpeed versions they were verified on (see ds_private.patches); after the
+        # switches above, which some of them read
+        self.patches = apply_patches(self.ds) if cfg.strategy.fast_path else Applied()
         # Where DeepSpeed's forward and backward wrap only autograd (ZeRO-0 on one rank), they are run
         # directly: the same arithmetic without their host work (the patch zero0_direct_forward_backward)
         self._direct = "zero0_direct_forward_backward" in self.patches
         self._direct_model: nn.Module = self.ds.module
-        if self.ds.torch_autocast_enabled():
+        if self._direct and self.ds.torch_autocast_enabled():  # a DeepSpeed with torch_autocast (0.17+)
             self._direct_model = Autocast(self.ds.module, device.type, self.ds.torch_autocast_dtype())
 
     def describe(self) -> str:

@@ -130,15 +130,15 @@ def installed_version() -> Optional[str]:
         return None
 
 
-def patches_for(version: Optional[str], patches: Iterable[Patch] = PATCHES) -> tuple[Patch, ...]:
-    """The patches verified on DeepSpeed ``version`` (an exact release string: a local build such as
-    ``0.19.8+abc`` may hold other code, so it gets none)."""
-    return tuple(p for p in patches if version in p.verified_versions)
+def patches_for(version: Optional[str], patches: Optional[Iterable[Patch]] = None) -> tuple[Patch, ...]:
+    """The patches (:data:`PATCHES` by default) verified on DeepSpeed ``version`` (an exact release string: a
+    local build such as ``0.19.8+abc`` may hold other code, so it gets none)."""
+    return tuple(p for p in (PATCHES if patches is None else patches) if version in p.verified_versions)
 
 
-def unverified_line(version: Optional[str], patches: Iterable[Patch] = PATCHES) -> Optional[str]:
+def unverified_line(version: Optional[str], patches: Optional[Iterable[Patch]] = None) -> Optional[str]:
     """The one line said where no patch is verified on ``version``; None where some are."""
-    patches = tuple(patches)
+    patches = tuple(PATCHES if patches is None else patches)
     if not patches or patches_for(version, patches):
         return None
     verified = sorted({v for p in patches for v in p.verified_versions})
@@ -163,11 +163,12 @@ class Applied:
         self.names.clear()
 
 
-def apply_patches(engine: Any, version: Optional[str] = None, patches: Iterable[Patch] = PATCHES) -> Applied:
+def apply_patches(engine: Any, version: Optional[str] = None, patches: Optional[Iterable[Patch]] = None) -> Applied:
     """Apply to DeepSpeed ``engine`` (and its optimizer) each patch verified on ``version`` (the installed
     DeepSpeed's by default) whose ``applies`` holds there. On a version none is verified on, nothing
     changes and one line says so."""
     version = installed_version() if version is None else version
+    patches = tuple(PATCHES if patches is None else patches)
     line = unverified_line(version, patches)
     if line is not None:
         log.warning(line)
