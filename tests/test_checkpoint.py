@@ -166,7 +166,7 @@ def test_another_process_count_needs_the_same_micro_batch_times_processes(tmp_pa
 
 
 def test_an_engine_that_cannot_reshard_is_one_line(tmp_path):
-    from zerotrain.engines import Engine
+    from zerotrain.engines.base import Engine
 
     folder = two_rank_checkpoint(tmp_path)
     engine = FakeEngine()

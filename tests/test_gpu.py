@@ -159,7 +159,7 @@ def test_an_mlm_training_step_never_waits_for_the_gpu(tmp_path, tiny_tokenizer_d
     import torch
 
     from zerotrain.config import TrainerConfig
-    from zerotrain.engines import to_device
+    from zerotrain.engines.base import to_device
     from zerotrain.tasks.mlm import MLMConfig, MLMDataConfig, MLMModelConfig, MLMTask
 
     (tmp_path / "train.txt").write_text("the movie was great and i loved the plot but the acting was bad\n" * 40)
@@ -192,7 +192,7 @@ def test_a_zero12_bf16_step_never_waits_for_the_gpu(tmp_path, monkeypatch, stage
     import torch
 
     from zerotrain.cli import main
-    from zerotrain.engines import Engine
+    from zerotrain.engines.base import Engine
     from zerotrain.runtime.launcher import TORCHRUN_VARIABLES
 
     for name in TORCHRUN_VARIABLES:  # the single-process group sets them: gone again after the test

@@ -222,7 +222,7 @@ def _weighing_setup(workdir, tok):
     """A one-process gloo group, the LoRA task, its model and a plain engine, and two micro-batches with
     different target counts (1 and 5 examples)."""
     from zerotrain.runtime.distributed import init_process_group
-    from zerotrain.engines import TorchEngine
+    from zerotrain.engines.plain import TorchEngine
 
     init_process_group("gloo", use_deepspeed=False)
     task = make_task(workdir, tok)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from types import SimpleNamespace
@@ -11,10 +12,29 @@ import torch
 from test_fit import toy_config, train_log
 from test_zero_clip import RecordOps
 
-from zerotrain.engines.ds_private import zero_host
+from zerotrain.engines.ds_private import patches, zero_host
+
+# DeepSpeed's own methods are the reference: the patches' versions only (elsewhere they do not apply)
+pytestmark = pytest.mark.skipif(not patches.patches_for(patches.installed_version()),
+                                reason="zerotrain's DeepSpeed patches apply only to the versions they were verified on")
 from zerotrain.train.loop import fit
 from zerotrain.tasks.base import StepOutput
 from zerotrain.tasks.toy import ToyTask
+
+
+def without_patches(monkeypatch, *names: str) -> None:
+    """The engines built after this call get every patch but ``names`` (DeepSpeed's own methods there)."""
+    monkeypatch.setattr(patches, "PATCHES", tuple(p for p in patches.PATCHES if p.name not in names))
+
+
+def with_patch(monkeypatch, name: str, **fields) -> None:
+    """Patch ``name`` with ``fields`` replaced (e.g. a spy around its ``apply``) in the engines built after this call."""
+    monkeypatch.setattr(patches, "PATCHES", tuple(dataclasses.replace(p, **fields) if p.name == name else p
+                                                  for p in patches.PATCHES))
+
+
+ZERO12_HOST = ("zero12_one_rank_no_reduction", "zero12_norm_one_launch", "zero12_one_group_norm",
+               "zero12_rebind_only_moved")
 
 
 def _fit_counting_reductions(tmp_path, name: str, monkeypatch, task=ToyTask, **strategy) -> tuple[dict, int]:
@@ -45,8 +65,7 @@ def test_one_rank_skips_the_reduction_and_trains_bitwise_the_same(tmp_path, monk
     reductions = {}
     for skip in (True, False):
         if not skip:
-            for patch in ("skip_one_rank_reduction", "norm_in_one_launch", "rebind_only_moved_weights"):
-                monkeypatch.setattr(f"zerotrain.engines.deepspeed.{patch}", lambda opt: False)
+            without_patches(monkeypatch, *ZERO12_HOST)
         logs[skip], reductions[skip] = _fit_counting_reductions(tmp_path, f"skip-{skip}", monkeypatch,
                                                                 zero_stage=stage, precision=precision)
     assert reductions[False] > 0 and reductions[True] == 0
@@ -85,8 +104,7 @@ def test_zero2_without_its_hooks_trains_the_same_under_reentrant_checkpointing(t
     logs, reductions = {}, {}
     for skip in (True, False):
         if not skip:
-            for patch in ("skip_one_rank_reduction", "norm_in_one_launch", "rebind_only_moved_weights"):
-                monkeypatch.setattr(f"zerotrain.engines.deepspeed.{patch}", lambda opt: False)
+            without_patches(monkeypatch, *ZERO12_HOST)
         logs[skip], reductions[skip] = _fit_counting_reductions(tmp_path, f"reentrant-{skip}", monkeypatch,
                                                                 task=_ReentrantToyTask, zero_stage=2)
     assert reductions[False] > 0 and reductions[True] == 0
@@ -117,17 +135,17 @@ def test_the_reduction_is_kept_where_it_is_not_the_identity(tmp_path, monkeypatc
 
     def skip(opt):  # ZeRO-2 has a gradient hook per parameter tensor; the skip drops them all
         hooks.append(len(opt._grad_acc_hooks))
-        skipped = zero_host.skip_one_rank_reduction(opt)
+        undo = zero_host.skip_one_rank_reduction(opt)
         hooks.append(len(opt._grad_acc_hooks))
-        return skipped
+        return undo
 
     monkeypatch.setattr(zero_host, "_reduction_is_identity", spy)
-    monkeypatch.setattr("zerotrain.engines.deepspeed.skip_one_rank_reduction", skip)
+    with_patch(monkeypatch, "zero12_one_rank_no_reduction", apply=skip)
     _, reductions = _fit_counting_reductions(tmp_path, "run", monkeypatch, zero_stage=2)
     assert reductions == 0
     assert hooks == [len(list(ToyTask(toy_config(tmp_path, "count")).build_model().parameters())), 0]
     assert verdicts == {"as built": True, "contiguous": False, "bf16 communication": False}
-    assert not zero_host.skip_one_rank_reduction(SimpleNamespace())  # not a ZeRO-1/2 optimizer
+    assert not zero_host.one_rank_reduction_is_identity(SimpleNamespace())  # not a ZeRO-1/2 optimizer
 
 
 def _norm(method, grads: list[torch.Tensor], monkeypatch) -> tuple[torch.Tensor, list]:
@@ -174,13 +192,10 @@ def _global_norm(method, grads: list[torch.Tensor], monkeypatch, groups: int = 1
     zerotrain's one-launch norm inside as the engine has it, and the ops it ran. ``flags``: optimizer attributes
     that make DeepSpeed's method the one to run (``cpu_offload``, ``has_moe_layers``, ``muon``)."""
     from deepspeed import comm
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    from zerotrain.engines.ds_private.zero_clip import _mask_nan_or_inf
 
     monkeypatch.setattr(comm, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(comm, "all_reduce", lambda tensor, *args, **kwargs: None)  # one rank: the identity
-    monkeypatch.setattr(stage_1_and_2, "mask_nan_or_inf_with_val_inplace", _mask_nan_or_inf)  # as the engine sets it
+    # DeepSpeed's method masks with its own function; the one-group norm has no mask (both bitwise the same)
     grads = [g.to(device) for g in grads]
     params = [torch.nn.Parameter(torch.empty_like(g)) for g in grads]
     muon = flags.pop("muon", False)
@@ -257,7 +272,7 @@ def test_weights_are_rebound_only_when_one_has_moved(tmp_path, monkeypatch):
     real = zero_host.rebind_only_moved_weights
 
     def check(opt):
-        assert real(opt)
+        undo = real(opt)
         rebinds.clear()  # DeepSpeed's own, when the optimizer was built
         flat, params = opt.bit16_groups_flat[0], opt.bit16_groups[0]
         inside = [flat.data_ptr() <= p.data_ptr() < flat.data_ptr() + flat.numel() * flat.element_size()
@@ -270,9 +285,9 @@ def test_weights_are_rebound_only_when_one_has_moved(tmp_path, monkeypatch):
         opt._update_model_bit16_weights(0)
         assert rebinds == [0] and flat.data_ptr() <= moved.data_ptr() and torch.equal(moved.detach(), values)
         checked.append(True)
-        return True
+        return undo
 
-    monkeypatch.setattr("zerotrain.engines.deepspeed.rebind_only_moved_weights", check)
+    with_patch(monkeypatch, "zero12_rebind_only_moved", apply=check)
     fit(ToyTask(toy_config(tmp_path, "run", zero_stage=1)))
     assert checked == [True]
 
@@ -299,12 +314,11 @@ def _val_log(run_dir) -> dict[int, float]:
 
 @pytest.mark.parametrize("task", [ToyTask, LossOutsideTheModel])
 @pytest.mark.parametrize("precision", ["fp32", "autocast"])
-def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, precision, task):
-    """ZeRO-0 with the engine's gradients cleared from a list, its idle forward hooks removed and its forward
-    and backward run directly: DeepSpeed's own zero_grad, forward and backward never run, the hooks are gone,
-    and with 2 micro-batches and a biting clip the loss and grad-norm curves are bitwise those of DeepSpeed's
-    zero_grad, hooks, forward and backward. "autocast" is the GPU fast path's ZeRO-0 bf16 (DeepSpeed's
-    torch_autocast block), which a CPU run gets only by asking for it here."""
+def test_zero0_direct_forward_backward_trains_bitwise_the_same(tmp_path, monkeypatch, precision, task):
+    """ZeRO-0 with its forward and backward run directly: DeepSpeed's own forward and backward never run, and with
+    2 micro-batches and a biting clip the loss, grad-norm and validation curves are bitwise those of DeepSpeed's
+    forward and backward. "autocast" is the GPU fast path's ZeRO-0 bf16 (DeepSpeed's torch_autocast block), which
+    a CPU run gets only by asking for it here."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from zerotrain.config import ds_config
@@ -312,7 +326,7 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
     if precision == "autocast":
         real_fast_path = ds_config.fast_path
         monkeypatch.setattr(ds_config, "fast_path", lambda ds, device, ws: real_fast_path(ds, "cuda", ws))
-    calls, engines = {"zero_grad": 0, "forward": 0, "backward": 0}, []
+    calls, engines = {"forward": 0, "backward": 0}, []
 
     def counting(name):
         deepspeeds = getattr(DeepSpeedEngine, name)
@@ -324,15 +338,15 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
 
     for name in calls:
         monkeypatch.setattr(DeepSpeedEngine, name, counting(name))
-    real_drop = zero_host.drop_idle_forward_hooks
+    real_applies = zero_host.forward_backward_add_nothing
     logs, counts, vals = {}, {}, {}
     for patched in (True, False):
         calls.update(dict.fromkeys(calls, 0))
         if patched:
-            monkeypatch.setattr("zerotrain.engines.deepspeed.drop_idle_forward_hooks", lambda e: engines.append(e) or real_drop(e))
+            with_patch(monkeypatch, "zero0_direct_forward_backward",
+                       applies=lambda e: engines.append(e) or real_applies(e))
         else:
-            for patch in ("zero_grad_from_list", "drop_idle_forward_hooks", "forward_backward_add_nothing"):
-                monkeypatch.setattr(f"zerotrain.engines.deepspeed.{patch}", lambda engine: False)
+            without_patches(monkeypatch, "zero0_direct_forward_backward")
         cfg = toy_config(tmp_path, f"patched-{patched}", zero_stage=0, gradient_clipping=0.05,
                          precision="fp32" if precision == "fp32" else "bf16")
         cfg.trainer.eval_every_steps = 4
@@ -341,36 +355,15 @@ def test_zero0_engine_patches_train_bitwise_the_same(tmp_path, monkeypatch, prec
         vals[patched] = _val_log(tmp_path / f"patched-{patched}")
     ds = engines[0]
     assert ds.torch_autocast_enabled() == (precision == "autocast")
-    assert ds.module_forward_pre_hook is None and ds.module_forward_post_hook is None
-    assert not ds.module._forward_pre_hooks and not ds.module._forward_hooks
-    assert counts[True] == {"zero_grad": 0, "forward": 0, "backward": 0}
-    # one zero_grad per optimizer step; a forward and a backward per micro-batch (evaluation's forwards besides)
-    assert counts[False]["zero_grad"] == 8 and counts[False]["backward"] == 16 and counts[False]["forward"] >= 16
+    assert counts[True] == {"forward": 0, "backward": 0}
+    # a forward and a backward per micro-batch (evaluation's forwards besides)
+    assert counts[False]["backward"] == 16 and counts[False]["forward"] >= 16
     assert sorted(logs[True]) == sorted(logs[False]) == list(range(1, 9))
     for step, row in logs[True].items():
         assert row["train_loss"] == logs[False][step]["train_loss"], step
         assert row["grad_norm"] == logs[False][step]["grad_norm"], step
     assert logs[True][8]["train_loss"] < logs[True][1]["train_loss"]  # and it trains
     assert len(vals[True]) >= 2 and vals[True] == vals[False]  # evaluation too (forward_model, eval_context, eval)
-
-
-def test_zero0_engine_patches_stay_off_where_they_would_change_something():
-    """Another stage (its optimizer clears the gradients), or a forward hook with work to do, keeps DeepSpeed's."""
-    timers = SimpleNamespace(forward_timers=[])
-    engine = SimpleNamespace(zero_optimization=lambda: True)
-    assert not zero_host.zero_grad_from_list(engine)
-    base = dict(zero_optimization_partition_weights=lambda: False, flops_profiler_enabled=lambda: False,
-                random_ltd_enabled=lambda: False, fp16_auto_cast=lambda: False, memory_breakdown=lambda: False,
-                autotuning_profile_model_info=lambda: False, is_deepcompile_enabled=lambda: False,
-                engine_timers=timers, training_dataloader=None,
-                tput_timer=SimpleNamespace(config=SimpleNamespace(enabled=False)), module_forward_pre_hook=None,
-                module_forward_post_hook=None)
-    assert zero_host.drop_idle_forward_hooks(SimpleNamespace(**base))
-    for key, busy in (("flops_profiler_enabled", lambda: True), ("zero_optimization_partition_weights", lambda: True),
-                      ("fp16_auto_cast", lambda: True), ("memory_breakdown", lambda: True),
-                      ("engine_timers", SimpleNamespace(forward_timers=["forward_microstep"])),
-                      ("tput_timer", SimpleNamespace(config=SimpleNamespace(enabled=True)))):
-        assert not zero_host.drop_idle_forward_hooks(SimpleNamespace(**{**base, key: busy})), key
 
 
 def test_deepspeeds_forward_and_backward_stay_where_they_do_something():
@@ -391,130 +384,3 @@ def test_deepspeeds_forward_and_backward_stay_where_they_do_something():
                       ("memory_breakdown", lambda: True), ("autotuning_profile_model_info", lambda: True),
                       ("managed_gradient_accumulation", lambda: False)):
         assert not zero_host.forward_backward_add_nothing(SimpleNamespace(**{**base, key: busy})), key
-
-
-_TWO_RANK_FIT = '''
-import json, os, sys
-from pathlib import Path
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-import zerotrain.engines.deepspeed
-from zerotrain.cli import main
-
-out, patched, argv = Path(sys.argv[1]), sys.argv[2] == "patched", sys.argv[3:]
-if not patched:
-    zerotrain.engines.deepspeed.reduce_scatter_into_partition = lambda opt: False
-record = out.with_suffix(f".rank{os.environ['RANK']}.json")
-calls = {"deepspeed": 0}
-record.write_text(json.dumps(calls))  # rewritten at each call: a finished worker leaves by os._exit
-original = DeepSpeedZeroOptimizer.allreduce_and_copy
-
-def counted(self, *args, **kwargs):
-    calls["deepspeed"] += 1
-    record.write_text(json.dumps(calls))
-    return original(self, *args, **kwargs)
-
-DeepSpeedZeroOptimizer.allreduce_and_copy = counted
-raise SystemExit(main(argv))
-'''
-
-
-def _two_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")]),
-])
-def test_two_ranks_reduce_scatter_into_their_partitions_bitwise_as_deepspeed(tmp_path, precision, device):
-    """ZeRO-1 on two ranks (Gloo on CPU, NCCL on 2 GPUs), 2 micro-batches a step and a clip that bites: with the
-    reduce-scatter into each rank's partition, DeepSpeed's all-reduce and copy-back never run, and the loss and
-    grad-norm curves and the exported weights are bitwise those of DeepSpeed's own reduction (each element is
-    one addition of the two ranks' halves either way)."""
-    from conftest import run_python
-    from safetensors.torch import load_file
-
-    if device == "cpu" and torch.cuda.is_available():
-        pytest.skip("the Gloo case runs where there is no GPU (the toy would train on the GPU here)")
-
-    script = tmp_path / "two_rank_fit.py"
-    script.write_text(_TWO_RANK_FIT)
-    logs, weights, reductions = {}, {}, {}
-    for mode in ("patched", "deepspeed"):
-        args = ["fit", "toy", "--trainer.max_steps", "6", "--trainer.log_every_steps", "1", "--trainer.num_workers",
-                "0", "--trainer.micro_batch_size", "4", "--strategy.gradient_accumulation_steps", "2",
-                "--strategy.zero_stage", "1", "--precision.dtype", precision,
-                "--strategy.gradient_clipping", "0.05", "--optimizer.lr", "1e-2", "--logging.progress_bar", "false",
-                "--trainer.output_dir", str(tmp_path), "--trainer.run_name", mode]
-        out = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), str(tmp_path / mode), mode, *args], tmp_path)
-        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-        logs[mode] = train_log(tmp_path / mode)
-        weights[mode] = load_file(tmp_path / mode / "model" / "model.safetensors")
-        reductions[mode] = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text())["deepspeed"] for r in (0, 1)]
-    assert reductions["patched"] == [0, 0] and min(reductions["deepspeed"]) >= 6
-    assert sorted(logs["patched"]) == sorted(logs["deepspeed"]) == list(range(1, 7))
-    for step, row in logs["patched"].items():
-        assert row["train_loss"] == logs["deepspeed"][step]["train_loss"], step
-        assert row["grad_norm"] == logs["deepspeed"][step]["grad_norm"], step
-    assert logs["patched"][6]["grad_norm"] > 0.05  # the clip bit
-    assert sorted(weights["patched"]) == sorted(weights["deepspeed"])
-    for name, tensor in weights["patched"].items():
-        assert torch.equal(tensor, weights["deepspeed"][name]), name
-
-
-_TWO_RANK_ENGINE = '''
-import json, os, sys
-import deepspeed, torch
-from deepspeed.utils import safe_get_full_grad
-from zerotrain.engines.ds_private.zero_host import norm_in_one_launch, reduce_scatter_into_partition
-
-out, patched, optimizer = sys.argv[1], sys.argv[2] == "patched", sys.argv[3]
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(12, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config={
-    "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": optimizer, "params": {"lr": 0.02}},
-    "zero_optimization": {"stage": 1, "contiguous_gradients": False, "overlap_comm": False}})
-applied = False
-if patched:
-    norm_in_one_launch(engine.optimizer)
-    applied = reduce_scatter_into_partition(engine.optimizer)
-rank = int(os.environ["RANK"])
-data = torch.Generator().manual_seed(rank)
-grads = []
-for _ in range(3):
-    x, y = torch.randn(4, 12, generator=data), torch.randn(4, 3, generator=data)
-    engine.backward(((engine(x) - y) ** 2).mean())
-    # Between backward and step, DeepSpeed's API assembles each full gradient from the ranks' partitions
-    grads.append([safe_get_full_grad(p).flatten().tolist() for p in engine.module.parameters()])
-    engine.step()
-weights = [p.detach().flatten().tolist() for p in engine.module.parameters()]
-with open(f"{out}.rank{rank}.json", "w") as f:
-    json.dump({"applied": applied, "grads": grads, "weights": weights}, f)
-'''
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
-def test_the_reduce_scatter_keeps_deepspeeds_gradient_api_and_leaves_muon_alone(tmp_path, optimizer):
-    """DeepSpeed's ``safe_get_full_grad`` between backward and step reads each parameter's pieces of the partition:
-    with the reduce-scatter it returns DeepSpeed's own values. Muon's update is computed while DeepSpeed cuts
-    those pieces out, so under Muon the patch declines and the run is DeepSpeed's."""
-    from conftest import run_python
-
-    if torch.cuda.is_available():
-        pytest.skip("a Gloo case: it runs where there is no GPU")
-    script = tmp_path / "engine.py"
-    script.write_text(_TWO_RANK_ENGINE)
-    results = {}
-    for mode in ("patched", "deepspeed"):
-        out = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-                          str(tmp_path / mode), mode, optimizer], tmp_path)
-        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-        results[mode] = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text()) for r in (0, 1)]
-    assert [r["applied"] for r in results["patched"]] == [optimizer != "Muon"] * 2
-    for rank in (0, 1):
-        assert results["patched"][rank]["grads"] == results["deepspeed"][rank]["grads"]
-        assert results["patched"][rank]["weights"] == results["deepspeed"][rank]["weights"]

@@ -46,6 +46,10 @@ from zerotrain.checkpoint.weights import (
     materialise,
     write_safetensors,
 )
+from zerotrain.engines.ds_private.zero_to_fp32 import (
+    fp32_state_dict_lazy,
+    import_consolidator,
+)
 from zerotrain.errors import UserError
 from zerotrain.models.roberta_mlm import hf_roberta_config, hf_roberta_state_dict
 from zerotrain.runtime import rundir
@@ -115,14 +119,12 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
             raise UserError(f"{state_file} holds no 'module' state dict: it was not written by zerotrain")
         return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
     if optim:  # ZeRO-1/2/3: the fp32 master weights are partitioned over the ranks' optimizer files
-        with _cpu_accelerator():
-            from deepspeed.utils.zero_to_fp32 import (
-                get_fp32_state_dict_from_zero_checkpoint,
-            )
 
+        with _cpu_accelerator():
+            import_consolidator()
         try:
             with _quiet():
-                lazy = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name, lazy_mode=True)
+                lazy = fp32_state_dict_lazy(str(folder.parent), folder.name)
         except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
             raise UserError(f"{folder}: DeepSpeed cannot consolidate this checkpoint "
                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}). "

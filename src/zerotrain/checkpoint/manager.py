@@ -55,7 +55,7 @@ from zerotrain.checkpoint.layout import (
 )
 from zerotrain.config import CheckpointConfig
 from zerotrain.data.io import atomic_write_text
-from zerotrain.engines import Engine
+from zerotrain.engines.base import Engine
 from zerotrain.errors import UserError
 from zerotrain.runtime import rundir
 from zerotrain.runtime.collectives import run_on_main

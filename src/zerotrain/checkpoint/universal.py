@@ -23,6 +23,7 @@ from zerotrain.checkpoint.layout import (
 )
 from zerotrain.data.io import atomic_write_text, fsync_dir
 from zerotrain.engines.ds_private.safe_load import ds_safe_globals
+from zerotrain.engines.ds_private.universal import convert_to_universal
 from zerotrain.errors import UserError
 from zerotrain.runtime import rundir
 from zerotrain.train.state import weights_only_torch_load
@@ -39,15 +40,13 @@ def universal_checkpoint(folder: Path, verify: bool = True) -> Path:
 
     Runs on one rank (the caller uses :func:`~zerotrain.runtime.collectives.run_on_main`, so a failure
     reaches every rank as one line); the conversion is CPU-only. It is DeepSpeed's own
-    ``ds_to_universal.main`` (serial workers, strict checks, the universal-checkpoint info that
-    non-Megatron models do not record injected), written into ``folder/.universal.tmp/`` and
+    converter (:func:`zerotrain.engines.ds_private.universal.convert_to_universal`), written into ``folder/.universal.tmp/`` and
     renamed into place only when complete, with its own marker (:data:`UNIVERSAL_MARKER`: every
     file's size and, with ``verify``, sha256; fsynced before the rename), so the cache is complete
     or absent like the checkpoint itself. A cached copy is checked against its marker and
     reused; a damaged one is converted again. Every ``torch.load`` of the conversion is
     weights-only with the engine's allow-list (a crafted file runs no code).
     """
-    import argparse
     import contextlib
     import io
 
@@ -64,16 +63,12 @@ def universal_checkpoint(folder: Path, verify: bool = True) -> Path:
     meta = read_marker(folder)
     log.info("converting %s (written by %s process(es)) to a universal checkpoint in %s", folder,
              meta.get("world_size"), out)
-    from deepspeed.checkpoint import ds_to_universal
 
-
-    args = argparse.Namespace(input_folder=str(folder), output_folder=str(work / UNIVERSAL), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     chatter = io.StringIO()  # the converter prints progress bars and banners
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), \
                 weights_only_torch_load(ds_safe_globals()):
-            ds_to_universal.main(args)
+            convert_to_universal(folder, work / UNIVERSAL)
         files = seal(work / UNIVERSAL, 0, 1, verify)
         atomic_write_text(work / UNIVERSAL / UNIVERSAL_MARKER,
                           json.dumps({"format": 1, "source": folder.name, "source_world_size": meta.get("world_size"),

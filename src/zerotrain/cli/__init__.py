@@ -46,6 +46,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     import importlib
 
     module = importlib.import_module(f"zerotrain.cli.{name}")
+    # Deferred here and below: the launcher imports torch's elastic package (3 s), and `zerotrain --help` or a
+    # mistyped subcommand answers without it.
     from zerotrain.runtime.launcher import ErrorFile, under_own_launcher
 
     run = _collective_failures_as_rank_lost(module.run)

@@ -11,7 +11,8 @@ from zerotrain.runtime.doctor import build_ops, report
 
 USAGE = """usage: zerotrain doctor [--json] [--build]
 
-Report versions, GPUs, compilers and DeepSpeed op build readiness.
+Report versions, GPUs, compilers, DeepSpeed op build readiness and the DeepSpeed patches active for the
+installed version.
   --json   the report as JSON on stdout
   --build  also compile the DeepSpeed ops this machine can use (the CPU communication op, CPUAdam, FusedAdam,
            AsyncIO), which a first run would otherwise compile on first use, for minutes"""

@@ -24,6 +24,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zerotrain.config import RunConfig
+from zerotrain.engines.ds_private.config import (
+    builtin_optimizer_names,
+    zero_optimization_keys,
+)
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.runtime.doctor import op_buildable
 
@@ -143,11 +147,11 @@ def fast_path(ds: dict[str, Any], device: str, world_size: int) -> None:
 
     More fixes are not config keys and so also apply to a user's own JSON (the engine applies them):
     under ZeRO-1/2 with CPU optimizer offload the gradient norm is read to the host once a step, not
-    once per gradient tensor (:mod:`zerotrain.engines.ds_private.offload_norm`); ZeRO-1/2 clip without reading the norm to
-    the host at all; and ZeRO's optimizers mask an invalid norm without the two waits DeepSpeed's mask
-    makes (both :mod:`zerotrain.engines.ds_private.zero_clip`). :mod:`zerotrain.engines.ds_private.zero_host` cuts ZeRO-1/2's per-tensor host
-    work the same way: the norm in one launch, no re-pointing of weights that have not moved, and on one
-    rank no reduction (the identity there) and no ZeRO-2 gradient hooks.
+    once per gradient tensor; ZeRO-1/2 clip without reading the norm to the host and mask an invalid
+    norm without the two waits DeepSpeed's mask makes; ZeRO-1/2's per-tensor host work is cut (the norm
+    in one launch, no re-pointing of weights that have not moved, on one rank no reduction, the identity
+    there). Each is a declared patch in :mod:`zerotrain.engines.ds_private.patches`, applied only on the
+    DeepSpeed versions it was verified on.
     """
     ds["timers"] = {"throughput": {"enabled": False}}
     stage = ds["zero_optimization"]["stage"]
@@ -206,13 +210,13 @@ graph_harvesting compile tensor_parallel zenflow gradient_accumulation_dtype
 
 def _zero_keys() -> frozenset[str]:
     """zero_optimization's keys, from DeepSpeed's own config model (field names and their stage3_ aliases)."""
-    try:
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    # Deferred: zerotrain.engines imports this module (a circle at import time), and it imports DeepSpeed
 
-        fields = DeepSpeedZeroConfig.model_fields
-        return frozenset(list(fields) + [f.alias for f in fields.values() if f.alias])
-    except Exception:  # another DeepSpeed layout: fall back to the keys zerotrain itself writes and documents
-        return frozenset("""stage overlap_comm contiguous_gradients reduce_bucket_size allgather_bucket_size
+    keys = zero_optimization_keys()
+    if keys is not None:
+        return keys
+    # another DeepSpeed layout: the keys zerotrain itself writes and documents
+    return frozenset("""stage overlap_comm contiguous_gradients reduce_bucket_size allgather_bucket_size
             allgather_partitions reduce_scatter offload_optimizer offload_param sub_group_size round_robin_gradients
             stage3_prefetch_bucket_size stage3_param_persistence_threshold stage3_max_live_parameters
             stage3_max_reuse_distance stage3_gather_16bit_weights_on_model_save""".split())
@@ -343,7 +347,7 @@ def validate_ds_config(ds: dict[str, Any], world_size: int, device: str | None =
         _validate_for_device(ds, device)
 
 
-# DeepSpeed's built-in optimizers (deepspeed.runtime.config.DEEPSPEED_OPTIMIZERS, lower case); others need a client optimizer.
+# DeepSpeed's built-in optimizers (its DEEPSPEED_OPTIMIZERS, lower case); others need a client optimizer.
 _DS_OPTIMIZERS = ("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "adagrad", "lion", "muadam",
                   "muadamw", "musgd", "muon", "cpu_adam", "cpu_adagrad", "cpu_lion", "fusedadam")
 
@@ -355,18 +359,16 @@ def _validate_for_device(ds: dict[str, Any], device: str) -> None:
         raise ConfigError("fp16.enabled", "= true needs a GPU (as --precision.dtype fp16 does); on CPU set "
                           "\"fp16\": {\"enabled\": false} in the file given to --strategy.deepspeed_config, or use bf16")
     if "activation_checkpointing" in ds:
-        # That block configures deepspeed.checkpointing, which only models calling it use; zerotrain's
+        # That block configures DeepSpeed's activation-checkpointing API, which only models calling it use; zerotrain's
         # models recompute through torch.utils.checkpoint, switched by the flag.
         raise ConfigError("activation_checkpointing", "(a block of the file given to --strategy.deepspeed_config) "
                           "does nothing for zerotrain's models: remove it and pass --activation_checkpointing.enabled true")
     opt = ds.get("optimizer")
     name = opt.get("type") if isinstance(opt, dict) else None
     if isinstance(name, str) and name.lower() not in _DS_OPTIMIZERS:
-        try:
-            from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
-            known = sorted(set(DEEPSPEED_OPTIMIZERS) | set(_DS_OPTIMIZERS))
-        except Exception:
-            known = list(_DS_OPTIMIZERS)
+        # Deferred: zerotrain.engines imports this module (a circle at import time), and it imports DeepSpeed
+
+        known = sorted(set(builtin_optimizer_names() or ()) | set(_DS_OPTIMIZERS))
         if name.lower() not in known:
             close = difflib.get_close_matches(name.lower(), known, n=1)
             raise ConfigError("optimizer.type", f"= {name!r} is not a DeepSpeed optimizer"

@@ -16,21 +16,10 @@ from zerotrain.config.ds_config import (
     precision_of,
 )
 from zerotrain.engines.base import Engine, _compile
-from zerotrain.engines.ds_private.offload_norm import read_offload_norm_once
+from zerotrain.engines.ds_private.engine import zero3_consolidated_state_dict
+from zerotrain.engines.ds_private.patches import Applied, apply_patches
 from zerotrain.engines.ds_private.safe_load import ds_safe_globals
-from zerotrain.engines.ds_private.zero_clip import (
-    clip_without_sync,
-    mask_norms_without_sync,
-)
-from zerotrain.engines.ds_private.zero_host import (
-    drop_idle_forward_hooks,
-    forward_backward_add_nothing,
-    norm_in_one_launch,
-    rebind_only_moved_weights,
-    reduce_scatter_into_partition,
-    skip_one_rank_reduction,
-    zero_grad_from_list,
-)
+from zerotrain.engines.ds_private.universal import loading_universal
 from zerotrain.errors import UserError
 from zerotrain.runtime.collectives import run_on_main
 from zerotrain.runtime.doctor import ops_for, prepare_ops
@@ -60,18 +49,6 @@ class DeepSpeedEngine(Engine):
         prepare_ops(ops_for(ds))  # a first run compiles DeepSpeed's optimizer op in there: say so, clear a stale lock
         self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
                                                 lr_scheduler=scheduler)
-        mask_norms_without_sync(cfg.strategy.fast_path)  # process-wide: set either way, so false is DeepSpeed's
-        if cfg.strategy.fast_path:
-            # Methods of DeepSpeed's optimizer, not config keys: a user's own JSON gets them too.
-            read_offload_norm_once(self.ds.optimizer)
-            clip_without_sync(self.ds.optimizer)
-            norm_in_one_launch(self.ds.optimizer)
-            skip_one_rank_reduction(self.ds.optimizer)
-            reduce_scatter_into_partition(self.ds.optimizer)
-            rebind_only_moved_weights(self.ds.optimizer)
-            # And of its engine: at ZeRO-0 the gradients cleared from a list; at stages 0-2 no empty forward hooks.
-            zero_grad_from_list(self.ds)
-            drop_idle_forward_hooks(self.ds)
         if cfg.compile.enabled:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
@@ -87,11 +64,15 @@ class DeepSpeedEngine(Engine):
             self.ds.enable_backward_allreduce = False
         self._norm: Optional[torch.Tensor] = None
         self._lr: Optional[float] = None
+        # Methods of DeepSpeed's optimizer and engine instances, not config keys: a user's own JSON gets them too,
+        # on the DeepSpeed versions they were verified on (see ds_private.patches); after the
+        # switches above, which some of them read
+        self.patches = apply_patches(self.ds) if cfg.strategy.fast_path else Applied()
         # Where DeepSpeed's forward and backward wrap only autograd (ZeRO-0 on one rank), they are run
-        # directly: the same arithmetic without their host work (see forward_backward_add_nothing)
-        self._direct = cfg.strategy.fast_path and forward_backward_add_nothing(self.ds)
+        # directly: the same arithmetic without their host work (the patch zero0_direct_forward_backward)
+        self._direct = "zero0_direct_forward_backward" in self.patches
         self._direct_model: nn.Module = self.ds.module
-        if self.ds.torch_autocast_enabled():
+        if self._direct and self.ds.torch_autocast_enabled():  # a DeepSpeed with torch_autocast (0.17+)
             self._direct_model = Autocast(self.ds.module, device.type, self.ds.torch_autocast_dtype())
 
     def describe(self) -> str:
@@ -196,21 +177,18 @@ class DeepSpeedEngine(Engine):
         allow = ds_safe_globals()
         ckpt_engine = self.ds.checkpoint_engine
         ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
-        config = self.ds._config
-        before, config.load_universal_checkpoint = config.load_universal_checkpoint, True
         try:
-            with weights_only_torch_load(allow):
+            with loading_universal(self.ds), weights_only_torch_load(allow):
                 path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
         finally:
-            config.load_universal_checkpoint = before
             del ckpt_engine.load
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {universal}")
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.ds.zero_optimization_partition_weights():
-            sd = self.ds._zero3_consolidated_16bit_state_dict()
+            sd = zero3_consolidated_state_dict(self.ds)
             return sd if self.rank == 0 else None
         if self.rank != 0:
             return None

@@ -49,7 +49,7 @@ from torch import nn
 from zerotrain.config.ds_config import resolve_precision
 from zerotrain.config.flags import parse_config
 from zerotrain.data.loader import make_loader
-from zerotrain.engines import to_device
+from zerotrain.engines.base import to_device
 from zerotrain.engines.states import count_params
 from zerotrain.errors import UserError
 from zerotrain.runtime import distributed

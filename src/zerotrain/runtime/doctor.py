@@ -1,4 +1,5 @@
-"""Environment report: versions, GPUs, compilers, and whether DeepSpeed's ops can be built here; and the
+"""Environment report: versions, GPUs, compilers, whether DeepSpeed's ops can be built here, which of zerotrain's
+DeepSpeed patches are active for the installed version; and the
 just-in-time builds of those ops, announced before they start and done ahead of time by ``zerotrain doctor --build``.
 
 DeepSpeed compiles an op (CPUAdam, FusedAdam, the shared-memory communication op, AsyncIO) the first time a
@@ -21,6 +22,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from zerotrain.engines.ds_private.patches import (
+    PATCHES,
+    installed_version,
+    patches_for,
+    unverified_line,
+)
 from zerotrain.errors import UserError
 from zerotrain.runtime.launcher import sanitize_cuda_arch_list
 
@@ -87,7 +94,22 @@ def report() -> dict[str, Any]:
     }
     compilers = {"gcc": _tool(["gcc", "--version"]), "nvcc": _tool(["nvcc", "--version"]),
                  "ninja": _tool(["ninja", "--version"])}
-    return {"versions": versions, "gpus": gpus, "cuda": cuda, "compilers": compilers, "deepspeed ops": _ops()}
+    return {"versions": versions, "gpus": gpus, "cuda": cuda, "compilers": compilers, "deepspeed ops": _ops(),
+            "deepspeed patches": deepspeed_patches()}
+
+
+def deepspeed_patches() -> dict[str, str]:
+    """Each of zerotrain's DeepSpeed patches: active on the installed version (where its conditions hold on the
+    built engine), or off and why."""
+
+    version = installed_version()
+    active = {p.name for p in patches_for(version)}
+    out = {p.name: (f"active on DeepSpeed {version} where it applies: {p.what}" if p.name in active
+                    else f"off: verified on DeepSpeed {', '.join(p.verified_versions)} only") for p in PATCHES}
+    line = unverified_line(version)
+    if line is not None:
+        out["note"] = line
+    return out
 
 
 def op_buildable(op: str) -> bool:

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 from zerotrain.config import TrainerConfig
 from zerotrain.data.loader import make_loader
 from zerotrain.data.sampling import eval_shard
-from zerotrain.engines import Engine, to_device
+from zerotrain.engines.base import Engine, to_device
 from zerotrain.runtime.collectives import all_gather_object
 from zerotrain.tasks.base import Task
 

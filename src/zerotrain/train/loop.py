@@ -33,7 +33,8 @@ from zerotrain.config import RunConfig, check_warmup
 from zerotrain.config.ds_config import batch_shape, check_nvme_io, reflect_ds_config
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
-from zerotrain.engines import Engine, build_engine
+from zerotrain.engines.base import Engine
+from zerotrain.engines.build import build_engine
 from zerotrain.engines.states import (
     Buckets,
     ParamCounts,

@@ -1,6 +1,6 @@
 """ZeRO-1/2 with CPU optimizer offload: the gradient norm read to the host once a step, not once per tensor.
 
-DeepSpeed (0.19) computes each gradient's norm on the GPU as the gradient is copied out, then sums
+DeepSpeed (0.19.8) computes each gradient's norm on the GPU as the gradient is copied out, then sums
 them on the host with one ``.item()`` per tensor in ``complete_grad_norm_calculation_for_cpu_offload``.
 Every ``.item()`` waits for the GPU to drain, so the host cannot queue the next step's kernels: LoRA
 on a 22-layer Llama (88 adapter tensors) made 188 host-device synchronisations a step, most of them
@@ -11,19 +11,24 @@ sum (in float64, as DeepSpeed's Python floats are) done on the device, read once
 
 from __future__ import annotations
 
-import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from zerotrain.engines.ds_private.zero_clip import is_zero12
+from zerotrain.engines.ds_private.zero_host import replace_method
 
-def read_offload_norm_once(optimizer: Any) -> bool:
-    """Give a ZeRO-1/2 CPU-offload ``optimizer`` the one-read norm; False (nothing changed) for any other."""
-    method = "complete_grad_norm_calculation_for_cpu_offload"
-    if not getattr(optimizer, "cpu_offload", False) or not hasattr(optimizer, method):
-        return False
-    optimizer.complete_grad_norm_calculation_for_cpu_offload = types.MethodType(_grad_norm, optimizer)
-    return True
+
+def offload_norm_applies(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is ZeRO-1/2 with its optimizer offloaded to the CPU."""
+
+    return is_zero12(optimizer) and bool(getattr(optimizer, "cpu_offload", False))
+
+
+def read_offload_norm_once(optimizer: Any) -> Callable[[], None]:
+    """Give a ZeRO-1/2 CPU-offload ``optimizer`` the one-read norm; returns the undo (DeepSpeed's method again)."""
+
+    return replace_method(optimizer, "complete_grad_norm_calculation_for_cpu_offload", _grad_norm)
 
 
 def _grad_norm(self: Any, params: list[torch.nn.Parameter]) -> torch.Tensor:

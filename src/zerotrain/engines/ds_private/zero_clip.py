@@ -1,9 +1,7 @@
-"""ZeRO's gradient norm and clipping without a host-device synchronisation.
+"""ZeRO-1/2's gradient clipping and norm mask without a host-device synchronisation (DeepSpeed 0.19.8).
 
-DeepSpeed (0.19.8) makes the host wait for the GPU three times a step in ZeRO-1/2's clip path, each
-time for the whole backward and the gradient reduction to finish before it may queue the optimizer's
-kernels. On one H200 the GPU sat idle 8.2 ms of the compiled BERT-base step under ZeRO-1 (BENCHMARKS.md,
-session 13), and on two GPUs ``benchmarks/sync_sites.py`` found these waits left in the step (session 14):
+DeepSpeed makes the host wait for the GPU in ZeRO-1/2's clip path, each time for the whole backward
+and the gradient reduction to finish before it may queue the optimizer's kernels:
 
 * ``unscale_and_clip_grads`` asks ``if is_invalid_grad_norm(norm)``, a Python ``bool`` of a GPU tensor.
   :func:`clip_without_sync` gives one optimizer instance the same arithmetic with that choice made on
@@ -12,25 +10,32 @@ session 13), and on two GPUs ``benchmarks/sync_sites.py`` found these waits left
 * ``mask_nan_or_inf_with_val_inplace``, which turns an inf/NaN norm into -1, builds its -1 with
   ``torch.tensor(-1.0, device=...)`` (a copy from pageable host memory, which waits) and fills with that
   tensor (``masked_fill_`` reads a tensor value with ``.item()``, which waits again).
-  :func:`mask_norms_without_sync` has ZeRO's optimizers fill with the number instead.
+  :func:`mask_nan_or_inf` fills with the number; zerotrain's one-launch norm
+  (:func:`zerotrain.engines.ds_private.zero_host.norm_in_one_launch`) calls it.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
-def clip_without_sync(optimizer: Any) -> bool:
-    """Give a ZeRO-1/2 ``optimizer`` the sync-free clip; False (nothing changed) for any other."""
+def is_zero12(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO-1/2 optimizer."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
-        return False
+    return isinstance(optimizer, DeepSpeedZeroOptimizer)
+
+
+def clip_without_sync(optimizer: Any) -> Callable[[], None]:
+    """Give a ZeRO-1/2 ``optimizer`` the sync-free clip; returns the undo (DeepSpeed's method again)."""
     optimizer.unscale_and_clip_grads = types.MethodType(_unscale_and_clip_grads, optimizer)
-    return True
+
+    def undo() -> None:
+        del optimizer.unscale_and_clip_grads
+    return undo
 
 
 def _unscale_and_clip_grads(self: Any, grad_groups_flat: list, total_norm: Any) -> None:
@@ -60,23 +65,7 @@ def _unscale_and_clip_grads(self: Any, grad_groups_flat: list, total_norm: Any) 
     return None
 
 
-def mask_norms_without_sync(on: bool = True) -> None:
-    """Make DeepSpeed's ZeRO-1/2 and ZeRO-3 optimizers mask an invalid norm without a wait (``on``), or
-    with DeepSpeed's own function again.
-
-    They call ``mask_nan_or_inf_with_val_inplace`` as a global of their own modules, from inside their
-    norm methods, so the name is set there. The setting is process-wide, so every engine sets it: one
-    built with ``--strategy.fast_path false`` gets DeepSpeed's. The values left are bitwise the same
-    either way.
-    """
-    from deepspeed.runtime import utils
-    from deepspeed.runtime.zero import stage3, stage_1_and_2
-
-    for module in (stage_1_and_2, stage3):
-        module.mask_nan_or_inf_with_val_inplace = _mask_nan_or_inf if on else utils.mask_nan_or_inf_with_val_inplace
-
-
-def _mask_nan_or_inf(input: torch.Tensor, device: Any = None, val: float = -1.0) -> None:
-    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace``: an inf or NaN entry becomes -1 in place. Like
-    DeepSpeed's, it fills -1 whatever ``val`` is (its callers all pass the default)."""
+def mask_nan_or_inf(input: torch.Tensor, device: Any = None, val: float = -1.0) -> None:
+    """DeepSpeed's ``mask_nan_or_inf_with_val_inplace``: an inf or NaN entry becomes -1 in place, filled with the
+    number (no wait). Like DeepSpeed's, it fills -1 whatever ``val`` is (its callers all pass the default)."""
     input.masked_fill_(input.isnan().logical_or(input.isinf()), -1.0)

@@ -1,190 +1,59 @@
-"""ZeRO-1/2's per-tensor host work, cut where it computes nothing or fits in one launch.
+"""ZeRO-1/2's per-tensor host work, cut where it computes nothing or fits in one launch (DeepSpeed 0.19.8).
 
-DeepSpeed (0.19.8) handles ZeRO-1/2's gradients one parameter tensor at a time in Python. On a small
-model the host then sets the pace: on one H100, IMDB preset (b) (79 parameter tensors, CUDA-graphed
-encoder) took 19 ms a step under ZeRO-1 against 8.4 ms in plain PyTorch, with 8.9 ms of host time in
-the backward and 8.9 ms in the optimizer step against 5.4 and 2.4 (BENCHMARKS.md, session 15). Two
-of those per-tensor costs buy nothing:
+DeepSpeed handles ZeRO-1/2's gradients one parameter tensor at a time in Python. On a small model the
+host then sets the pace: IMDB preset (b) (79 parameter tensors, CUDA-graphed encoder) took 19 ms a step
+under ZeRO-1 against 8.4 ms in plain PyTorch on one H100. What each function here changes, and the
+figures that keep it, are declared in :mod:`zerotrain.engines.ds_private.patches`:
 
-* **The reduction on one rank.** Each gradient is bucketed, the bucket is flattened, divided by the
-  world size, all-reduced and copied back tensor by tensor. With one data-parallel rank that is the
-  identity (a division by 1.0, a sum over one rank, a copy of the same values).
-  :func:`skip_one_rank_reduction` has such an optimizer leave the gradients where backward put them
-  (and drops ZeRO-2's per-tensor gradient hooks, which only feed that reduction); ZeRO's epilogue then
-  reads them exactly as it reads the reduced ones. It applies only where the
-  reduction is the identity bit for bit, see :func:`_reduction_is_identity`.
-* **The gradient norm.** DeepSpeed casts each gradient to float64 and takes its norm: two kernels and
-  a tensor allocation per parameter tensor. :func:`norm_in_one_launch` takes the same float64 norms
-  with ``torch._foreach_norm`` (one multi-tensor launch) and sums them as DeepSpeed does; on one rank
-  it also leaves out the all-reduce of the result with itself. With one parameter group (zerotrain's always),
-  :func:`_scaled_global_norm` also skips what DeepSpeed wraps around that norm: an inf/NaN mask to -1 and a
-  combination of the groups that turns the -1 back into inf: 16 small ops (4 left) and their Python for one
-  value, where py-spy found 6% of ZeRO-1's loop thread at IMDB (b) on an H200. The same values, in fewer
-  launches: a median 0.48 ms less host time in a ZeRO-1 step there (2.09 against 2.57 ms, BENCHMARKS.md, session 25).
-
-On several ranks ZeRO-1 reduces more than it uses: every gradient is all-reduced, though a rank updates
-only its partition, and then copied back, tensor by tensor, and cut out again.
-:func:`reduce_scatter_into_partition` flattens the gradients once and reduce-scatters them, so each rank
-receives its partition and nothing else (on 2 x H200, BERT-base: 1,023,908 against 998,915 tokens/s,
-BENCHMARKS.md session 21, measured before the partition was handed over as per-parameter views).
-
-And one that repeats work already done: after every step DeepSpeed points each 16-bit parameter at its
-slice of the flat buffer again ("just to be safe", its comment says), though the step wrote into that
-buffer in place. :func:`rebind_only_moved_weights` keeps the rebinding for a parameter that has moved
-and skips it where every parameter already is that slice.
-
-ZeRO-0 keeps DeepSpeed's engine (forward, backward, step) around plain PyTorch arithmetic, and two of its
-per-step host costs do nothing there: :func:`zero_grad_from_list` clears the gradients from a list of
-the parameters made once, where DeepSpeed walks the module tree for them every step, and
-:func:`drop_idle_forward_hooks` removes the module hooks around every forward whose bodies only start
-timers, profilers and ZeRO-3 bookkeeping that are off. On one rank, :func:`forward_backward_add_nothing` tells the
-engine when DeepSpeed's ``forward`` and ``backward`` are autocast and ``loss.backward()`` plus bookkeeping, so that it
-runs those two directly (0.29 ms less host time an IMDB (b) step on an H200, BENCHMARKS.md session 26).
+* **The reduction on one rank** (:func:`skip_one_rank_reduction`). Each gradient is bucketed, flattened,
+  divided by the world size, all-reduced and copied back tensor by tensor: with one data-parallel rank,
+  the identity. The optimizer leaves the gradients where backward put them (and ZeRO-2's per-tensor
+  hooks, which only feed that reduction, go); ZeRO's epilogue reads them as it reads reduced ones.
+  It applies only where the reduction is the identity bit for bit (:func:`_reduction_is_identity`).
+* **The gradient norm** (:func:`norm_in_one_launch`). DeepSpeed casts each gradient to float64 and takes
+  its norm: two kernels and an allocation per tensor. ``torch._foreach_norm`` takes the same float64
+  norms in one launch; on one rank the all-reduce of the result with itself is left out, and an
+  invalid norm is masked to -1 without DeepSpeed's two host-device waits (:func:`zero_clip.mask_nan_or_inf`).
+* **The one-group global norm** (:func:`one_group_norm`): for one parameter group, the group's norm
+  where finite and inf where not, without the -1 mask and the combination of groups around it.
+* **The rebinding** (:func:`rebind_only_moved_weights`): after every step DeepSpeed points each 16-bit
+  parameter at its slice of the flat buffer again; skipped where every parameter already is that slice.
+* **ZeRO-0's forward and backward** (:func:`forward_backward_add_nothing`): where DeepSpeed's wrap only
+  autocast and ``loss.backward()``, the engine runs those two itself.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Any, Optional
+from typing import Any, Callable
 
 import torch
 
+from zerotrain.engines.ds_private.zero_clip import mask_nan_or_inf
 
-def skip_one_rank_reduction(optimizer: Any) -> bool:
-    """Give a ZeRO-1/2 ``optimizer`` on one rank a no-op gradient reduction; False (nothing changed) where
-    the reduction is not the identity or the optimizer is not DeepSpeed's ZeRO-1/2."""
-    if not _is_zero12(optimizer) or not _reduction_is_identity(optimizer):
-        return False
+
+def one_rank_reduction_is_identity(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is DeepSpeed's ZeRO-1/2 on one rank, where reducing its gradients changes nothing."""
+    return _is_zero12(optimizer) and _reduction_is_identity(optimizer)
+
+
+def skip_one_rank_reduction(optimizer: Any) -> Callable[[], None]:
+    """Give a ZeRO-1/2 ``optimizer`` on one rank a no-op gradient reduction (check
+    :func:`one_rank_reduction_is_identity` first); returns the undo, which gives back DeepSpeed's method and hooks."""
     optimizer.reduce_ready_partitions_and_remove_grads = types.MethodType(_leave_gradient, optimizer)
     # ZeRO-2's hooks, one per parameter tensor, run in every backward to bucket each gradient as it arrives
     # and to count them. With nothing to reduce they have nothing to do: the engine runs the epilogue
     # after backward (allreduce_gradients), as it does at ZeRO-1, which has no hooks.
+    had_hooks = bool(optimizer._grad_acc_hooks)
     for handle in optimizer._grad_acc_hooks:
         handle.remove()
     optimizer._grad_acc_hooks = []
-    return True
 
-
-def reduce_scatter_into_partition(optimizer: Any) -> bool:
-    """Give a multi-rank ZeRO-1 ``optimizer`` a gradient reduction that reduce-scatters one flat buffer straight
-    into this rank's partition; False (nothing changed) where DeepSpeed's own path differs in what it computes
-    or in the memory it holds.
-
-    DeepSpeed (0.19.8) all-reduces every gradient, although a rank updates only its partition; copies the
-    reduced values back into each ``param.grad`` (one copy per tensor); then cuts its partition out of those
-    tensors piece by piece, and its step flattens the pieces again. Here the gradients are flattened once, in
-    the layout of the flat 16-bit weights (so the partitions' bounds are the same), divided by the world size
-    as DeepSpeed divides them, and reduce-scattered: each rank receives its own summed partition and nothing
-    else (half the all-reduce's bytes on the wire). The step takes that partition as DeepSpeed's pre-flattened
-    one, and everything that reads the per-parameter pieces (the gradient norm, the overflow check,
-    ``safe_get_full_grad``) finds them as views into it, in DeepSpeed's order. On two ranks every element is
-    the same one addition either way, so the result is bitwise DeepSpeed's; on more, NCCL may add the ranks'
-    values in another order (float rounding, not a different sum).
-
-    Only ZeRO-1 (no gradient hooks: the reduction runs once, after the last micro-batch's backward), with the
-    gradients in ``param.grad`` (no contiguous buckets, no CPU offload, no accumulation attribute, no compact
-    fp32 partition), no MoE, sequence parallelism or Muon (whose update DeepSpeed computes while it cuts the
-    pieces out), communication in the gradients' own dtype, the flat layout in parameter order without
-    per-tensor padding, and each group within one reduce bucket (``reduce_bucket_size``): DeepSpeed then
-    flattens the whole group at once too, so the peak memory is the same. The ``reduce_scatter`` key does
-    not apply: DeepSpeed reads it only on the contiguous-gradients path.
-    """
-    from deepspeed import comm as dist
-
-    if not _is_zero12(optimizer) or not _partitions_from_one_flat_buffer(optimizer):
-        return False
-    if any(dist.get_world_size(group=g) == 1 for g in optimizer.real_dp_process_group):
-        return False  # one rank: skip_one_rank_reduction leaves the gradients where they are instead
-    optimizer._zerotrain_pieces = [_partition_pieces(optimizer, i) for i in range(len(optimizer.bit16_groups))]
-    optimizer.reduce_gradients = types.MethodType(_reduce_scatter_gradients, optimizer)
-    return True
-
-
-def _partitions_from_one_flat_buffer(opt: Any) -> bool:
-    """The conditions of :func:`reduce_scatter_into_partition` on ``opt``'s configuration and layout."""
-    if (opt.partition_gradients or opt.overlap_comm or opt.contiguous_gradients or opt.cpu_offload
-            or opt.use_grad_accum_attribute or opt.has_moe_layers or getattr(opt, "zenflow", False)
-            or getattr(opt, "sequence_parallel_size", 1) != 1 or opt._grad_acc_hooks):
-        return False
-    if any(opt._use_compact_grad_partition_buffer(i) for i in range(len(opt.bit16_groups))):
-        return False
-    if opt.real_dp_process_group != [opt.dp_process_group] * len(opt.bit16_groups):
-        return False
-    for i, group in enumerate(opt.bit16_groups):
-        ordered, offsets = opt.round_robin_bit16_groups[i], opt.round_robin_bit16_offsets[i]
-        if len(ordered) != len(group) or any(p is not q for p, q in zip(group, ordered)):
-            return False
-        if any(getattr(p, "use_muon", False) for p in group):
-            return False
-        if any(opt.round_robin_bit16_padding[i]) or any(opt.get_param_comm_dtype(p) != p.dtype for p in group):
-            return False
-        starts = [0]
-        for p in group[:-1]:
-            starts.append(starts[-1] + p.numel())
-        total = starts[-1] + group[-1].numel()
-        if list(offsets) != starts or opt.bit16_groups_flat[i].numel() < total or total > opt.reduce_bucket_size:
-            return False
-    return True
-
-
-def _partition_pieces(opt: Any, i: int) -> list[tuple[int, int, Optional[torch.Size]]]:
-    """Where group ``i``'s per-parameter gradient pieces lie in this rank's partition, in DeepSpeed's order
-    (``params_in_partition``): (offset, elements, shape where the piece is a whole tensor, else None), and
-    (offset, elements, None) with elements < 0 for zero padding. Computed once: the layout never changes."""
-    from deepspeed import comm as dist
-
-    size, rank = int(opt.partition_size[i]), dist.get_rank(group=opt.real_dp_process_group[i])
-    pieces, filled = [], 0
-    for param in opt.params_in_partition[i]:
-        param_id = opt.get_param_id(param)
-        start = int(opt.grad_start_offset[i][rank][param_id])
-        offset = int(opt.grad_partition_insertion_offset[i][rank][param_id])
-        count = min(param.numel() - start, size - offset)
-        if offset > filled:
-            pieces.append((filled, -(offset - filled), None))
-        if count > 0:
-            pieces.append((offset, count, param.shape if start == 0 and count == param.numel() else None))
-            filled = offset + count
-    if filled < size:
-        pieces.append((filled, -(size - filled), None))
-    return pieces
-
-
-def _reduce_scatter_gradients(self: Any, pipeline_parallel: bool = False) -> None:
-    """Stands for ``DeepSpeedZeroOptimizer.reduce_gradients`` (with its epilogue) at ZeRO-1: each group's
-    gradients, flattened with zeros for a parameter that got none and for the flat buffer's tail padding,
-    averaged and reduce-scattered into this rank's partition, which the step reads as pre-flattened.
-    (``pipeline_parallel`` only makes DeepSpeed allocate contiguous buckets, which this path has none of.)"""
-    from deepspeed import comm as dist
-    from deepspeed.runtime.zero.stage_1_and_2 import GradPartitionBufferGroup
-
-    for i, group in enumerate(self.bit16_groups):
-        process_group = self.real_dp_process_group[i]
-        flat_weights = self.bit16_groups_flat[i]
-        pieces = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                  for p in group]
-        tail = flat_weights.numel() - sum(piece.numel() for piece in pieces)
-        if tail:
-            pieces.append(torch.zeros(tail, dtype=flat_weights.dtype, device=flat_weights.device))
-        flat = torch.cat(pieces)
-        del pieces
-        for p in group:
-            p.grad = None  # the flat copy holds them now: their memory is free for the partition
-        if self.gradient_average:
-            flat.div_(dist.get_world_size(group=process_group))  # before the sum, as DeepSpeed's allreduce_bucket
-        partition = torch.empty(int(self.partition_size[i]), dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_fn(partition, flat, group=process_group)
-        views = []
-        for offset, count, shape in self._zerotrain_pieces[i]:
-            view = partition.narrow(0, offset, abs(count))
-            if count < 0:
-                view._zero_padding = True  # DeepSpeed's mark: the norm leaves it out
-            views.append(view.view(shape) if shape is not None else view)
-        self.averaged_gradients[i] = GradPartitionBufferGroup(views, partition)
-        self.all_grad_tensors[i] = None
-    # DeepSpeed's epilogue ends the same way: no gradient left in .grad, this backward's reduction done.
-    self._clear_param_grad_only()
-    self._epilogue_ran_this_backward = True
+    def undo() -> None:
+        del optimizer.reduce_ready_partitions_and_remove_grads
+        if had_hooks:
+            optimizer.create_gradient_handling_hooks()
+    return undo
 
 
 def _leave_gradient(self: Any, param: torch.nn.Parameter, i: int) -> None:
@@ -214,23 +83,43 @@ def _reduction_is_identity(opt: Any) -> bool:
     return all(opt.get_param_comm_dtype(p) == p.dtype for p in params)
 
 
-def norm_in_one_launch(optimizer: Any) -> bool:
-    """Give a ZeRO-1/2 ``optimizer`` the one-launch gradient norm; False (nothing changed) where DeepSpeed's
-    per-tensor rules matter (pipeline-replicated parameters, a model-parallel rank other than 0)."""
+def norm_in_one_launch_applies(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is ZeRO-1/2 without DeepSpeed's per-tensor norm rules that matter (pipeline-replicated
+    parameters, a model-parallel rank other than 0)."""
     from deepspeed.runtime.constants import PIPE_REPLICATED
 
     if not _is_zero12(optimizer) or getattr(optimizer, "model_parallel_rank", 0) != 0:
         return False
-    if any(hasattr(p, PIPE_REPLICATED) for group in optimizer.bit16_groups for p in group):
-        return False
-    optimizer.get_grad_norm_direct = types.MethodType(_grad_norm_direct, optimizer)
-    # Bitwise only against the DeepSpeed that combines groups keeping the -1 invalid (0.19.8); an older one
-    # combined it into 1.0, and keeps its own method
+    return not any(hasattr(p, PIPE_REPLICATED) for group in optimizer.bit16_groups for p in group)
+
+
+def norm_in_one_launch(optimizer: Any) -> Callable[[], None]:
+    """Give a ZeRO-1/2 ``optimizer`` the one-launch gradient norm; returns the undo."""
+    return replace_method(optimizer, "get_grad_norm_direct", _grad_norm_direct)
+
+
+def one_group_norm_applies(optimizer: Any) -> bool:
+    """Where the one-group global norm is bitwise DeepSpeed's: the DeepSpeed that combines groups keeping the -1
+    invalid (0.19.8; an older one combined it into 1.0, and keeps its own method)."""
     from deepspeed.runtime.zero import stage_1_and_2
 
-    if hasattr(stage_1_and_2, "combine_grad_norm_groups") and hasattr(optimizer, "_muon_update_lacks_loss_scale"):
-        optimizer.scaled_global_norm = types.MethodType(_scaled_global_norm, optimizer)
-    return True
+    return (norm_in_one_launch_applies(optimizer) and hasattr(stage_1_and_2, "combine_grad_norm_groups")
+            and hasattr(optimizer, "_muon_update_lacks_loss_scale"))
+
+
+def one_group_norm(optimizer: Any) -> Callable[[], None]:
+    """Give a ZeRO-1/2 ``optimizer`` the one-group global norm (it falls back to DeepSpeed's itself); the undo."""
+    return replace_method(optimizer, "scaled_global_norm", _scaled_global_norm)
+
+
+def replace_method(obj: Any, name: str, function: Callable[..., Any]) -> Callable[[], None]:
+    """Bind ``function`` as ``obj.name`` on this instance only; the undo deletes it, so the class's method is
+    found again."""
+    setattr(obj, name, types.MethodType(function, obj))
+
+    def undo() -> None:
+        delattr(obj, name)
+    return undo
 
 
 def _grad_norm_direct(self: Any, gradients: list[torch.Tensor], params: list[torch.nn.Parameter],
@@ -244,8 +133,7 @@ def _grad_norm_direct(self: Any, gradients: list[torch.Tensor], params: list[tor
     if float(norm_type) != 2.0:
         return stage_1_and_2.DeepSpeedZeroOptimizer.get_grad_norm_direct(self, gradients, params, norm_type)
     total = _l2_norm(self, gradients)
-    # The module's global, so that zero_clip's sync-free mask applies here as it does to DeepSpeed's method.
-    stage_1_and_2.mask_nan_or_inf_with_val_inplace(total, device=self.device)
+    mask_nan_or_inf(total)  # DeepSpeed's mask, without its two host-device waits
     return total
 
 
@@ -284,19 +172,23 @@ def _scaled_global_norm(self: Any, norm_type: float = 2) -> torch.Tensor:
     return torch.where(norm < float("inf"), torch.linalg.vector_norm(norm), float("inf"))
 
 
-def rebind_only_moved_weights(optimizer: Any) -> bool:
-    """Give a ZeRO-1/2 ``optimizer`` the rebinding that runs only when a parameter has left its slice of the
-    flat buffer; False (nothing changed) for any other optimizer."""
+def rebind_applies(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is ZeRO-1/2 with every parameter its own round-robin twin (zerotrain's one group
+    always), where DeepSpeed's second rebinding pass is a no-op."""
     if not _is_zero12(optimizer):
         return False
     # DeepSpeed's second pass sets each parameter to its round-robin twin's .data: a no-op only where every
-    # twin is the parameter itself (zerotrain's one group always). Parameters never change object, so once.
-    for group, ordered, indices in zip(optimizer.bit16_groups, optimizer.round_robin_bit16_groups,
-                                       optimizer.round_robin_bit16_indices):
-        if any(p is not ordered[indices[k]] for k, p in enumerate(group)):
-            return False
-    optimizer._update_model_bit16_weights = types.MethodType(_update_model_bit16_weights, optimizer)
-    return True
+    # twin is the parameter itself. Parameters never change object, so this is checked once.
+    return all(p is ordered[indices[k]]
+               for group, ordered, indices in zip(optimizer.bit16_groups, optimizer.round_robin_bit16_groups,
+                                                  optimizer.round_robin_bit16_indices)
+               for k, p in enumerate(group))
+
+
+def rebind_only_moved_weights(optimizer: Any) -> Callable[[], None]:
+    """Give a ZeRO-1/2 ``optimizer`` the rebinding that runs only when a parameter has left its slice of the flat
+    buffer (check :func:`rebind_applies` first); returns the undo."""
+    return replace_method(optimizer, "_update_model_bit16_weights", _update_model_bit16_weights)
 
 
 def _update_model_bit16_weights(self: Any, group_index: int) -> None:
@@ -314,51 +206,6 @@ def _update_model_bit16_weights(self: Any, group_index: int) -> None:
                                               self.round_robin_bit16_offsets[group_index]))
     if not in_place:
         DeepSpeedZeroOptimizer._update_model_bit16_weights(self, group_index)
-
-
-def zero_grad_from_list(engine: Any) -> bool:
-    """Give a ZeRO-0 DeepSpeed ``engine`` a ``zero_grad`` that sets ``.grad = None`` on a list of its module's
-    parameters made now; False (nothing changed) at ZeRO-1/2/3, whose optimizers clear their own gradients.
-
-    DeepSpeed's (0.19.8) sets ``param.grad = None`` for every ``module.named_parameters()``, a walk of the
-    module tree (for IMDB (b), 80 generators and ~400 ``named_modules`` steps, ~0.1 ms on a CPU) each
-    step. The parameters never change object after ``deepspeed.initialize`` (its optimizer holds them), so
-    the list names the same tensors, deduplicated as ``named_parameters`` does; the gradients end the same.
-    """
-    if engine.zero_optimization():
-        return False
-    params = list(engine.module.parameters())
-
-    def zero_grad() -> None:
-        for p in params:
-            p.grad = None
-
-    engine.zero_grad = zero_grad  # an instance attribute: the class's method for any other engine
-    return True
-
-
-def drop_idle_forward_hooks(engine: Any) -> bool:
-    """Remove a DeepSpeed ``engine``'s forward pre- and post-hooks on its module where both would do nothing;
-    False (kept) otherwise.
-
-    They call ``_forward_prologue``/``_forward_epilogue`` around every forward; those only start and stop
-    wall-clock timers, the throughput timer (when DeepSpeed was given no data loader), the flops
-    profiler, random-LTD, fp16 input casting and ZeRO-3's external-parameter marking, and report memory.
-    With all of those off the hooks are empty calls that also take the module off ``nn.Module``'s
-    hook-free call path. DeepSpeed removes the same two hooks itself while DeepCompile is active."""
-    idle = (not engine.zero_optimization_partition_weights() and not engine.flops_profiler_enabled()
-            and not engine.random_ltd_enabled() and not engine.fp16_auto_cast() and not engine.memory_breakdown()
-            and not engine.autotuning_profile_model_info() and not engine.is_deepcompile_enabled()
-            and not engine.engine_timers.forward_timers
-            and not (engine.training_dataloader is None and engine.tput_timer.config.enabled))
-    if not idle:
-        return False
-    for name in ("module_forward_pre_hook", "module_forward_post_hook"):
-        handle = getattr(engine, name, None)
-        if handle is not None:
-            handle.remove()
-            setattr(engine, name, None)
-    return True
 
 
 def forward_backward_add_nothing(engine: Any) -> bool:
