@@ -66,7 +66,7 @@ def test_export_of_the_last_checkpoint_is_the_trained_model(toy_runs, engine, ca
 def test_a_smaller_shard_size_is_told_only_when_it_changes_the_files():
     """No host has 4,000 TB free, so shards are cut to a quarter of its free memory: worth a line for a model
     bigger than that, and nothing for one that is a single file either way (the toy runs' 2.21 kB)."""
-    from zerotrain.checkpoint.export import _shard_size_for_host
+    from zerotrain.checkpoint.weights import _shard_size_for_host
 
     lines: list[str] = []
     smaller = _shard_size_for_host("1000TB", lines.append, total_bytes=10**15)
@@ -116,9 +116,9 @@ def test_a_sharded_export_is_what_load_run_reads(toy_runs, tmp_path):
 def test_a_fit_exports_a_big_model_shard_by_shard_saying_so(tmp_path, monkeypatch, capsys):
     """The end of a run writes a model past the shard size as Hugging Face's shards, one at a time, with
     a line per shard; the run folder loads as before."""
-    import zerotrain.checkpoint.export
+    import zerotrain.tasks.base
 
-    monkeypatch.setattr(zerotrain.checkpoint.export, "DEFAULT_MAX_SHARD_SIZE", 600)  # bytes: 0.weight alone is 1 KiB
+    monkeypatch.setattr(zerotrain.tasks.base, "DEFAULT_MAX_SHARD_SIZE", 600)  # bytes: 0.weight alone is 1 KiB
     run = _toy_run(tmp_path, "big", zero_stage=2)
     index = json.loads((run / "model" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
@@ -142,7 +142,7 @@ def test_shards_shrink_to_a_quarter_of_the_free_host_memory_saying_so():
     from types import SimpleNamespace
     from unittest import mock
 
-    from zerotrain.checkpoint.export import _shard_size_for_host
+    from zerotrain.checkpoint.weights import _shard_size_for_host
 
     from zerotrain.checkpoint.weights import _parse_size
 

@@ -329,7 +329,7 @@ def _train(logger: StepLogger, losses: list[float], state: _State | None = None)
 
 
 def test_a_single_nonfinite_window_is_a_transient(tmp_path, monkeypatch):
-    monkeypatch.setattr("zerotrain.metrics.meters.memory_snapshot", lambda device: {})
+    monkeypatch.setattr("zerotrain.metrics.tracking.memory_snapshot", lambda device: {})
     logger = _logger(tmp_path, _Engine())
     _train(logger, [1.0, float("nan"), 0.9, float("inf"), 0.8])
     assert [round(loss, 1) if loss == loss else "nan" for _, loss in logger.tracker.rows][:3] == [1.0, "nan", 0.9]
@@ -337,7 +337,7 @@ def test_a_single_nonfinite_window_is_a_transient(tmp_path, monkeypatch):
 
 
 def test_a_loss_nonfinite_in_consecutive_windows_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr("zerotrain.metrics.meters.memory_snapshot", lambda device: {})
+    monkeypatch.setattr("zerotrain.metrics.tracking.memory_snapshot", lambda device: {})
     for step in (4, 8, 12):  # 12 was saved after the loss went bad: not a good checkpoint
         (tmp_path / "checkpoints" / f"step{step:08d}").mkdir(parents=True)
         (tmp_path / "checkpoints" / f"step{step:08d}" / "COMPLETE.json").write_text("{}")
@@ -357,7 +357,7 @@ def test_a_loss_nonfinite_in_consecutive_windows_stops_with_the_last_good_checkp
 
 
 def test_fp16_loss_scale_stuck_at_its_minimum_stops_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr("zerotrain.metrics.meters.memory_snapshot", lambda device: {})
+    monkeypatch.setattr("zerotrain.metrics.tracking.memory_snapshot", lambda device: {})
     engine = _Engine("fp16", {"fp16": {"enabled": True, "min_loss_scale": 1.0}, "gradient_clipping": 1.0})
     logger = _logger(tmp_path, engine, every=2)
     state = _State()

@@ -28,6 +28,10 @@ def toy_config(tmp_path: Path, run_name: str, **strategy) -> ToyConfig:
     cfg.scheduler.name, cfg.scheduler.step_unit, cfg.scheduler.step_size, cfg.scheduler.gamma = "step", "steps", 3, 0.5
     cfg.optimizer.lr = 1e-2
     for key, value in strategy.items():
+        if key == "precision":  # its own section since the config split
+            cfg.precision.dtype = value
+            continue
+        assert hasattr(cfg.strategy, key), f"--strategy.{key} does not exist"
         setattr(cfg.strategy, key, value)
     return cfg
 

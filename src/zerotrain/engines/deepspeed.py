@@ -174,15 +174,10 @@ class DeepSpeedEngine(Engine):
             raise UserError(f"--checkpoint.resume: {folder} cannot be resumed on another process count with the "
                             f"optimizer offloaded to NVMe. Start it with {saved_world_size} processes")
         universal = run_on_main(lambda: universal_checkpoint(folder, verify))
-        allow = ds_safe_globals()
-        ckpt_engine = self.ds.checkpoint_engine
-        ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
-        try:
-            with loading_universal(self.ds), weights_only_torch_load(universal, allow):
-                path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
-                                                  load_optimizer_states=True, load_lr_scheduler_states=True)
-        finally:
-            del ckpt_engine.load
+        # Every torch.load in there, DeepSpeed's checkpoint engine's and its direct ones, loads weights only.
+        with loading_universal(self.ds), weights_only_torch_load(universal, ds_safe_globals()):
+            path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {universal}")
 

@@ -175,18 +175,22 @@ def weights_only_torch_load(source: Path, allow: Iterable[type] = ()) -> Iterato
 
     DeepSpeed's universal-checkpoint converter and loader call ``torch.load(weights_only=False)`` directly, not
     through its checkpoint engine. torch's own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, overrides that
-    argument; ``allow`` (classes the files may hold besides tensors) is admitted through
-    ``torch.serialization.safe_globals``. A file refused or cut short ends the block with :func:`unreadable`
+    argument; ``allow`` (classes the files may hold besides tensors) is added to torch's allow-list for the
+    block (``add_safe_globals``; the list is as it was after). A file refused or cut short ends the block with :func:`unreadable`
     naming ``source``. The environment is as it was after the block.
     """
     saved = {key: os.environ.pop(key, None) for key in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    allowed_before = torch.serialization.get_safe_globals()
+    # Process-wide, not safe_globals' context: DeepSpeed's converter loads from worker threads.
+    torch.serialization.add_safe_globals(list(allow))
     try:
-        with torch.serialization.safe_globals(list(allow)):
-            yield
+        yield
     except (pickle.UnpicklingError, EOFError) as exc:
         raise unreadable(source, exc) from None
     finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(allowed_before)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
