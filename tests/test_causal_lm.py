@@ -230,3 +230,25 @@ def test_gutenberg_slice_pretrains(shared_data, tmp_path, tiny_tokenizer_dir):
     result = fit(CausalLMTask(cfg))
     log = train_log(result.run_dir)
     assert log[12]["train_loss"] < log[1]["train_loss"]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_export_format_hf_writes_a_checkpoint_as_the_run_writes_its_model(files, lora):
+    """``zerotrain export --format hf`` of the last checkpoint gives the folder the finished run wrote itself."""
+    from transformers import AutoModelForCausalLM
+
+    from zerotrain.checkpoint.export import export_run
+
+    tmp_path, tok = files
+    cfg = config(tmp_path, tok, steps=4, backend="ddp")
+    cfg.data.val_path = None
+    if lora:
+        cfg.model.lora.r, cfg.model.lora.target_modules = 4, ["q_proj", "v_proj"]
+    result = fit(CausalLMTask(cfg))
+    out = export_run(result.run_dir, out=tmp_path / "hf", fmt="hf")
+    assert "config.json" in out.files and "generation_config.json" in out.files
+    x = torch.tensor([[0, 5, 6, 7, 8]])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    finished = AutoModelForCausalLM.from_pretrained(result.run_dir / "model").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=x).logits, finished(input_ids=x).logits)

@@ -139,3 +139,25 @@ def test_imdb_slice_fine_tunes_a_tiny_roberta(shared_data, tmp_path, files):
 
     model = AutoModelForSequenceClassification.from_pretrained(result.run_dir / "model")
     assert model.config.num_labels == 2 and set(train_log(result.run_dir)) == set(range(1, 11))
+
+
+def test_export_format_hf_and_predict_from_the_exported_run(files, capsys):
+    from transformers import AutoModelForSequenceClassification
+
+    from zerotrain.checkpoint.export import export_run
+    from zerotrain.cli import predict
+
+    tmp_path, tok = files
+    cfg = config(tmp_path, tok, steps=4, backend="ddp")
+    result = fit(ClassifyTask(cfg))
+    export_run(result.run_dir, out=tmp_path / "hf", fmt="hf")
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    export_run(result.run_dir, out=tmp_path / "plain")  # a run folder: hparams.json + model/
+    capsys.readouterr()
+    assert predict.run([str(tmp_path / "plain"), "the movie was good"]) == 0
+    label, prob, text = capsys.readouterr().out.strip().splitlines()[-1].split("\t")
+    x = torch.tensor([ClassifyTask(cfg).tokenizer("the movie was good")["input_ids"]])
+    with torch.no_grad():
+        p = model(input_ids=x).logits.softmax(-1)[0]
+    assert (label, prob, text) == (model.config.id2label[int(p.argmax())], f"{float(p.max()):.3f}", "the movie was good")

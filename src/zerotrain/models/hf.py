@@ -374,3 +374,22 @@ def attention_implementation(model: nn.Module) -> str:
     """The attention kernel transformers picked for ``model`` (``sdpa``, ``eager``, ``flash_attention_2``...)."""
     config = getattr(model, "config", None)
     return str(getattr(config, "_attn_implementation", None) or "eager")
+
+
+def export_checkpoint(task: Any, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+    """``zerotrain export --format hf`` for a recipe whose :meth:`Task.export` writes a Hugging Face folder: the
+    checkpoint's tensors (``lazy``, name -> (shape, dtype, thunk)) go into the model the run's hparams describe
+    (built without reading pretrained weights), floating-point ones cast to ``dtype``, and the task's own export
+    writes ``out_dir``. Returns the files written, relative to ``out_dir``."""
+    with torch.random.fork_rng(devices=[]):
+        model = task.build_model(pretrained=False)
+    state = strip_module_prefix({name: thunk() for name, (_, _, thunk) in lazy.items()})
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise UserError(f"the checkpoint does not fit the model hparams.json describes "
+                        f"({' '.join(str(exc).split())[:300]})") from None
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    task.export(model, model.state_dict(), Path(out_dir))
+    return sorted(str(p.relative_to(out_dir)) for p in Path(out_dir).rglob("*") if p.is_file())

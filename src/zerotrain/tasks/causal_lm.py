@@ -407,6 +407,10 @@ class CausalLMTask(Task[CausalLMConfig]):
             hf.save_hf_folder(merged, None, out_dir, self.tokenizer, generation=True)
         logger.info("Hugging Face model written to %s", out_dir)
 
+    def export_hf(self, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+        """``zerotrain export --format hf``: a checkpoint written as :meth:`export` writes the finished run."""
+        return hf.export_checkpoint(self, lazy, out_dir, dtype)
+
     def load_exported(self, model: nn.Module, export_dir: Path) -> None:
         """The folder :meth:`export` wrote (a Hugging Face folder, merged with LoRA) into ``model``; a folder of
         plain ``model.safetensors`` (``zerotrain export --format safetensors``) through the default reader."""

@@ -219,6 +219,10 @@ class ClassifyTask(Task[ClassifyConfig]):
         hf.save_hf_folder(model, state_dict, Path(out_dir), self.tokenizer)
         logger.info("Hugging Face classifier written to %s", out_dir)
 
+    def export_hf(self, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+        """``zerotrain export --format hf``: a checkpoint written as :meth:`export` writes the finished run."""
+        return hf.export_checkpoint(self, lazy, out_dir, dtype)
+
     def load_exported(self, model: nn.Module, export_dir: Path) -> None:
         if not hf.is_hf_folder(Path(export_dir)):
             return super().load_exported(model, export_dir)

@@ -187,6 +187,10 @@ class LoRATask(CausalLMTask):
                 frozen += n
         return 4.0 * frozen + 6.0 * trainable
 
+    export_hf = None
+    """No ``zerotrain export --format hf``: the lora recipe's checkpoint holds the adapter, and ``--format
+    safetensors`` already writes the merged model as a Hugging Face folder (``model/merged``)."""
+
     # ---- export ----------------------------------------------------------------------------
     def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
         """Write ``out_dir/adapter`` (peft layout + tokenizer) and, with merge_on_export, ``out_dir/merged``.

@@ -261,6 +261,15 @@ class MLMTask(Task[MLMConfig]):
             return super().export(model, state_dict, out_dir)
         hf.save_hf_folder(model, state_dict, Path(out_dir), self.tokenizer)
 
+    def export_hf(self, lazy: dict, out_dir, dtype: torch.dtype) -> list[str]:
+        """``zerotrain export --format hf``: a Hugging Face masked LM as :meth:`export` writes it; zerotrain's encoder
+        converted to RobertaForMaskedLM."""
+        if self.cfg.model.uses_hf():
+            return hf.export_checkpoint(self, lazy, Path(out_dir), dtype)
+        from zerotrain.checkpoint.export import _export_hf_roberta
+
+        return _export_hf_roberta(self, lazy, Path(out_dir), dtype)
+
     def load_exported(self, model: nn.Module, export_dir) -> None:
         if self.cfg.model.uses_hf() and hf.is_hf_folder(Path(export_dir)):
             return hf.load_hf_folder_into("masked-lm", model, Path(export_dir))
