@@ -297,9 +297,10 @@ class CausalLMTask(Task[CausalLMConfig]):
         if fmt == "chat":
             from zerotrain.data.lm import chat_example, load_chat_records
 
+            chats = load_chat_records(path, d.messages_field)
             tok = self._chat_tokenizer()
             return [chat_example(msgs, tok, self.seq_len(), d.train_on_inputs, f"{path}: record {i}")
-                    for i, msgs in enumerate(load_chat_records(path, d.messages_field))]
+                    for i, msgs in enumerate(chats)]
         from zerotrain.data.sft import build_examples, load_records
 
         records = load_records(path, d.input_field, d.target_field)
