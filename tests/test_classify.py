@@ -131,14 +131,23 @@ def test_imdb_slice_fine_tunes_a_tiny_roberta(shared_data, tmp_path, files):
     config_file.write_text(json.dumps(dict(CONFIGS["roberta"], vocab_size=50265, max_position_embeddings=136)))
     cfg = config(tmp_path, repo / "examples" / "data" / "roberta-tokenizer", steps=10, backend="ddp")
     cfg.model.config = str(config_file)
-    cfg.data.train_path = str(shared_data / "imdb" / "test.jsonl.gz")
-    cfg.data.max_train_samples, cfg.data.max_length = 200, 128
+    from zerotrain.data.labelled import read_labelled
+
+    # The file is sorted by label: a slice of 100 reviews of each, interleaved, through the recipe's own reader.
+    texts, labels = read_labelled(shared_data / "imdb" / "train.jsonl.gz")
+    picked = [i for c in (0, 1) for i in [j for j, y in enumerate(labels) if y == c][:100]]
+    picked = [picked[k // 2 + (k % 2) * 100] for k in range(200)]
+    (tmp_path / "imdb.jsonl").write_text("".join(json.dumps({"text": texts[i], "label": labels[i]}) + "\n"
+                                                 for i in picked))
+    cfg.data.train_path, cfg.data.max_length = str(tmp_path / "imdb.jsonl"), 128
+    cfg.data.label_names = ["negative", "positive"]
     cfg.checkpoint.every_steps = 0
     result = fit(ClassifyTask(cfg))
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(result.run_dir / "model")
-    assert model.config.num_labels == 2 and set(train_log(result.run_dir)) == set(range(1, 11))
+    assert model.config.id2label == {0: "negative", 1: "positive"}
+    assert set(train_log(result.run_dir)) == set(range(1, 11))
 
 
 def test_export_format_hf_and_predict_from_the_exported_run(files, capsys):
