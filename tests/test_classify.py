@@ -162,6 +162,8 @@ def test_export_format_hf_and_predict_from_the_exported_run(files, capsys):
     export_run(result.run_dir, out=tmp_path / "hf", fmt="hf")
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "hf").eval()
     assert model.config.id2label == {0: "negative", 1: "positive"}
+    assert json.loads((result.run_dir / "hparams.json").read_text())["data"]["label_names"] == ["negative", "positive"]
+    (tmp_path / "train.jsonl").unlink()  # the classes come from hparams.json, not the training file
     export_run(result.run_dir, out=tmp_path / "plain")  # a run folder: hparams.json + model/
     capsys.readouterr()
     assert predict.run([str(tmp_path / "plain"), "the movie was good"]) == 0

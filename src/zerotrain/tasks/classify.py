@@ -140,7 +140,10 @@ class ClassifyTask(Task[ClassifyConfig]):
         return read_labelled(path, d.text_field, d.label_field, limit)
 
     def label_names(self) -> list[str]:
-        """The class names in id order: ``--data.label_names``, else the training file's labels."""
+        """The class names in id order: ``--data.label_names``, else the training file's labels.
+
+        Names found in the file are written back to ``--data.label_names``, so the run's hparams.json records the
+        classes and ``load_run``/``predict``/``export`` rebuild the head without the training file."""
         if self._names is None:
             from zerotrain.data.labelled import label_names
 
@@ -151,6 +154,7 @@ class ClassifyTask(Task[ClassifyConfig]):
             if len(self._names) < 2:
                 raise DataError(f"--data.train_path {d.train_path}: only the class {self._names} is present; a "
                                 "classifier needs at least two (or list them with --data.label_names)")
+            d.label_names = list(self._names)
         return self._names
 
     def build_model(self, pretrained: bool = True) -> nn.Module:
