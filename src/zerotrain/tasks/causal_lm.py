@@ -173,6 +173,8 @@ class CausalLMTask(Task[CausalLMConfig]):
     config_class = CausalLMConfig
     description = "any Hugging Face causal LM: pre-training on text, SFT on records or chats, full or LoRA"
     peft_task_type = "CAUSAL_LM"
+    length_flag = "--data.seq_len"
+    """The flag that sets the longest example, for error messages."""
 
     def __init__(self, cfg: CausalLMConfig):
         super().__init__(cfg)
@@ -292,7 +294,8 @@ class CausalLMTask(Task[CausalLMConfig]):
             from zerotrain.data.lm import text_examples
             from zerotrain.data.text import read_text_lines
 
-            docs = read_text_lines(path, text_field=d.text_field, max_lines=d.max_train_lines, flag=flag)
+            limit = d.max_train_lines if flag == "--data.train_path" else None
+            docs = read_text_lines(path, text_field=d.text_field, max_lines=limit, flag=flag)
             return text_examples(docs, self.tokenizer)
         if fmt == "chat":
             from zerotrain.data.lm import chat_example, load_chat_records
@@ -305,7 +308,7 @@ class CausalLMTask(Task[CausalLMConfig]):
 
         records = load_records(path, d.input_field, d.target_field)
         return build_examples(records, self.tokenizer, d.template, self.seq_len(), d.train_on_inputs,
-                              d.input_field, d.target_field, source=str(path))
+                              d.input_field, d.target_field, source=str(path), length_flag=self.length_flag)
 
     def _split(self, path: str, flag: str):
         if not self.packed():

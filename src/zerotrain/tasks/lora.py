@@ -1,8 +1,8 @@
 """LoRA fine-tuning of a causal language model on prompt/target records, with the prompt masked.
 
 This is the ``causal-lm`` recipe (:mod:`zerotrain.tasks.causal_lm`) with LoRA always on, SFT records padded
-per batch, and its own flags (``--model.lora_r``, ``--data.max_length``...). The base model stays frozen; peft adds low-rank adapters (``lora_A``, ``lora_B``) to the chosen
-linear layers and only those are trained. What is exported is therefore the adapter in peft's own
+per batch, and its own flags (``--model.lora_r``, ``--data.max_length``...). The base model stays frozen;
+peft adds low-rank adapters (``lora_A``, ``lora_B``) to the chosen linear layers and only those are trained. What is exported is therefore the adapter in peft's own
 layout (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
 ``PeftModel.from_pretrained(base, folder)``, and optionally the merged full model.
 """
@@ -23,6 +23,7 @@ from zerotrain.models import hf
 from zerotrain.tasks.causal_lm import CausalLMTask
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class LoRAModelConfig:
@@ -131,6 +132,7 @@ class LoRATask(CausalLMTask):
     name = "lora"
     config_class = LoRAConfig
     description = "LoRA fine-tuning of a causal LM with prompt masking"
+    length_flag = "--data.max_length"
 
     def __init__(self, cfg: LoRAConfig):
         super().__init__(cfg)
