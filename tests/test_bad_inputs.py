@@ -35,7 +35,9 @@ MLM = ("--data.cache_dir {tmp}/cache --model.num_layers 1 --model.h_dim 16 --mod
 IMDB = ("--data.cache_dir {tmp}/cache --model.embed_dim 16 --model.hidden_dim 16 --model.num_heads 2 "
         "--model.num_layers 1 --model.max_len 16 --data.tokenizer {tok}")
 LORA = "--model.init random --model.config {tmp}/llama.json --model.tokenizer {tok} --data.max_length 16"
-BASES = {"$FIT": FIT, "$MLM": MLM, "$IMDB": IMDB, "$LORA": LORA}
+CLM = "--model.tokenizer {tok} --data.seq_len 16 --data.cache_dir {tmp}/cache"
+CLS = "--model.init random --model.config {tmp}/bert.json --model.tokenizer {tok} --data.max_length 16"
+BASES = {"$FIT": FIT, "$MLM": MLM, "$IMDB": IMDB, "$LORA": LORA, "$CLM": CLM, "$CLS": CLS}
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,21 @@ CASES = [
     Case("lora-no-train-path", "data", "fit lora $FIT $LORA"),
     Case("lora-missing-field", "data", "fit lora $FIT $LORA --data.train_path {tmp}/lora_nofield.jsonl"),
     Case("lora-bad-json-line", "data", "fit lora $FIT $LORA --data.train_path {tmp}/lora_broken.jsonl"),
+    Case("causal-lm-model-hub-offline", "data",
+         "fit causal-lm $FIT $CLM --model.name_or_path someone/some-model --data.train_path {tmp}/train.txt "
+         "--trainer.micro_batch_size 1"),
+    Case("causal-lm-no-chat-template", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/chat.jsonl"),
+    Case("causal-lm-chat-no-assistant", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/chat_noanswer.jsonl --data.format chat"),
+    Case("classify-missing-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_nolabel.jsonl"),
+    Case("classify-bad-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_badlabel.jsonl"),
+    Case("classify-one-class", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_oneclass.jsonl"),
+    Case("classify-val-label-unknown", "data",
+         "fit classify $FIT $CLS --data.train_path {tmp}/cls.jsonl --data.val_path {tmp}/cls_other.jsonl"),
+    Case("classify-empty-file", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_empty.jsonl"),
     Case("too-few-examples", "data", "fit toy $FIT --data.num_examples 4"),
     # ---- tokenizer ----
     Case("tokenizer-missing-folder", "tokenizer",
@@ -241,6 +258,19 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     (tmp / "lora.jsonl").write_text(json.dumps({"input": "the movie", "target": "was good"}) + "\n")
     (tmp / "lora_nofield.jsonl").write_text(json.dumps({"input": "the movie"}) + "\n")
     (tmp / "lora_broken.jsonl").write_text(json.dumps({"input": "a", "target": "b"}) + "\n{not json\n")
+    bert = {"model_type": "bert", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "max_position_embeddings": 64, "vocab_size": 64, "pad_token_id": 1}
+    (tmp / "bert.json").write_text(json.dumps(bert))
+    chat = {"messages": [{"role": "user", "content": "the movie"}, {"role": "assistant", "content": "was good"}]}
+    (tmp / "chat.jsonl").write_text(json.dumps(chat) + "\n")
+    (tmp / "chat_noanswer.jsonl").write_text(json.dumps({"messages": chat["messages"][:1]}) + "\n")
+    lines = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
+    (tmp / "cls.jsonl").write_text(lines([{"text": "good", "label": "pos"}, {"text": "bad", "label": "neg"}]))
+    (tmp / "cls_nolabel.jsonl").write_text(lines([{"text": "good", "label": "pos"}, {"text": "bad"}]))
+    (tmp / "cls_badlabel.jsonl").write_text(lines([{"text": "good", "label": 1.5}]))
+    (tmp / "cls_oneclass.jsonl").write_text(lines([{"text": "good", "label": "pos"}] * 2))
+    (tmp / "cls_other.jsonl").write_text(lines([{"text": "fine", "label": "neutral"}]))
+    (tmp / "cls_empty.jsonl").write_text("")
     # A finished toy run (checkpoint at step 1) and a run folder without checkpoints.
     from zerotrain.train.loop import fit
     from zerotrain.tasks.toy import ToyConfig, ToyTask

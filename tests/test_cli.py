@@ -23,7 +23,7 @@ from zerotrain.errors import UserError
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
-CONFIG_RECIPES = {"mlm_": "mlm", "imdb_": "imdb", "lora_": "lora"}
+CONFIG_RECIPES = {"mlm_": "mlm", "imdb_": "imdb", "lora_": "lora", "causal_lm_": "causal-lm", "classify_": "classify"}
 """Which recipe parses each shipped YAML, by file-name prefix."""
 
 # name -> (argv after `zerotrain`, words the one error line must hold). "{tmp}" and "{tok}" are filled in.

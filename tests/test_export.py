@@ -175,8 +175,8 @@ def test_a_bad_max_shard_size_is_one_line(toy_runs, capsys):
     assert len(err) == 1 and "--max_shard_size must be a positive size such as 5GB, 500MB or 2GiB, got 'big'" in err[0]
 
 
-def test_hf_format_is_mlm_only(toy_runs):
-    with pytest.raises(UserError, match=r"^--format hf: only the mlm recipe .* is a toy run"):
+def test_hf_format_is_for_recipes_with_a_hugging_face_model(toy_runs):
+    with pytest.raises(UserError, match=r"^--format hf: only the mlm, causal-lm and classify recipes .* is a toy run"):
         export_run(toy_runs["ddp"], fmt="hf")
 
 

@@ -186,7 +186,7 @@ def test_a_recipe_without_predictions_says_so(tmp_path):
     out = zerotrain_cmd(["predict", str(run), "anything"], cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip() == (f"zerotrain predict: error: {run} is a run of the toy recipe, which has nothing to "
-                                  f"predict (zerotrain predict knows imdb, mlm and lora); its weights are in {run}/model, "
+                                  f"predict (zerotrain predict knows imdb, mlm, lora, causal-lm and classify); its weights are in {run}/model, "
                                   f"or write them with zerotrain export {run}")
 
 

@@ -187,10 +187,11 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
     if fmt not in ("safetensors", "hf"):
         raise UserError(f"--format {fmt!r}: choose safetensors or hf")
     recipe, cfg, raw = rundir.read_run(run_dir)
-    if fmt == "hf" and recipe != "mlm":
-        raise UserError(f"--format hf: only the mlm recipe maps onto a Hugging Face architecture (RobertaForMaskedLM); "
-                        f"{run_dir} is a {recipe} run. Use --format safetensors (lora: its merged/ folder is "
-                        "already a Hugging Face model)")
+    task_cls = rundir.task_class(raw, run_dir / "hparams.json")
+    if fmt == "hf" and recipe != "mlm" and not callable(getattr(task_cls, "export_hf", None)):
+        raise UserError(f"--format hf: only the mlm, causal-lm and classify recipes map onto a Hugging Face "
+                        f"architecture; {run_dir} is a {recipe} run. Use --format safetensors (lora: its merged/ folder "
+                        "is already a Hugging Face model)")
     folder = pick_checkpoint(run_dir, step)
     step_n = _step_of(folder)
     out_dir = Path(out).expanduser() if out is not None else default_out(run_dir, step_n, fmt, dtype)
@@ -205,12 +206,14 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
     except OSError as exc:
         raise UserError(f"--out: cannot create {out_dir} ({exc.strerror or exc}). Pass a folder you can write to") \
             from None
-    task = rundir.task_class(raw, run_dir / "hparams.json")(cfg)
+    task = task_cls(cfg)
     torch_dtype = DTYPES[dtype]
     try:
         lazy = checkpoint_tensors(folder)
         if fmt == "hf":
-            files = _export_hf_roberta(task, lazy, staging, torch_dtype)
+            export_hf = getattr(task, "export_hf", None)
+            export_hf = export_hf if callable(export_hf) else (lambda *a: _export_hf_roberta(task, *a))
+            files = export_hf(lazy, staging, torch_dtype)
         elif recipe == "lora":
             files = _export_lora(task, lazy, staging / "model", torch_dtype)
         else:

@@ -3,7 +3,8 @@
 Writes a run's checkpoint (the newest complete one, or --step N's) as consolidated weights, on a CPU,
 from any ZeRO stage or the plain engine. safetensors: OUT/model/ in the recipe's layout and the run's
 hparams.json, so `zerotrain predict OUT ...` reads it (lora: the peft adapter and the merged model);
-hf (mlm only): a folder transformers.AutoModelForMaskedLM.from_pretrained loads. Default OUT:
+hf (mlm, causal-lm, classify): a folder transformers' AutoModelForMaskedLM / AutoModelForCausalLM /
+AutoModelForSequenceClassification .from_pretrained loads. Default OUT:
 RUN_DIR/export/step<N>[-hf][-bf16].
 """
 
@@ -25,7 +26,7 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, default=None, help="export this step's checkpoint (default: the newest complete)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="floating-point tensors are written in it")
     parser.add_argument("--format", default="safetensors", choices=["safetensors", "hf"],
-                        help="safetensors (any recipe) or hf (mlm: a RobertaForMaskedLM folder)")
+                        help="safetensors (any recipe) or hf (mlm, causal-lm, classify: a Hugging Face folder)")
     parser.add_argument("--max_shard_size", default="5GB", help="split model.safetensors into shards past this size")
     args = parser.parse_args(argv)
     if args.step is not None and args.step < 0:

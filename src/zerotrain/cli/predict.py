@@ -3,8 +3,8 @@
 Loads the model a finished ``zerotrain fit`` run exported to ``RUN_DIR/model`` and prints one line
 per text: what the run's recipe predicts, a tab, and the start of the text. imdb: the label and its
 probability; mlm: for each <mask> in the text, the --top_k likeliest tokens and their probabilities;
-lora: the greedy continuation (at most --max_new_tokens tokens) of the prompt the run's
---data.template makes of the text.
+lora and causal-lm: the greedy continuation (at most --max_new_tokens tokens) of the text, prompted as the run
+trained (its --data.template, or its chat template's user turn); classify: the label and its probability.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", help="tokenizer folder, when the run's own path no longer resolves")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--top_k", type=int, default=5, help="mlm: candidates shown per <mask>")
-    parser.add_argument("--max_new_tokens", type=int, default=32, help="lora: most tokens generated per text")
+    parser.add_argument("--max_new_tokens", type=int, default=32, help="lora, causal-lm: most tokens generated per text")
     args = parser.parse_args(argv)
     for flag, value in (("--top_k", args.top_k), ("--max_new_tokens", args.max_new_tokens)):
         if value < 1:
@@ -49,7 +49,7 @@ def run(argv: list[str]) -> int:
 
     if type(loaded.task).predict is Task.predict:
         raise UserError(f"{args.run_dir} is a run of the {loaded.recipe} recipe, which has nothing to predict "
-                        f"(zerotrain predict knows imdb, mlm and lora); its weights are in {args.run_dir}/model, "
+                        f"(zerotrain predict knows imdb, mlm, lora, causal-lm and classify); its weights are in {args.run_dir}/model, "
                         f"or write them with zerotrain export {args.run_dir}")
     predictions = loaded.task.predict(loaded.model, texts, top_k=args.top_k, max_new_tokens=args.max_new_tokens)
     for text, prediction in zip(texts, predictions, strict=True):

@@ -94,11 +94,13 @@ def build_example(
     index: int = 0,
     input_field: str = "input",
     target_field: str = "target",
+    length_flag: str = "--data.max_length",
 ) -> dict[str, list[int]]:
     """Tokenise one record into ``input_ids`` and ``labels`` (-100 on the prompt unless ``train_on_inputs``).
 
     The sequence is [BOS] + prompt + target (+ EOS when it fits in ``max_length``), cut to
-    ``max_length``. ``index`` is the record's position, used in error messages.
+    ``max_length``. ``index`` is the record's position, used in error messages, which name ``length_flag``
+    as the flag that sets ``max_length``.
     """
     head, tail = split_template(template)
     # str.replace, not str.format: inputs may contain braces (code, JSON) that format would choke on
@@ -124,7 +126,7 @@ def build_example(
     if all(label == IGNORE_INDEX for label in labels):
         raise DataError(
             f"record {index}: no target token is left after truncating to max_length={max_length} "
-            f"(the prompt alone has {len(prompt_ids)} tokens). Raise --data.max_length or shorten the input"
+            f"(the prompt alone has {len(prompt_ids)} tokens). Raise {length_flag} or shorten the input"
         )
     return {"input_ids": input_ids, "labels": labels}
 
@@ -138,13 +140,14 @@ def build_examples(
     input_field: str = "input",
     target_field: str = "target",
     source: str = "",
+    length_flag: str = "--data.max_length",
 ) -> list[dict[str, list[int]]]:
     """:func:`build_example` over a list; ``source`` (the file) is prefixed to error messages."""
     examples = []
     for i, record in enumerate(records):
         try:
             examples.append(build_example(record, tokenizer, template, max_length, train_on_inputs, i,
-                                          input_field, target_field))
+                                          input_field, target_field, length_flag))
         except DataError as exc:
             raise DataError(f"{source}: {exc}" if source else str(exc)) from None
     return examples

@@ -26,14 +26,38 @@ from zerotrain.errors import DataError, UserError
 
 TEXT_SUFFIXES = (".txt", ".txt.xz", ".txt.gz", ".txt.bz2", ".raw")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.xz", ".jsonl.bz2")
-SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
+PARQUET_SUFFIXES = (".parquet",)
+SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 TOKENIZE_CHUNK_LINES = 1000
 _CACHE_FORMAT = 1  # bump when the packing changes, so old caches are not reused
-LOCAL_TEXT = ("a text file (.txt, .txt.xz, or .jsonl with a 'text' field), such as "
+LOCAL_TEXT = ("a text file (.txt, .txt.xz, or .jsonl/.parquet with a 'text' field), such as "
               "examples/data/imdb-sample/train.jsonl.gz in the zerotrain repository")
 
 
+def _read_parquet(path: Path, text_field: str, max_lines: Optional[int]) -> list[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises its own ArrowInvalid / OSError kinds for a damaged file
+        raise DataError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {str(exc).splitlines()[0]})") \
+            from None
+    if text_field not in table.column_names:
+        raise DataError(f"{path}: no column {text_field!r} (columns: {table.column_names}); set --data.text_field")
+    lines: list[str] = []
+    for row, value in enumerate(table.column(text_field).to_pylist(), 1):
+        if max_lines is not None and len(lines) >= max_lines:
+            break
+        if not isinstance(value, str):
+            raise DataError(f"{path}: row {row}: {text_field!r} must be a string, got {type(value).__name__}")
+        if value.strip():
+            lines.append(value)
+    return lines
+
+
 def _read_file(path: Path, text_field: str, max_lines: Optional[int]) -> list[str]:
+    if path.name.endswith(PARQUET_SUFFIXES):
+        return _read_parquet(path, text_field, max_lines)
     is_jsonl = path.name.endswith(JSONL_SUFFIXES)
     lines: list[str] = []
     records = read_jsonl(path) if is_jsonl else read_lines(path)

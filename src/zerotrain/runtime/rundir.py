@@ -32,6 +32,7 @@ from zerotrain.config import from_dict, upgrade_layout
 from zerotrain.data.io import looks_local
 from zerotrain.data.io import write_json as atomic_write_json
 from zerotrain.errors import UserError
+from zerotrain.models.hf import is_hf_folder
 from zerotrain.runtime.collectives import broadcast_object, run_on_main
 from zerotrain.tasks import registry as recipes
 
@@ -137,7 +138,11 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> None:
 def write_model_config(task: Any, model_dir: Path) -> None:
     """``model_dir/config.json`` beside the exported weights, as a ``save_pretrained`` folder has: the recipe, its
     ``model`` settings and ``vocab_size``, the size of the tokenizer the weights were trained with, which
-    :func:`load_run` checks a tokenizer against before it blames the weights."""
+    :func:`load_run` checks a tokenizer against before it blames the weights. A task whose export wrote a Hugging
+    Face folder keeps its ``config.json`` (it names a ``model_type`` and holds ``vocab_size`` already)."""
+
+    if is_hf_folder(model_dir):
+        return
     model = getattr(task.cfg, "model", None)
     tokenizer = task.run_tokenizer()
     config = {"recipe": task.name,
@@ -442,7 +447,9 @@ def _check_tokenizer_fits(task: Any, export_dir: Path, tokenizer: Any, setting: 
     except (OSError, ValueError, AttributeError):
         return
     tok = task.run_tokenizer() if isinstance(trained, int) else None
-    if tok is not None and len(tok) != trained:
+
+    # A Hugging Face model's embedding may have more rows than its tokenizer has tokens (rounded up for speed).
+    if tok is not None and (len(tok) > trained if is_hf_folder(export_dir) else len(tok) != trained):
         raise UserError(f"the tokenizer {tokenizer!r} ({setting}) has {len(tok)} tokens, but the model in {export_dir} "
                         f"was trained with a tokenizer of {trained}: pass the tokenizer the run was trained with, "
                         "--tokenizer DIR (load_run(..., overrides={'tokenizer': DIR}) from Python)")

@@ -228,7 +228,7 @@ class Task(ABC, Generic[C]):
         ones it uses and ignores the others. The default has nothing to predict and says so.
         """
         raise UserError(f"recipe {self.name or type(self).__name__} has no prediction to make "
-                        "(zerotrain predict knows the imdb, mlm and lora recipes)")
+                        "(zerotrain predict knows the imdb, mlm, lora, causal-lm and classify recipes)")
 
 
 REGISTRY: dict[str, type[Task]] = {}

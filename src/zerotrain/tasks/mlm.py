@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerotrain.checkpoint.export import _export_hf_roberta
 from zerotrain.config import RunConfig
 from zerotrain.data.io import looks_local as is_local_source
 from zerotrain.data.masking import BlockMasker, MaskedBlocks, collate_masked
 from zerotrain.data.text import load_packed
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError, UserError
+from zerotrain.models import hf
 from zerotrain.models.roberta_mlm import RobertaMLM
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 
@@ -34,6 +37,16 @@ MAX_PPL_LOSS = 20.0
 
 @dataclass
 class MLMModelConfig:
+    name_or_path: Optional[str] = None
+    """Any Hugging Face masked LM (AutoModelForMaskedLM): a local folder saved with save_pretrained or a hub name.
+    None (the default): zerotrain's own RoBERTa encoder, sized by the fields below."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """With a Hugging Face model: pretrained loads the weights of name_or_path; random builds an untrained one
+    from --model.config."""
+    config: Optional[str] = None
+    """init=random: a Hugging Face config.json (or a folder holding one), e.g. a BERT or RoBERTa architecture."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    """A Hugging Face model's weights' dtype when loading; auto follows --precision.dtype."""
     num_layers: int = 6
     """Encoder layers."""
     num_heads: int = 8
@@ -47,7 +60,17 @@ class MLMModelConfig:
     max_seq_length: int = 512
     """Tokens per packed block, including <s> and </s>."""
 
+    def uses_hf(self) -> bool:
+        """Whether the model is a Hugging Face masked LM rather than zerotrain's own encoder."""
+        return bool(self.name_or_path) or self.init == "random"
+
     def validate(self) -> None:
+        if self.init == "random":
+            if not self.config:
+                raise ConfigError("--model.config", "is required with --model.init random (a Hugging Face config.json "
+                                                    "file or a folder holding one)")
+            if not Path(self.config).expanduser().exists():
+                raise ConfigError("--model.config", f"file {self.config!r} does not exist")
         for flag, value in (("--model.num_layers", self.num_layers), ("--model.num_heads", self.num_heads),
                             ("--model.h_dim", self.h_dim), ("--model.ff_dim", self.ff_dim)):
             if value < 1:
@@ -135,6 +158,17 @@ class MLMTask(Task[MLMConfig]):
 
     def build_model(self, pretrained: bool = True) -> nn.Module:
         m = self.cfg.model
+        if m.uses_hf():
+            model = hf.load_model("masked-lm", hf.ModelSource(m.name_or_path or "", m.init, m.config),
+                                  hf.resolve_dtype(m.dtype, self.cfg.precision.dtype), pretrained,
+                                  min_vocab=len(self.tokenizer))
+            longest = getattr(model.config, "max_position_embeddings", None)
+            if isinstance(longest, int) and m.max_seq_length > longest:
+                raise ConfigError("--model.max_seq_length", f"({m.max_seq_length}) is longer than the "
+                                                            f"{longest} positions the model has")
+            if self.cfg.activation_checkpointing.enabled:
+                hf.enable_activation_checkpointing(model)
+            return model
         pad = self.tokenizer.pad_token_id
         return RobertaMLM(
             vocab_size=len(self.tokenizer), num_layers=m.num_layers, num_heads=m.num_heads, h_dim=m.h_dim,
@@ -172,22 +206,34 @@ class MLMTask(Task[MLMConfig]):
         return collate_masked
 
     def deepspeed_hints(self, model: nn.Module) -> dict[str, Any]:
+        if self.cfg.model.uses_hf():
+            return super().deepspeed_hints(model)
         return {"hidden_size": self.cfg.model.h_dim}
 
-    def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
+    def _masked_logits(self, model: nn.Module, batch: Batch):
+        """(loss, logits of the masked positions (M, V)). A Hugging Face masked LM scores every position and
+        takes the labels' -100 as the ones to skip; zerotrain's encoder is handed the masked positions."""
+        positions = batch["masked_positions"]  # (M,)
+        if self.cfg.model.uses_hf():
+            out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+            logits = out.logits.flatten(0, 1).index_select(0, positions)  # (B*T, V) -> (M, V)
+            return out.loss, logits
         # Packed blocks are full (collate_masked): no mask, so attention runs its fastest kernel.
         out = model(input_ids=batch["input_ids"], attention_mask=None, labels=batch["labels"],
-                    masked_positions=batch["masked_positions"])
+                    masked_positions=positions)
+        return out["loss"], out["logits"]
+
+    def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
+        loss, _ = self._masked_logits(model, batch)
         B, T = batch["input_ids"].shape
-        return StepOutput(loss=out["loss"], tokens=B * T, samples=B)
+        return StepOutput(loss=loss, tokens=B * T, samples=B)
 
     @torch.no_grad()
     def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
         positions = batch["masked_positions"]  # (M,)
-        out = model(input_ids=batch["input_ids"], attention_mask=None, labels=batch["labels"],
-                    masked_positions=positions)  # full blocks, as in training
+        _, picked = self._masked_logits(model, batch)  # full blocks, as in training
         target = batch["labels"].flatten().index_select(0, positions)  # (M,)
-        picked = out["logits"].float()  # (M, V)
+        picked = picked.float()  # (M, V)
         loss_sum = F.cross_entropy(picked, target, reduction="sum") if target.numel() else picked.sum()
         return {
             "loss_sum": float(loss_sum.item()),
@@ -206,7 +252,28 @@ class MLMTask(Task[MLMConfig]):
         }
 
     def flops_per_token(self, model: nn.Module) -> float:
+        if self.cfg.model.uses_hf():
+            return hf.transformer_flops_per_token(model, self.cfg.model.max_seq_length)
         return model.flops_per_token(self.cfg.model.max_seq_length, predicted_fraction=self.cfg.data.mask_prob)
+
+    def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir) -> None:
+        """A Hugging Face masked LM is written as a Hugging Face folder; zerotrain's encoder as ``model.safetensors``."""
+        if not self.cfg.model.uses_hf():
+            return super().export(model, state_dict, out_dir)
+        hf.save_hf_folder(model, state_dict, Path(out_dir), self.tokenizer)
+
+    def export_hf(self, lazy: dict, out_dir, dtype: torch.dtype) -> list[str]:
+        """``zerotrain export --format hf``: a Hugging Face masked LM as :meth:`export` writes it; zerotrain's encoder
+        converted to RobertaForMaskedLM."""
+        if self.cfg.model.uses_hf():
+            return hf.export_checkpoint(self, lazy, Path(out_dir), dtype)
+
+        return _export_hf_roberta(self, lazy, Path(out_dir), dtype)
+
+    def load_exported(self, model: nn.Module, export_dir) -> None:
+        if self.cfg.model.uses_hf() and hf.is_hf_folder(Path(export_dir)):
+            return hf.load_hf_folder_into("masked-lm", model, Path(export_dir))
+        return super().load_exported(model, export_dir)
 
     @torch.no_grad()
     def predict(self, model: nn.Module, inputs: list[str], top_k: int = 5, **options: Any) -> list[str]:

@@ -26,7 +26,8 @@ from typing import Optional
 from zerotrain.errors import UserError
 from zerotrain.tasks.base import REGISTRY, Task
 
-BUILTIN_MODULES = ("zerotrain.tasks.imdb", "zerotrain.tasks.mlm", "zerotrain.tasks.lora", "zerotrain.tasks.toy")
+BUILTIN_MODULES = ("zerotrain.tasks.imdb", "zerotrain.tasks.mlm", "zerotrain.tasks.lora", "zerotrain.tasks.causal_lm", "zerotrain.tasks.classify",
+                   "zerotrain.tasks.toy")
 ENTRY_POINT_GROUP = "zerotrain.tasks.registry"
 """The entry point group through which an installed package adds recipes: name -> ``module:Class``."""
 

@@ -1,0 +1,208 @@
+"""Causal-LM data: raw text packed into rows, chat records rendered, and prompt/response examples packed.
+
+Three sources become the same examples, ``{"input_ids", "labels"}`` (labels -100 where the loss skips):
+
+* raw text (pre-training): every document (a line of a ``.txt``, a record's text field) is
+  ``[BOS] tokens [EOS]``; all labels count;
+* prompt/response records (:mod:`zerotrain.data.sft`): the prompt is masked;
+* chat records, a ``messages`` list of ``{"role", "content"}``, rendered with the tokenizer's chat template: only
+  the assistant turns count.
+
+:func:`pack` then fills rows of exactly ``seq_len`` tokens with whole examples. Each example's positions start
+at 0 (``position_ids``), and the first label of each example is -100, so no token learns to predict the next
+document from the last one. transformers reads restarting positions without an attention mask as packed
+sequences and keeps attention within each (its packed-sequence mask, for the models that build their mask with
+``transformers.masking_utils``); the recipe says in its log which applies. Text longer than a row is cut into
+row-long pieces, each its own sequence.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from zerotrain.data.collate import IGNORE_INDEX
+from zerotrain.data.io import atomic_file, fingerprint, read_json, read_jsonl
+from zerotrain.errors import DataError
+
+_CACHE_FORMAT = 1
+
+
+class PackedRows(Dataset):
+    """Rows of ``seq_len`` tokens: ``input_ids``, ``labels``, ``position_ids`` (N, T) and ``tokens`` (N,), the
+    non-padding tokens of each row."""
+
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, position_ids: np.ndarray, tokens: np.ndarray):
+        self.input_ids, self.labels, self.position_ids, self.tokens = input_ids, labels, position_ids, tokens
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return {"input_ids": self.input_ids[i], "labels": self.labels[i], "position_ids": self.position_ids[i],
+                "tokens": self.tokens[i]}
+
+    def save(self, path: Path) -> None:
+        with atomic_file(path) as f:  # ranks or runs sharing the cache never read half a file
+            np.savez(f, input_ids=self.input_ids, labels=self.labels, position_ids=self.position_ids,
+                     tokens=self.tokens)
+
+    @classmethod
+    def load(cls, path: Path) -> "PackedRows":
+        with np.load(path) as z:
+            return cls(z["input_ids"], z["labels"], z["position_ids"], z["tokens"])
+
+
+def collate_packed(rows: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Stack packed rows (all ``seq_len`` long) into long tensors; picklable, for DataLoader workers."""
+    batch = {key: torch.as_tensor(np.stack([r[key] for r in rows]), dtype=torch.long)
+             for key in ("input_ids", "labels", "position_ids")}  # (B, T) each
+    batch["tokens"] = torch.as_tensor([int(r["tokens"]) for r in rows], dtype=torch.long)  # (B,)
+    return batch
+
+
+def pack(examples: Sequence[dict[str, Sequence[int]]], seq_len: int, pad_token_id: int,
+         split_long: bool = True) -> PackedRows:
+    """Pack ``examples`` in order into rows of ``seq_len`` tokens (a new row when the next example does not fit).
+
+    An example longer than a row is cut into row-long pieces (``split_long``; else refused by the caller's
+    truncation). The rest of a row is padding: pad tokens, labels -100, positions counting on from 0 (a sequence
+    of its own that attends only to itself). The first label of each example is -100.
+    """
+    pieces: list[tuple[list[int], list[int]]] = []
+    for ex in examples:
+        ids, labels = list(ex["input_ids"]), list(ex["labels"])
+        for start in range(0, len(ids), seq_len if split_long else max(len(ids), 1)):
+            piece_ids, piece_labels = ids[start:start + seq_len], labels[start:start + seq_len]
+            if len(piece_ids) >= 2:
+                pieces.append((piece_ids, [IGNORE_INDEX] + piece_labels[1:]))
+    rows_ids, rows_labels, rows_pos, rows_tokens = [], [], [], []
+    cur_ids: list[int] = []
+    cur_labels: list[int] = []
+    cur_pos: list[int] = []
+
+    def close() -> None:
+        n = len(cur_ids)
+        if n == 0:
+            return
+        pad = seq_len - n
+        rows_ids.append(cur_ids + [pad_token_id] * pad)
+        rows_labels.append(cur_labels + [IGNORE_INDEX] * pad)
+        rows_pos.append(cur_pos + list(range(pad)))
+        rows_tokens.append(n)
+
+    for ids, labels in pieces:
+        if len(cur_ids) + len(ids) > seq_len:
+            close()
+            cur_ids, cur_labels, cur_pos = [], [], []
+        cur_ids += ids
+        cur_labels += labels
+        cur_pos += list(range(len(ids)))
+    close()
+    if not rows_ids:
+        return PackedRows(np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.int32),
+                          np.zeros((0, seq_len), np.int32), np.zeros(0, np.int32))
+    return PackedRows(np.asarray(rows_ids, dtype=np.int32), np.asarray(rows_labels, dtype=np.int32),
+                      np.asarray(rows_pos, dtype=np.int32), np.asarray(rows_tokens, dtype=np.int32))
+
+
+def text_examples(docs: Sequence[str], tokenizer, batch: int = 1000) -> list[dict[str, list[int]]]:
+    """Each document as ``[BOS] tokens [EOS]`` (BOS when the tokenizer has one), every label counting."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    out = []
+    for start in range(0, len(docs), batch):
+        for ids in tokenizer(list(docs[start:start + batch]), add_special_tokens=False,
+                             return_attention_mask=False)["input_ids"]:
+            ids = ([bos] if bos is not None else []) + list(ids) + ([eos] if eos is not None else [])
+            out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+# ---- chat records ----------------------------------------------------------------------------------
+def load_chat_records(path: str | Path, field: str = "messages") -> list[list[dict[str, str]]]:
+    """The conversations of a ``.jsonl`` (one object per line) or ``.json`` (a list of objects) file: each
+    record's ``field``, a list of ``{"role": ..., "content": ...}`` with at least one assistant turn.
+    Errors are one :class:`DataError` line naming the file and line (or record)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found. Check --data.train_path / --data.val_path")
+    name = path.name.lower()
+    for compression in (".gz", ".xz", ".bz2"):
+        name = name.removesuffix(compression)
+    if name.endswith((".jsonl", ".ndjson")):
+        records = [(f"{path}:{line}", r) for line, r in read_jsonl(path)]
+    else:
+        data = read_json(path, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
+        if not isinstance(data, list):
+            raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+        records = [(f"{path}: record {i}", r) for i, r in enumerate(data)]
+    if not records:
+        raise DataError(f"{path}: no records (the file is empty)")
+    out = []
+    for where, record in records:
+        messages = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not messages:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"{where}: no list of messages in field {field!r} (keys: {keys}). "
+                            "Rename the field or set --data.messages_field")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise DataError(f"{where}: each message must be an object with string 'role' and 'content', "
+                                f"got {str(m)[:80]!r}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: the conversation has no 'assistant' message, so nothing to learn")
+        out.append(messages)
+    return out
+
+
+def chat_example(messages: list[dict[str, str]], tokenizer, max_length: int, train_on_inputs: bool,
+                 where: str) -> dict[str, list[int]]:
+    """One conversation through the chat template; labels only on the assistant turns (all with
+    ``train_on_inputs``). Each turn's span is what rendering up to it adds to rendering the conversation before
+    it with the generation prompt, so the template's own assistant header stays masked."""
+    def render(upto: list[dict[str, str]], prompt: bool) -> list[int]:
+        out = tokenizer.apply_chat_template(upto, tokenize=True, add_generation_prompt=prompt, return_dict=False)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+    ids: list[int] = []
+    labels: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:i], prompt=True) if i else []
+        full = render(messages[:i + 1], prompt=False)
+        if full[:len(ids)] != ids or full[:len(before)] != before or len(before) < len(ids):
+            raise DataError(f"{where}: the chat template does not render this conversation turn by turn (a later "
+                            "turn changes earlier tokens), so the prompt cannot be masked; use prompt/response "
+                            "records (--data.format sft) or another --data.chat_template")
+        prompt_part = before[len(ids):]
+        ids += prompt_part
+        labels += list(prompt_part) if train_on_inputs else [IGNORE_INDEX] * len(prompt_part)
+        answer = full[len(before):]
+        ids += answer
+        labels += answer
+    ids, labels = ids[:max_length], labels[:max_length]
+    if all(label == IGNORE_INDEX for label in labels):
+        raise DataError(f"{where}: no assistant token is left after truncating to {max_length} tokens. Raise "
+                        "--data.seq_len or shorten the conversation")
+    return {"input_ids": ids, "labels": labels}
+
+
+def cache_file(cache_dir: Optional[str], *parts: Any) -> Optional[Path]:
+    """Where examples made from ``parts`` (the source's identity, tokenizer, settings) are cached; None: no cache."""
+    if cache_dir is None:
+        return None
+    return Path(cache_dir).expanduser() / f"lm-{fingerprint('lm', _CACHE_FORMAT, *parts)}.npz"
+
+
+def file_identity(path: str) -> str:
+    """Path, size and modification time of a file or of each file of a folder: a cache key that needs no read."""
+    p = Path(path).expanduser()
+    files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
+    return "|".join(f"{q.resolve()}:{q.stat().st_size}:{q.stat().st_mtime_ns}" for q in files if q.exists())

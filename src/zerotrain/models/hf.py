@@ -1,0 +1,395 @@
+"""Hugging Face models for the recipes: one place that loads, wraps, sizes and writes them.
+
+Every recipe built on a ``transformers`` Auto class (``lora``, ``causal-lm``, ``classify``, ``mlm`` with
+``--model.name_or_path``) loads its model here, so that a local folder, a hub name and a random model made
+from a ``config.json`` behave the same everywhere, with the same one-line errors:
+
+* a local folder saved with ``save_pretrained`` is read as it is;
+* a hub name is read from the network or the local Hugging Face cache; with no network, the hub is not
+  retried for minutes: the load fails at once, saying to pass a local folder or ``--model.init random``;
+* ``init="random"`` builds the architecture a ``config.json`` describes, untrained (tests, smoke runs,
+  pre-training from scratch).
+
+The weights' dtype follows ``--model.dtype`` (``auto``: the run's ``--precision.dtype`` when that is bf16 or
+fp16, else fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional
+
+import torch
+from torch import nn
+
+from zerotrain.data.io import hub_offline, looks_local
+from zerotrain.errors import ConfigError, UserError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+Kind = Literal["causal-lm", "classify", "masked-lm"]
+_AUTO_CLASS = {"causal-lm": "AutoModelForCausalLM", "classify": "AutoModelForSequenceClassification",
+               "masked-lm": "AutoModelForMaskedLM"}
+_WHAT = {"causal-lm": "a causal LM", "classify": "a sequence classifier", "masked-lm": "a masked LM"}
+
+
+def auto_class(kind: Kind):
+    """The ``transformers`` Auto class that builds a model of ``kind``."""
+    import transformers
+
+    return getattr(transformers, _AUTO_CLASS[kind])
+
+
+def resolve_dtype(choice: str, precision_dtype: str) -> torch.dtype:
+    """``--model.dtype``; ``auto`` follows ``--precision.dtype`` (bf16/fp16 there, else fp32)."""
+    if choice == "auto":
+        choice = precision_dtype if precision_dtype in ("bf16", "fp16") else "fp32"
+    return DTYPES[choice]
+
+
+@dataclass
+class ModelSource:
+    """Where a Hugging Face model comes from, as the recipes' ``--model.*`` flags say."""
+
+    name_or_path: str
+    """A local folder saved with save_pretrained, or a hub name."""
+    init: str = "pretrained"
+    """pretrained: the weights of name_or_path; random: an untrained model from ``config``."""
+    config: Optional[str] = None
+    """init=random: a config.json (or a folder holding one)."""
+    flag: str = "--model"
+    """The flags' prefix, for error messages (``--model``: ``--model.name_or_path``, ``--model.config``)."""
+
+
+def read_config(source: ModelSource, overrides: Optional[dict[str, Any]] = None):
+    """The ``transformers`` config of ``source``: its ``config.json`` (random init) or the model folder's / hub
+    repository's. ``overrides`` are set on it (``num_labels``, ``id2label``)."""
+    from transformers import AutoConfig
+
+    f = source.flag
+    if source.init == "random":
+        if not source.config:
+            raise ConfigError(f"{f}.config", "is required with --model.init random (a config.json file or a folder "
+                                             "holding one)")
+        try:
+            config = AutoConfig.from_pretrained(str(Path(source.config).expanduser()))
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{f}.config: cannot read a model config from {source.config!r} "
+                            f"({type(exc).__name__}: {_first_line(exc)})") from None
+    else:
+        where = _checked_source(source)
+        try:
+            config = AutoConfig.from_pretrained(where)
+        except (OSError, ValueError) as exc:
+            raise _load_error(source, "a model config", exc) from None
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    return config
+
+
+def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool = True,
+               min_vocab: Optional[int] = None, config_overrides: Optional[dict[str, Any]] = None) -> nn.Module:
+    """The model of ``kind`` from ``source``, on CPU, in ``dtype``.
+
+    ``pretrained=False`` builds the architecture without reading any weights (``zerotrain estimate``, and what
+    a finished run's weights load into). ``min_vocab`` (the tokenizer's size) is checked against a random
+    model's ``vocab_size``: a smaller embedding than the tokenizer would index past its end.
+    ``config_overrides`` (``num_labels``, ``id2label``, ``label2id``) are set on the config before the model is
+    built, so a pretrained encoder gets a fresh classification head of the right size.
+    """
+    cls = auto_class(kind)
+    overrides = dict(config_overrides or {})
+    if source.init == "random" or not pretrained:
+        config = read_config(source, overrides)
+        vocab = getattr(config, "vocab_size", None)
+        if source.init == "random" and min_vocab is not None and isinstance(vocab, int) and vocab < min_vocab:
+            raise ConfigError(f"{source.flag}.config",
+                              f"vocab_size {vocab} is smaller than the tokenizer's {min_vocab} tokens; raise "
+                              f"vocab_size in the config file or use a matching {source.flag}.tokenizer")
+        try:
+            return cls.from_config(config, dtype=dtype)
+        except ValueError as exc:
+            raise UserError(f"{source.flag}.config: {source.config or source.name_or_path!r} does not describe "
+                            f"{_WHAT[kind]} ({_first_line(exc)})") from None
+    where = _checked_source(source)
+    try:
+        with _quiet_load_report():
+            return cls.from_pretrained(where, dtype=dtype, **overrides)
+    except (OSError, ValueError) as exc:
+        raise _load_error(source, _WHAT[kind], exc) from None
+
+
+def _checked_source(source: ModelSource) -> str:
+    local = looks_local(source.name_or_path)
+    if not source.name_or_path:
+        raise ConfigError(f"{source.flag}.name_or_path", "is required with --model.init pretrained")
+    if local and not Path(source.name_or_path).expanduser().is_dir():
+        raise UserError(f"{source.flag}.name_or_path: model folder {source.name_or_path!r} does not exist")
+    if not local:
+        hub_offline()  # offline, fail at once with the message below instead of minutes of retries
+    return str(Path(source.name_or_path).expanduser()) if local else source.name_or_path
+
+
+def _load_error(source: ModelSource, what: str, exc: BaseException) -> UserError:
+    where = (f"folder {source.name_or_path!r}" if looks_local(source.name_or_path)
+             else f"hub name {source.name_or_path!r}")
+    return UserError(f"{source.flag}.name_or_path: could not load {what} from the {where} "
+                     f"({type(exc).__name__}: {_first_line(exc)}). Offline, pass a local folder saved with "
+                     f"save_pretrained via {source.flag}.name_or_path, or use --model.init random "
+                     f"{source.flag}.config FILE")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [""])[0]
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers prints a table of the weights a checkpoint lacks (a classifier's new head) at warning level
+    on every load; the recipes state what they initialise themselves. Errors still raise."""
+    from transformers.utils import logging as hf_logging
+
+    before, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" per load, printed over predict's output
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's own activation checkpointing (non-reentrant), and no KV cache: training reads none, and
+    transformers turns it off under checkpointing anyway, with a warning."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def peft_quiet():
+    """peft (0.21) reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a model, and
+    transformers 5 warns (FutureWarning) on every read. The call is peft's, not the user's: ignore that one
+    warning while peft wraps, and nothing else."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        yield
+
+
+@dataclass
+class LoRASettings:
+    """Low-rank adapters on a frozen base (peft)."""
+
+    r: int = 8
+    alpha: int = 32
+    dropout: float = 0.1
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    flag: str = "--model.lora"
+    """How the recipe spells these flags' prefix, for errors (``--model.lora``: ``--model.lora.r``)."""
+
+    def flag_of(self, name: str) -> str:
+        return f"{self.flag}.{name}" if self.flag.endswith(".lora") else f"{self.flag}{name}"
+
+
+def add_lora(base: nn.Module, lora: LoRASettings, task_type: str, checkpointing: bool) -> nn.Module:
+    """``base`` wrapped by peft with adapters on ``lora.target_modules``; only the adapters train.
+
+    With activation checkpointing, the embedding's output is marked as requiring grad: the embedding is frozen,
+    so otherwise a reentrant checkpointed segment would see no grad-requiring input and the adapters inside it
+    would silently get no gradient. Marking it costs one small extra grad and is safe whichever variant of
+    checkpointing a model uses.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    if checkpointing:
+        enable_activation_checkpointing(base)
+        base.enable_input_require_grads()
+    config = LoraConfig(task_type=task_type, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules))
+    try:
+        with peft_quiet():
+            return get_peft_model(base, config)
+    except ValueError as exc:
+        raise ConfigError(lora.flag_of("target_modules"), f"{list(lora.target_modules)}: {_first_line(exc)}") from None
+
+
+def trainable_summary(model: nn.Module) -> str:
+    """peft's line: trainable and total parameters."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (f"trainable params: {trainable:,} || all params: {total:,} || "
+            f"trainable%: {100 * trainable / max(total, 1):.4f}")
+
+
+def lora_adapter_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of the consolidated ``state_dict`` of a peft model; refuses empty ones.
+
+    Under ZeRO-3 the live parameters are empty partitions, and peft would happily write an adapter of empty
+    tensors: the adapter must come from the consolidated state dict the loop passes to ``Task.export``.
+    """
+    from peft import get_peft_model_state_dict
+
+    adapter = get_peft_model_state_dict(model, state_dict=state_dict, save_embedding_layers=False)
+    empty = [k for k, v in adapter.items() if v.numel() == 0]
+    if not adapter or empty:
+        raise RuntimeError(
+            "refusing to write an empty LoRA adapter "
+            f"({'no adapter tensors in the state dict' if not adapter else f'{len(empty)} empty tensors, e.g. {empty[0]}'}). "
+            "Under ZeRO-3 parameters are partitioned: export from the consolidated state dict "
+            "(stage3_gather_16bit_weights_on_model_save / zero_to_fp32), not the live module")
+    return adapter
+
+
+def write_adapter(model: nn.Module, state_dict: dict[str, torch.Tensor], folder: Path, tokenizer: Any) -> None:
+    """The peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and the tokenizer in ``folder``."""
+    lora_adapter_state(model, state_dict)
+    folder.mkdir(parents=True, exist_ok=True)
+    with peft_quiet():
+        model.save_pretrained(str(folder), state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+    tokenizer.save_pretrained(str(folder))
+
+
+def merged_copy(rebuild: Callable[[], nn.Module], state_dict: dict[str, torch.Tensor]) -> nn.Module:
+    """A CPU model with the adapters of ``state_dict`` folded into the base weights.
+
+    ``rebuild`` makes the peft model afresh (on CPU): the live one may sit on a GPU or be ZeRO-3 partitioned,
+    and merging it in place would change the module the engine still holds.
+    """
+    fresh = rebuild()
+    fresh.load_state_dict({k: v.detach().cpu() for k, v in state_dict.items()}, strict=True)
+    merged = fresh.merge_and_unload()
+    if getattr(merged, "config", None) is not None:
+        merged.config.use_cache = True  # turned off for checkpointed training; generation wants it
+    return merged
+
+
+# ---- a Hugging Face folder -------------------------------------------------------------------------
+def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if state_dict and all(k.startswith("module.") for k in state_dict):
+        return {k[len("module."):]: v for k, v in state_dict.items()}
+    return state_dict
+
+
+def save_hf_folder(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]], out_dir: Path, tokenizer: Any,
+                   generation: bool = False) -> None:
+    """``out_dir`` as ``save_pretrained`` writes it (config, safetensors weights, tokenizer, and with
+    ``generation`` a ``generation_config.json`` whose eos/pad/bos are the tokenizer's), which ``AutoModelFor*``
+    ``.from_pretrained`` loads.
+
+    ``state_dict`` (the consolidated weights; None: the model's own) is written through ``model``'s
+    ``save_pretrained``, which drops tied copies (GPT-2's ``lm_head`` is its embedding) as transformers does.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = True  # off for checkpointed training; generation wants it
+    kwargs = {"state_dict": strip_module_prefix(state_dict)} if state_dict is not None else {}
+    model.save_pretrained(str(out_dir), safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(str(out_dir))
+    if generation:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+        gen.save_pretrained(str(out_dir))
+
+
+def is_hf_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a ``save_pretrained`` folder (its config.json names a ``model_type``)."""
+    try:
+        return "model_type" in json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def load_hf_folder_into(kind: Kind, model: nn.Module, folder: Path) -> None:
+    """Load the weights of the ``save_pretrained`` folder ``folder`` into ``model`` (built from the same config):
+    through ``from_pretrained``, which restores tied weights, then the whole state dict strictly."""
+    cls = auto_class(kind)
+    try:
+        with _quiet_load_report():
+            loaded = cls.from_pretrained(str(folder), dtype=next(model.parameters()).dtype)
+        model.load_state_dict(loaded.state_dict())
+    except (OSError, ValueError, RuntimeError) as exc:
+        detail = " ".join(str(exc).split())
+        raise UserError(f"{folder} does not fit the model the run's hparams.json describes "
+                        f"({type(exc).__name__}: {detail[:300]})") from None
+
+
+# ---- FLOPs -----------------------------------------------------------------------------------------
+def transformer_flops_per_token(model: nn.Module, seq_len: int, trainable_only: bool = False) -> float:
+    """Training FLOPs per token: 6 x parameters (4 x for frozen ones) + 12 x layers x width x ``seq_len``.
+
+    The first term is the matmuls of every weight (2 forward + 4 backward; a frozen weight skips its own
+    gradient, 2 of the 4). The second is attention's score and value matmuls, which grow with the context
+    (PaLM's appendix B formula, counted over the full ``seq_len`` as it does). The embedding lookup is no matmul,
+    so the input embedding is left out unless it is tied to the output head. Layers and width come from the
+    model's config (``num_hidden_layers``/``n_layer``, ``hidden_size``/``n_embd``/``dim``); a config without them
+    gets the parameter term only.
+    """
+    config = getattr(model, "config", None)
+    base = getattr(model, "get_base_model", lambda: model)()
+    embedding = None
+    get_in = getattr(base, "get_input_embeddings", None)
+    get_out = getattr(base, "get_output_embeddings", None)
+    if get_in is not None:
+        embedding = get_in()
+    tied = get_out is not None and embedding is not None and get_out() is not None and \
+        get_out().weight is embedding.weight
+    skip = set() if embedding is None or tied else {id(p) for p in embedding.parameters()}
+    flops = 0.0
+    for p in model.parameters():
+        if id(p) in skip:
+            continue
+        flops += (6.0 if p.requires_grad else 4.0) * p.numel()
+    layers = _first_attr(config, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"))
+    width = _first_attr(config, ("hidden_size", "n_embd", "dim", "d_model"))
+    if layers and width:
+        flops += 12.0 * layers * width * seq_len
+    return flops
+
+
+def _first_attr(config: Any, names: tuple[str, ...]) -> Optional[int]:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def attention_implementation(model: nn.Module) -> str:
+    """The attention kernel transformers picked for ``model`` (``sdpa``, ``eager``, ``flash_attention_2``...)."""
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_attn_implementation", None) or "eager")
+
+
+def export_checkpoint(task: Any, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+    """``zerotrain export --format hf`` for a recipe whose :meth:`Task.export` writes a Hugging Face folder: the
+    checkpoint's tensors (``lazy``, name -> (shape, dtype, thunk)) go into the model the run's hparams describe
+    (built without reading pretrained weights), floating-point ones cast to ``dtype``, and the task's own export
+    writes ``out_dir``. Returns the files written, relative to ``out_dir``."""
+    with torch.random.fork_rng(devices=[]):
+        model = task.build_model(pretrained=False)
+    state = strip_module_prefix({name: thunk() for name, (_, _, thunk) in lazy.items()})
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise UserError(f"the checkpoint does not fit the model hparams.json describes "
+                        f"({' '.join(str(exc).split())[:300]})") from None
+    if dtype != torch.float32:
+        model = model.to(dtype)
+    task.export(model, model.state_dict(), Path(out_dir))
+    return sorted(str(p.relative_to(out_dir)) for p in Path(out_dir).rglob("*") if p.is_file())

@@ -1,0 +1,476 @@
+"""Full-parameter (or LoRA) training of any Hugging Face causal LM: pre-training on raw text, supervised
+fine-tuning on prompt/response records and on chat conversations.
+
+Design decisions:
+
+* The model is whatever ``AutoModelForCausalLM`` builds from ``--model.name_or_path`` or, with
+  ``--model.init random``, from ``--model.config``; loading is :mod:`zerotrain.models.hf`'s, shared with the
+  ``lora``, ``classify`` and ``mlm`` recipes.
+* Raw text is always packed (rows of exactly ``--data.seq_len``); SFT and chat examples are packed with
+  ``--data.pack`` (default) or padded per batch, optionally grouped by length. Packed rows carry
+  ``position_ids`` that restart at each example and no attention mask, which transformers reads as packed
+  sequences: attention stays within each document for models that build their mask with its masking utilities
+  (Llama, Qwen2, Mistral, GPT-2, GPT-NeoX and most decoders of transformers 5); the log says which applies.
+* The loss is Hugging Face's causal-LM loss on labels that are -100 on prompts, padding and each document's
+  first token, weighted by target tokens across micro-batches and ranks (:meth:`loss_weight`).
+* ``--model.lora.r`` > 0 trains LoRA adapters on a frozen base instead; the export then holds the merged model
+  (and the adapter in ``adapter/``). The ``lora`` recipe is this task with LoRA always on and its own flags.
+* Export writes a Hugging Face folder (config, weights, tokenizer, generation config) that
+  ``AutoModelForCausalLM.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotrain.config import RunConfig
+from zerotrain.data.collate import IGNORE_INDEX, PadCollator
+from zerotrain.data.io import read_json, read_jsonl
+from zerotrain.data.lm import (
+    PackedRows,
+    cache_file,
+    chat_example,
+    collate_packed,
+    file_identity,
+    load_chat_records,
+    pack,
+    text_examples,
+)
+from zerotrain.data.sft import _adds_bos, build_examples, load_records, split_template
+from zerotrain.data.text import read_text_lines
+from zerotrain.data.tokenizer import load_tokenizer
+from zerotrain.errors import ConfigError, DataError, UserError
+from zerotrain.models import hf
+from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoRASection:
+    r: int = 0
+    """Rank of the LoRA update matrices; 0 (the default) trains every parameter instead."""
+    alpha: int = 32
+    """LoRA scaling numerator: the update is scaled by alpha / r."""
+    dropout: float = 0.05
+    """Dropout on the LoRA branch's input during training."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Names of the linear layers that get adapters (GPT-2: c_attn; GPT-NeoX: query_key_value)."""
+
+    def validate(self) -> None:
+        if self.r < 0:
+            raise ConfigError("--model.lora.r", f"must be >= 0 (0: no LoRA), got {self.r}")
+        if self.r and self.alpha <= 0:
+            raise ConfigError("--model.lora.alpha", f"must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("--model.lora.dropout", f"must be in [0, 1), got {self.dropout}")
+        if self.r and not self.target_modules:
+            raise ConfigError("--model.lora.target_modules", "must name at least one module, e.g. [q_proj, v_proj]")
+
+
+@dataclass
+class CausalLMModelConfig:
+    name_or_path: str = ""
+    """The model: a local folder saved with save_pretrained, or a hub name (needs network or the HF cache)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained loads the weights of name_or_path; random builds an untrained model from --model.config."""
+    config: Optional[str] = None
+    """init=random: a config.json file (or a folder holding one) describing the architecture, e.g. configs/tiny_llama_config.json."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    """Weights' dtype when loading; auto follows --precision.dtype (bf16/fp16 there, else fp32). Full-parameter
+    training keeps fp32 master weights, so fp32 is the default."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder or hub name; default --model.name_or_path."""
+    lora: LoRASection = field(default_factory=LoRASection)
+    """LoRA instead of full-parameter training (--model.lora.r > 0)."""
+
+    def validate(self) -> None:
+        if self.init == "pretrained" and not self.name_or_path:
+            raise ConfigError("--model.name_or_path", "is required: a model folder or hub name "
+                                                      "(or --model.init random --model.config FILE)")
+        if self.init == "random":
+            if not self.config:
+                raise ConfigError("--model.config", "is required with --model.init random (a config.json file or "
+                                                    "a folder holding one)")
+            if not Path(self.config).expanduser().exists():
+                raise ConfigError("--model.config", f"file {self.config!r} does not exist")
+            if not (self.tokenizer or self.name_or_path):
+                raise ConfigError("--model.tokenizer", "is required with --model.init random")
+        self.lora.validate()
+
+
+@dataclass
+class CausalLMDataConfig:
+    train_path: str = ""
+    """Training data: a file or folder. Text: .txt/.txt.xz/.jsonl/.parquet (documents); sft: .json/.jsonl
+    prompt/response records; chat: .json/.jsonl records with a list of messages."""
+    val_path: Optional[str] = None
+    """Validation data in the same format (None: no evaluation)."""
+    format: Literal["auto", "text", "sft", "chat"] = "auto"
+    """text: raw documents (pre-training); sft: prompt/response records, the prompt masked; chat: conversations
+    rendered with the chat template, only assistant turns learned. auto: chat when the first record has
+    --data.messages_field, sft when it has --data.input_field, else text."""
+    seq_len: int = 1024
+    """Tokens per packed row (and the longest example)."""
+    pack: bool = True
+    """Pack several examples into each row (text is always packed); false pads each batch to its longest."""
+    text_field: str = "text"
+    """text: the field (column) holding a document in .jsonl and .parquet files."""
+    input_field: str = "input"
+    """sft: the record field holding the prompt's input."""
+    target_field: str = "target"
+    """sft: the record field holding the response the model learns to produce."""
+    template: str = "{input}\n{target}"
+    """sft: how input and target are joined; the text before {target} is the prompt (masked from the loss)."""
+    messages_field: str = "messages"
+    """chat: the record field holding the list of {role, content} messages."""
+    chat_template: Optional[str] = None
+    """chat: a Jinja chat template (a file, or the template itself) for a tokenizer that has none."""
+    train_on_inputs: bool = False
+    """sft/chat: also learn the prompt (non-assistant) tokens."""
+    bucket_by_length: bool = False
+    """Unpacked: group examples of similar length into the same batches to cut padding (batches stay shuffled)."""
+    pad_to_multiple_of: int = 8
+    """Unpacked: pad each batch to a multiple of this many tokens."""
+    max_train_lines: Optional[int] = None
+    """text: read only the first N non-blank training documents (None: all)."""
+    cache_dir: Optional[str] = "~/.cache/zerotrain"
+    """Folder for packed rows, reused while the files, tokenizer and settings are unchanged (None: no cache)."""
+
+    def validate(self) -> None:
+        if not self.train_path:
+            raise ConfigError("--data.train_path", "is required: a text file, or .jsonl records (sft, chat)")
+        if self.seq_len < 2:
+            raise ConfigError("--data.seq_len", f"must be >= 2, got {self.seq_len}")
+        if self.pad_to_multiple_of < 1:
+            raise ConfigError("--data.pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
+        if "{input}" not in self.template or "{target}" not in self.template:
+            raise ConfigError("--data.template", f"must contain {{input}} and {{target}}, got {self.template!r}")
+        if self.template.index("{input}") > self.template.index("{target}"):
+            raise ConfigError("--data.template", "{input} must come before {target}")
+        if self.max_train_lines is not None and self.max_train_lines < 1:
+            raise ConfigError("--data.max_train_lines", f"must be >= 1 (or unset), got {self.max_train_lines}")
+
+
+@dataclass
+class CausalLMConfig(RunConfig):
+    """Causal-LM training: the shared sections plus ``model`` and ``data``."""
+
+    model: CausalLMModelConfig = field(default_factory=CausalLMModelConfig)
+    """The model, its tokenizer and LoRA."""
+    data: CausalLMDataConfig = field(default_factory=CausalLMDataConfig)
+    """Text, records or conversations and how they become rows of tokens."""
+
+
+def _masking_module_builds_packed_mask(model: nn.Module) -> bool:
+    """Whether ``model``'s modeling module builds its attention mask with transformers' masking utilities,
+    which turn restarting ``position_ids`` (and no attention mask) into a packed-sequence mask."""
+    base = getattr(model, "get_base_model", lambda: model)()
+    module = sys.modules.get(type(base).__module__)
+    return module is not None and hasattr(module, "create_causal_mask")
+
+
+class CausalLMTask(Task[CausalLMConfig]):
+    """Any ``AutoModelForCausalLM``, full-parameter or LoRA, on text, prompt/response records or conversations."""
+
+    name = "causal-lm"
+    config_class = CausalLMConfig
+    description = "any Hugging Face causal LM: pre-training on text, SFT on records or chats, full or LoRA"
+    peft_task_type = "CAUSAL_LM"
+    length_flag = "--data.seq_len"
+    """The flag that sets the longest example, for error messages."""
+
+    def __init__(self, cfg: CausalLMConfig):
+        super().__init__(cfg)
+        self._tokenizer = None
+
+    # ---- what differs between this recipe and lora (their flags) -------------------------------
+    def source(self) -> hf.ModelSource:
+        m = self.cfg.model
+        return hf.ModelSource(m.name_or_path, m.init, m.config)
+
+    def lora_settings(self) -> Optional[hf.LoRASettings]:
+        """The LoRA adapters to train, or None for full-parameter training."""
+        lora = self.cfg.model.lora
+        if lora.r <= 0:
+            return None
+        return hf.LoRASettings(lora.r, lora.alpha, lora.dropout, list(lora.target_modules), flag="--model.lora")
+
+    def data_format(self) -> str:
+        return self.cfg.data.format
+
+    def seq_len(self) -> int:
+        return self.cfg.data.seq_len
+
+    def packed(self) -> bool:
+        return self.cfg.data.pack or self._format(self.cfg.data.train_path) == "text"
+
+    # ---- model -----------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            m = self.cfg.model
+            tok = load_tokenizer(m.tokenizer or m.name_or_path, flag="--model.tokenizer")
+            if tok.pad_token is None:
+                # Padding positions are masked (label -100, and attention or their own packed sequence), so
+                # reusing EOS as pad changes nothing the model learns, and it needs no new embedding row.
+                tok.pad_token = tok.eos_token
+            self._tokenizer = tok
+        return self._tokenizer
+
+    def run_tokenizer(self):
+        return self.tokenizer
+
+    def _dtype(self) -> torch.dtype:
+        return hf.resolve_dtype(self.cfg.model.dtype, self.cfg.precision.dtype)
+
+    def load_base(self, pretrained: bool = True) -> nn.Module:
+        """The causal LM as loaded, without LoRA."""
+        return hf.load_model("causal-lm", self.source(), self._dtype(), pretrained, min_vocab=len(self.tokenizer))
+
+    def _wrap(self, base: nn.Module) -> nn.Module:
+        lora = self.lora_settings()
+        checkpointing = self.cfg.activation_checkpointing.enabled
+        if lora is None:
+            if checkpointing:
+                hf.enable_activation_checkpointing(base)
+            return base
+        return hf.add_lora(base, lora, self.peft_task_type, checkpointing)
+
+    def build_model(self, pretrained: bool = True) -> nn.Module:
+        model = self._wrap(self.load_base(pretrained))
+        if self.lora_settings() is not None:
+            logger.info("LoRA: %s", hf.trainable_summary(model))
+        if self.packed():
+            if _masking_module_builds_packed_mask(model):
+                how = (f"attention kept within documents by transformers' packed-sequence mask "
+                       f"(attn_implementation={hf.attention_implementation(model)})")
+            else:
+                how = (f"attention NOT kept within documents: {type(model).__name__} builds its own mask "
+                       "(documents in a row see the ones before them)")
+            logger.info("packed rows of %d tokens: positions restart at each document, %s", self.seq_len(), how)
+        return model
+
+    # ---- data ------------------------------------------------------------------------------
+    def _format(self, path: str) -> str:
+        fmt = self.data_format()
+        if fmt != "auto":
+            return fmt
+
+        p = Path(path).expanduser()
+        name = p.name.lower()
+        if p.is_file() and any(name.endswith(s) for s in (".jsonl", ".jsonl.gz", ".jsonl.xz", ".ndjson", ".json")):
+            d = self.cfg.data
+            if name.endswith(".json"):
+
+                data = read_json(p)
+                first = data[0] if isinstance(data, list) and data else None
+            else:
+                records = read_jsonl(p)
+                try:
+                    first = next((r for _, r in records), None)
+                finally:
+                    records.close()
+            if isinstance(first, dict):
+                if d.messages_field in first:
+                    return "chat"
+                if d.input_field in first and d.target_field in first:
+                    return "sft"
+        return "text"
+
+    def _chat_tokenizer(self):
+        tok = self.tokenizer
+        template = self.cfg.data.chat_template
+        if template:
+            p = Path(template).expanduser()
+            tok.chat_template = p.read_text(encoding="utf-8") if p.is_file() else template
+        if not getattr(tok, "chat_template", None):
+            raise UserError("--data.chat_template: the tokenizer has no chat template, so chat records cannot be "
+                            "rendered; pass a Jinja template (a file or the text) or a tokenizer that has one")
+        return tok
+
+    def examples(self, path: str, flag: str) -> list[dict[str, list[int]]]:
+        """The examples (input_ids, labels) of one file, as its format makes them."""
+        d, fmt = self.cfg.data, self._format(path)
+        if fmt == "text":
+
+            limit = d.max_train_lines if flag == "--data.train_path" else None
+            docs = read_text_lines(path, text_field=d.text_field, max_lines=limit, flag=flag)
+            return text_examples(docs, self.tokenizer)
+        if fmt == "chat":
+
+            chats = load_chat_records(path, d.messages_field)
+            tok = self._chat_tokenizer()
+            return [chat_example(msgs, tok, self.seq_len(), d.train_on_inputs, f"{path}: record {i}")
+                    for i, msgs in enumerate(chats)]
+
+        records = load_records(path, d.input_field, d.target_field)
+        return build_examples(records, self.tokenizer, d.template, self.seq_len(), d.train_on_inputs,
+                              d.input_field, d.target_field, source=str(path), length_flag=self.length_flag)
+
+    def _split(self, path: str, flag: str):
+        if not self.packed():
+            return self.examples(path, flag)
+
+        d = self.cfg.data
+        local = Path(path).expanduser().exists()
+        key = cache_file(d.cache_dir, file_identity(path) if local else path, self._format(path), self.tokenizer,
+                         self.seq_len(), d.text_field, d.input_field, d.target_field, d.template, d.messages_field,
+                         d.chat_template, d.train_on_inputs, d.max_train_lines)
+        if key is not None and key.is_file():
+            return PackedRows.load(key)
+        rows = pack(self.examples(path, flag), self.seq_len(), self.tokenizer.pad_token_id)
+        if len(rows) == 0:
+            raise DataError(f"{path} ({flag}): no example of two tokens or more to train on")
+        if key is not None:
+            rows.save(key)
+        return rows
+
+    def build_datasets(self) -> Splits:
+        d = self.cfg.data
+        train = self._split(d.train_path, "--data.train_path")
+        val = self._split(d.val_path, "--data.val_path") if d.val_path else None
+        return Splits(train=train, val=val)
+
+    def collator(self):
+        if self.packed():
+
+            return collate_packed
+        return PadCollator(self.tokenizer.pad_token_id, self.cfg.data.pad_to_multiple_of, max_len=self.seq_len())
+
+    def train_lengths(self, train) -> Optional[list[int]]:
+        if self.packed() or not self.cfg.data.bucket_by_length:
+            return None
+        return [len(example["input_ids"]) for example in train]
+
+    def real_tokens(self, batch: Batch) -> int:
+        if "tokens" in batch:
+            return int(batch["tokens"].sum())
+        return super().real_tokens(batch)
+
+    # ---- steps -----------------------------------------------------------------------------
+    def _forward(self, model: nn.Module, batch: Batch, labels: bool):
+        # use_cache=False: a KV cache is useless in training, and without one transformers reads packed rows'
+        # restarting position ids as separate sequences.
+        kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
+        if "position_ids" in batch:
+            kwargs["position_ids"] = batch["position_ids"]
+        else:
+            kwargs["attention_mask"] = batch["attention_mask"]
+        if labels:
+            kwargs["labels"] = batch["labels"]
+        return model(**kwargs)
+
+    def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
+        out = self._forward(model, batch, labels=True)
+        b, t = batch["input_ids"].shape  # (B, T)
+        return StepOutput(loss=out.loss, tokens=b * t, samples=b)
+
+    def loss_weight(self, batch: Batch) -> float:
+        """Target tokens the causal-LM loss averages over (labels shift by one: position t predicts t+1)."""
+        return float((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    @torch.no_grad()
+    def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
+        logits = self._forward(model, batch, labels=False).logits  # (B, T, V)
+        # Position t predicts token t+1, as in HF's causal-LM loss
+        shift_logits = logits[:, :-1, :].float()  # (B, T-1, V)
+        shift_labels = batch["labels"][:, 1:]  # (B, T-1)
+        loss_sum = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        tokens = (shift_labels != IGNORE_INDEX).sum()
+        return {"loss_sum": float(loss_sum), "tokens": float(tokens)}
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        tokens = sums.get("tokens", 0.0)
+        if tokens <= 0:
+            return {"loss": float("nan"), "ppl": float("nan")}
+        loss = sums["loss_sum"] / tokens
+        return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else float("inf")}
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        """6 x trainable + 4 x frozen matmul weights + attention's 12 x layers x width x seq_len (see
+        :func:`zerotrain.models.hf.transformer_flops_per_token`): LoRA's frozen base skips its weight gradients."""
+        return hf.transformer_flops_per_token(model, self.seq_len())
+
+    # ---- export ----------------------------------------------------------------------------
+    def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
+        """A Hugging Face folder in ``out_dir``: config, weights, tokenizer, generation config. With LoRA, the
+        merged model, and the adapter in ``out_dir/adapter``."""
+        out_dir = Path(out_dir)
+        state_dict = hf.strip_module_prefix(state_dict)
+        if self.lora_settings() is None:
+            hf.save_hf_folder(model, state_dict, out_dir, self.tokenizer, generation=True)
+        else:
+            hf.write_adapter(model, state_dict, out_dir / "adapter", self.tokenizer)
+            merged = hf.merged_copy(lambda: self._wrap(self.load_base(pretrained=False)), state_dict)
+            hf.save_hf_folder(merged, None, out_dir, self.tokenizer, generation=True)
+        logger.info("Hugging Face model written to %s", out_dir)
+
+    def export_hf(self, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+        """``zerotrain export --format hf``: a checkpoint written as :meth:`export` writes the finished run."""
+        return hf.export_checkpoint(self, lazy, out_dir, dtype)
+
+    def load_exported(self, model: nn.Module, export_dir: Path) -> None:
+        """The folder :meth:`export` wrote (a Hugging Face folder, merged with LoRA) into ``model``; a folder of
+        plain ``model.safetensors`` (``zerotrain export --format safetensors``) through the default reader."""
+        export_dir = Path(export_dir)
+        if not hf.is_hf_folder(export_dir):
+            return super().load_exported(model, export_dir)
+        if self.lora_settings() is None:
+            return hf.load_hf_folder_into("causal-lm", model, export_dir)
+        # The merged weights are the base's with the adapters folded in: they go into the wrapped layers' base
+        # weights (peft's ``.base_layer``), and the adapters are zeroed, so the model computes the merged one.
+        plain = self.load_base(pretrained=False)
+        hf.load_hf_folder_into("causal-lm", plain, export_dir)
+        merged = plain.state_dict()
+        with torch.no_grad():
+            for name, tensor in model.get_base_model().state_dict().items():
+                if "lora_" in name:
+                    if "lora_B" in name:
+                        tensor.zero_()
+                    continue
+                tensor.copy_(merged[name.replace(".base_layer", "")])
+
+    # ---- inference -------------------------------------------------------------------------
+    def prompt_ids(self, text: str) -> list[int]:
+        """The tokens a prompt ``text`` becomes, as training made them: the chat template's user turn and
+        generation prompt (chat), the template's head (sft), BOS + text (text)."""
+
+        tok, fmt = self.tokenizer, self._format(self.cfg.data.train_path)
+        if fmt == "chat":
+            out = self._chat_tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                             add_generation_prompt=True, return_dict=False)
+            return list(out["input_ids"] if hasattr(out, "keys") else out)
+        if fmt == "sft":
+            head, _ = split_template(self.cfg.data.template)
+            text = head.replace("{input}", text)  # str.replace, not str.format, as in training
+        start = [tok.bos_token_id] if _adds_bos(tok) or (fmt == "text" and tok.bos_token_id is not None) else []
+        return start + list(tok(text, add_special_tokens=False)["input_ids"])
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, inputs: list[str], max_new_tokens: int = 32, **options: Any) -> list[str]:
+        """The greedy continuation of each input (prompted as in training, :meth:`prompt_ids`): at most
+        ``max_new_tokens`` new tokens, stopping at EOS; newlines and tabs are written as ``\\n`` and ``\\t`` so
+        that each input gets one line."""
+        tok = self.tokenizer
+        device = next(model.parameters()).device
+        lines = []
+        for text in inputs:
+            x = torch.tensor([self.prompt_ids(text)], dtype=torch.long, device=device)  # (1, T)
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            new = out[0, x.shape[1]:].tolist()
+            if tok.eos_token_id in new:
+                new = new[:new.index(tok.eos_token_id)]
+            lines.append(tok.decode(new, skip_special_tokens=True).replace("\n", "\\n").replace("\t", "\\t"))
+        return lines

@@ -1,0 +1,249 @@
+"""Fine-tuning any Hugging Face sequence classifier (``AutoModelForSequenceClassification``) on text + label
+records: a pretrained BERT/RoBERTa/DistilBERT on IMDB, or a random one from a config.
+
+Design decisions:
+
+* The classes come from the training file (integer ids, or names in sorted order) or ``--data.label_names``;
+  the mapping is set on the model's config (``id2label``, ``label2id``, ``num_labels``) before the model is
+  built, so a pretrained encoder gets a fresh head of the right size, and the exported folder carries it.
+* Texts are tokenised once (with the tokenizer's special tokens), truncated to ``--data.max_length``, and
+  padded per batch; ``--data.bucket_by_length`` groups similar lengths.
+* FLOPs per token are reported per batch at its padded length (weights + attention, see
+  :func:`zerotrain.models.hf.transformer_flops_per_token`).
+* Export writes a Hugging Face folder (config with the label mapping, weights, tokenizer) that
+  ``AutoModelForSequenceClassification.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerotrain.config import RunConfig
+from zerotrain.data.collate import PadCollator
+from zerotrain.data.labelled import label_ids, label_names, read_labelled
+from zerotrain.data.tokenizer import load_tokenizer
+from zerotrain.errors import ConfigError, DataError
+from zerotrain.models import hf
+from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClassifyModelConfig:
+    name_or_path: str = ""
+    """The model: a local folder saved with save_pretrained, or a hub name (e.g. FacebookAI/roberta-base)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained loads the weights of name_or_path (the head is new); random builds an untrained model from --model.config."""
+    config: Optional[str] = None
+    """init=random: a config.json file (or a folder holding one) describing the architecture."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    """Weights' dtype when loading; auto follows --precision.dtype (bf16/fp16 there, else fp32)."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder or hub name; default --model.name_or_path."""
+
+    def validate(self) -> None:
+        if self.init == "pretrained" and not self.name_or_path:
+            raise ConfigError("--model.name_or_path", "is required: a model folder or hub name "
+                                                      "(or --model.init random --model.config FILE)")
+        if self.init == "random":
+            if not self.config:
+                raise ConfigError("--model.config", "is required with --model.init random (a config.json file or "
+                                                    "a folder holding one)")
+            if not Path(self.config).expanduser().exists():
+                raise ConfigError("--model.config", f"file {self.config!r} does not exist")
+            if not (self.tokenizer or self.name_or_path):
+                raise ConfigError("--model.tokenizer", "is required with --model.init random")
+
+
+@dataclass
+class ClassifyDataConfig:
+    train_path: str = ""
+    """Training records: .jsonl/.jsonl.gz/.json/.csv/.parquet with a text and a label field (IMDB's train.jsonl.gz)."""
+    val_path: Optional[str] = None
+    """Validation records in the same form (None: no evaluation)."""
+    text_field: str = "text"
+    """Record field holding the text."""
+    label_field: str = "label"
+    """Record field holding the label: a class name or an integer id."""
+    label_names: Optional[list[str]] = None
+    """The class names in id order (default: the training file's names sorted, or "0".."N-1" for integer labels)."""
+    max_length: int = 512
+    """Tokens per text, special tokens included; longer texts are truncated."""
+    max_train_samples: Optional[int] = None
+    """Read only the first N training records (None: all)."""
+    max_eval_samples: Optional[int] = None
+    """Read only the first N validation records (None: all)."""
+    bucket_by_length: bool = False
+    """Group texts of similar length into the same batches to cut padding (batches stay shuffled)."""
+    pad_to_multiple_of: int = 8
+    """Pad each batch to a multiple of this many tokens."""
+
+    def validate(self) -> None:
+        if not self.train_path:
+            raise ConfigError("--data.train_path", "is required: a .jsonl, .csv or .parquet file of text/label records")
+        if self.max_length < 2:
+            raise ConfigError("--data.max_length", f"must be >= 2, got {self.max_length}")
+        if self.pad_to_multiple_of < 1:
+            raise ConfigError("--data.pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
+        for name in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--data.{name}", f"must be >= 1 (or unset), got {value}")
+
+
+@dataclass
+class ClassifyConfig(RunConfig):
+    """Sequence classification: the shared sections plus ``model`` and ``data``."""
+
+    model: ClassifyModelConfig = field(default_factory=ClassifyModelConfig)
+    """The classifier and its tokenizer."""
+    data: ClassifyDataConfig = field(default_factory=ClassifyDataConfig)
+    """Text + label records."""
+
+
+class ClassifyTask(Task[ClassifyConfig]):
+    """Any ``AutoModelForSequenceClassification`` on text + label records."""
+
+    name = "classify"
+    config_class = ClassifyConfig
+    description = "any Hugging Face sequence classifier (BERT, RoBERTa...) on text + label records"
+
+    def __init__(self, cfg: ClassifyConfig):
+        super().__init__(cfg)
+        self._tokenizer = None
+        self._names: Optional[list[str]] = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            m = self.cfg.model
+            tok = load_tokenizer(m.tokenizer or m.name_or_path, flag="--model.tokenizer")
+            if tok.pad_token is None:  # GPT-style tokenizers: padding is masked, EOS serves
+                tok.pad_token = tok.eos_token
+            self._tokenizer = tok
+        return self._tokenizer
+
+    def run_tokenizer(self):
+        return self.tokenizer
+
+    def _read(self, path: str, limit: Optional[int]):
+
+        d = self.cfg.data
+        return read_labelled(path, d.text_field, d.label_field, limit)
+
+    def label_names(self) -> list[str]:
+        """The class names in id order: ``--data.label_names``, else the training file's labels.
+
+        Names found in the file are written back to ``--data.label_names``, so the run's hparams.json records the
+        classes and ``load_run``/``predict``/``export`` rebuild the head without the training file."""
+        if self._names is None:
+
+            d = self.cfg.data
+            given = d.label_names
+            labels = [] if given else self._read(d.train_path, d.max_train_samples)[1]
+            self._names = label_names(labels, given)
+            if len(self._names) < 2:
+                raise DataError(f"--data.train_path {d.train_path}: only the class {self._names} is present; a "
+                                "classifier needs at least two (or list them with --data.label_names)")
+            d.label_names = list(self._names)
+        return self._names
+
+    def build_model(self, pretrained: bool = True) -> nn.Module:
+        names = self.label_names()
+        m = self.cfg.model
+        overrides = {"num_labels": len(names), "id2label": dict(enumerate(names)),
+                     "label2id": {name: i for i, name in enumerate(names)}}
+        if self.tokenizer.pad_token_id is not None:
+            overrides["pad_token_id"] = self.tokenizer.pad_token_id  # decoders find the last token by it
+        model = hf.load_model("classify", hf.ModelSource(m.name_or_path, m.init, m.config),
+                              hf.resolve_dtype(m.dtype, self.cfg.precision.dtype), pretrained,
+                              min_vocab=len(self.tokenizer), config_overrides=overrides)
+        if self.cfg.activation_checkpointing.enabled:
+            hf.enable_activation_checkpointing(model)
+        # Batches are padded to their own longest text: FLOPs per token are a + b*T, both from the whole model now.
+        a = hf.transformer_flops_per_token(model, 0)
+        self._flops_ab = (a, hf.transformer_flops_per_token(model, 1) - a)
+        logger.info("classes: %s", ", ".join(f"{i}={n}" for i, n in enumerate(names)))
+        return model
+
+    def _dataset(self, path: str, limit: Optional[int]) -> list[dict[str, Any]]:
+
+        texts, labels = self._read(path, limit)
+        ids = label_ids(labels, self.label_names(), path)
+        tokens = self.tokenizer(texts, truncation=True, max_length=self.cfg.data.max_length,
+                                return_attention_mask=False)["input_ids"]
+        return [{"input_ids": t, "labels": y} for t, y in zip(tokens, ids)]
+
+    def build_datasets(self) -> Splits:
+        d = self.cfg.data
+        train = self._dataset(d.train_path, d.max_train_samples)
+        val = self._dataset(d.val_path, d.max_eval_samples) if d.val_path else None
+        return Splits(train=train, val=val)
+
+    def collator(self):
+        return PadCollator(self.tokenizer.pad_token_id, self.cfg.data.pad_to_multiple_of,
+                           max_len=self.cfg.data.max_length)
+
+    def train_lengths(self, train) -> Optional[list[int]]:
+        return [len(x["input_ids"]) for x in train] if self.cfg.data.bucket_by_length else None
+
+    def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+        B, T = batch["input_ids"].shape
+        a, b = getattr(self, "_flops_ab", (None, None))
+        return StepOutput(loss=out.loss, tokens=B * T, samples=B, flops=None if a is None else B * T * (a + b * T))
+
+    @torch.no_grad()
+    def eval_step(self, model: nn.Module, batch: Batch) -> dict[str, float]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()  # (B, C)
+        labels = batch["labels"]
+        return {"loss_sum": float(F.cross_entropy(logits, labels, reduction="sum")),
+                "correct": float((logits.argmax(dim=-1) == labels).sum()), "count": float(labels.numel())}
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        count = max(sums.get("count", 0.0), 1.0)
+        return {"loss": sums.get("loss_sum", 0.0) / count, "acc": sums.get("correct", 0.0) / count}
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        # Only a fallback: training_step reports each batch's FLOPs at its padded length.
+        return hf.transformer_flops_per_token(model, self.cfg.data.max_length)
+
+    def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
+        """A Hugging Face folder: config (with ``id2label``/``label2id``), weights, tokenizer."""
+        hf.save_hf_folder(model, state_dict, Path(out_dir), self.tokenizer)
+        logger.info("Hugging Face classifier written to %s", out_dir)
+
+    def export_hf(self, lazy: dict, out_dir: Path, dtype: torch.dtype) -> list[str]:
+        """``zerotrain export --format hf``: a checkpoint written as :meth:`export` writes the finished run."""
+        return hf.export_checkpoint(self, lazy, out_dir, dtype)
+
+    def load_exported(self, model: nn.Module, export_dir: Path) -> None:
+        if not hf.is_hf_folder(Path(export_dir)):
+            return super().load_exported(model, export_dir)
+        hf.load_hf_folder_into("classify", model, Path(export_dir))
+
+    @torch.no_grad()
+    def predict(self, model: nn.Module, inputs: list[str], batch_size: int = 32, **options: Any) -> list[str]:
+        """``label<TAB>probability`` per text, the label a name of ``id2label``."""
+        names = self.label_names()
+        device = next(model.parameters()).device
+        collate = self.collator()
+        lines = []
+        for start in range(0, len(inputs), batch_size):
+            ids = self.tokenizer(inputs[start:start + batch_size], truncation=True,
+                                 max_length=self.cfg.data.max_length, return_attention_mask=False)["input_ids"]
+            batch = collate([{"input_ids": x} for x in ids])
+            logits = model(input_ids=batch["input_ids"].to(device),
+                           attention_mask=batch["attention_mask"].to(device)).logits  # (B, C)
+            for p in logits.float().softmax(dim=-1).cpu():
+                k = int(p.argmax())
+                lines.append(f"{names[k]}\t{float(p[k]):.3f}")
+        return lines
