@@ -42,24 +42,29 @@ def test_timeout_minutes_accepts_fractions_down_to_three_seconds():
             LaunchConfig(timeout_minutes=bad).validate()
 
 
-def test_a_fractional_timeout_reaches_the_groups_deepspeed_creates():
-    """DeepSpeed's ZeRO groups come from new_group(ranks) without a timeout: they get ours (seconds, not minutes)."""
+def test_a_fractional_timeout_reaches_the_groups_deepspeed_creates(monkeypatch):
+    """DeepSpeed's ZeRO groups come from its backend's new_group(ranks), with no timeout: inside a fit's process
+    group they get --launch.timeout_minutes (seconds, not minutes), and after it DeepSpeed's own method is back."""
     import datetime
 
-    import torch.distributed.distributed_c10d as c10d
+    import deepspeed.comm as ds_comm
+    import torch
 
-    from zerotrain.runtime.distributed import inherit_group_timeout
+    from zerotrain.runtime.distributed import setup
+    from zerotrain.tasks.toy import ToyConfig
 
-    seen = {}
-    original = c10d.new_group
-    c10d.new_group = lambda *args, **kwargs: seen.update(kwargs)  # stands in for torch's, under the wrapper
-    try:
-        undo = inherit_group_timeout(0.2)
-        c10d.new_group([0, 1])
-        undo()
-    finally:
-        c10d.new_group = original
-    assert seen["timeout"] == datetime.timedelta(seconds=12)
+    cfg = ToyConfig()
+    cfg.trainer.device = "cpu"
+    cfg.launch.timeout_minutes = 0.2
+    seen = []
+    real = torch.distributed.new_group
+    monkeypatch.setattr(torch.distributed, "new_group", lambda *args, **kwargs: seen.append(kwargs) or real(*args, **kwargs))
+    with setup(cfg):
+        backend = ds_comm.comm.cdb
+        ds_comm.new_group([0])
+        assert "new_group" in vars(backend)
+    assert seen and seen[-1]["timeout"] == datetime.timedelta(seconds=12)
+    assert "new_group" not in vars(backend)
 
 
 # ---- which rank, which step: progress files and the launcher's report ----------------------------

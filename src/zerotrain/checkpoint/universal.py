@@ -67,7 +67,7 @@ def universal_checkpoint(folder: Path, verify: bool = True) -> Path:
     chatter = io.StringIO()  # the converter prints progress bars and banners
     try:
         with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter), \
-                weights_only_torch_load(ds_safe_globals()):
+                weights_only_torch_load(folder, ds_safe_globals()):
             convert_to_universal(folder, work / UNIVERSAL)
         files = seal(work / UNIVERSAL, 0, 1, verify)
         atomic_write_text(work / UNIVERSAL / UNIVERSAL_MARKER,

@@ -98,7 +98,7 @@ class _StopSignalSafeLoader(DataLoader):
         """Forks persistent workers now, while this process is small. Forked after the engine, a worker would
         share every host page the engine allocated until then, and each page the training process writes later
         (a CPU-offloaded optimizer rewrites its master weights and gradients each step) is copied on write: a
-        5.5B model's ZeRO-2 offload, unpinned, outgrew a 125 GiB host that way (BENCHMARKS.md, session 19). The
+        5.5B model's ZeRO-2 offload, unpinned, outgrew a 125 GiB host that way (measured on one H100). The
         few batches the workers load meanwhile are dropped when the first pass starts (``DataLoader`` resets
         persistent workers and drains what they had queued); a dataset that draws from a worker's global RNG
         has drawn for them too."""

@@ -178,7 +178,7 @@ class DeepSpeedEngine(Engine):
         ckpt_engine = self.ds.checkpoint_engine
         ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
         try:
-            with loading_universal(self.ds), weights_only_torch_load(allow):
+            with loading_universal(self.ds), weights_only_torch_load(universal, allow):
                 path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
         finally:

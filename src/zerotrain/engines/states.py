@@ -24,7 +24,7 @@ memory, where each process holds its partition; under ZeRO-1/2 that is 18 (bf16)
 parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
 NVMe offload (ZeRO-Infinity) puts them on disk instead (``nvme_bytes``: 16 bytes a parameter for Adam, 2
 for bf16 weights) and keeps the fp32 gradient partition and DeepSpeed's pinned swap buffers on the host.
-That accounting is read from DeepSpeed 0.19's swappers and not measured: our GPU machines lack libaio,
+That accounting is read from DeepSpeed 0.19's swappers and not measured on a GPU (NVMe offload needs libaio),
 which its NVMe offload needs. With
 ``contiguous_gradients`` DeepSpeed's ZeRO stages also allocate a gradient reduce bucket of
 ``reduce_bucket_size`` elements, two of them for stages 1-2 with ``overlap_comm`` (one 5e8-element bf16

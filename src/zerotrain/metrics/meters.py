@@ -28,7 +28,7 @@ autograd's thread for that device (torch names it ``pt_autograd_<index>``) and s
 That thread's time on a CPU is ``host_backward_cpu_frac`` (absent on a CPU run, whose backward runs on the
 loop thread). The two threads take turns, so ``host_cpu_frac + host_backward_cpu_frac`` near 1 says the
 host sets the step's pace; on IMDB preset (b) the backward was ~47% of the loop thread's wall time, which its
-own clock showed only as sleep (BENCHMARKS.md, session 23). And the
+own clock showed only as sleep. And the
 process's time in Python's garbage collections (``host_gc_ms_per_step``), which stop every Python
 thread, the loop's included; and every rank's, added up (``gc_ms_per_step_all_ranks``): a long
 collection on one rank holds every rank up at the step's next collective, though rank 0's own clocks

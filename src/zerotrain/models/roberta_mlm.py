@@ -26,7 +26,7 @@ class LayerNorm(nn.LayerNorm):
     Autocast returns layer_norm in float32 (of a float32 input, and on CUDA of any input), and in a post-LN
     encoder that output is the residual stream: every residual add, dropout and LayerNorm of every layer then
     reads and writes float32, and each matmul casts its input back to bf16 first (2.8 ms of a 31.5 ms BERT-base
-    encoder step on an H100, BENCHMARKS.md session 15). Returned in bf16, the stream is what a model with bf16
+    encoder step on an H100). Returned in bf16, the stream is what a model with bf16
     weights (ZeRO-1/2's bf16 block) carries; the normalisation is still computed in float32 and rounded once.
     fp16 autocast keeps float32: fp16's narrow range is what autocast's float32 LayerNorm protects the stream
     from. Without autocast it is ``nn.LayerNorm``, and its parameters keep their names.
@@ -172,7 +172,7 @@ class RobertaMLM(nn.Module):
         self.vocab_size, self.num_layers, self.h_dim = vocab_size, num_layers, h_dim
         # Laid out on the meta device and given memory after, so that each weight is initialised once, by
         # _init_weights: nn.Linear's own Kaiming init, which that overwrites, was 23.5 of the 30.5 s that a 1.4B
-        # model took to build on a 2-core CPU, and 12.3B took ~2 minutes on a GPU machine's host (session 18).
+        # model took to build on a 2-core CPU, and 12.3B took ~2 minutes on a GPU machine's host).
         device = torch.get_default_device()  # meta too, when zerotrain estimate builds the model there
         with torch.device("meta"):
             self.encoder = Encoder(vocab_size, num_layers, num_heads, h_dim, ff_dim, dropout, max_seq_length,

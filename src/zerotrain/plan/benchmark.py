@@ -90,7 +90,7 @@ STOP_GRACE_S = 30
 def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S) -> tuple[int, str, str, bool]:
     """Run ``cmd``; (return code, -1 where it timed out; stdout; stderr; whether it timed out).
 
-    A fit of several processes is a launcher whose workers run in sessions of their own (torchelastic
+    A fit of several processes is a launcher whose workers run in process groups of their own (torchelastic
     starts them so): killing the launcher alone, as ``subprocess.run``'s timeout does, leaves them
     running, holding their GPUs and the rendezvous port while the next trial starts. On a timeout, or
     when this process is interrupted, the whole tree gets SIGTERM, then SIGKILL after ``grace_s``.
@@ -200,7 +200,7 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
     minutes). The files are rewritten after every row: a sweep cut short keeps the rows it finished.
 
     ``rounds`` > 1 runs every fit that many times, the strategies in reverse order every other round (a
-    drift over the session, a warmer machine, then falls on both sides of each pair), and adds
+    drift over the sweep, a warmer machine, then falls on both sides of each pair), and adds
     :func:`round_summary`: a host-bound step moves more between runs than the few per cent two engines
     differ by, so one run per strategy cannot tell them apart."""
     unknown = [s for s in strategies if s not in STRATEGIES]
@@ -256,7 +256,7 @@ def round_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per strategy and process count over the rounds that ran ok: the median, fastest and slowest s/step,
     and the tax against the baseline of the same process count (the plain engine ``ddp`` where it ran,
     else the first strategy) as the median of the rounds' own ratios. A round's ratio pairs two fits run
-    back to back, so the machine's drift over the session cancels in it as it does not across rounds."""
+    back to back, so the machine's drift over the sweep cancels in it as it does not across rounds."""
     import statistics
 
     ok = [r for r in rows if r.get("status") == "ok" and r.get("throughput_sec_per_step")]

@@ -426,7 +426,7 @@ def markdown(p: Plan) -> str:
 def plan_key(recipe: str, cfg: RunConfig, device_name: str) -> str:
     """What a cached plan is valid for: the recipe's resolved config (a ``--config`` file's contents,
     not its name) without what names or lengthens the run, the GPUs, and the versions that set the speed:
-    torch's, DeepSpeed's and zerotrain's own (its version and commit: session 14's fixes made ZeRO-1 13%
+    torch's, DeepSpeed's and zerotrain's own (its version and commit: a change inside zerotrain made ZeRO-1 13%
     faster on two GPUs, which can change the pick)."""
     import deepspeed
 

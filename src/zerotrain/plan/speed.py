@@ -28,8 +28,8 @@ from zerotrain.plan.memory import sixteen_bit
 from zerotrain.plan.probe import Probe
 
 LINK_BYTES_PER_S = {"nvlink": 50e9, "network": 10e9, "gloo": 1e9}
-"""Effective all-reduce speed. nvlink: measured on 2 x H200 (BENCHMARKS.md, the fast-path issue's
-table): DDP's BERT-base step grew 8.5 ms for its 0.44 GB of fp32 gradients. network: a 100 Gb/s
+"""Effective all-reduce speed. nvlink: measured on 2 x H200
+(DDP's BERT-base step grew 8.5 ms for its 0.44 GB of fp32 gradients). network: a 100 Gb/s
 fabric between nodes. gloo: processes on one CPU host."""
 
 EXPOSED_COMMUNICATION = {"ddp": 0.3, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
@@ -44,7 +44,7 @@ set above ZeRO-2 (it also gathers and releases every weight)."""
 
 CPU_ADAM_PARAMS_PER_S = 1.7e9
 """DeepSpeed's CPU Adam on the GPU hosts' 16 cores: the 5.06B-parameter ZeRO-2 offload run spent
-~3 s a step (the fast-path issue), most of it in the optimizer."""
+~3 s a step, most of it in the optimizer."""
 
 
 @dataclass(frozen=True)

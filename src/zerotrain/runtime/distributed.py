@@ -23,6 +23,7 @@ import torch
 
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, resolve_precision
+from zerotrain.engines.ds_private.groups import groups_time_out_after
 from zerotrain.errors import UserError
 from zerotrain.metrics.tracking import setup_logging
 from zerotrain.runtime.doctor import prepare_ops
@@ -105,7 +106,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
     the TF32 flags and the logging handlers are restored.
     """
     before = dict(os.environ)
-    saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    saved_matmul_precision = torch.get_float32_matmul_precision()
     owns_group = not torch.distributed.is_initialized()
     restore_logging = None
     undo_group_timeout = None
@@ -126,12 +127,13 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         adopt_slurm_env(cfg.launch)
         device_type = _device_type(cfg.trainer.device)
         backend = comm_backend(cfg.launch.comm_backend, device_type)
-        undo_group_timeout = inherit_group_timeout(cfg.launch.timeout_minutes)
         # Before the process group: a first run builds DeepSpeed's CPU communication op there, and says so.
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
         restore_logging = setup_logging(rank == 0)
         init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
                            timeout_minutes=cfg.launch.timeout_minutes)
+        if cfg.strategy.backend == "deepspeed":
+            undo_group_timeout = groups_time_out_after(cfg.launch.timeout_minutes)
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         device = torch.device("cpu")
@@ -143,8 +145,8 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
                                       device.type == "cuda" and torch.cuda.is_bf16_supported())
         if device.type == "cuda" and precision == "fp32":
             # fp32 matmuls on tensor cores (TF32), as MFU's fp32 peak assumes; IEEE fp32 runs ~7x slower on Hopper.
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            # (cuDNN's convolutions use TF32 by default already.)
+            torch.set_float32_matmul_precision("high")
         yield Runtime(rank, world_size, local_rank, device, precision, preemption)
         finished = True
     finally:
@@ -156,7 +158,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
             _destroy_process_group()
         if undo_group_timeout is not None:
             undo_group_timeout()
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+        torch.set_float32_matmul_precision(saved_matmul_precision)
         # Only the variables that changed: the launcher variables of a group of one or SLURM's, DeepSpeed's
         # accelerator choice, a fixed arch list, and what the libraries set on the way (DeepSpeed's import sets
         # PYTORCH_NVML_BASED_CUDA_CHECK, its engine TORCHINDUCTOR_CACHE_DIR).
@@ -244,30 +246,3 @@ def _device_type(requested: str) -> str:
     return "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def inherit_group_timeout(minutes: float):
-    """Make process groups created without a timeout use ``minutes``; return the undo.
-
-    DeepSpeed builds its own groups (ZeRO's data-parallel and sequence groups) with
-    ``torch.distributed.new_group(ranks)`` and no timeout, so they take torch's default (30 min for
-    Gloo, 10 for NCCL), not ``--launch.timeout_minutes``: a stopped rank held the job 400+ s with a
-    1-minute timeout. The world group already has the timeout (``init_process_group``).
-    """
-    import functools
-
-    import torch.distributed.distributed_c10d as c10d
-
-    original = c10d.new_group
-    timeout = datetime.timedelta(minutes=minutes)
-
-    @functools.wraps(original)
-    def new_group(*args, **kwargs):
-        if len(args) < 2 and kwargs.get("timeout") is None:
-            kwargs["timeout"] = timeout
-        return original(*args, **kwargs)
-
-    c10d.new_group = torch.distributed.new_group = new_group
-
-    def undo() -> None:
-        c10d.new_group = torch.distributed.new_group = original
-
-    return undo

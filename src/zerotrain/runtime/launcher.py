@@ -559,7 +559,7 @@ class StoppedWorkers:
                 if child.pid not in self.stopped and self._asked_to_stop_while_stopped(child.pid):
                     self.stopped.add(child.pid)
                     try:
-                        os.killpg(child.pid, signal.SIGCONT)  # torchelastic starts each worker in a session of its own
+                        os.killpg(child.pid, signal.SIGCONT)  # torchelastic starts each worker with setsid(), in a process group of its own
                     except OSError:
                         pass
 

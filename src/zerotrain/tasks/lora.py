@@ -110,7 +110,7 @@ class LoRADataConfig:
     pad_to_multiple_of: int = 8
     """Pad each batch to a multiple of this many tokens. With --compile.enabled use 64: padded to 8, compiled
     LoRA 1.2B stalled 12-15 s once mid-run (a rebuild of the Triton kernels for a new divisibility of the
-    length by 16, likely but not confirmed); padded to 64 it did not (BENCHMARKS.md, session 8)."""
+    length by 16, likely but not confirmed); padded to 64 it did not."""
 
     def validate(self) -> None:
         if self.pad_to_multiple_of < 1:

@@ -5,7 +5,7 @@ behind (graphs, guards, generated code). Each full pass of the garbage collector
 a pass runs once the surviving objects have grown by a quarter, at a step that differs from rank to rank
 (each rank allocates a little differently). On several ranks, a rank in a long pass holds every other rank
 at the step's next collective: on 4 x H200 the ranks' full passes took 0.3-0.7 s added together, in the
-last 10 steps of every unfrozen 4-GPU run (BENCHMARKS.md, session 22). :class:`FrozenHeap` collects once,
+last 10 steps of every unfrozen 4-GPU run (measured on 4 GPUs). :class:`FrozenHeap` collects once,
 at the same step on every rank (the warm-up's last), and moves what survives into the permanent generation
 (``gc.freeze``): later passes walk only what training has allocated since (and what is compiled later:
 new shapes, evaluation). The garbage at that step is freed by the collection first; an object that was

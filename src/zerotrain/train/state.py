@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,24 +170,25 @@ def unreadable(path: Path, exc: BaseException) -> UserError:
 
 
 @contextlib.contextmanager
-def weights_only_torch_load(allow: Iterable[type] = ()) -> Iterator[None]:
-    """Within the block, every ``torch.load`` call (in third-party code too) is :func:`load_safely`.
+def weights_only_torch_load(source: Path, allow: Iterable[type] = ()) -> Iterator[None]:
+    """Within the block, every ``torch.load`` call (in third-party code too) loads weights only.
 
-    DeepSpeed's universal-checkpoint converter and loader call ``torch.load(weights_only=False)``
-    directly, not through its checkpoint engine; this makes those calls weights-only as well.
+    DeepSpeed's universal-checkpoint converter and loader call ``torch.load(weights_only=False)`` directly, not
+    through its checkpoint engine. torch's own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, overrides that
+    argument; ``allow`` (classes the files may hold besides tensors) is admitted through
+    ``torch.serialization.safe_globals``. A file refused or cut short ends the block with :func:`unreadable`
+    naming ``source``. The environment is as it was after the block.
     """
-    original = torch.load
-    allowed = list(allow)
-
-    def safe(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return original(f, map_location=map_location, weights_only=True)
-        except Exception as exc:
-            raise unreadable(Path(str(f)), exc) from None
-
-    torch.load = safe
+    saved = {key: os.environ.pop(key, None) for key in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        yield
+        with torch.serialization.safe_globals(list(allow)):
+            yield
+    except (pickle.UnpicklingError, EOFError) as exc:
+        raise unreadable(source, exc) from None
     finally:
-        torch.load = original
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

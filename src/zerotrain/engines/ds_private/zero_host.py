@@ -218,7 +218,7 @@ def forward_backward_add_nothing(engine: Any) -> bool:
     deep compiler, a hook on the output that runs its backward prologue, and every backward in lock-guarded
     counters, a graph tracker with its own hook, timers that are off and a memory report that is off: host
     time a small model's step waits for (its backward ~0.2 ms against ``loss.backward()`` and its forward
-    ~0.1 ms more than the module's on a 2-core CPU, BENCHMARKS.md session 18). Its ``step`` (optimizer,
+    ~0.1 ms more than the module's on a 2-core CPU). Its ``step`` (optimizer,
     schedule, counters) is still called, so checkpoints and the schedule are DeepSpeed's own."""
     return (not engine.zero_optimization() and engine.optimizer is engine.basic_optimizer
             and engine.torch_autocast_z0_gradscaler is None and not engine.enable_backward_allreduce
