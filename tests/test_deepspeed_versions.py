@@ -7,6 +7,8 @@ zerotrain's patches were not verified on, DeepSpeed's own code runs.
 from __future__ import annotations
 
 import importlib.metadata
+import re
+from pathlib import Path
 
 import pytest
 from test_fit import toy_config, train_log
@@ -14,6 +16,8 @@ from test_fit import toy_config, train_log
 from zerotrain.engines.ds_private import patches
 from zerotrain.tasks.toy import ToyTask
 from zerotrain.train.loop import fit
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -26,9 +30,25 @@ def test_the_toy_trains_under_every_zero_stage(tmp_path, stage):
     assert log[4]["train_loss"] < log[1]["train_loss"]
 
 
-def test_the_installed_version_is_in_the_tested_range():
-    from packaging.version import Version
+def _deepspeed_range():
+    """The deepspeed requirement of pyproject.toml, as a SpecifierSet."""
+    from packaging.requirements import Requirement
 
-    version = Version(importlib.metadata.version("deepspeed"))
-    assert Version("0.16.0") <= version < Version("0.20")
-    assert patches.installed_version() == importlib.metadata.version("deepspeed")
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (spec,) = [Requirement(r).specifier for r in project["dependencies"] if Requirement(r).name == "deepspeed"]
+    return spec
+
+
+def test_the_installed_version_is_in_the_tested_range():
+    version = importlib.metadata.version("deepspeed")
+    assert version in _deepspeed_range()
+    assert patches.installed_version() == version
+
+
+def test_ci_tests_the_floor_pyproject_states():
+    """.ci/run's second venv installs the lowest DeepSpeed pyproject.toml admits, not some other version."""
+    (floor,) = [s.version for s in _deepspeed_range() if s.operator == ">="]
+    ci = (ROOT / ".ci" / "run").read_text()
+    (low,) = re.findall(r"^DS_LOW=(\S+)", ci, flags=re.MULTILINE)
+    assert low == floor
