@@ -31,6 +31,36 @@ from zerotrain.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass
+class ModelSection:
+    """``--model``: which Hugging Face model a recipe trains, pretrained or built untrained from a config."""
+
+    name_or_path: str = ""
+    """The model: a local folder saved with save_pretrained, or a hub name (needs network or the HF cache)."""
+    init: Literal["pretrained", "random"] = "pretrained"
+    """pretrained loads the weights of name_or_path; random builds an untrained model from --model.config."""
+    config: Optional[str] = None
+    """init=random: a config.json file (or a folder holding one) describing the architecture."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
+    """Weights' dtype when loading; auto follows --precision.dtype (bf16/fp16 there, else fp32). Training keeps
+    fp32 master weights, so fp32 is the default."""
+    tokenizer: Optional[str] = None
+    """Tokenizer folder or hub name; default --model.name_or_path."""
+
+    def validate(self) -> None:
+        if self.init == "pretrained" and not self.name_or_path:
+            raise ConfigError("--model.name_or_path", "is required: a model folder or hub name "
+                                                      "(or --model.init random --model.config FILE)")
+        if self.init == "random":
+            if not self.config:
+                raise ConfigError("--model.config", "is required with --model.init random (a config.json file or "
+                                                    "a folder holding one)")
+            if not Path(self.config).expanduser().exists():
+                raise ConfigError("--model.config", f"file {self.config!r} does not exist")
+            if not (self.tokenizer or self.name_or_path):
+                raise ConfigError("--model.tokenizer", "is required with --model.init random")
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Kind = Literal["causal-lm", "classify", "masked-lm"]

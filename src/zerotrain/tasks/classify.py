@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,30 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class ClassifyModelConfig:
-    name_or_path: str = ""
-    """The model: a local folder saved with save_pretrained, or a hub name (e.g. FacebookAI/roberta-base)."""
-    init: Literal["pretrained", "random"] = "pretrained"
-    """pretrained loads the weights of name_or_path (the head is new); random builds an untrained model from --model.config."""
-    config: Optional[str] = None
-    """init=random: a config.json file (or a folder holding one) describing the architecture."""
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"
-    """Weights' dtype when loading; auto follows --precision.dtype (bf16/fp16 there, else fp32)."""
-    tokenizer: Optional[str] = None
-    """Tokenizer folder or hub name; default --model.name_or_path."""
-
-    def validate(self) -> None:
-        if self.init == "pretrained" and not self.name_or_path:
-            raise ConfigError("--model.name_or_path", "is required: a model folder or hub name "
-                                                      "(or --model.init random --model.config FILE)")
-        if self.init == "random":
-            if not self.config:
-                raise ConfigError("--model.config", "is required with --model.init random (a config.json file or "
-                                                    "a folder holding one)")
-            if not Path(self.config).expanduser().exists():
-                raise ConfigError("--model.config", f"file {self.config!r} does not exist")
-            if not (self.tokenizer or self.name_or_path):
-                raise ConfigError("--model.tokenizer", "is required with --model.init random")
+class ClassifyModelConfig(hf.ModelSection):
+    """``--model``: a Hugging Face sequence classifier (e.g. FacebookAI/roberta-base; the head is new)."""
 
 
 @dataclass
