@@ -26,7 +26,8 @@ import torch
 from torch.utils.data import Dataset
 
 from zerotrain.data.collate import IGNORE_INDEX
-from zerotrain.data.io import atomic_file, fingerprint, read_json, read_jsonl
+from zerotrain.data.io import atomic_file, fingerprint
+from zerotrain.data.sft import read_records
 from zerotrain.errors import DataError
 
 _CACHE_FORMAT = 1
@@ -127,23 +128,8 @@ def load_chat_records(path: str | Path, field: str = "messages") -> list[list[di
     """The conversations of a ``.jsonl`` (one object per line) or ``.json`` (a list of objects) file: each
     record's ``field``, a list of ``{"role": ..., "content": ...}`` with at least one assistant turn.
     Errors are one :class:`DataError` line naming the file and line (or record)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found. Check --data.train_path / --data.val_path")
-    name = path.name.lower()
-    for compression in (".gz", ".xz", ".bz2"):
-        name = name.removesuffix(compression)
-    if name.endswith((".jsonl", ".ndjson")):
-        records = [(f"{path}:{line}", r) for line, r in read_jsonl(path)]
-    else:
-        data = read_json(path, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
-        if not isinstance(data, list):
-            raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-        records = [(f"{path}: record {i}", r) for i, r in enumerate(data)]
-    if not records:
-        raise DataError(f"{path}: no records (the file is empty)")
     out = []
-    for where, record in records:
+    for where, record in read_records(path):
         messages = record.get(field) if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__

@@ -31,18 +31,7 @@ def load_records(path: str | Path, input_field: str = "input", target_field: str
     :class:`~zerotrain.errors.DataError` naming the file and the line (JSON lines: ``{path}:{line}: ...``)
     or the record (a JSON list: ``{path}: record {i}: ...``).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found. Check --data.train_path / --data.val_path")
-    name = path.name.lower()
-    for compression in (".gz", ".xz", ".bz2"):
-        name = name.removesuffix(compression)
-    if name.endswith((".jsonl", ".ndjson")):
-        records = [(f"{path}:{line}", record) for line, record in read_jsonl(path)]
-    else:
-        records = _read_json_list(path)
-    if not records:
-        raise DataError(f"{path}: no records (the file is empty)")
+    records = read_records(path)
     for where, record in records:
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -59,11 +48,26 @@ def load_records(path: str | Path, input_field: str = "input", target_field: str
     return [record for _, record in records]
 
 
-def _read_json_list(path: Path) -> list[tuple[str, Any]]:
-    data = read_json(path, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-    return [(f"{path}: record {i}", record) for i, record in enumerate(data)]
+def read_records(path: str | Path) -> list[tuple[str, Any]]:
+    """``(where, record)`` for every record of a JSON lines file (``.jsonl``/``.ndjson``, compressed or not) or a
+    JSON file holding one list; ``where`` names the file and line (``{path}:{line}``) or record
+    (``{path}: record {i}``) for the caller's errors. A missing or empty file is a one-line :class:`DataError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found. Check --data.train_path / --data.val_path")
+    name = path.name.lower()
+    for compression in (".gz", ".xz", ".bz2"):
+        name = name.removesuffix(compression)
+    if name.endswith((".jsonl", ".ndjson")):
+        records = [(f"{path}:{line}", record) for line, record in read_jsonl(path)]
+    else:
+        data = read_json(path, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
+        if not isinstance(data, list):
+            raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+        records = [(f"{path}: record {i}", record) for i, record in enumerate(data)]
+    if not records:
+        raise DataError(f"{path}: no records (the file is empty)")
+    return records
 
 
 def split_template(template: str) -> tuple[str, str]:
