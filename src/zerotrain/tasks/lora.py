@@ -26,13 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class LoRAModelConfig:
+class LoRAModelConfig(hf.ModelSection):
     name_or_path: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
     """Base model: a local folder saved with save_pretrained, or a Hugging Face hub name (needs network or the HF cache)."""
-    init: Literal["pretrained", "random"] = "pretrained"
-    """pretrained loads the weights of name_or_path; random builds an untrained model from --model.config (tests, smoke runs)."""
-    config: Optional[str] = None
-    """init=random: a config.json file (or a folder holding one) describing the architecture, e.g. configs/tiny_llama_config.json."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Weights' dtype when loading; auto follows --precision.dtype (bf16/fp16 there, else fp32)."""
     lora_r: int = 8
@@ -45,10 +41,7 @@ class LoRAModelConfig:
     """Names of the linear layers that get adapters (Llama: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)."""
     merge_on_export: bool = False
     """Also write the merged full model (base + adapter folded in) to <export>/merged via save_pretrained."""
-    tokenizer: Optional[str] = None
-    """Tokenizer folder or hub name; default --model.name_or_path."""
-
-    def validate(self) -> None:
+    def validate(self) -> None:  # the base model's tokenizer serves a random init, so none is required
         if not self.name_or_path and self.init == "pretrained":
             raise ConfigError("--model.name_or_path", "is required with --model.init pretrained")
         if self.init == "random":
