@@ -384,3 +384,33 @@ def test_deepspeeds_forward_and_backward_stay_where_they_do_something():
                       ("memory_breakdown", lambda: True), ("autotuning_profile_model_info", lambda: True),
                       ("managed_gradient_accumulation", lambda: False)):
         assert not zero_host.forward_backward_add_nothing(SimpleNamespace(**{**base, key: busy})), key
+
+
+ZERO0_WALKS = ("zero0_zero_grad_from_list", "zero0_drop_idle_forward_hooks")
+
+
+def test_zero0_gradient_list_and_idle_hooks_train_bitwise_the_same_and_undo(tmp_path, monkeypatch):
+    """ZeRO-0 with its gradients cleared from a list and its idle forward hooks removed: with 2 micro-batches and a
+    biting clip the loss and grad-norm curves are bitwise DeepSpeed's own; undone, the engine has DeepSpeed's
+    zero_grad and both hooks again."""
+    from zerotrain.engines import deepspeed as ds_engine
+
+    seen = []
+    real_apply = patches.apply_patches
+    monkeypatch.setattr(ds_engine, "apply_patches", lambda engine: seen.append((engine, real_apply(engine))) or seen[-1][1])
+    logs = {}
+    for patched in (True, False):
+        if not patched:
+            without_patches(monkeypatch, *ZERO0_WALKS)
+        fit(ToyTask(toy_config(tmp_path, f"walks-{patched}", zero_stage=0, gradient_clipping=0.05)))
+        logs[patched] = train_log(tmp_path / f"walks-{patched}")
+    assert sorted(logs[True]) == list(range(1, 9))
+    for step, row in logs[True].items():
+        assert (row["train_loss"], row["grad_norm"]) == (logs[False][step]["train_loss"], logs[False][step]["grad_norm"])
+    engine, applied = seen[0]
+    assert set(ZERO0_WALKS) <= set(applied.names)
+    assert not set(ZERO0_WALKS) & set(seen[1][1].names)
+    assert "zero_grad" in vars(engine) and engine.module_forward_pre_hook is None
+    applied.undo()
+    assert "zero_grad" not in vars(engine)
+    assert engine.module_forward_pre_hook is not None and engine.module_forward_post_hook is not None
