@@ -96,6 +96,27 @@ def test_a_packed_document_sees_only_itself(files, model):
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_without_the_document_mask_a_row_is_one_causal_sequence(files, attention):
+    """--data.document_mask false: a document packed after another sees it (positions run on over the row), as
+    one unpacked sequence of the row's tokens does; --model.attn_implementation reaches the model."""
+    tmp_path, tok = files
+    cfg = config(tmp_path, tok)
+    cfg.data.document_mask, cfg.model.attn_implementation = False, attention
+    task = CausalLMTask(cfg)
+    torch.manual_seed(0)
+    m = task.build_model().eval()
+    assert m.config._attn_implementation == attention
+    rows = pack([{"input_ids": [0, 5, 6, 7, 2], "labels": [0] * 5}, {"input_ids": [0, 9, 10, 11, 12, 2],
+                                                                       "labels": [0] * 6}], 16, 1)
+    batch = collate_packed([rows[0]])
+    with torch.no_grad():
+        row = task._forward(m, batch, labels=False).logits[0, :11]
+        whole = m(input_ids=batch["input_ids"][:, :11], use_cache=False).logits[0]
+        alone = m(input_ids=torch.tensor([[0, 9, 10, 11, 12, 2]]), use_cache=False).logits[0]
+    torch.testing.assert_close(row, whole, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(row[5:11], alone, rtol=1e-3, atol=1e-4)
+
 @pytest.mark.parametrize("model", [pytest.param(m, marks=() if m == "llama" else pytest.mark.slow) for m in CONFIGS])
 def test_each_architecture_trains_and_its_export_loads_with_the_same_logits(files, model):
     from transformers import AutoModelForCausalLM

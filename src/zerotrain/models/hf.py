@@ -47,6 +47,15 @@ class ModelSection:
     fp32 master weights, so fp32 is the default."""
     tokenizer: Optional[str] = None
     """Tokenizer folder or hub name; default --model.name_or_path."""
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2", "eager"] = "auto"
+    """The attention kernels (transformers' attn_implementation); auto is transformers' choice (sdpa where the
+    model supports it). flex_attention keeps packed documents apart without a dense mask; flash_attention_2 needs
+    the flash-attn package."""
+
+    def source(self) -> "ModelSource":
+        """Where the model comes from, as these flags say."""
+        return ModelSource(self.name_or_path, self.init, self.config,
+                           attn_implementation=None if self.attn_implementation == "auto" else self.attn_implementation)
 
     def validate(self) -> None:
         if self.init == "pretrained" and not self.name_or_path:
@@ -95,6 +104,8 @@ class ModelSource:
     """init=random: a config.json (or a folder holding one)."""
     flag: str = "--model"
     """The flags' prefix, for error messages (``--model``: ``--model.name_or_path``, ``--model.config``)."""
+    attn_implementation: Optional[str] = None
+    """transformers' ``attn_implementation`` (None: its own choice)."""
 
 
 def read_config(source: ModelSource, overrides: Optional[dict[str, Any]] = None):
@@ -135,6 +146,16 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
     """
     cls = auto_class(kind)
     overrides = dict(config_overrides or {})
+    attention = {"attn_implementation": source.attn_implementation} if source.attn_implementation else {}
+    try:
+        return _load(cls, kind, source, dtype, pretrained, min_vocab, overrides, attention)
+    except ImportError as exc:  # an attention kernel whose package is not installed (flash-attn)
+        raise UserError(f"{source.flag}.attn_implementation {source.attn_implementation}: {_first_line(exc).rstrip('.')}; "
+                        f"install it or pick another (sdpa, flex_attention, eager)") from None
+
+
+def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool, min_vocab: Optional[int],
+          overrides: dict[str, Any], attention: dict[str, str]) -> nn.Module:
     if source.init == "random" or not pretrained:
         config = read_config(source, overrides)
         vocab = getattr(config, "vocab_size", None)
@@ -143,14 +164,14 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
                               f"vocab_size {vocab} is smaller than the tokenizer's {min_vocab} tokens; raise "
                               f"vocab_size in the config file or use a matching {source.flag}.tokenizer")
         try:
-            return cls.from_config(config, dtype=dtype)
+            return cls.from_config(config, dtype=dtype, **attention)
         except ValueError as exc:
             raise UserError(f"{source.flag}.config: {source.config or source.name_or_path!r} does not describe "
                             f"{_WHAT[kind]} ({_first_line(exc)})") from None
     where = _checked_source(source)
     try:
         with _quiet_load_report():
-            return cls.from_pretrained(where, dtype=dtype, **overrides)
+            return cls.from_pretrained(where, dtype=dtype, **attention, **overrides)
     except (OSError, ValueError) as exc:
         raise _load_error(source, _WHAT[kind], exc) from None
 

@@ -102,6 +102,10 @@ class CausalLMDataConfig:
     """Tokens per packed row (and the longest example)."""
     pack: bool = True
     """Pack several examples into each row (text is always packed); false pads each batch to its longest."""
+    document_mask: bool = True
+    """Packed rows: each document attends only to itself, from position 0; false gives a row one causal mask and
+    positions 0..seq_len-1 across its documents (as chunked pre-training corpora are usually trained), which
+    runs the fastest attention kernels."""
     text_field: str = "text"
     """text: the field (column) holding a document in .jsonl and .parquet files."""
     input_field: str = "input"
@@ -174,8 +178,7 @@ class CausalLMTask(Task[CausalLMConfig]):
 
     # ---- what differs between this recipe and lora (their flags) -------------------------------
     def source(self) -> hf.ModelSource:
-        m = self.cfg.model
-        return hf.ModelSource(m.name_or_path, m.init, m.config)
+        return self.cfg.model.source()
 
     def lora_settings(self) -> Optional[hf.LoRASettings]:
         """The LoRA adapters to train, or None for full-parameter training."""
@@ -229,7 +232,10 @@ class CausalLMTask(Task[CausalLMConfig]):
         model = self._wrap(self.load_base(pretrained))
         if self.lora_settings() is not None:
             logger.info("LoRA: %s", hf.trainable_summary(model))
-        if self.packed():
+        if self.packed() and not self.cfg.data.document_mask:
+            logger.info("packed rows of %d tokens: one causal mask and positions over the whole row "
+                        "(--data.document_mask false)", self.seq_len())
+        elif self.packed():
             if _masking_module_builds_packed_mask(model):
                 how = (f"attention kept within documents by transformers' packed-sequence mask "
                        f"(attn_implementation={hf.attention_implementation(model)})")
@@ -342,7 +348,8 @@ class CausalLMTask(Task[CausalLMConfig]):
         # restarting position ids as separate sequences.
         kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
         if "position_ids" in batch:
-            kwargs["position_ids"] = batch["position_ids"]
+            if self.cfg.data.document_mask:
+                kwargs["position_ids"] = batch["position_ids"]
         else:
             kwargs["attention_mask"] = batch["attention_mask"]
         if labels:

@@ -141,7 +141,7 @@ class ClassifyTask(Task[ClassifyConfig]):
                      "label2id": {name: i for i, name in enumerate(names)}}
         if self.tokenizer.pad_token_id is not None:
             overrides["pad_token_id"] = self.tokenizer.pad_token_id  # decoders find the last token by it
-        model = hf.load_model("classify", hf.ModelSource(m.name_or_path, m.init, m.config),
+        model = hf.load_model("classify", m.source(),
                               hf.resolve_dtype(m.dtype, self.cfg.precision.dtype), pretrained,
                               min_vocab=len(self.tokenizer), config_overrides=overrides)
         if self.cfg.activation_checkpointing.enabled:
