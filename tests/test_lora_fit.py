@@ -98,8 +98,8 @@ def test_hf_trainer_row_reads_the_tutorial_json(lora_files, cpu_adam_built):
     fit_flags[fit_flags.index("--trainer.num_workers") + 1] = "2"
     row_file = tmp_path / "row.json"
     preset = REPO / "src" / "zerotrain" / "presets" / "ds_zero2_offload.json"
-    out = run_python([str(REPO / "benchmarks" / "hf_trainer_lora.py"), "--out", str(row_file), "--warmup", "1",
-                      "--", *fit_flags, "--strategy.deepspeed_config", str(preset)], cwd=tmp_path, timeout=900)
+    out = run_python([str(REPO / "benchmarks" / "hf_trainer.py"), "--recipe", "lora", "--out", str(row_file),
+                      "--warmup", "1", "--", *fit_flags, "--strategy.deepspeed_config", str(preset)], cwd=tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(row_file.read_text())
     assert row["measured_steps"] == 3  # 4 steps, the first one excluded
