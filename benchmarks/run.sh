@@ -86,32 +86,36 @@ for part in "$@"; do
         --compile.enabled true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
       python3 benchmarks/hf_trainer.py --recipe lora --out "$OUT/lora/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
         > "$OUT/lora/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora/hf_trainer.log" ;;
-    causal_lm_1b)  # zerotrain's causal-lm (GPU 0 of CUDA_A) beside the Hugging Face Trainer (GPU CUDA_B) on one model
-      # and data; zerotrain: DeepSpeed ZeRO-1/2, eager or compiled block by block, documents kept apart or not;
-      # the Trainer: the ZeRO-2 JSON a user writes (ds_zero2_auto.json), with torch_compile, and alone at its best
+    causal_lm_1b)  # zerotrain's causal-lm (GPU CUDA_A) beside the Hugging Face Trainer (GPU CUDA_B) on one model and
+      # data; zerotrain: DeepSpeed ZeRO-1/2, eager or compiled block by block, its attention choices for packed
+      # rows; the Trainer: the ZeRO-2 JSON a user writes (ds_zero2_auto.json), with torch_compile, and alone at its best
       C=$OUT/causal_lm_1b
       zb() { local name=$1 stage=$2; shift 2; CUDA_VISIBLE_DEVICES=${CUDA_A:-0} z benchmark causal-lm --strategies "$stage" \
         --predict false --out "$C/$name" "${LLAMA[@]}" "$@" > "$C/$name.log" 2>&1; echo "$name rc=$?"; }
       hf() { local name=$1 args=$2; shift 2; CUDA_VISIBLE_DEVICES=${CUDA_B:-0} python3 benchmarks/hf_trainer.py \
-        --recipe causal-lm --out "$C/$name.json" --warmup 15 --trainer_args "$args" -- "${LLAMA[@]}" "$@" --data.cache_dir "$OUT/cache_hf" \
-        > "$C/$name.log" 2>&1; echo "$name rc=$?"; }
+        --recipe causal-lm --out "$C/$name.json" --warmup 15 --trainer_args "$args" -- "${LLAMA[@]}" "$@" \
+        --data.cache_dir "$OUT/cache_hf" > "$C/$name.log" 2>&1; echo "$name rc=$?"; }
       COMPILED=(--compile.enabled true)
-      ( zb zero2_eager zero2
+      ( zb zero2_eager zero2 --model.attn_implementation sdpa
+        zb zero1_compiled_sdpa zero1 "${COMPILED[@]}" --model.attn_implementation sdpa
         zb zero1_compiled zero1 "${COMPILED[@]}"
-        zb zero1_compiled_flex zero1 "${COMPILED[@]}" --model.attn_implementation flex_attention
+        zb zero2_compiled zero2 "${COMPILED[@]}"
         zb zero1_compiled_rowmask zero1 "${COMPILED[@]}" --data.document_mask false ) &
       ( hf hf_zero2 '{}' --strategy.deepspeed_config benchmarks/ds_zero2_auto.json
         hf hf_zero2_compile '{"torch_compile": true}' --strategy.deepspeed_config benchmarks/ds_zero2_auto.json
-        hf hf_alone_best '{"torch_compile": true, "optim": "adamw_torch_fused", "use_liger_kernel": true}' ) &
+        hf hf_alone_compile '{"torch_compile": true, "optim": "adamw_torch_fused"}'
+        hf hf_alone_liger '{"use_liger_kernel": true, "optim": "adamw_torch_fused"}' ) &
       wait
       python3 benchmarks/compare_rows.py --out "$C/causal_lm_1b" \
         --title "Llama-shaped 1.1B, seq 2048, bf16, AdamW, micro-batch 8, one GPU each" \
-        --zerotrain "zerotrain ZeRO-2 eager=$C/zero2_eager/benchmark.json" \
-        --zerotrain "zerotrain ZeRO-1 compiled=$C/zero1_compiled/benchmark.json" \
-        --zerotrain "zerotrain ZeRO-1 compiled, flex attention=$C/zero1_compiled_flex/benchmark.json" \
-        --zerotrain "zerotrain ZeRO-1 compiled, one mask a row=$C/zero1_compiled_rowmask/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-2, eager, sdpa + document mask=$C/zero2_eager/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-1, compiled, sdpa + document mask=$C/zero1_compiled_sdpa/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-1, compiled (default attention: flex)=$C/zero1_compiled/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-2, compiled (default attention: flex)=$C/zero2_compiled/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-1, compiled, one causal mask a row=$C/zero1_compiled_rowmask/benchmark.json" \
         --peer "HF Trainer + ZeRO-2 JSON=$C/hf_zero2.json" --peer "HF Trainer + ZeRO-2 JSON, torch_compile=$C/hf_zero2_compile.json" \
-        --peer "HF Trainer alone, torch_compile, fused AdamW, Liger=$C/hf_alone_best.json" | tail -n 14 ;;
+        --peer "HF Trainer alone, torch_compile, fused AdamW=$C/hf_alone_compile.json" \
+        --peer "HF Trainer alone, Liger kernels, fused AdamW=$C/hf_alone_liger.json" | tail -n 16 ;;
     offload_large_model)  # full AdamW with the optimizer on the host (ZeRO-2 + CPU offload), one GPU.
       # SIZE=12b: 60 layers (12.31B parameters), micro-batch 32, pinned (needs ~260 GiB of host memory);
       # SIZE=host125: 32 layers (6.67B), micro-batch 16, unpinned, GPU capped at 79 GiB (fits a 125 GiB host)

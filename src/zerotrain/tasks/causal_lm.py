@@ -196,6 +196,10 @@ class CausalLMTask(Task[CausalLMConfig]):
     def packed(self) -> bool:
         return self.cfg.data.pack or self._format(self.cfg.data.train_path) == "text"
 
+    def document_mask(self) -> bool:
+        """Packed rows: whether each document attends only to itself (--data.document_mask)."""
+        return self.cfg.data.document_mask
+
     # ---- model -----------------------------------------------------------------------------
     @property
     def tokenizer(self):
@@ -217,7 +221,20 @@ class CausalLMTask(Task[CausalLMConfig]):
 
     def load_base(self, pretrained: bool = True) -> nn.Module:
         """The causal LM as loaded, without LoRA."""
-        return hf.load_model("causal-lm", self.source(), self._dtype(), pretrained, min_vocab=len(self.tokenizer))
+        model = hf.load_model("causal-lm", self.source(), self._dtype(), pretrained, min_vocab=len(self.tokenizer))
+        if self._flex_attention_pays(model):
+            model.set_attn_implementation("flex_attention")
+        return model
+
+    def _flex_attention_pays(self, model: nn.Module) -> bool:
+        """Whether ``--model.attn_implementation auto`` means flex_attention: packed rows whose documents are kept
+        apart, on a GPU, for a model that supports it. transformers' default (sdpa) then gets a dense mask of
+        each row and runs a slower kernel than its causal one; flex_attention skips the blocks the documents
+        do not share (Llama-shaped 1.1B, seq 2048, one H200: 55,553 -> 70,757 tokens/s, docs/benchmarks)."""
+        return (getattr(self.cfg.model, "attn_implementation", "auto") == "auto" and self.packed()
+                and self.document_mask() and torch.cuda.is_available()
+                and getattr(model, "_supports_flex_attn", False) and hasattr(model, "set_attn_implementation")
+                and hf.attention_implementation(model) == "sdpa")
 
     def _wrap(self, base: nn.Module) -> nn.Module:
         lora = self.lora_settings()
@@ -232,7 +249,7 @@ class CausalLMTask(Task[CausalLMConfig]):
         model = self._wrap(self.load_base(pretrained))
         if self.lora_settings() is not None:
             logger.info("LoRA: %s", hf.trainable_summary(model))
-        if self.packed() and not self.cfg.data.document_mask:
+        if self.packed() and not self.document_mask():
             logger.info("packed rows of %d tokens: one causal mask and positions over the whole row "
                         "(--data.document_mask false)", self.seq_len())
         elif self.packed():
@@ -348,7 +365,7 @@ class CausalLMTask(Task[CausalLMConfig]):
         # restarting position ids as separate sequences.
         kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False}
         if "position_ids" in batch:
-            if self.cfg.data.document_mask:
+            if self.document_mask():
                 kwargs["position_ids"] = batch["position_ids"]
         else:
             kwargs["attention_mask"] = batch["attention_mask"]
