@@ -116,7 +116,8 @@ def resolve_class(path: str) -> type:
     import torch
 
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError("--optimizer.name", f"= {path!r} is not a torch.optim.Optimizer subclass")
+        raise ConfigError("--optimizer.name", f"= {path!r} is not a torch.optim.Optimizer subclass: name one, or "
+                          f"one of {', '.join(OPTIMIZERS)}")
     return cls
 
 
