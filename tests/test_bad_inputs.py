@@ -382,7 +382,8 @@ def test_hparams_record_what_the_deepspeed_file_set(tmp_path):
     h = json.loads((tmp_path / "r" / "hparams.json").read_text())
     assert (h["strategy"]["zero_stage"], h["strategy"]["gradient_accumulation_steps"], h["trainer"]["micro_batch_size"],
             h["strategy"]["gradient_clipping"], h["strategy"]["reduce_bucket_size"]) == (2, 2, 4, 0.5, 1000)
-    assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0}
+    assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0,
+                              "momentum": 0.0}
     assert cfg.strategy.zero_stage == 0  # the caller's config is left as it was
 
 
