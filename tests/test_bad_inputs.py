@@ -55,7 +55,10 @@ CASES = [
     Case("unknown-flag", "flag", "fit toy $FIT --no.such.flag 1"),
     Case("flag-prefix", "flag", "fit toy $FIT --trainer.max_step 5"),
     Case("flag-wrong-type", "flag", "fit toy $FIT --trainer.max_steps five"),
-    Case("flag-bad-choice", "flag", "fit toy $FIT --optimizer.name sgd"),
+    Case("flag-bad-choice", "flag", "fit toy $FIT --strategy.backend fsdp"),
+    Case("optimizer-unknown", "flag", "fit toy $FIT --optimizer.name sgdd"),
+    Case("optimizer-class-not-found", "flag", "fit toy $FIT --optimizer.name no_such_package.optim:Fast"),
+    Case("optimizer-not-an-optimizer", "flag", "fit toy $FIT --optimizer.name collections.OrderedDict"),
     Case("flag-bad-precision", "flag", "fit toy $FIT --precision.dtype fp8"),
     Case("old-precision-flag", "flag", "fit toy $FIT --strategy.precision bf16"),
     Case("old-compile-flag", "flag", "fit toy $FIT --strategy.compile true"),
@@ -379,7 +382,8 @@ def test_hparams_record_what_the_deepspeed_file_set(tmp_path):
     h = json.loads((tmp_path / "r" / "hparams.json").read_text())
     assert (h["strategy"]["zero_stage"], h["strategy"]["gradient_accumulation_steps"], h["trainer"]["micro_batch_size"],
             h["strategy"]["gradient_clipping"], h["strategy"]["reduce_bucket_size"]) == (2, 2, 4, 0.5, 1000)
-    assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0}
+    assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0,
+                              "momentum": 0.0}
     assert cfg.strategy.zero_stage == 0  # the caller's config is left as it was
 
 

@@ -185,12 +185,13 @@ def check_global_batch(folder: Path, meta: dict[str, Any], shape: dict[str, Any]
 
 
 # ---- integrity -------------------------------------------------------------------------------
-def estimate_bytes(n_params: int, n_trainable: int, precision: str, backend: str) -> int:
+def estimate_bytes(n_params: int, n_trainable: int, precision: str, backend: str, optimizer_states: int = 2) -> int:
     """One checkpoint's size, estimated from the model before training: the weights in their training
-    precision, plus per trainable parameter Adam's two fp32 moments and, under DeepSpeed, the fp32
-    master copy (which a 16-bit run keeps besides its 16-bit weights)."""
+    precision, plus per trainable parameter the optimizer's ``optimizer_states`` fp32 states (Adam's two
+    moments; :func:`zerotrain.engines.states.optimizer_states`) and, under DeepSpeed, the fp32 master copy
+    (which a 16-bit run keeps besides its 16-bit weights)."""
     weight = 2 if precision in ("bf16", "fp16") else 4
-    per_trainable = 8 + (4 if backend == "deepspeed" else 0)
+    per_trainable = 4 * optimizer_states + (4 if backend == "deepspeed" else 0)
     return n_params * weight + n_trainable * per_trainable
 
 

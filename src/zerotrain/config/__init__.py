@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from zerotrain.engines import optimizers
 from zerotrain.errors import ConfigError
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
@@ -24,8 +25,8 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw", "adam"] = "adamw"
-    """Adam with decoupled weight decay (adamw) or L2-style weight decay (adam). FusedAdam runs it on GPU, DeepSpeedCPUAdam under CPU offload, torch Adam on CPU."""
+    name: str = "adamw"
+    """adamw (default), adam, sgd, adagrad, or a torch.optim.Optimizer class path (torch.optim.RMSprop, my_package.module:MyOptimizer). DeepSpeed runs Adam as FusedAdam on GPU, DeepSpeedCPUAdam under CPU offload."""
     lr: float = 1e-4
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -34,8 +35,14 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = 0.01
     """Weight decay."""
+    momentum: float = 0.0
+    """SGD momentum (sgd, or a class path that takes it); 0 keeps no momentum buffer."""
 
     def validate(self) -> None:
+        if optimizers.kind(self.name) is None:  # a class path: that it imports and is an optimizer
+            optimizers.resolve_class(self.name)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("--optimizer.momentum", f"must be in [0, 1), got {self.momentum}")
         if self.lr <= 0:
             raise ConfigError("--optimizer.lr", f"must be > 0, got {self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas):

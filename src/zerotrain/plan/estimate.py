@@ -21,7 +21,7 @@ import torch
 
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import _enabled, make_ds_config
-from zerotrain.engines.states import Buckets, ParamCounts, count_params
+from zerotrain.engines.states import Buckets, ParamCounts, count_params, optimizer_states
 from zerotrain.errors import ConfigError
 from zerotrain.plan.memory import (
     GIB,
@@ -119,6 +119,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             # offload that only stages 1-3 take): the row is sized from the JSON the run would get.
             ds_jsons[name] = own
     buckets = {name: Buckets.from_ds_config(ds) for name, ds in ds_jsons.items()}
+    # The optimizer's states per parameter: --optimizer.name's, or the optimizer block of a user's DeepSpeed file
+    states = optimizer_states(cfg.optimizer, own)
     autocast = {name: _enabled(ds.get("torch_autocast")) for name, ds in ds_jsons.items()}
 
     with torch.device("meta"):
@@ -139,7 +141,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         disk = _free_disk(s.nvme_path)
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
                 procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast,
-                grad_accum=cfg.strategy.gradient_accumulation_steps, strategies=strategies, disk_bytes=disk)
+                grad_accum=cfg.strategy.gradient_accumulation_steps, strategies=strategies, disk_bytes=disk,
+                optimizer_states=states)
     predictions = None
     if probe is not None:
         predictions, judged = {}, []
@@ -147,7 +150,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             pred = predict(counts, strategies[row.name], cfg.trainer.micro_batch_size,
                            cfg.activation_checkpointing.enabled, world, precision, probe,
                            buckets.get(row.name, Buckets()), autocast.get(row.name, False),
-                           cfg.strategy.gradient_accumulation_steps, export=cfg.trainer.export)
+                           cfg.strategy.gradient_accumulation_steps, export=cfg.trainer.export,
+                           optimizer_states=states)
             predictions[row.name] = pred
             ok = fits(pred, probe, host, per_node) is None and row.memory.nvme_bytes * per_node <= disk
             judged.append(PlanRow(row.name, row.memory, ok))

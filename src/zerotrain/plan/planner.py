@@ -44,7 +44,7 @@ from zerotrain.config.ds_config import (
     make_ds_config,
     portable_ds_config,
 )
-from zerotrain.engines.states import Buckets, count_params
+from zerotrain.engines.states import Buckets, count_params, optimizer_states
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.metrics.tracking import log
 from zerotrain.plan.benchmark import run_one
@@ -186,17 +186,18 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
             run_cfg.validate()
         except ConfigError as exc:
             raise UserError(f"the plan's candidate {cand.label} is not a valid configuration: {exc}") from None
-        buckets, autocast = Buckets(), False
+        buckets, autocast, ds = Buckets(), False, None
         if run_cfg.strategy.backend == "deepspeed":
             ds = make_ds_config(run_cfg, world, device, probe.precision)  # type: ignore[arg-type]
             buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
+        states = optimizer_states(run_cfg.optimizer, ds)
         strategy = STRATEGIES[cand.strategy]
         # The row carries the trial's figures (trials run without the export, TRIAL_FLAGS), next to what the trial
         # measures; whether the run fits is judged with its own end, the export included.
         mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
-                      buckets, autocast, cand.grad_accum)
+                      buckets, autocast, cand.grad_accum, optimizer_states=states)
         run_mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
-                          buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export)
+                          buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export, optimizer_states=states)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
                          cfg.launch.nnodes, autocast, pinned=not cand.unpinned)
         dropped = fits(run_mem, probe, host_bytes, cfg.launch.nproc_per_node)
@@ -220,7 +221,8 @@ def _disk_problem(recipe: str, cfg: RunConfig, precision: str) -> Optional[str]:
     if not (cfg.checkpoint.save_final or cfg.checkpoint.every_steps):
         return None
     counts = _meta_counts(recipe, cfg)
-    need = estimate_bytes(counts.total, counts.trainable, precision, cfg.strategy.backend)
+    need = estimate_bytes(counts.total, counts.trainable, precision, cfg.strategy.backend,
+                          optimizer_states(cfg.optimizer))
     folder = Path(cfg.trainer.output_dir).resolve()
     while not folder.exists():
         folder = folder.parent

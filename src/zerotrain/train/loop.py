@@ -41,6 +41,7 @@ from zerotrain.engines.states import (
     Strategy,
     count_params,
     model_state_memory,
+    optimizer_states,
 )
 from zerotrain.errors import DataError, OutOfMemory
 from zerotrain.metrics.meters import (
@@ -235,7 +236,8 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
             check_compatible(resume_from, shape_of(engine, name))
         if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
-            one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
+            one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend,
+                                            optimizer_states(cfg.optimizer, engine.ds_config))
             run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
         # On rank 0, with its error shared: a lock held by another run stops every rank.
         run_on_main(lambda: rundir.write_metadata(run_dir, name, cfg.to_dict(), engine.ds_config, lock,
@@ -285,7 +287,8 @@ def _predicted_gpu_bytes(run: Run) -> Optional[float]:
         autocast = bool((ds.get("torch_autocast") or {}).get("enabled"))  # ZeRO-0's bf16 fast path keeps fp32 weights
         return float(model_state_memory(run.param_counts, strategy, run.rt.world_size, run.engine.precision,
                                         Buckets.from_ds_config(ds), autocast=autocast,
-                                        grad_accum=run.engine.grad_accum).gpu_bytes)
+                                        grad_accum=run.engine.grad_accum,
+                                        optimizer_states=optimizer_states(run.cfg.optimizer, ds)).gpu_bytes)
     except Exception:  # a figure for the message is not worth hiding the out-of-memory error behind another
         return None
 
