@@ -41,10 +41,15 @@ def _fit(tmp_path: Path, name: str, steps: int, resume: bool = False, **strategy
 
 
 def _plant(folder: Path, name: str, marker_file: Path) -> None:
-    """Replace ``folder/name`` by a pickle that would create ``marker_file``, and fix the checkpoint's marker to
-    match (size and sha256), as an attacker who edits the marker too would: only weights-only loading stops it."""
+    """Replace ``folder/name`` by a pickle that would create ``marker_file`` (a bare pickle for optimizer files, one
+    torch.save wrote for the others), and fix the checkpoint's marker to match (size and sha256), as an attacker
+    who edits the marker too would: only weights-only loading stops it."""
     path = folder / name
-    path.write_bytes(pickle.dumps({"module": Evil(marker_file), "optimizer_state_dict": Evil(marker_file)}))
+    evil = {"module": Evil(marker_file), "optimizer_state_dict": Evil(marker_file)}
+    if "optim" in name:
+        path.write_bytes(pickle.dumps(evil))
+    else:
+        torch.save(evil, path)
     meta = json.loads((folder / MARKER).read_text())
     meta["files"][name] = {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     (folder / MARKER).write_text(json.dumps(meta))
@@ -80,7 +85,7 @@ def test_export_of_a_crafted_zero_checkpoint_runs_no_code(zero_runs, tmp_path, s
     capsys.readouterr()
     assert main(["export", str(run)]) == 2
     line = _one_line(capsys)
-    assert f"{folder / target} cannot be loaded: it holds Python objects" in line and "--step N" in line
+    assert f"{folder / target} cannot be loaded: " in line and "could run code" in line and "--step N" in line
     assert not ran.exists()
     assert not (run / "export").exists() or not any((run / "export").iterdir())
 
@@ -230,7 +235,11 @@ def test_files_written_in_place_are_opened_without_following_links(tmp_path):
     with pytest.raises(UserError, match=r"\.lock \(the run folder's lock\) is a symbolic link"):
         rundir.RunLock().take(run)
     os.link(outside, run / "metrics.jsonl")
-    with pytest.raises(UserError, match=r"metrics\.jsonl \(the run's metrics log\) has other hard links"):
+    with pytest.raises(UserError, match=r"metrics\.jsonl \(the metrics log\) has other hard links"):
+        rundir.open_own(run / "metrics.jsonl", os.O_WRONLY | os.O_APPEND, "the metrics log")
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(UserError, match=r"metrics\.jsonl \(the run's metrics log\) is a symbolic link"):
         Tracker(run, LoggingConfig(tensorboard=False), {}, is_main=True, resumed_at=0)
     (run / "gitdiff.log").symlink_to(outside)
     rundir.write_code_state(run)
@@ -264,7 +273,7 @@ def test_a_run_name_that_is_not_one_folder_name_is_refused(tmp_path, name):
 
 # ---- damaged checkpoints do not count -----------------------------------------------------------------
 
-def test_a_damaged_checkpoint_skipped_by_resume_is_moved_aside_and_saved_again(tmp_path, caplog):
+def test_a_damaged_checkpoint_skipped_by_resume_is_moved_aside_and_saved_again(tmp_path, capsys):
     cfg = toy_config(tmp_path, "keep", zero_stage=1)
     cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, cfg.trainer.max_steps = 2, 2, 4
     run = fit(ToyTask(cfg)).run_dir
@@ -276,11 +285,11 @@ def test_a_damaged_checkpoint_skipped_by_resume_is_moved_aside_and_saved_again(t
     optim.write_bytes(bytes(data))
 
     cfg.checkpoint.resume, cfg.trainer.max_steps = "auto", 6
-    with caplog.at_level("WARNING", logger="zerotrain"):
-        assert fit(ToyTask(cfg)).final_step == 6
+    capsys.readouterr()
+    assert fit(ToyTask(cfg)).final_step == 6
     aside = sorted(p.name for p in ckpts.iterdir() if ".damaged-" in p.name)
     assert len(aside) == 1 and aside[0].startswith("step00000004.damaged-")
-    assert any("moved the damaged checkpoint step00000004 aside" in r.getMessage() for r in caplog.records)
+    assert f"moved the damaged checkpoint step00000004 aside to {ckpts / aside[0]}" in capsys.readouterr().err
     # Step 4 was saved again as training passed it; keep_last 2 kept it and 6, and step 2 went.
     assert [p.name for p in complete_checkpoints(ckpts)] == ["step00000004", "step00000006"]
     assert all(problem(p, checksums=True) is None for p in complete_checkpoints(ckpts))

@@ -55,7 +55,7 @@ from zerotrain.engines.ds_private.zero_to_fp32 import (
 from zerotrain.errors import UserError
 from zerotrain.models.roberta_mlm import hf_roberta_config, hf_roberta_state_dict
 from zerotrain.runtime import rundir
-from zerotrain.train.state import load_safely, weights_only_torch_load
+from zerotrain.train.state import load_safely, refuse_unsafe_files, weights_only_torch_load
 
 Format = Literal["safetensors", "hf"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -139,6 +139,8 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
 
         with _cpu_accelerator():
             import_consolidator()
+        # Each file DeepSpeed's converter will read is scanned first, so a refusal names the file.
+        refuse_unsafe_files(sorted(folder.glob("*.pt")), ds_safe_globals(), _EXPORTING)
         try:
             # DeepSpeed's converter calls torch.load(weights_only=False) on every *_states.pt it finds: within this
             # block each of those loads is weights-only (DeepSpeed's few record classes allowed), so a crafted file

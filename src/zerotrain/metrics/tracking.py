@@ -64,6 +64,9 @@ class Tracker:
             return
         metrics = run_dir / "metrics.jsonl"
         with rundir_writing("metrics.jsonl", run_dir):
+            if metrics.is_symlink():  # neither read nor replaced: a link here was put by someone else
+                raise UserError(f"{metrics} (the run's metrics log) is a symbolic link: zerotrain writes nothing "
+                                "through it. Remove the link")
             if resumed_at is not None:
                 _drop_rows_after(metrics, resumed_at)
             else:
@@ -151,7 +154,7 @@ def _clear_earlier_attempt(run_dir: Path) -> None:
     import shutil
 
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_symlink() or (metrics.is_file() and metrics.stat().st_size):
+    if metrics.is_file() and metrics.stat().st_size:
         log.warning("%s: clearing what an earlier attempt of this run logged (it left no checkpoint)", metrics)
         metrics.unlink()
     tb = run_dir / "tb_dir"

@@ -174,6 +174,26 @@ def unreadable(path: Path, exc: BaseException, where: tuple[str, str] = RESUME) 
     return UserError(f"{where[0]}{path} cannot be loaded: {why}. {where[1]}")
 
 
+def refuse_unsafe_files(paths: Iterable[Path], allow: Iterable[type] = (), where: tuple[str, str] = RESUME) -> None:
+    """Before a third-party loader reads ``paths`` (DeepSpeed's ``zero_to_fp32``): each must be a file ``torch.save``
+    wrote whose pickle names nothing beyond torch's weights-only set and ``allow``. Nothing is unpickled: the
+    pickle's opcodes are only scanned. The first file that fails is refused in one line naming it (``where``), so
+    the line names the file rather than the folder the loader was given."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in allow}
+    for path in paths:
+        try:
+            unsafe = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if g not in allowed]
+        except ValueError:  # not torch.save's zip layout: a bare pickle, or garbage
+            raise UserError(f"{where[0]}{path} cannot be loaded: it is not a file torch.save wrote (a bare pickle is "
+                            f"refused because loading it could run code; was the file replaced?). {where[1]}") from None
+        except Exception as exc:  # a damaged zip
+            raise unreadable(path, exc, where) from None
+        if unsafe:
+            raise UserError(f"{where[0]}{path} cannot be loaded: it holds Python objects other than tensors and plain "
+                            f"containers ({', '.join(unsafe[:3])}), which are refused because loading them could run "
+                            f"code (was the file replaced?). {where[1]}")
+
+
 def is_refused_pickle(exc: BaseException) -> bool:
     """Whether ``exc`` is torch's weights-only unpickler refusing an object (rather than a damaged file)."""
     text = str(exc)
