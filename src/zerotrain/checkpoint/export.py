@@ -127,6 +127,10 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
     Names are the unwrapped module's (no ``module.`` prefix). Tensors shared between names (tied
     weights) are listed under each name.
     """
+    # Every file a loader below may read is scanned first (nothing unpickled): a crafted one is refused naming it.
+    with _cpu_accelerator():
+        allow = ds_safe_globals()  # imports DeepSpeed's record classes
+    refuse_unsafe_files(sorted(folder.glob("*.pt")), allow, _EXPORTING)
     state_file = folder / TORCH_STATE
     optim = sorted(folder.glob("*_optim_states.pt"))
     if state_file.is_file():
@@ -139,8 +143,6 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
 
         with _cpu_accelerator():
             import_consolidator()
-        # Each file DeepSpeed's converter will read is scanned first, so a refusal names the file.
-        refuse_unsafe_files(sorted(folder.glob("*.pt")), ds_safe_globals(), _EXPORTING)
         try:
             # DeepSpeed's converter calls torch.load(weights_only=False) on every *_states.pt it finds: within this
             # block each of those loads is weights-only (DeepSpeed's few record classes allowed), so a crafted file

@@ -34,10 +34,12 @@ from zerotrain.checkpoint.layout import complete_checkpoints, resume_folder, set
 from zerotrain.config import from_dict, upgrade_layout
 from zerotrain.data.io import atomic_write_text, looks_local
 from zerotrain.data.io import write_json as atomic_write_json
+from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.errors import UserError
 from zerotrain.models.hf import is_hf_folder
 from zerotrain.runtime.collectives import barrier, broadcast_object, run_on_main
 from zerotrain.tasks import registry as recipes
+from zerotrain.train.state import refuse_unsafe_files
 
 log = logging.getLogger("zerotrain")
 
@@ -92,6 +94,10 @@ def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optio
         run_on_main(lambda: _set_aside(own))
     if resume_from is None:
         run_on_main(lambda: _refuse_fresh_start_over(run_dir))
+    else:
+        # Before anything is built or rewritten: a file no weights-only load would accept is refused now, naming
+        # it, not after the run folder's metadata was written (the loads themselves are weights-only too).
+        run_on_main(lambda: refuse_unsafe_files(sorted(resume_from.glob("*.pt")), ds_safe_globals()))
     return run_dir, resume_from
 
 
