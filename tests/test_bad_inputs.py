@@ -15,6 +15,7 @@ of two ranks ends with the same single line as one process.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shlex
 import sys
@@ -195,6 +196,15 @@ CASES = [
     Case("export-no-checkpoint", "checkpoint", "export {tmp}/nockpt"),
     Case("export-missing-step", "checkpoint", "export {tmp}/runs/toyrun --step 7"),
     Case("export-hf-not-mlm", "checkpoint", "export {tmp}/runs/toyrun --format hf"),
+    # ---- files and folders from elsewhere ----
+    Case("run-name-outside", "flag", "fit toy $FIT --trainer.run_name ../../x"),
+    Case("run-name-absolute", "flag", "fit toy $FIT --trainer.run_name {tmp}/x"),
+    Case("run-folder-link-out", "output", "fit toy $FIT --trainer.run_name linked"),
+    Case("resume-crafted-pickle", "checkpoint", "fit toy $FIT --trainer.run_name crafted --checkpoint.resume auto"),
+    Case("export-crafted-pickle", "checkpoint", "export {tmp}/runs/crafted"),
+    Case("export-damaged", "checkpoint", "export {tmp}/runs/flipped"),
+    Case("export-marker-without-files", "checkpoint", "export {tmp}/runs/nolist"),
+    Case("predict-pickle-weights", "command", "predict {tmp}/runs/pickled hello"),
 ]
 
 
@@ -285,7 +295,49 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     fit(ToyTask(cfg))
     (tmp / "nockpt").mkdir()
     (tmp / "nockpt" / "hparams.json").write_text((tmp / "runs" / "toyrun" / "hparams.json").read_text())
+    make_untrusted(tmp)
     return tmp, tok
+
+
+class _Evil:
+    """Unpickling this would create ``path``: what a crafted file would do instead (the cases check it does not)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def make_untrusted(tmp: Path) -> None:
+    """Copies of the toy run, each with one thing someone else put there, and a run folder with a link out of it."""
+    import hashlib
+    import shutil
+
+    runs = tmp / "runs"
+    (runs / "linked").mkdir()
+    (tmp / "outside.txt").write_text("not the run's\n")
+    (runs / "linked" / "gitdiff.log").symlink_to(tmp / "outside.txt")
+
+    def copy(name: str) -> tuple[Path, Path, dict]:
+        shutil.copytree(runs / "toyrun", runs / name)
+        (folder,) = (runs / name / "checkpoints").glob("step*")
+        return runs / name, folder, json.loads((folder / "COMPLETE.json").read_text())
+
+    _, folder, meta = copy("crafted")  # a pickle that would create {tmp}/code-ran, its marker edited to match
+    weights = folder / "mp_rank_00_model_states.pt"
+    weights.write_bytes(pickle.dumps({"module": _Evil(tmp / "code-ran")}))
+    meta["files"][weights.name] = {"bytes": weights.stat().st_size,
+                                   "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    (folder / "COMPLETE.json").write_text(json.dumps(meta))
+    _, folder, _ = copy("flipped")  # one byte changed after the save
+    data = bytearray((folder / "mp_rank_00_model_states.pt").read_bytes())
+    data[-100] ^= 0xFF
+    (folder / "mp_rank_00_model_states.pt").write_bytes(bytes(data))
+    _, folder, meta = copy("nolist")  # a marker with no file list
+    (folder / "COMPLETE.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+    run, _, _ = copy("pickled")  # a pickle among the exported weights
+    (run / "model" / "pytorch_model.bin").write_bytes(pickle.dumps({"w": _Evil(tmp / "code-ran")}))
 
 
 def run_in_process(case: Case, tmp: Path, tok: Path, capsys) -> tuple[int, list[str]]:
@@ -357,6 +409,8 @@ def test_bad_input(case, inputs, capsys):
     _, want_code, want = doc_rows()[case.id]
     code, lines = run_in_process(case, tmp, tok, capsys)
     assert (code, lines) == (want_code, [want])
+    assert not (tmp / "code-ran").exists()  # no crafted file ran its code
+    assert (tmp / "outside.txt").read_text() == "not the run's\n"  # nothing was written through a link
     assert code == case.code
     # What makes the line useful: which subcommand, and a flag, key or file it names.
     assert re.match(r"zerotrain( \w+)?: error: ", want)

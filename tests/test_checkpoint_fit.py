@@ -146,8 +146,9 @@ def test_a_crafted_pickle_in_a_cached_universal_checkpoint_runs_no_code(tmp_path
     run = finished_run(tmp_path, "uc", zero_stage=2)
     (folder,) = complete_checkpoints(run / "checkpoints")
     meta = json.loads((folder / MARKER).read_text())
-    (folder / MARKER).write_text(json.dumps({**meta, "world_size": 2, "micro_batch_size": 4}))
     shutil.copy(folder / "train_state_rank0.pt", folder / "train_state_rank1.pt")
+    meta["files"]["train_state_rank1.pt"] = meta["files"]["train_state_rank0.pt"]  # a copy: same size and sha256
+    (folder / MARKER).write_text(json.dumps({**meta, "world_size": 2, "micro_batch_size": 4}))
     capsys.readouterr()
     assert resume(tmp_path, "uc", zero_stage=2).final_step == 4  # 1 process x micro 8: the same 8 per micro-step
     assert f"converting {folder} (written by 2 process(es))" in capsys.readouterr().err  # the log goes to stderr

@@ -44,6 +44,7 @@ import torch
 from zerotrain.checkpoint.layout import (
     FORMAT,
     MARKER,
+    STEP_NAME,
     _gather,
     checkpoint_bytes,
     complete_checkpoints,
@@ -235,9 +236,10 @@ class Checkpointer:
             # never delete a good checkpoint.
             self.last_saved = step
             return folder
-        if rank == 0 and folder.exists():
-            # A leftover from a killed save of the same step; what cannot be removed fails the writes below.
-            shutil.rmtree(folder, ignore_errors=True)
+        if rank == 0 and (folder.exists() or folder.is_symlink()):
+            # A leftover from a killed save of the same step (a link: the link, never what it names); what cannot
+            # be removed fails the writes below.
+            rundir.remove_entry(folder)
         self.engine.barrier()
         error = None
         try:
@@ -334,12 +336,16 @@ class Checkpointer:
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; remove older ones and the debris of killed saves.
+
+    Only checkpoint folders (:data:`~zerotrain.checkpoint.layout.STEP_NAME`) are touched: a damaged checkpoint
+    moved aside (``step*.damaged-*``) stays, as :func:`~zerotrain.checkpoint.layout.set_aside` decides."""
     complete = complete_checkpoints(ckpt_dir)
     doomed = complete[:-keep_last]
     newest = complete[-1] if complete else None
     for p in ckpt_dir.iterdir():
         # Incomplete folders older than the newest complete one are debris of killed saves.
-        if p.is_dir() and not is_complete(p) and newest is not None and p.name < newest.name:
+        if STEP_NAME.fullmatch(p.name) and not is_complete(p) and newest is not None and p.name < newest.name:
             doomed.append(p)
     for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+        rundir.remove_entry(p)

@@ -253,6 +253,8 @@ class TrainerConfig:
             raise ConfigError("--trainer.num_workers", f"must be >= 0, got {self.num_workers}")
         if self.profile_steps < 0:
             raise ConfigError("--trainer.profile_steps", f"must be >= 0, got {self.profile_steps}")
+        if self.run_name and (why := run_name_problem(self.run_name)):
+            raise ConfigError("--trainer.run_name", f"{why}: pass one folder name, such as myrun-1")
 
 
 @dataclass
@@ -389,6 +391,20 @@ def check_across_sections(cfg: "RunConfig") -> None:
                           "given: pass --trainer.run_name NAME (the folder name under --trainer.output_dir)")
     if tr.max_steps is not None:
         check_warmup(sched.warmup_steps, tr.max_steps)
+
+
+def run_name_problem(name: str) -> Optional[str]:
+    """What makes ``name`` no single folder name under ``--trainer.output_dir`` (None: nothing). A run folder is a
+    closed room: a name with a path separator (an absolute path included) or ``..`` would put the run, and every
+    file it writes, somewhere else; a control character such as a newline breaks the log lines that name it."""
+    if name in (".", ".."):
+        return f"{name!r} is no folder name"
+    if "/" in name or "\\" in name:
+        return f"{name!r} holds a path separator, and a run name is one folder under --trainer.output_dir"
+    bad = next((ch for ch in name if ord(ch) < 32 or ord(ch) == 127), None)
+    if bad is not None:
+        return f"{name!r} holds the control character {bad!r}"
+    return None
 
 
 def check_warmup(warmup_steps: int, total_steps: int) -> None:

@@ -137,13 +137,15 @@ class DeepSpeedEngine(Engine):
     def load(self, folder: Path) -> None:
         # DeepSpeed's checkpoint engine calls torch.load(weights_only=False): a crafted file in the
         # folder would run code. This engine's loader is replaced, for this call only, by a
-        # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS).
+        # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS);
+        # any torch.load DeepSpeed makes around it directly is forced weights-only too.
 
         allow = ds_safe_globals()
         ckpt_engine = self.ds.checkpoint_engine
         ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
         try:
-            path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+            with weights_only_torch_load(folder, allow):
+                path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
         finally:
             del ckpt_engine.load  # the class's own method again
         if path is None:

@@ -145,39 +145,71 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(value)  # seeds every CUDA device too
 
 
-def load_safely(path: Path, map_location: Any = "cpu", allow: Iterable[type] = ()) -> Any:
+RESUME = ("--checkpoint.resume: ", "Pass an older checkpoint folder")
+"""Where a file that cannot be loaded safely was met (the line's start) and what to do instead: resuming."""
+
+
+def load_safely(path: Path, map_location: Any = "cpu", allow: Iterable[type] = (),
+                where: tuple[str, str] = RESUME, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``: tensors, plain containers and the classes in ``allow`` only.
 
     A file that needs more (a crafted pickle whose ``__reduce__`` would run code) or is damaged
-    ends in one :class:`UserError` line naming it; nothing in it runs.
+    ends in one :class:`UserError` line naming it (:func:`unreadable`, ``where``); nothing in it runs.
     """
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # UnpicklingError, RuntimeError (a damaged zip), EOFError, ...
-        raise unreadable(path, exc) from None
+        raise unreadable(path, exc, where) from None
 
 
-def unreadable(path: Path, exc: BaseException) -> UserError:
-    """The one line for a checkpoint file that cannot be loaded safely."""
+def unreadable(path: Path, exc: BaseException, where: tuple[str, str] = RESUME) -> UserError:
+    """The one line for a file that cannot be loaded safely: ``where`` is (the line's start, what to do)."""
     text = " ".join(str(exc).split())
-    if "Weights only load failed" in text or "Unsupported global" in text:
+    if is_refused_pickle(exc):
         why = ("it holds Python objects other than tensors and plain containers, which are refused because loading "
                "them could run code (was the file replaced?)")
     else:
         why = f"it is damaged ({type(exc).__name__}: {text[:200]})"
-    return UserError(f"--checkpoint.resume: {path} cannot be loaded: {why}. Pass an older checkpoint folder")
+    return UserError(f"{where[0]}{path} cannot be loaded: {why}. {where[1]}")
+
+
+def refuse_unsafe_files(paths: Iterable[Path], allow: Iterable[type] = (), where: tuple[str, str] = RESUME) -> None:
+    """Before a third-party loader reads ``paths`` (DeepSpeed's ``zero_to_fp32``): each must be a file ``torch.save``
+    wrote whose pickle names nothing beyond torch's weights-only set and ``allow``. Nothing is unpickled: the
+    pickle's opcodes are only scanned. The first file that fails is refused in one line naming it (``where``), so
+    the line names the file rather than the folder the loader was given."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in allow}
+    for path in paths:
+        try:
+            unsafe = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if g not in allowed]
+        except ValueError:  # not torch.save's zip layout: a bare pickle, or garbage
+            raise UserError(f"{where[0]}{path} cannot be loaded: it is not a file torch.save wrote (a bare pickle is "
+                            f"refused because loading it could run code; was the file replaced?). {where[1]}") from None
+        except Exception as exc:  # a damaged zip
+            raise unreadable(path, exc, where) from None
+        if unsafe:
+            raise UserError(f"{where[0]}{path} cannot be loaded: it holds Python objects other than tensors and plain "
+                            f"containers ({', '.join(unsafe[:3])}), which are refused because loading them could run "
+                            f"code (was the file replaced?). {where[1]}")
+
+
+def is_refused_pickle(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's weights-only unpickler refusing an object (rather than a damaged file)."""
+    text = str(exc)
+    return "Weights only load failed" in text or "Unsupported global" in text
 
 
 @contextlib.contextmanager
-def weights_only_torch_load(source: Path, allow: Iterable[type] = ()) -> Iterator[None]:
+def weights_only_torch_load(source: Path, allow: Iterable[type] = (), where: tuple[str, str] = RESUME
+                            ) -> Iterator[None]:
     """Within the block, every ``torch.load`` call (in third-party code too) loads weights only.
 
     DeepSpeed's universal-checkpoint converter and loader call ``torch.load(weights_only=False)`` directly, not
     through its checkpoint engine. torch's own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, overrides that
     argument; ``allow`` (classes the files may hold besides tensors) is added to torch's allow-list for the
     block (``add_safe_globals``; the list is as it was after). A file refused or cut short ends the block with :func:`unreadable`
-    naming ``source``. The environment is as it was after the block.
+    naming ``source`` (``where``: the line's start and what to do). The environment is as it was after the block.
     """
     saved = {key: os.environ.pop(key, None) for key in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
@@ -187,7 +219,7 @@ def weights_only_torch_load(source: Path, allow: Iterable[type] = ()) -> Iterato
     try:
         yield
     except (pickle.UnpicklingError, EOFError) as exc:
-        raise unreadable(source, exc) from None
+        raise unreadable(source, exc, where) from None
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(allowed_before)
