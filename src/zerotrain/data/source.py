@@ -293,10 +293,10 @@ def cache_key(*parts: Any) -> str:
     return fingerprint("source-map", CACHE_FORMAT, *parts, length=32)
 
 
-def cached_map(dataset, fn: Callable[[dict[str, list]], dict[str, list]], key: str, cache_dir: Optional[Path],
-               name: str, batch_size: int = 1000):
+def cached_map(dataset, fn: Callable[..., dict[str, list]], key: str, cache_dir: Optional[Path],
+               name: str, batch_size: int = 1000, with_indices: bool = False):
     """``dataset.map(fn, batched=True)`` with the input columns removed, stored as ``<cache_dir>/<name>-<key>.arrow``
-    under the fingerprint ``key``. ``fn`` may return fewer or more rows than it is given (packing does).
+    under the fingerprint ``key``. ``with_indices``: ``fn`` also gets the rows' indices. ``fn`` may return fewer or more rows than it is given (packing does).
 
     Run it on the main process first (the loop's ``main_process_first``): it writes the file, and the other
     ranks, and later runs with the same key, open it instead of computing it. ``cache_dir`` None: computed in
@@ -311,7 +311,7 @@ def cached_map(dataset, fn: Callable[[dict[str, list]], dict[str, list]], key: s
     else:
         file = None
     with _quiet_datasets():
-        return dataset.map(fn, batched=True, batch_size=batch_size, remove_columns=dataset.column_names,
+        return dataset.map(fn, batched=True, batch_size=batch_size, with_indices=with_indices, remove_columns=dataset.column_names,
                            new_fingerprint=key, cache_file_name=None if file is None else str(file),
                            keep_in_memory=file is None, load_from_cache_file=True, desc=f"tokenizing {name}")
 
