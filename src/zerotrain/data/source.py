@@ -342,3 +342,19 @@ def _quiet_datasets() -> Iterator[None]:
         logger.setLevel(level)
         if bars:
             datasets.utils.logging.enable_progress_bar()
+
+
+class Rows:
+    """A ``datasets.Dataset`` as the loop's samplers and the collators read it: ``rows[i]`` one row (a dict),
+    ``rows[a:b]`` a list of rows (``Dataset`` slices give columns), ``len(rows)``; ``table`` is the dataset."""
+
+    def __init__(self, table: Any):
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self.table[i] for i in range(*index.indices(len(self.table)))]
+        return self.table[int(index)]

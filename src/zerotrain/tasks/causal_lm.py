@@ -354,7 +354,7 @@ class CausalLMTask(Task[CausalLMConfig]):
                                      batch_size=PACK_CHUNK, with_indices=True)
         if len(rows) == 0:
             raise DataError(f"{path} ({flag}): no example of two tokens or more to train on")
-        return rows.with_format("numpy") if self.packed() else rows
+        return source.Rows(rows.with_format("numpy") if self.packed() else rows)
 
     def _streamed(self, path: str, flag: str) -> StreamedRows:
         src, fmt = self._source(path, flag), self._format(path, flag)
@@ -396,7 +396,7 @@ class CausalLMTask(Task[CausalLMConfig]):
     def train_lengths(self, train) -> Optional[list[int]]:
         if self.packed() or not self.cfg.data.bucket_by_length:
             return None
-        return [len(ids) for ids in train["input_ids"]]
+        return [len(ids) for ids in train.table["input_ids"]]
 
     def real_tokens(self, batch: Batch) -> int:
         if "tokens" in batch:
