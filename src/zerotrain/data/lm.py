@@ -19,7 +19,7 @@ row-long pieces, each its own sequence.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -252,11 +252,13 @@ def sft_rows(tokenizer, template: str, seq_len: int, train_on_inputs: bool, inpu
     return make
 
 
-def chat_rows(tokenizer, field: str, seq_len: int, train_on_inputs: bool, pad_token_id: int, packed: bool,
-              where) -> RowMaker:
-    """Chat records (``field``: a list of {role, content}) -> rows, only the assistant turns learned."""
+def chat_rows(get_tokenizer: Callable[[], Any], field: str, seq_len: int, train_on_inputs: bool, pad_token_id: int,
+              packed: bool, where) -> RowMaker:
+    """Chat records (``field``: a list of {role, content}) -> rows, only the assistant turns learned.
+    ``get_tokenizer()`` (the tokenizer with its chat template) is asked for once a chunk's records passed their
+    checks, so a record's fault is named before a missing template."""
     def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        examples = []
+        chats = []
         for messages, i in zip(batch[field], indices):
             if not isinstance(messages, list) or not messages:
                 keys = sorted(n for n in batch if batch[n][indices.index(i)] is not None)
@@ -270,6 +272,10 @@ def chat_rows(tokenizer, field: str, seq_len: int, train_on_inputs: bool, pad_to
                                     f"got {str(m)[:80]!r}")
             if not any(m["role"] == "assistant" for m in messages):
                 raise DataError(f"{where(i)}: the conversation has no 'assistant' message, so nothing to learn")
+            chats.append((messages, i))
+        tokenizer = get_tokenizer()
+        examples = []
+        for messages, i in chats:
             try:  # where(i) may read the file: only for an error
                 examples.append(chat_example(messages, tokenizer, seq_len, train_on_inputs, _HERE))
             except DataError as exc:

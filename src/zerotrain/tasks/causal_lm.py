@@ -315,7 +315,7 @@ class CausalLMTask(Task[CausalLMConfig]):
         if fmt == "text":
             return text_rows(self._text_column(src), self.tokenizer, self.seq_len(), pad, where)
         if fmt == "chat":
-            return chat_rows(self._chat_tokenizer(), d.messages_field, self.seq_len(), d.train_on_inputs, pad,
+            return chat_rows(self._chat_tokenizer, d.messages_field, self.seq_len(), d.train_on_inputs, pad,
                              self.packed(), where)
         return sft_rows(self.tokenizer, d.template, self.seq_len(), d.train_on_inputs, d.input_field, d.target_field,
                         pad, self.packed(), where, self.length_flag)
