@@ -164,6 +164,21 @@ CASES = [
     Case("causal-lm-chat-no-assistant", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/chat_noanswer.jsonl --data.format chat"),
+    Case("causal-lm-streaming-saved-dataset", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/saved_text --data.streaming true"),
+    Case("causal-lm-cache-dir-is-file", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/train.txt --data.cache_dir {tmp}/train.txt"),
+    Case("causal-lm-csv-missing-field", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/sft_nofield.csv --data.format sft"),
+    Case("causal-lm-parquet-missing-field", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/docs.parquet --data.text_field body"),
+    Case("causal-lm-mixed-formats", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/mixed"),
     Case("classify-missing-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_nolabel.jsonl"),
     Case("classify-bad-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_badlabel.jsonl"),
     Case("classify-one-class", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_oneclass.jsonl"),
@@ -277,6 +292,16 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     chat = {"messages": [{"role": "user", "content": "the movie"}, {"role": "assistant", "content": "was good"}]}
     (tmp / "chat.jsonl").write_text(json.dumps(chat) + "\n")
     (tmp / "chat_noanswer.jsonl").write_text(json.dumps({"messages": chat["messages"][:1]}) + "\n")
+    (tmp / "sft_nofield.csv").write_text("input,answer\nthe movie,was good\nthe plot,was bad\n")
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["the movie was good", "the plot was bad"]}), tmp / "docs.parquet")
+    datasets.Dataset.from_dict({"text": ["the movie was good"] * 4}).save_to_disk(str(tmp / "saved_text"))
+    (tmp / "mixed").mkdir()
+    (tmp / "mixed" / "a.txt").write_text("the movie was good\n")
+    (tmp / "mixed" / "b.jsonl").write_text(json.dumps({"text": "the plot was bad"}) + "\n")
     lines = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
     (tmp / "cls.jsonl").write_text(lines([{"text": "good", "label": "pos"}, {"text": "bad", "label": "neg"}]))
     (tmp / "cls_nolabel.jsonl").write_text(lines([{"text": "good", "label": "pos"}, {"text": "bad"}]))

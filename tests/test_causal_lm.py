@@ -273,3 +273,26 @@ def test_export_format_hf_writes_a_checkpoint_as_the_run_writes_its_model(files,
     finished = AutoModelForCausalLM.from_pretrained(result.run_dir / "model").eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=x).logits, finished(input_ids=x).logits)
+
+
+def test_streamed_resume_continues_at_the_exact_row(files):
+    """--data.streaming: a run stopped after 4 steps and resumed logs bitwise the losses of one that never stopped,
+    across the end of the stream (the epoch turns at step 6 or so), and the checkpoint holds the stream's offset."""
+    tmp_path, tok = files
+
+    def streamed(run_name, steps):
+        cfg = config(tmp_path, tok, run_name=run_name, steps=steps, zero_stage=2)
+        cfg.data.streaming, cfg.data.val_path = True, None
+        return cfg
+
+    straight = fit(CausalLMTask(streamed("straight", 10)))
+    fit(CausalLMTask(streamed("split", 4)))
+    saved = json.loads(next((tmp_path / "split").glob("checkpoints/step00000004/*.json")).read_text())
+    assert saved.get("stream_offset") and saved["stream_offset"][1] > 0, saved
+    again = streamed("split", 10)
+    again.checkpoint.resume = "auto"
+    resumed = fit(CausalLMTask(again))
+    a, b = train_log(straight.run_dir), train_log(resumed.run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    for step in range(1, 11):
+        assert b[step]["train_loss"] == a[step]["train_loss"], f"step {step}: loss differs after a streamed resume"

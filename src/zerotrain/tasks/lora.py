@@ -147,6 +147,12 @@ class LoRATask(CausalLMTask):
     def packed(self) -> bool:
         return False
 
+    def cache_dir(self) -> None:
+        return None  # records are few and tokenized in seconds
+
+    def streaming(self) -> bool:
+        return False
+
     def _load_base(self, pretrained: bool = True) -> nn.Module:
         return self.load_base(pretrained)
 

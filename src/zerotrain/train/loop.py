@@ -33,6 +33,7 @@ from zerotrain.config import RunConfig, check_warmup
 from zerotrain.config.ds_config import batch_shape, check_nvme_io, reflect_ds_config
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
+from zerotrain.data.streaming import Drawn, StreamedRows
 from zerotrain.engines.base import Engine
 from zerotrain.engines.build import build_engine
 from zerotrain.engines.states import (
@@ -43,7 +44,7 @@ from zerotrain.engines.states import (
     model_state_memory,
     optimizer_states,
 )
-from zerotrain.errors import DataError, OutOfMemory
+from zerotrain.errors import ConfigError, DataError, OutOfMemory
 from zerotrain.metrics.meters import (
     HostPeak,
     StepProfiler,
@@ -85,15 +86,25 @@ class Run:
     run_dir: Path
     resume_from: Optional[Path]
     splits: Splits
-    sampler: EpochBatches
+    sampler: Optional[EpochBatches]
+    """The plan of a map-style training split; None for a streamed one."""
     total_steps: int
     engine: Engine
-    loader: DataLoader
-    """The training split's loader; its persistent workers (if any) were started before the model was built."""
+    loader: Optional[DataLoader]
+    """The training split's loader; its persistent workers (if any) were started before the model was built.
+    None for a streamed split, which is read in the training process."""
     flops_per_token: float
     n_params: int
     param_counts: ParamCounts
     """Of the whole model before the engine (maybe) sharded it: what the out-of-memory line's prediction sizes."""
+
+    def batches(self, state: TrainState) -> Iterator[Drawn]:
+        """The training micro-batches from where ``state`` says the data stands."""
+        if isinstance(self.splits.train, StreamedRows):
+            return self.splits.train.batches(self.engine.micro_batch_size, self.rt.rank, self.rt.world_size,
+                                             self.task.collator(), state.epoch, state.batches_in_epoch,
+                                             state.stream_offset)
+        return micro_batch_stream(self.loader, self.sampler, state.epoch, state.batches_in_epoch)
 
 
 def seed_everything(seed: int) -> None:
@@ -110,7 +121,7 @@ def fit(task: Task) -> FitResult:
     task.cfg.validate()
     with setup(task.cfg) as rt, rundir.RunLock() as lock:  # rank 0 owns the run folder until fit returns
         run = _build(task, rt, lock)
-        with contextlib.closing(run.loader):  # its workers end however the run does, set-up failures included
+        with contextlib.closing(run.loader) if run.loader is not None else contextlib.nullcontext():  # its workers end however the run does, set-up failures included
             return _train(run)
 
 
@@ -137,7 +148,7 @@ def _train(run: Run) -> FitResult:
     # The meter's warm-up restarts with every process, a resumed one too; its first step compiles
     after_warmup = max(1, tr.warmup_steps_excluded)
     profiler = StepProfiler(tr.profile_steps, state.step + after_warmup, rt.device, run.run_dir, rt.is_main)
-    stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
+    stream = run.batches(state)
     results: dict[str, Any] = {}
     heartbeat = Progress(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
     heap = FrozenHeap(tr.gc_freeze, after_warmup, run.total_steps - state.step)
@@ -150,11 +161,11 @@ def _train(run: Run) -> FitResult:
                 t0 = time.perf_counter()
                 drawn = [next(stream) for _ in range(engine.grad_accum)]
                 meter.add_data_wait(time.perf_counter() - t0)
-                stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
-                state.advance(stats.loss, *drawn[-1][:2])
+                stats = engine.train_step([d.batch for d in drawn], run.task.training_step, run.task.loss_weight)
+                state.advance(stats.loss, drawn[-1].epoch, drawn[-1].batches, drawn[-1].offset)
                 heartbeat.beat(state.step)
                 meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
-                               sum(run.task.real_tokens(b) for _, _, b in drawn))
+                               sum(run.task.real_tokens(d.batch) for d in drawn))
                 last = state.step == run.total_steps
                 if (collected_s := heap.step()) is not None:
                     log.info("step %d: Python's heap collected (%.2f s) and frozen", state.step, collected_s)
@@ -210,16 +221,28 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     with main_process_first(rt.is_main):  # rank 0 fills the tokenisation cache; the others then read it
         splits = task.build_datasets()
     micro, grad_accum = batch_shape(cfg)
-    sampler = EpochBatches(len(splits.train), micro, rt.rank, rt.world_size, tr.seed, grad_accum,
-                           task.train_lengths(splits.train))
-    steps_per_epoch = sampler.batches_per_epoch // grad_accum
-    if steps_per_epoch < 1:
-        raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
-                        f"({micro} x {grad_accum} x {rt.world_size}). Add data or lower --trainer.micro_batch_size")
-    total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
+    sampler: Optional[EpochBatches] = None
+    loader: Optional[DataLoader] = None
+    if isinstance(splits.train, StreamedRows):  # its length is unknown until it is read
+        if tr.max_steps is None:
+            raise ConfigError("--trainer.max_steps", "is required with --data.streaming true: a streamed split's "
+                                                     "length is unknown until it is read")
+        if cfg.scheduler.step_unit == "epochs" and cfg.scheduler.name == "step":
+            raise ConfigError("--scheduler.step_unit", "must be steps with --data.streaming true (epochs are not "
+                                                       "known in advance)")
+        total_steps = steps_per_epoch = tr.max_steps
+    else:
+        sampler = EpochBatches(len(splits.train), micro, rt.rank, rt.world_size, tr.seed, grad_accum,
+                               task.train_lengths(splits.train))
+        steps_per_epoch = sampler.batches_per_epoch // grad_accum
+        if steps_per_epoch < 1:
+            raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
+                            f"({micro} x {grad_accum} x {rt.world_size}). Add data or lower --trainer.micro_batch_size")
+        total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
     check_warmup(cfg.scheduler.warmup_steps, total_steps)  # epochs: the run's length is known only now
-    loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
-    loader.start_workers()  # before the model and the engine fill this process's memory
+    if sampler is not None:
+        loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
+        loader.start_workers()  # before the model and the engine fill this process's memory
     with _closed_on_error(loader):
         model = task.build_model()
         # Counted on the whole model, before an engine may shard it.
@@ -255,12 +278,13 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
 
 
 @contextlib.contextmanager
-def _closed_on_error(loader: DataLoader) -> Iterator[None]:
+def _closed_on_error(loader: Optional[DataLoader]) -> Iterator[None]:
     """Stops the loader's workers if what the block builds fails: ``fit`` may be called again in this process."""
     try:
         yield
     except BaseException:
-        loader.close()
+        if loader is not None:
+            loader.close()
         raise
 
 

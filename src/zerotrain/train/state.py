@@ -19,7 +19,7 @@ import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -42,11 +42,17 @@ class TrainState:
     """Sum of this rank's step losses since the last log line (a device tensor while training)."""
     window_steps: int = 0
     """Steps in the open logging window."""
+    stream_offset: tuple[int, ...] = ()
+    """A streamed training split (--data.streaming): (first raw record of the chunk, rows of it consumed) in this
+    rank's share, where the next micro-batch starts; empty otherwise (see :mod:`zerotrain.data.streaming`)."""
 
-    def advance(self, loss: Any, epoch: int, batches_in_epoch: int) -> None:
-        """Count one optimizer step whose last micro-batch left the data at (epoch, batches_in_epoch)."""
+    def advance(self, loss: Any, epoch: int, batches_in_epoch: int,
+                stream_offset: Optional[Sequence[int]] = None) -> None:
+        """Count one optimizer step whose last micro-batch left the data at (epoch, batches_in_epoch), and for a
+        streamed split at ``stream_offset``."""
         self.step += 1
         self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
+        self.stream_offset = tuple(int(x) for x in stream_offset) if stream_offset else ()
         self.window_loss = self.window_loss + loss
         self.window_steps += 1
 
@@ -62,6 +68,7 @@ class TrainState:
             "batches_in_epoch": self.batches_in_epoch,
             "window_loss": float(self.window_loss),  # reading a device tensor: only at save time
             "window_steps": self.window_steps,
+            "stream_offset": list(self.stream_offset),
             "rng": rng_state(),
         }
 
@@ -74,6 +81,7 @@ class TrainState:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
         self.window_loss, self.window_steps = float(state["window_loss"]), int(state["window_steps"])
+        self.stream_offset = tuple(int(x) for x in state.get("stream_offset", ()))
         set_rng_state(state["rng"])
 
     def load_resharded(self, states: list[dict[str, Any]], seed: int, rank: int) -> None:
@@ -97,6 +105,10 @@ class TrainState:
         for state in states:
             if state.get("version") != SCHEMA_VERSION:
                 self.load_state_dict(state)  # raises the version's one line
+        if any(s.get("stream_offset") for s in states):
+            raise UserError(f"--checkpoint.resume: the checkpoint was written by {len(states)} process(es) reading a "
+                            "streamed split (--data.streaming), whose position is per process. Resume it with "
+                            f"{len(states)} process(es)")
         first = states[0]
         where = [(int(s["step"]), int(s["epoch"]), int(s["batches_in_epoch"])) for s in states]
         if len(set(where)) != 1:
@@ -109,7 +121,10 @@ class TrainState:
 
     def plain(self) -> dict[str, Any]:
         """The fields alone (no RNG), for the checkpoint's JSON marker and log lines."""
-        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        out = {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        if self.stream_offset:
+            out["stream_offset"] = list(self.stream_offset)
+        return out
 
 
 def rng_state() -> dict[str, Any]:
