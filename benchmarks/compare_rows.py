@@ -92,6 +92,7 @@ def plot(title: str, rows: list[dict[str, Any]], path: Path) -> None:
         if r.get("mfu") is not None:
             ax.text(r["tokens_per_s"], i, f" {r['mfu']:.1%} MFU", va="center", fontsize=8)
     ax.invert_yaxis()
+    ax.set_xlim(0, 1.2 * max(r["tokens_per_s"] for r in shown))  # room for the MFU labels
     ax.set_xlabel("non-padding tokens/s (blue: zerotrain, grey: peer)")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()

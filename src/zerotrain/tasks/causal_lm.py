@@ -242,7 +242,8 @@ class CausalLMTask(Task[CausalLMConfig]):
         """Whether ``--model.attn_implementation auto`` means flex_attention: packed rows whose documents are kept
         apart, on a GPU, for a model that supports it. transformers' default (sdpa) then gets a dense mask of
         each row and runs a slower kernel than its causal one; flex_attention skips the blocks the documents
-        do not share (Llama-shaped 1.1B, seq 2048, one H200: 55,553 -> 70,757 tokens/s, docs/benchmarks)."""
+        do not share (Llama-shaped 1.1B, seq 2048, one H200: 55,868 -> 70,810 tokens/s;
+        docs/benchmarks/causal_lm_1b_h200_202611.md)."""
         return (getattr(self.cfg.model, "attn_implementation", "auto") == "auto" and self.packed()
                 and self.document_mask() and torch.cuda.is_available()
                 and getattr(model, "_supports_flex_attn", False) and hasattr(model, "set_attn_implementation")
