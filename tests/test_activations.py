@@ -160,3 +160,20 @@ def test_long_context_logits_decide_what_fits(hf_configs):
     assert short.pick == "ddp"
     assert long.pick is None and long.modelled.head_bytes == 12 * 8192 * 152_064
     assert all(row.memory.gpu_bytes < 2 * 2**30 for row in long.rows)
+
+
+@pytest.mark.slow
+def test_auto_plans_and_trains_a_lora_run_with_modelled_activations(hf_configs, tmp_path):
+    """--strategy.auto on the CPU for a LoRA run: the probe cannot measure a frozen base there, so the plan's
+    activations are the formula's, and the planned fit trains."""
+    from conftest import zerotrain_cmd
+
+    tmp, tok = hf_configs
+    args = ["fit", "lora", *_recipe_flags("lora", tmp, tok), "--trainer.max_steps", "2", "--trainer.num_workers", "0",
+            "--trainer.micro_batch_size", "2", "--strategy.auto", "true", "--trainer.output_dir", str(tmp_path / "runs"),
+            "--trainer.run_name", "a", "--logging.tensorboard", "false", "--logging.progress_bar", "false"]
+    run = zerotrain_cmd(args, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    plan = json.loads(next((tmp_path / "runs" / ".plans").glob("*/plan.json")).read_text())
+    assert plan["probe"]["method"].startswith("modelled from the model's config")
+    assert plan["probe"]["activations"]["off"]["per_sample"] > 0
