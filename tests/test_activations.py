@@ -110,7 +110,7 @@ def hf_configs(tmp_path, tiny_tokenizer_dir):
     (tmp_path / "train.txt").write_text("the movie was good\nthe film was bad\n" * 8)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t, "label": y}) + "\n" for t, y in
                                                   [("good film", "pos"), ("bad movie", "neg")] * 4))
-    (tmp_path / "sft.jsonl").write_text(json.dumps({"input": "the movie", "target": "was good"}) + "\n")
+    (tmp_path / "sft.jsonl").write_text((json.dumps({"input": "the movie", "target": "was good"}) + "\n") * 8)
     return tmp_path, tiny_tokenizer_dir
 
 
