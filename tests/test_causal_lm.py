@@ -296,3 +296,31 @@ def test_streamed_resume_continues_at_the_exact_row(files):
     assert sorted(a) == sorted(b) == list(range(1, 11))
     for step in range(1, 11):
         assert b[step]["train_loss"] == a[step]["train_loss"], f"step {step}: loss differs after a streamed resume"
+
+
+def test_a_run_predicts_and_exports_after_its_pretrained_model_folder_is_gone(files, capsys):
+    """predict and export rebuild the model from the run's own model/config.json, not from --model.name_or_path."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from zerotrain.checkpoint.export import export_run
+    from zerotrain.cli import main
+    from zerotrain.runtime.rundir import load_run
+
+    tmp_path, tok = files
+    source = tmp_path / "pretrained"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIGS["llama"])).save_pretrained(source)
+    cfg = config(tmp_path, tok, steps=2, backend="ddp")
+    cfg.model.init, cfg.model.config, cfg.model.name_or_path = "pretrained", None, str(source)
+    cfg.checkpoint.every_steps, cfg.data.val_path = 2, None
+    result = fit(CausalLMTask(cfg))
+    source.rename(tmp_path / "moved")
+    capsys.readouterr()
+
+    assert main(["predict", str(result.run_dir), "the movie", "--max_new_tokens", "3"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("\tthe movie")
+    out = export_run(result.run_dir, out=tmp_path / "hf", fmt="hf")
+    x = torch.tensor([[0, 5, 6, 7, 8]])
+    exported = AutoModelForCausalLM.from_pretrained(out.out_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=x).logits, load_run(result.run_dir).model(input_ids=x).logits)

@@ -232,6 +232,11 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
     except OSError as exc:
         raise UserError(f"--out: cannot create {out_dir} ({exc.strerror or exc}). Pass a folder you can write to") \
             from None
+    if fmt == "hf" or recipe != "lora":
+        # Built without pretrained weights (every tensor comes from the checkpoint): the run's own model config
+        # serves, so the export works when the model folder it was trained from is gone. The lora recipe's
+        # safetensors export rebuilds the frozen base from where the run took it (the checkpoint holds the adapter).
+        rundir.use_own_model_config(cfg, run_dir)
     task = task_cls(cfg)
     torch_dtype = DTYPES[dtype]
     try:

@@ -138,12 +138,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     # accumulation they, and the bucket, are there through the next micro-batches' forward passes too
     # (ZeRO-1 with optimizer offload measured 1.1 GiB over activations and gradients at 4 x 2 on one
     # H100, BENCHMARKS.md: the 0.93 GiB bucket).
-    persistent = states.gpu_bytes - states.transient_bytes
-    grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
-    forward_end = act + (grads + states.bucket_bytes if grad_accum > 1 else 0)
-    backward = min(first, act) + max(grads, states.bucket_bytes)
-    step = states.transient_bytes - states.bucket_bytes
-    device = persistent + probe.kernel_workspace_bytes + max(forward_end, backward, step)
+    device = step_peak(states, act, first, grad_accum) + probe.kernel_workspace_bytes
     if probe.gpu_total_bytes and states.init_bytes <= probe.gpu_total_bytes - (probe.gpu_context_bytes or 0):
         device = max(device, states.init_bytes)  # DeepSpeed flattens on the GPU only when the copy fits there
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
@@ -152,6 +147,19 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     return MemoryPrediction(gpu_bytes=device, host_bytes=host, states_bytes=states.gpu_bytes,
                             activation_bytes=act, activations=how, workers_bytes=probe.host_workers_bytes,
                             rank0_extra_bytes=rank0_extra)
+
+
+def step_peak(states: StateMemory, activations: float, at_first_gradient: float, grad_accum: int) -> float:
+    """Peak GPU bytes of a training step, the largest of its three moments (module docstring): the model
+    states that persist, plus ``activations`` at the forward's end, or what the backward pass still holds at
+    its first gradient (``at_first_gradient``, never above the peak) with the gradients or bucket it builds, or
+    the step's gradients."""
+    persistent = states.gpu_bytes - states.transient_bytes
+    grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
+    forward_end = activations + (grads + states.bucket_bytes if grad_accum > 1 else 0)
+    backward = min(at_first_gradient, activations) + max(grads, states.bucket_bytes)
+    step = states.transient_bytes - states.bucket_bytes
+    return persistent + max(forward_end, backward, step)
 
 
 def sixteen_bit(strategy: Strategy, precision: str, autocast: bool) -> bool:

@@ -2,7 +2,8 @@
 
 1. **Probe** (:mod:`zerotrain.plan.probe`, its own process): activation memory and step time of the real
    model on its longest batches, on this device.
-2. **Candidates**: every backend/ZeRO stage/offload (:data:`~zerotrain.plan.strategies.STRATEGIES`) x
+2. **Candidates**: every backend/ZeRO stage/offload (:func:`~zerotrain.plan.strategies.available`: ZeRO-3's
+   parameter offload too, and NVMe offload with ``--strategy.nvme_path``) x
    micro-batch (powers of two dividing the per-rank batch; accumulation keeps the global batch) x
    activation checkpointing, for the GPUs the launch flags name. Precision, global batch, optimizer
    and everything else stay as configured. When nothing fits, the offloads again with their host states
@@ -51,7 +52,7 @@ from zerotrain.plan.benchmark import run_one
 from zerotrain.plan.memory import GIB, MemoryPrediction, fits, predict
 from zerotrain.plan.probe import Probe, run_probe
 from zerotrain.plan.speed import StepTime, step_time
-from zerotrain.plan.strategies import STRATEGIES
+from zerotrain.plan.strategies import STRATEGIES, available
 from zerotrain.runtime.rundir import commit, environment, write_json
 from zerotrain.tasks import registry as recipes
 
@@ -149,8 +150,7 @@ def candidates(cfg: RunConfig, device: str, strategies: Optional[list[str]] = No
     micros = sorted({m for m in (2**i for i in range(per_rank.bit_length())) if per_rank % m == 0} | {per_rank})
     if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead":
         micros = [per_rank]  # CUDA graphs cannot accumulate gradients (config.check_across_sections)
-    names = strategies or [name for name, s in STRATEGIES.items()
-                           if device == "cuda" or s.offload_optimizer == "none"]  # offload needs a GPU to offload from
+    names = strategies or list(available(cfg, device))  # offload needs a GPU to offload from, NVMe a path
     return [Candidate(name, m, per_rank // m, ckpt) for name in names for m in micros
             for ckpt in ((False, True) if checkpointing else (False,))]
 
@@ -159,7 +159,7 @@ def unpinned(cands: list[Candidate], cfg: RunConfig) -> list[Candidate]:
     """The offload candidates again with unpinned host states, unless the config pins or unpins them itself."""
     if cfg.strategy.offload_pin_memory is not None:
         return []
-    return [dataclasses.replace(c, unpinned=True) for c in cands if STRATEGIES[c.strategy].offload_optimizer != "none"]
+    return [dataclasses.replace(c, unpinned=True) for c in cands if STRATEGIES[c.strategy].offload_optimizer == "cpu"]
 
 
 def _meta_counts(recipe: str, cfg: RunConfig):

@@ -454,6 +454,32 @@ def _tokenizer_setting(cfg: Any) -> Optional[str]:
     return None
 
 
+def use_own_model_config(cfg: Any, run_dir: Path) -> bool:
+    """Point a Hugging Face recipe's ``--model`` at the run folder's own ``model/`` (a ``save_pretrained`` folder: its
+    config.json) for building the architecture, so that a run rebuilds without the folder, hub name or config file
+    it was trained from. Only for building without pretrained weights: the weights then come from the run (its
+    export or checkpoint). True when it did; a run without that folder, or a recipe without those settings, is
+    left as it was."""
+    model = getattr(cfg, "model", None)
+    names = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else set()
+    folder = Path(run_dir) / "model"
+    if not {"name_or_path", "init", "config"} <= names or not _is_hf_config(folder / "config.json"):
+        return False
+    if model.init == "random":
+        model.config = str(folder)
+    else:
+        model.name_or_path = str(folder)
+    return True
+
+
+def _is_hf_config(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face config.json (it names a ``model_type``), not zerotrain's own model config."""
+    try:
+        return "model_type" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def _apply_overrides(cfg: Any, overrides: dict[str, Any], recipe: str) -> None:
     for key, value in overrides.items():
         if key == "tokenizer":
@@ -591,6 +617,8 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     dev = _check_device(device)
     task_cls = task_class(raw, run_dir / "hparams.json")
     _apply_overrides(cfg, dict(overrides or {}), recipe)
+    if not any(key.startswith("model.") for key in overrides or {}):
+        use_own_model_config(cfg, run_dir)  # the model is rebuilt without weights: the run's own config serves
     cfg.activation_checkpointing.enabled = False  # a training setting; inference has no backward pass
 
     setting = _tokenizer_setting(cfg)

@@ -42,6 +42,7 @@ from zerotrain.data.streaming import StreamedRows
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models import hf
+from zerotrain.models.shape import TransformerShape, transformer_shape
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 
 logger = logging.getLogger(__name__)
@@ -472,6 +473,11 @@ class CausalLMTask(Task[CausalLMConfig]):
         """6 x trainable + 4 x frozen matmul weights + attention's 12 x layers x width x seq_len (see
         :func:`zerotrain.models.hf.transformer_flops_per_token`): LoRA's frozen base skips its weight gradients."""
         return hf.transformer_flops_per_token(model, self.seq_len())
+
+    def transformer_shape(self, model: nn.Module) -> Optional[TransformerShape]:
+        """Rows of ``--data.seq_len`` tokens (packed, or the longest padded batch), every position scored over the
+        vocabulary; packed rows and padded batches both make transformers build a (seq x seq) mask."""
+        return transformer_shape(model, self.seq_len(), self.seq_len(), dense_mask=True)
 
     # ---- export ----------------------------------------------------------------------------
     def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
