@@ -121,7 +121,8 @@ def fit(task: Task) -> FitResult:
     task.cfg.validate()
     with setup(task.cfg) as rt, rundir.RunLock() as lock:  # rank 0 owns the run folder until fit returns
         run = _build(task, rt, lock)
-        with contextlib.closing(run.loader) if run.loader is not None else contextlib.nullcontext():  # its workers end however the run does, set-up failures included
+        # The loader's workers end however the run does, set-up failures included (a streamed split has none)
+        with contextlib.closing(run.loader) if run.loader is not None else contextlib.nullcontext():
             return _train(run)
 
 
