@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from conftest import zerotrain_cmd
+from helpers import fake_probe, zerotrain_cmd
 
 pytestmark = pytest.mark.slow  # every test starts `python -m zerotrain benchmark`
 
@@ -58,8 +58,6 @@ def test_unknown_strategy_names_the_flag(tmp_path):
 def test_predictions_from_an_earlier_probe_file_and_a_bad_one_named(tmp_path):
     """--probe FILE: the rows are predicted from a probe taken before (a big model's takes minutes), the
     same figures the memory model gives in-process from that file; a file that is no probe is one line."""
-    from test_planner import fake_probe
-
     from zerotrain.plan.benchmark import predicted
 
     probe = fake_probe(device="cpu")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORDS, zerotrain_cmd
+from helpers import WORDS, train_log, zerotrain_cmd
 
 from zerotrain.data.collate import IGNORE_INDEX
 from zerotrain.data.lm import collate_packed, pack
@@ -64,9 +64,7 @@ def config(tmp_path: Path, tok: Path, model: str = "llama", run_name: str = "run
     return cfg
 
 
-def train_log(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "train_loss" in r}
+
 
 
 def test_pack_restarts_positions_and_masks_each_documents_first_label():

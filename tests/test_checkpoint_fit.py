@@ -7,7 +7,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from test_fit import toy_config, train_log
+from helpers import toy_config, train_log
 
 from zerotrain.runtime import rundir
 from zerotrain.checkpoint.layout import MARKER, complete_checkpoints

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import train_log
 
 from zerotrain.errors import DataError
 from zerotrain.tasks.classify import ClassifyConfig, ClassifyTask
@@ -56,9 +57,7 @@ def config(tmp_path: Path, tok: Path, model: str = "roberta", run_name: str = "r
     return cfg
 
 
-def train_log(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "train_loss" in r}
+
 
 
 @pytest.mark.parametrize("model", [pytest.param(m, marks=() if m == "roberta" else pytest.mark.slow)

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import zerotrain_cmd
-from test_lora_fit import LLAMA, _args, lora_files  # noqa: F401  (lora_files is a fixture)
+from helpers import LLAMA, lora_fit_args, zerotrain_cmd
 from torch import nn
 
 from zerotrain.engines.compiling import compile_model, repeated_blocks
@@ -194,13 +193,13 @@ def _losses(run_dir) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_compiled_run_matches_the_eager_run(lora_files):  # noqa: F811
+def test_a_compiled_run_matches_the_eager_run(lora_files):
     """ZeRO-2 on one process with LoRA, no dropout: the compiled blocks give eager's loss curve, and the
     log says which blocks were compiled."""
     tmp_path, tok = lora_files
     curves = {}
     for compiled in ("false", "true"):
-        args = _args(tmp_path, tok, 2, 1) + ["--model.lora_dropout", "0", "--compile.enabled", compiled,
+        args = lora_fit_args(tmp_path, tok, 2, 1) + ["--model.lora_dropout", "0", "--compile.enabled", compiled,
                                              "--trainer.run_name", f"compile_{compiled}"]
         out = zerotrain_cmd(args, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_fit import toy_config, train_log
+from helpers import toy_config, train_log
 
 from zerotrain.engines.ds_private import patches
 from zerotrain.tasks.toy import ToyTask

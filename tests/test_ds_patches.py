@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_fit import toy_config, train_log
+from helpers import toy_config, train_log
 
 from zerotrain.engines.ds_private import patches
 from zerotrain.tasks.toy import ToyTask

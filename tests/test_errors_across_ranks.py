@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
-from conftest import run_python, zerotrain_cmd
+from helpers import run_python, zerotrain_cmd
 
 from zerotrain.runtime.distributed import free_port
 

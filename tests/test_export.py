@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORDS, zerotrain_cmd
+from helpers import LLAMA, WORDS, lora_fit_args, toy_config, write_reviews, zerotrain_cmd
 from safetensors.torch import load_file
-from test_fit import toy_config
 
 from zerotrain.cli import main
 from zerotrain.errors import UserError
@@ -233,7 +232,6 @@ def test_mlm_safetensors_export_predicts_like_the_run(mlm_run, tmp_path, capsys)
 def test_imdb_export_is_what_predict_reads(tmp_path, tiny_tokenizer_dir, capsys):
     import random
 
-    from test_imdb_fit import write_reviews
 
     from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
 
@@ -258,13 +256,12 @@ def test_imdb_export_is_what_predict_reads(tmp_path, tiny_tokenizer_dir, capsys)
 @pytest.mark.slow  # a LoRA fit through `python -m zerotrain` with 2 ZeRO-3 ranks
 def test_lora_two_rank_zero3_export_gives_adapter_and_merged_model(tmp_path, tiny_tokenizer_dir):
     from peft import PeftModel
-    from test_lora_fit import LLAMA, _args
     from transformers import AutoModelForCausalLM
 
     (tmp_path / "llama.json").write_text(json.dumps(dict(LLAMA, vocab_size=64)))
     records = [{"input": f"{WORDS[i % 20]} {WORDS[(i * 7) % 20]}", "target": WORDS[(i * 3) % 20]} for i in range(32)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    fitted = zerotrain_cmd(_args(tmp_path, tiny_tokenizer_dir, stage=3, nproc=2), cwd=tmp_path)
+    fitted = zerotrain_cmd(lora_fit_args(tmp_path, tiny_tokenizer_dir, stage=3, nproc=2), cwd=tmp_path)
     assert fitted.returncode == 0, fitted.stderr[-3000:]
     run = tmp_path / "run"
     exported = zerotrain_cmd(["export", str(run), "--out", str(tmp_path / "exp")], cwd=tmp_path)

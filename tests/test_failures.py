@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import start_zerotrain, zerotrain_cmd
+from helpers import start_zerotrain, zerotrain_cmd
 
 from zerotrain.checkpoint.layout import is_complete
 from zerotrain.config import LaunchConfig
@@ -177,7 +177,7 @@ def test_a_worker_stopped_anywhere_in_writing_its_error_file_leaves_none_or_a_wh
     processes"). The write is stopped at each of its Python events in turn (an exception raised by a trace
     hook stands for the signal); after every stop the file is absent or parses. In a process of its own: an
     exception raised from a trace hook can leave the interpreter's handled-exception state behind."""
-    from conftest import run_python
+    from helpers import run_python
 
     script = tmp_path / "stop_everywhere.py"
     script.write_text(_STOP_EVERYWHERE)

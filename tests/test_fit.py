@@ -6,39 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import zerotrain_cmd
+from helpers import toy_config, train_log, zerotrain_cmd
 
 from zerotrain.checkpoint.layout import MARKER, complete_checkpoints
 from zerotrain.train.loop import fit
-from zerotrain.tasks.toy import ToyConfig, ToyTask
-
-
-def toy_config(tmp_path: Path, run_name: str, **strategy) -> ToyConfig:
-    cfg = ToyConfig()
-    cfg.data.num_examples = 48  # 3 optimizer steps per epoch at 8 x 2: resumes land mid-epoch
-    cfg.trainer.micro_batch_size = 8
-    cfg.trainer.max_steps = 8
-    cfg.trainer.log_every_steps = 1
-    cfg.trainer.num_workers = 0
-    cfg.trainer.output_dir = str(tmp_path)
-    cfg.trainer.run_name = run_name
-    cfg.logging.progress_bar = False
-    cfg.strategy.gradient_accumulation_steps = 2
-    # StepLR in steps: the schedule has state to restore but does not depend on max_steps.
-    cfg.scheduler.name, cfg.scheduler.step_unit, cfg.scheduler.step_size, cfg.scheduler.gamma = "step", "steps", 3, 0.5
-    cfg.optimizer.lr = 1e-2
-    for key, value in strategy.items():
-        if key == "precision":  # its own section since the config split
-            cfg.precision.dtype = value
-            continue
-        assert hasattr(cfg.strategy, key), f"--strategy.{key} does not exist"
-        setattr(cfg.strategy, key, value)
-    return cfg
-
-
-def train_log(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "train_loss" in r}
+from zerotrain.tasks.toy import ToyTask
 
 
 STRATEGIES = {

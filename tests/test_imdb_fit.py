@@ -8,37 +8,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers import REPO, write_reviews
 
 from zerotrain.cli import main as cli_main
 from zerotrain.errors import UserError
 from zerotrain.runtime.rundir import load_run
 from zerotrain.train.loop import fit
 from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
-
-POS = "great good wonderful loved fun".split()
-NEG = "bad awful terrible hated boring".split()
-FILLER = "the a movie film was plot acting story actor and it this".split()
-
-
-def _reviews(n: int, rng: random.Random) -> list[dict]:
-    rows = []
-    for i in range(n):
-        label = i % 2
-        words = [rng.choice(FILLER) for _ in range(rng.randint(4, 20))]
-        for _ in range(2):
-            words.insert(rng.randrange(len(words) + 1), rng.choice(POS if label else NEG))
-        rows.append({"text": " ".join(words) + "<br /><br />", "label": label})
-    return rows
-
-
-def write_reviews(data: Path, sizes: dict[str, int], rng: random.Random) -> Path:
-    """``data/<split>.jsonl`` of ``_reviews`` for each split; returns ``data``."""
-    data.mkdir()
-    for split, n in sizes.items():
-        (data / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in _reviews(n, rng)) + "\n")
-    return data
-
 
 def test_imdb_learns_a_separable_set_and_predicts(tmp_path, tiny_tokenizer_dir, capsys):
     rng = random.Random(0)

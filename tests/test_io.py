@@ -214,7 +214,7 @@ def test_rundir_write_json_uses_it(tmp_path):
 
 # ---- fingerprint -----------------------------------------------------------------------------------
 def test_fingerprint_follows_the_tokenizer_vocabulary(tiny_tokenizer_dir, tmp_path):
-    from conftest import make_tokenizer
+    from helpers import make_tokenizer
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))

@@ -8,26 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import imdb_task, write_run
 
 from zerotrain.errors import UserError
 from zerotrain.runtime.rundir import LoadedRun, load_run
-from zerotrain.tasks.base import Task
-from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
+from zerotrain.tasks.imdb import IMDBTask
 from zerotrain.tasks.toy import ToyConfig, ToyTask
-
-
-def write_run(run: Path, task: Task, model: torch.nn.Module) -> Path:
-    """A run folder as ``zerotrain fit`` leaves it: hparams.json (recipe + config), model/ from Task.export."""
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "hparams.json").write_text(json.dumps({"recipe": task.name, **task.cfg.to_dict()}, indent=2))
-    task.export(model, model.state_dict(), run / "model")
-    return run
-
-
-def imdb_task(tokenizer: Path) -> IMDBTask:
-    cfg = IMDBConfig(model=SentimentModelConfig(embed_dim=32, hidden_dim=64, num_heads=4, num_layers=1, max_len=16))
-    cfg.data.tokenizer = str(tokenizer)
-    return IMDBTask(cfg)
 
 
 @pytest.fixture()

@@ -3,48 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_python, zerotrain_cmd
+from helpers import REPO, WORDS, lora_fit_args, run_python, zerotrain_cmd
 
 from zerotrain.checkpoint.layout import complete_checkpoints
 from zerotrain.train.loop import seed_everything
-
-LLAMA = {
-    "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 128,
-    "bos_token_id": 0, "pad_token_id": 1, "eos_token_id": 2, "initializer_range": 0.1,
-}
-
-
-@pytest.fixture()
-def lora_files(tmp_path, tiny_tokenizer_dir):
-    from conftest import WORDS
-
-    config = dict(LLAMA, vocab_size=64)
-    (tmp_path / "llama.json").write_text(json.dumps(config))
-    records = [{"input": f"{WORDS[i % 20]} {WORDS[(i * 7) % 20]}", "target": f"{WORDS[(i * 3) % 20]} {WORDS[i % 5]}"}
-               for i in range(32)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return tmp_path, tiny_tokenizer_dir
-
-
-def _args(tmp_path: Path, tok: Path, stage: int, nproc: int) -> list[str]:
-    return ["fit", "lora", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"),
-            "--model.tokenizer", str(tok), "--model.lora_r", "4", "--data.train_path", str(tmp_path / "train.jsonl"),
-            "--data.max_length", "32", "--strategy.zero_stage", str(stage), "--precision.dtype", "fp32",
-            "--optimizer.lr", "5e-3", "--trainer.micro_batch_size", "4", "--trainer.max_steps", "4",
-            "--trainer.log_every_steps", "1", "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path),
-            "--trainer.run_name", "run", "--launch.nproc_per_node", str(nproc), "--logging.progress_bar", "false"]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,nproc", [(2, 1), (3, 1), (2, 2), (3, 2)])
 def test_lora_adapter_matches_trained_weights(lora_files, stage, nproc):
     tmp_path, tok = lora_files
-    out = zerotrain_cmd(_args(tmp_path, tok, stage, nproc), cwd=tmp_path)
+    out = zerotrain_cmd(lora_fit_args(tmp_path, tok, stage, nproc), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "run"
     adapter_dir = run / "model" / "adapter"
@@ -71,7 +42,7 @@ def test_lora_adapter_matches_trained_weights(lora_files, stage, nproc):
     from zerotrain.cli.fit import parse_config
     from zerotrain.tasks.lora import LoRATask
 
-    cfg = parse_config("lora", _args(tmp_path, tok, stage, nproc)[2:])
+    cfg = parse_config("lora", lora_fit_args(tmp_path, tok, stage, nproc)[2:])
     task = LoRATask(cfg)
     seed_everything(cfg.trainer.seed)
     reference = task.build_model()
@@ -94,7 +65,7 @@ def test_hf_trainer_row_reads_the_tutorial_json(lora_files, cpu_adam_built):
     """The benchmark's Hugging Face Trainer row runs the shipped ZeRO-2 + offload preset (HJSON with a
     '#' comment) and counts the tokens of every measured step, data-loader workers or not."""
     tmp_path, tok = lora_files
-    fit_flags = _args(tmp_path, tok, stage=2, nproc=1)[2:]
+    fit_flags = lora_fit_args(tmp_path, tok, stage=2, nproc=1)[2:]
     fit_flags[fit_flags.index("--trainer.num_workers") + 1] = "2"
     row_file = tmp_path / "row.json"
     preset = REPO / "src" / "zerotrain" / "presets" / "ds_zero2_offload.json"
@@ -114,15 +85,13 @@ def test_two_ranks_weigh_every_target_token_as_one_rank_does(lora_files):
     their product only). Each rank weighs its mean loss by its share of the step's target tokens, summed
     across ranks on the device, so the losses and gradient norms are those of the one big batch; the
     plain mean of the two ranks' means would differ, as the targets run from 1 to 8 words."""
-    from conftest import WORDS
-
     tmp_path, tok = lora_files
     records = [{"input": f"{WORDS[i % 20]} {WORDS[(i * 7) % 20]}",
                 "target": " ".join(WORDS[(i * 3 + j) % 20] for j in range(1 + (i * 5) % 8))} for i in range(32)]
     (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     curves = {}
     for nproc, micro in ((1, "4"), (2, "2")):
-        args = _args(tmp_path, tok, stage=2, nproc=nproc)
+        args = lora_fit_args(tmp_path, tok, stage=2, nproc=nproc)
         args[args.index("--trainer.micro_batch_size") + 1] = micro
         args[args.index("--trainer.run_name") + 1] = f"run{nproc}"
         # No LoRA dropout: its masks are drawn per rank and micro-batch shape, and would change the gradient

@@ -222,7 +222,7 @@ def test_estimate_refuses_a_memory_size_that_is_not_one(capsys, flag, value):
 
 @pytest.mark.slow  # a fresh python process (run_python)
 def test_estimate_does_not_import_the_fit_command(tmp_path):
-    from conftest import run_python
+    from helpers import run_python
 
     code = ("import sys, zerotrain.cli.estimate, zerotrain.plan.estimate\n"
             "print(sorted(m for m in sys.modules if m.startswith('zerotrain.cli.')))")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import train_log
 
 from zerotrain.tasks.mlm import MLMConfig, MLMTask
 from zerotrain.train.loop import fit
@@ -36,9 +37,7 @@ def config(tmp_path: Path, tok: Path, run_name: str = "run", steps: int = 8, **s
     return cfg
 
 
-def train_log(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "train_loss" in r}
+
 
 
 def test_a_random_bert_trains_exports_and_fills_masks(tmp_path, tiny_tokenizer_dir):

@@ -12,8 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import LAUNCHER_VARS, REPO, zerotrain_cmd
-from test_fit import train_log
+from helpers import LAUNCHER_VARS, REPO, train_log, zerotrain_cmd
 
 from zerotrain.runtime.distributed import free_port
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import zerotrain_cmd  # noqa: E402
+from helpers import zerotrain_cmd  # noqa: E402
 
 from zerotrain.config.flags import parse_config  # noqa: E402
 from zerotrain.errors import OOM_EXIT, OutOfMemory  # noqa: E402

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from conftest import zerotrain_cmd
+from helpers import fake_probe, write_reviews, zerotrain_cmd
 from zerotrain.config.flags import parse_config
 from zerotrain.errors import UserError
 from zerotrain.plan.memory import GIB, fits, predict
@@ -20,16 +20,6 @@ from zerotrain.plan.strategies import STRATEGIES
 
 TOY = ["--trainer.num_workers", "0", "--trainer.micro_batch_size", "16", "--trainer.max_steps", "6",
        "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
-
-
-def fake_probe(device: str = "cuda", act_per_sample: float = 1 * GIB, ckpt_per_sample: float = 0.25 * GIB,
-               gpu_total: float = 80 * GIB) -> Probe:
-    return Probe(device=device, device_name="test", precision="bf16", method="test", seq_len=512,
-                 activations={"off": Linear(0.5 * GIB, act_per_sample), "on": Linear(0.5 * GIB, ckpt_per_sample)},
-                 forward_backward_s={"off": Linear(0.01, 0.002), "on": Linear(0.013, 0.0027)},
-                 optimizer_step_s=0.003, host_base_bytes=2 * GIB,
-                 gpu_total_bytes=gpu_total if device == "cuda" else None, gpu_context_bytes=0.5 * GIB,
-                 h2d_bytes_per_s=20e9 if device == "cuda" else None)
 
 
 def test_zero12_start_up_copies_the_trainable_weights_on_the_gpu_only_when_they_fit():
@@ -430,7 +420,6 @@ def test_the_probe_steps_once_at_every_padded_length_the_split_can_produce(tmp_p
 
     import torch
 
-    from test_imdb_fit import write_reviews
     from zerotrain.plan import probe as probe_mod
     from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
 

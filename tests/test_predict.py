@@ -11,8 +11,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import WORDS, zerotrain_cmd
-from test_load_run import imdb_task, write_run
+from helpers import WORDS, imdb_task, write_run, zerotrain_cmd
 
 from zerotrain.cli import main
 from zerotrain.errors import UserError

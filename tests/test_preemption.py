@@ -5,15 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import LAUNCHER_VARS, REPO
-from test_fit import toy_config, train_log
+from helpers import popen_zerotrain, toy_config, train_log, wait_for_rows
 
 from zerotrain.checkpoint.layout import MARKER, complete_checkpoints, state_file
 from zerotrain.train.loop import fit
@@ -90,15 +86,6 @@ def test_the_requeue_hint_names_the_run():
     assert str(err).endswith("--checkpoint.resume auto --trainer.run_name myrun to continue")
 
 
-def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    # Prepended, as conftest.run_python does: the GPU machine's packages come through PYTHONPATH too.
-    pythonpath = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
-    env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1")
-    return subprocess.Popen([sys.executable, "-m", "zerotrain", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 class _SignalState(torch.utils.data.Dataset):
     """Each item: whether SIGTERM is ignored and whether it is blocked, in the process that loads it."""
 
@@ -133,16 +120,6 @@ def test_loader_workers_are_forked_with_stop_signals_blocked_then_ignore_them(tm
     assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # this process: as before
 
 
-def _wait_for_rows(metrics: Path, proc: subprocess.Popen, rows: int = 3, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and proc.poll() is None:
-        if metrics.is_file() and len(metrics.read_text().splitlines()) >= rows:
-            return
-        time.sleep(0.1)
-    out, err = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
-    pytest.fail(f"the run logged no steps (exit {proc.poll()}): {err[-2000:]}")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_to_the_command_saves_and_exits_75(tmp_path, nproc):
@@ -152,8 +129,8 @@ def test_sigterm_to_the_command_saves_and_exits_75(tmp_path, nproc):
     args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
             "1", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
             "--trainer.eval_every_steps", "100000", "--launch.nproc_per_node", str(nproc)]
-    proc = _start(args, tmp_path)
-    _wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc)
+    proc = popen_zerotrain(args, tmp_path)
+    wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
@@ -163,7 +140,7 @@ def test_sigterm_to_the_command_saves_and_exits_75(tmp_path, nproc):
     assert meta["world_size"] == nproc and all(state_file(folder, r).is_file() for r in range(nproc))
     assert 3 <= meta["step"] < 100000
     # The requeued command continues from that checkpoint.
-    resumed = _start([*args[:3], str(meta["step"] + 2), *args[4:], "--checkpoint.resume", "auto"], tmp_path)
+    resumed = popen_zerotrain([*args[:3], str(meta["step"] + 2), *args[4:], "--checkpoint.resume", "auto"], tmp_path)
     out, err = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, err[-3000:]
     steps = sorted(train_log(tmp_path / "run"))

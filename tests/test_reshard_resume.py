@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import zerotrain_cmd
-from test_fit import train_log
+from helpers import train_log, zerotrain_cmd
 
 REL = 1e-5
 

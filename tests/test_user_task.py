@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import zerotrain_cmd  # noqa: E402
+from helpers import zerotrain_cmd  # noqa: E402
 
 PROJECT = Path(__file__).resolve().parent / "usertask"
 SPEC = "curve_fitting.sine:SineTask"

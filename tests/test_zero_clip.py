@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import RecordOps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerotrain.engines.ds_private.zero_clip import _unscale_and_clip_grads
@@ -57,16 +58,6 @@ def test_only_deepspeeds_zero12_optimizer_is_a_target():
     from zerotrain.engines.ds_private.zero_clip import is_zero12
 
     assert not is_zero12(SimpleNamespace(unscale_and_clip_grads=None))
-
-
-class RecordOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("values", [[2.5], [float("inf")], [float("-inf")], [float("nan")], [0.0], [-1.0],

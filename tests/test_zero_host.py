@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_fit import toy_config, train_log
-from test_zero_clip import RecordOps
+from helpers import RecordOps, toy_config, train_log
 
 from zerotrain.engines.ds_private import patches, zero_host
 
