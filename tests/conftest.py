@@ -1,7 +1,17 @@
 """Fixtures and hooks for every test under tests/; the plain helpers they share are in helpers.py.
 
-pyproject.toml's ``pythonpath = ["tests"]`` puts this folder on ``sys.path`` before any conftest or test
-module is imported, under every import mode, so ``from helpers import ...`` works from every test module.
+Layout: tests/<package>/test_*.py tests src/zerotrain/<package>/ (config, cli, tasks, models, data, train,
+engines, checkpoint, runtime, metrics, plan), a file going where what it mainly tests lives. The test_*.py
+files at the top of tests/ are about the product as a whole: the docs, every documented bad input (also a
+script: ``python tests/test_bad_inputs.py``), the GPU checks, the kill test of benchmarks/.
+
+The folders are not packages (no __init__.py): pytest imports each test module under its file name, so file
+names must stay unique across folders (pytest stops at collection when two collide). Packages would allow
+equal names but would make ``config``, ``data``, ``train``... importable top-level packages that shadow
+any module of that name. pyproject.toml's ``pythonpath = ["tests"]`` puts this folder on ``sys.path`` before
+any conftest or test module is imported, under every import mode, so ``from helpers import ...`` works
+from every folder; a script in this folder finds it as its own folder.
+
 Test modules never import each other: what two of them need is a function in helpers.py or a fixture here.
 The names this module takes from helpers (``zerotrain_cmd``, ``run_python``, ``start_zerotrain``, ``REPO``,
 ``WORDS``, ``make_tokenizer``, ``LAUNCHER_VARS``) stay importable from here, as ``from conftest import ...``.

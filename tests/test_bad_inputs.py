@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import REPO, make_tokenizer, zerotrain_cmd  # noqa: E402
+from helpers import REPO, make_tokenizer, zerotrain_cmd
 
 DOC = REPO / "docs" / "BAD_INPUTS.md"
 

@@ -247,7 +247,7 @@ def test_the_mlm_residual_stream_is_bf16_under_cuda_autocast():
 
 def test_the_backward_clock_finds_autograds_thread_for_the_gpu_and_it_runs():
     """A CUDA backward runs on torch's pt_autograd_<index> thread: the clock finds the thread by that name and its
-    CPU time grows with backward work (no such clock on a CPU device: tests/test_metrics.py)."""
+    CPU time grows with backward work (no such clock on a CPU device: tests/metrics/test_metrics.py)."""
     import torch
 
     from zerotrain.metrics.meters import BackwardThreadClock, HostClock

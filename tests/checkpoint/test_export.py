@@ -232,7 +232,6 @@ def test_mlm_safetensors_export_predicts_like_the_run(mlm_run, tmp_path, capsys)
 def test_imdb_export_is_what_predict_reads(tmp_path, tiny_tokenizer_dir, capsys):
     import random
 
-
     from zerotrain.tasks.imdb import IMDBConfig, IMDBTask, SentimentModelConfig
 
     data = write_reviews(tmp_path / "imdb", {"train": 64, "test": 32}, random.Random(0))

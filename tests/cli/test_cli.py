@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
 from zerotrain.tasks import registry as recipes
 from zerotrain.config import StrategyConfig, TrainerConfig
 from zerotrain.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 CONFIG_RECIPES = {"mlm_": "mlm", "imdb_": "imdb", "lora_": "lora", "causal_lm_": "causal-lm", "classify_": "classify"}

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-from pathlib import Path
 
 import pytest
-from helpers import toy_config, train_log
+from helpers import REPO, toy_config, train_log
 
 from zerotrain.engines.ds_private import patches
 from zerotrain.tasks.toy import ToyTask
 from zerotrain.train.loop import fit
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_toy_trains_under_every_zero_stage(tmp_path, stage):
@@ -35,7 +31,7 @@ def _deepspeed_range():
     from packaging.requirements import Requirement
 
     tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     (spec,) = [Requirement(r).specifier for r in project["dependencies"] if Requirement(r).name == "deepspeed"]
     return spec
 
@@ -49,6 +45,6 @@ def test_the_installed_version_is_in_the_tested_range():
 def test_ci_tests_the_floor_pyproject_states():
     """.ci/run's second venv installs the lowest DeepSpeed pyproject.toml admits, not some other version."""
     (floor,) = [s.version for s in _deepspeed_range() if s.operator == ">="]
-    ci = (ROOT / ".ci" / "run").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
     (low,) = re.findall(r"^DS_LOW=(\S+)", ci, flags=re.MULTILINE)
     assert low == floor

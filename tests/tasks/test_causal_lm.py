@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import WORDS, train_log, zerotrain_cmd
+from helpers import REPO, WORDS, train_log, zerotrain_cmd
 
 from zerotrain.data.collate import IGNORE_INDEX
 from zerotrain.data.lm import collate_packed, pack
@@ -220,9 +220,8 @@ def test_gutenberg_slice_pretrains(shared_data, tmp_path, tiny_tokenizer_dir):
 
     lines = read_text_lines(str(shared_data / "gutenberg" / "train.txt.xz"), max_lines=400)
     (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
-    repo = Path(__file__).resolve().parent.parent
-    cfg = config(tmp_path, repo / "examples" / "data" / "roberta-tokenizer", steps=12, backend="ddp")
-    cfg.model.config = str(repo / "configs" / "tiny_llama_config.json")
+    cfg = config(tmp_path, REPO / "examples" / "data" / "roberta-tokenizer", steps=12, backend="ddp")
+    cfg.model.config = str(REPO / "configs" / "tiny_llama_config.json")
     cfg.data.val_path, cfg.data.seq_len = None, 64
     cfg.trainer.micro_batch_size = 4
     result = fit(CausalLMTask(cfg))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import train_log
+from helpers import REPO, train_log
 
 from zerotrain.errors import DataError
 from zerotrain.tasks.classify import ClassifyConfig, ClassifyTask
@@ -125,10 +125,9 @@ def test_integer_labels_and_a_label_outside_the_classes(files):
 @pytest.mark.slow
 def test_imdb_slice_fine_tunes_a_tiny_roberta(shared_data, tmp_path, files):
     """The real IMDB records (jsonl.gz, text/label) with the shipped RoBERTa tokenizer and a tiny random RoBERTa."""
-    repo = Path(__file__).resolve().parent.parent
     config_file = tmp_path / "roberta-50k.json"
     config_file.write_text(json.dumps(dict(CONFIGS["roberta"], vocab_size=50265, max_position_embeddings=136)))
-    cfg = config(tmp_path, repo / "examples" / "data" / "roberta-tokenizer", steps=10, backend="ddp")
+    cfg = config(tmp_path, REPO / "examples" / "data" / "roberta-tokenizer", steps=10, backend="ddp")
     cfg.model.config = str(config_file)
     from zerotrain.data.labelled import read_labelled
 

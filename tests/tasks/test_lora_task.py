@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
 
 from zerotrain.config import TrainerConfig, from_dict
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.tasks.lora import LoRAConfig, LoRADataConfig, LoRAModelConfig, LoRATask
-
-REPO = Path(__file__).resolve().parents[1]
 
 RECORDS = [
     {"input": "the movie was", "target": "very good"},

@@ -1,7 +1,7 @@
 """A user's own Task on the command line: ``zerotrain fit module:Class`` and the commands on its runs.
 
-The task lives outside the package, in ``tests/usertask/curve_fitting/sine.py`` (a package of the user's
-own): the commands run in ``tests/usertask``, as a user runs them in their project folder. Entry points
+The task lives outside the package, in ``tests/tasks/usertask/curve_fitting/sine.py`` (a package of the user's
+own): the commands run in ``tests/tasks/usertask``, as a user runs them in their project folder. Entry points
 are registered by a real ``*.dist-info`` folder on ``sys.path``, read by importlib.metadata itself.
 """
 
@@ -12,9 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import zerotrain_cmd  # noqa: E402
+from helpers import zerotrain_cmd
 
 PROJECT = Path(__file__).resolve().parent / "usertask"
 SPEC = "curve_fitting.sine:SineTask"

@@ -12,22 +12,18 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import zerotrain_cmd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import zerotrain_cmd  # noqa: E402
-
-from zerotrain.config.flags import parse_config  # noqa: E402
-from zerotrain.errors import OOM_EXIT, OutOfMemory  # noqa: E402
-from zerotrain.runtime.launcher import describe_failure  # noqa: E402
-from zerotrain.train.oom import describe_oom, failed_step, next_smaller  # noqa: E402
-from zerotrain.tasks.base import REGISTRY  # noqa: E402
-from zerotrain.tasks.toy import ToyConfig  # noqa: E402
+from zerotrain.config.flags import parse_config
+from zerotrain.errors import OOM_EXIT, OutOfMemory
+from zerotrain.runtime.launcher import describe_failure
+from zerotrain.train.oom import describe_oom, failed_step, next_smaller
+from zerotrain.tasks.base import REGISTRY
+from zerotrain.tasks.toy import ToyConfig
 
 TORCH_MESSAGE = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which "
                  "1.23 GiB is free. Including non-PyTorch memory, this process has 77.80 GiB memory in use. Of the "
@@ -216,7 +212,7 @@ class OomToy(ToyTask):
 ''' % TORCH_MESSAGE
 
 SITECUSTOMIZE = '''
-# Written by tests/test_oom.py, and on PYTHONPATH only in its jobs: it shadows the interpreter's own
+# Written by tests/train/test_oom.py, and on PYTHONPATH only in its jobs: it shadows the interpreter's own
 # sitecustomize, which it runs first, then registers the recipe toy_oom in every process of the job.
 import importlib.machinery
 import importlib.util
