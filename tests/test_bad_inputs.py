@@ -23,9 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import REPO, make_tokenizer, zerotrain_cmd  # noqa: E402
+from helpers import REPO, make_tokenizer, zerotrain_cmd
 
 DOC = REPO / "docs" / "BAD_INPUTS.md"
 
@@ -235,7 +233,7 @@ def normalise(text: str, tmp: Path, tok: Path) -> str:
 
 def make_inputs(tmp: Path) -> tuple[Path, Path]:
     """Every file and folder the cases name, under ``tmp``; returns (tmp, tokenizer folder)."""
-    from conftest import WORDS
+    from helpers import WORDS
 
     tok = tmp / "tok"
     make_tokenizer(tok)
