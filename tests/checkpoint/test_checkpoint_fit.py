@@ -7,7 +7,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from helpers import toy_config, train_log
+from helpers import Evil, toy_config, train_log
 
 from zerotrain.runtime import rundir
 from zerotrain.checkpoint.layout import MARKER, complete_checkpoints
@@ -16,14 +16,6 @@ from zerotrain.train.loop import fit
 from zerotrain.tasks.toy import ToyTask
 
 
-class Evil:
-    """Unpickling this creates ``path``: what a crafted checkpoint file would do instead."""
-
-    def __init__(self, path: Path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 def finished_run(tmp_path: Path, name: str, **strategy) -> Path:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_fit import Evil
-from test_fit import toy_config
+from helpers import Evil, toy_config
 
 from zerotrain.checkpoint.layout import MARKER, complete_checkpoints, problem
 from zerotrain.cli import main
@@ -133,12 +132,13 @@ def test_export_checks_the_checkpoint_before_reading_it(zero_runs, tmp_path, dam
 
 
 def test_predict_of_a_lora_run_with_a_pickled_adapter_is_one_line(tmp_path, tiny_tokenizer_dir, capsys):
-    from test_load_run import write_run
-    from test_predict import LLAMA
+    from helpers import LLAMA, write_run
+
+    llama = dict(LLAMA, vocab_size=64)
 
     from zerotrain.tasks.lora import LoRAConfig, LoRATask
 
-    (tmp_path / "llama.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "llama.json").write_text(json.dumps(llama))
     cfg = LoRAConfig()
     cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / "llama.json"), str(tiny_tokenizer_dir)
     cfg.model.lora_r, cfg.model.merge_on_export = 4, False
