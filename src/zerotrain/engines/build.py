@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, engine_clips, make_ds_config
 from zerotrain.engines.base import Engine
-from zerotrain.engines.deepspeed import DeepSpeedEngine
+from zerotrain.engines.deepspeed import DeepSpeedEngine, partitioned_construction
 from zerotrain.engines.plain import TorchEngine
 
 
@@ -24,8 +25,31 @@ def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precisi
     """
     if cfg.strategy.backend != "deepspeed":
         return TorchEngine(model, cfg, device, precision, total_steps, steps_per_epoch)
-    facts = {"total_num_steps": total_steps, "warmup_num_steps": cfg.scheduler.warmup_steps,
-             "min_lr_ratio": cfg.scheduler.min_lr_ratio, **(hints or {})}
-    ds = make_ds_config(cfg, world_size, device.type, precision, facts)
+    ds = _ds_config(cfg, device, precision, total_steps, world_size, hints)
     clip = cfg.strategy.gradient_clipping if engine_clips(cfg, ds) else None
     return DeepSpeedEngine(model, cfg, device, ds, total_steps, steps_per_epoch, clip)
+
+
+def model_construction(cfg: RunConfig, device: torch.device, precision: ResolvedPrecision, total_steps: int,
+                       world_size: int) -> ContextManager[bool]:
+    """The block the recipe's model is built in; it yields whether models are built partitioned there.
+
+    Under DeepSpeed ZeRO-3 (the generated JSON's stage or the user's file's), Hugging Face models built in the
+    block are built partitioned over the ranks, and :mod:`zerotrain.models.hf` reads pretrained weights one
+    tensor at a time into the partitions, so that no process holds the whole model (see
+    :func:`zerotrain.engines.deepspeed.partitioned_construction`). Elsewhere the block changes nothing.
+    """
+    if cfg.strategy.backend != "deepspeed":
+        return contextlib.nullcontext(False)
+    # Without the model's hints: what they fill (bucket sizes) does not change how parameters are partitioned.
+    ds = _ds_config(cfg, device, precision, total_steps, world_size, None)
+    if (ds.get("zero_optimization") or {}).get("stage", 0) != 3:
+        return contextlib.nullcontext(False)
+    return partitioned_construction(ds)
+
+
+def _ds_config(cfg: RunConfig, device: torch.device, precision: ResolvedPrecision, total_steps: int,
+               world_size: int, hints: Optional[dict[str, Any]]) -> dict[str, Any]:
+    facts = {"total_num_steps": total_steps, "warmup_num_steps": cfg.scheduler.warmup_steps,
+             "min_lr_ratio": cfg.scheduler.min_lr_ratio, **(hints or {})}
+    return make_ds_config(cfg, world_size, device.type, precision, facts)

@@ -1,0 +1,86 @@
+"""ZeRO-3 builds a Hugging Face model partitioned and reads its weights files one tensor at a time: no process
+holds the whole model while loading, and the model starts from exactly the pretrained weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import WORDS, make_tokenizer, zerotrain_cmd
+
+MIB = 2**20
+# Measured on top of a process's resident memory before the model is built, beside its partition and one weights
+# file: the code imported while building (transformers' modeling module: ~40 MiB) and what the allocator keeps.
+SLACK = 96 * MIB
+
+
+def _write_text(path: Path) -> None:
+    path.write_text("\n".join(" ".join(WORDS[(i * 7 + j * 3) % 12] for j in range(6)) for i in range(48)) + "\n")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """A 98M-parameter Llama (390 MB in fp32) saved in nine safetensors files of at most 48 MB."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("llama")
+    config = LlamaConfig(vocab_size=8192, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128, bos_token_id=0,
+                         pad_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="48MB")
+    make_tokenizer(folder)
+    _write_text(folder.parent / "train.txt")
+    return folder
+
+
+def _tensors(files: list[Path]):
+    from safetensors import safe_open
+
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_pretrained_model_loads_into_the_partitions_one_file_at_a_time(pretrained, tmp_path, nproc):
+    files = sorted(pretrained.glob("model-*.safetensors"))
+    assert len(files) >= 4
+    model_bytes = sum(t.numel() * t.element_size() for _, t in _tensors(files))
+    largest_tensor = max(t.numel() * t.element_size() for _, t in _tensors(files))
+    largest_file = max(p.stat().st_size for p in files)
+    # One weights file mapped, one whole tensor gathered, this process's part of the model
+    bound = largest_file + largest_tensor + model_bytes / nproc + SLACK
+    if nproc > 1:
+        # A process that held the whole model at any moment would exceed the bound
+        assert bound < model_bytes, (bound / MIB, model_bytes / MIB)
+
+    # One step at lr 1e-9: Adam's first step moves each weight by at most the rate, so the exported model is the
+    # model as it was loaded.
+    args = ["fit", "causal-lm", "--model.name_or_path", str(pretrained), "--data.train_path",
+            str(pretrained.parent / "train.txt"), "--data.seq_len", "32", "--data.cache_dir", str(tmp_path / "cache"),
+            "--strategy.zero_stage", "3", "--optimizer.lr", "1e-9", "--optimizer.weight_decay", "0",
+            "--trainer.micro_batch_size", "2", "--trainer.max_steps", "1", "--trainer.num_workers", "0",
+            "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--launch.nproc_per_node", str(nproc),
+            "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+    out = zerotrain_cmd(args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "partitioned over the ranks (ZeRO-3)" in out.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["model_load_partitioned"] is True
+    before, peak = summary["model_load_host_rss_before_gib"], summary["model_load_host_rss_peak_gib"]
+    assert len(before) == len(peak) == nproc
+    for rank, (b, p) in enumerate(zip(before, peak)):
+        grew = (p - b) * 2**30
+        assert grew <= bound, (f"rank {rank}: host memory grew by {grew / MIB:.0f} MiB while loading, more than "
+                               f"{bound / MIB:.0f} MiB (model {model_bytes / MIB:.0f} MiB)")
+
+    exported = sorted((tmp_path / "run" / "model").glob("*.safetensors"))
+    trained = dict(_tensors(exported))
+    for key, tensor in _tensors(files):
+        torch.testing.assert_close(trained[key], tensor, rtol=0, atol=2e-9, msg=key)
