@@ -11,7 +11,8 @@ from torch import nn
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, engine_clips, make_ds_config
 from zerotrain.engines.base import Engine
-from zerotrain.engines.deepspeed import DeepSpeedEngine, partitioned_construction
+from zerotrain.engines.deepspeed import DeepSpeedEngine
+from zerotrain.engines.partitioning import partitioned_construction
 from zerotrain.engines.plain import TorchEngine
 
 
@@ -34,10 +35,10 @@ def model_construction(cfg: RunConfig, device: torch.device, precision: Resolved
                        world_size: int) -> ContextManager[bool]:
     """The block the recipe's model is built in; it yields whether models are built partitioned there.
 
-    Under DeepSpeed ZeRO-3 (the generated JSON's stage or the user's file's), Hugging Face models built in the
-    block are built partitioned over the ranks, and :mod:`zerotrain.models.hf` reads pretrained weights one
-    tensor at a time into the partitions, so that no process holds the whole model (see
-    :func:`zerotrain.engines.deepspeed.partitioned_construction`). Elsewhere the block changes nothing.
+    Under DeepSpeed ZeRO-3 (the generated JSON's stage or the user's file's), Hugging Face models loaded in the
+    block through :mod:`zerotrain.models.hf` are built partitioned over the ranks and pretrained weights are read
+    one tensor at a time into the partitions, so that no process holds the whole model (see
+    :mod:`zerotrain.engines.partitioning`). Elsewhere the block changes nothing.
     """
     if cfg.strategy.backend != "deepspeed":
         return contextlib.nullcontext(False)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,58 +27,6 @@ from zerotrain.train.schedule import make_scheduler
 from zerotrain.train.state import load_safely, weights_only_torch_load
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def partitioned_construction(ds: dict[str, Any]) -> Iterator[bool]:
-    """Hugging Face models built in this block are built partitioned over the ranks, as ZeRO-3 trains them.
-
-    transformers' own switch for it is a live ``HfDeepSpeedConfig`` (its public, weakly referenced global):
-    while it lives, ``from_config`` builds the model inside DeepSpeed's ``zero.Init`` (each module's parameters
-    split over the ranks as soon as the module exists) and initialises it one module at a time, gathered; without
-    it every rank would build the whole model first. It lives for this block only, so that models built later in
-    the process (an export's copy on rank 0 alone) are whole again. Yields True.
-    """
-    from transformers.integrations import HfDeepSpeedConfig
-
-    switch = HfDeepSpeedConfig(ds)
-    try:
-        with _freed_blocks_returned():
-            yield True
-    finally:
-        del switch  # the weak reference dies with it: transformers builds whole models again
-
-
-# glibc's mallopt parameter, and the threshold its dynamic rule rises to at most on 64-bit hosts.
-_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX = -3, 32 * 2**20
-
-
-@contextlib.contextmanager
-def _freed_blocks_returned(threshold: int = 2**20) -> Iterator[None]:
-    """Blocks of ``threshold`` bytes or more freed in this block go back to the operating system at once.
-
-    Building partitioned allocates each parameter whole, copies this rank's part out and frees the whole one.
-    glibc's malloc serves blocks below its mmap threshold from its heap, which keeps freed blocks for reuse, and it
-    raises that threshold to the largest block freed so far: measured on a 47M-parameter Llama built on one rank,
-    the freed tensors stayed in the process, 0.9x the model on top of its partition. With a fixed threshold of 1
-    MiB they are unmapped as they are freed. Afterwards the threshold is glibc's own ceiling, where its dynamic
-    rule ends once a block that large was freed. Elsewhere than glibc, nothing changes.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        yield
-        return
-    pinned = bool(mallopt(_M_MMAP_THRESHOLD, threshold))
-    try:
-        yield
-    finally:
-        if pinned:
-            mallopt(_M_MMAP_THRESHOLD, _GLIBC_MMAP_THRESHOLD_MAX)
 
 
 class DeepSpeedEngine(Engine):

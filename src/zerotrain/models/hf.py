@@ -20,6 +20,9 @@ time) and a pretrained model's weights are read one tensor at a time into the pa
 (:func:`load_partitioned`). No process holds the whole model, in host or device memory: at most one weights
 file mapped, one full tensor, and its own partition. transformers' own ``from_pretrained`` under ZeRO-3 reads
 every file into one state dict on rank 0 first, the whole model in host memory.
+
+A random model built partitioned is initialised module by module, which draws the random numbers in another
+order than the whole model's initialisation: the same seed gives other weights than a build outside ZeRO-3.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch
 from torch import nn
 
 from zerotrain.data.io import hub_offline, looks_local
+from zerotrain.engines.partitioning import zero3_config
 from zerotrain.engines.states import full_numel
 from zerotrain.errors import ConfigError, UserError
 
@@ -133,7 +137,8 @@ def read_config(source: ModelSource, overrides: Optional[dict[str, Any]] = None)
 
 
 def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool = True,
-               min_vocab: Optional[int] = None, config_overrides: Optional[dict[str, Any]] = None) -> nn.Module:
+               min_vocab: Optional[int] = None, config_overrides: Optional[dict[str, Any]] = None,
+               partition_random: bool = True) -> nn.Module:
     """The model of ``kind`` from ``source``, on CPU, in ``dtype``.
 
     ``pretrained=False`` builds the architecture without reading any weights (``zerotrain estimate``, and what
@@ -141,11 +146,17 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
     model's ``vocab_size``: a smaller embedding than the tokenizer would index past its end.
     ``config_overrides`` (``num_labels``, ``id2label``, ``label2id``) are set on the config before the model is
     built, so a pretrained encoder gets a fresh classification head of the right size.
+
+    Inside the training loop's model construction under ZeRO-3 the model is built partitioned (see the module's
+    docstring); ``partition_random=False`` builds a random model whole there all the same, for a caller that
+    redraws it from the seed outside the run.
     """
     cls = auto_class(kind)
     overrides = dict(config_overrides or {})
-    if pretrained and source.init != "random" and partitioned():
-        return _load_partitioned_pretrained(kind, cls, source, dtype, overrides)
+    ds = zero3_config()
+    if ds is not None and pretrained and source.init != "random":
+        return _load_partitioned_pretrained(kind, cls, source, dtype, overrides, ds)
+    partition = ds is not None and pretrained and partition_random
     if source.init == "random" or not pretrained:
         config = read_config(source, overrides)
         vocab = getattr(config, "vocab_size", None)
@@ -154,7 +165,8 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
                               f"vocab_size {vocab} is smaller than the tokenizer's {min_vocab} tokens; raise "
                               f"vocab_size in the config file or use a matching {source.flag}.tokenizer")
         try:
-            return cls.from_config(config, dtype=dtype)
+            with built_partitioned(ds if partition else None):
+                return cls.from_config(config, dtype=dtype)
         except ValueError as exc:
             raise UserError(f"{source.flag}.config: {source.config or source.name_or_path!r} does not describe "
                             f"{_WHAT[kind]} ({_first_line(exc)})") from None
@@ -166,17 +178,29 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
         raise _load_error(source, _WHAT[kind], exc) from None
 
 
-def partitioned() -> bool:
-    """Whether models are built partitioned here: inside the training loop's model construction under ZeRO-3
-    (transformers' ``HfDeepSpeedConfig`` switch, see :func:`zerotrain.engines.deepspeed.partitioned_construction`).
-    ``from_config`` then builds in DeepSpeed's ``zero.Init``."""
-    from transformers.integrations import is_deepspeed_zero3_enabled
+@contextlib.contextmanager
+def built_partitioned(ds: Optional[dict[str, Any]]):
+    """transformers builds models partitioned as the ZeRO-3 JSON ``ds`` says in this block (None: whole).
 
-    return bool(is_deepspeed_zero3_enabled())
+    transformers' own switch for it is a live ``HfDeepSpeedConfig`` (a public, weakly referenced global): while it
+    lives, ``from_config`` builds inside DeepSpeed's ``zero.Init`` (each module's parameters split over the ranks as
+    soon as the module exists) and initialises the model one module at a time, gathered. It lives for this block
+    only, so that models built later in the process (an export's copy on rank 0 alone) are whole again.
+    """
+    if ds is None:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    switch = HfDeepSpeedConfig(ds)
+    try:
+        yield
+    finally:
+        del switch  # the weak reference dies with it: transformers builds whole models again
 
 
 def _load_partitioned_pretrained(kind: Kind, cls: Any, source: ModelSource, dtype: torch.dtype,
-                                 overrides: dict[str, Any]) -> nn.Module:
+                                 overrides: dict[str, Any], ds: dict[str, Any]) -> nn.Module:
     """A pretrained model built partitioned and filled one tensor at a time (see :func:`load_partitioned`).
 
     The architecture comes from the folder's config (``overrides`` set on it, as ``from_pretrained`` sets them)
@@ -187,7 +211,8 @@ def _load_partitioned_pretrained(kind: Kind, cls: Any, source: ModelSource, dtyp
     config = read_config(source, overrides)
     files = weight_files(where, source)
     try:
-        model = cls.from_config(config, dtype=dtype)
+        with built_partitioned(ds):
+            model = cls.from_config(config, dtype=dtype)
     except ValueError as exc:
         raise _load_error(source, _WHAT[kind], exc) from None
     load_partitioned(model, files, source.flag)

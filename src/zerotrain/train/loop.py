@@ -263,16 +263,18 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int) -> t
     order) and rank 0 logs them: whether loading a big model fits the host is read there, per process.
     """
     t0 = time.perf_counter()
-    with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size) as partitioned, \
+    with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size), \
             HostPeak(interval_s=0.01) as host:
         model = task.build_model()
     seconds = time.perf_counter() - t0
+    # What the recipe's loader made of it (a model it builds whole stays whole): a partitioned parameter has ds_numel
+    partitioned = any(hasattr(p, "ds_numel") for p in model.parameters())
     mine = (host.before_gib, host.peak_gib)
     before, peak = zip(*(all_gather_object(mine) if rt.world_size > 1 else [mine]))
     log.info("model built in %.1f s%s: host memory at most %s GiB per process (%s before)", seconds,
              ", partitioned over the ranks (ZeRO-3)" if partitioned else "",
              " / ".join(f"{v:.2f}" for v in peak), " / ".join(f"{v:.2f}" for v in before))
-    return model, {"model_load_s": seconds, "model_load_partitioned": bool(partitioned),
+    return model, {"model_load_s": seconds, "model_load_partitioned": partitioned,
                    "model_load_host_rss_before_gib": list(before), "model_load_host_rss_peak_gib": list(peak)}
 
 
