@@ -270,7 +270,11 @@ class _WeightsFile:
 
             self._handle = safe_open(str(self.path), framework="pt", device="cpu")
         else:
-            self._handle = torch.load(str(self.path), map_location="cpu", mmap=True, weights_only=True)
+            try:
+                self._handle = torch.load(str(self.path), map_location="cpu", mmap=True, weights_only=True)
+            except (RuntimeError, OSError, ValueError) as exc:  # mmap needs the zip format torch has saved since 1.6
+                raise UserError(f"--model.name_or_path: {self.path} cannot be read a tensor at a time "
+                                f"({_first_line(exc)}): save the model again with save_pretrained (safetensors)") from None
         return self
 
     def __exit__(self, *exc: object) -> None:
