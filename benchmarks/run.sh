@@ -7,7 +7,10 @@
 # validation.txt.xz: one paragraph of text a line). The imdb part also needs the DeepSpeed tutorial's Lightning
 # script for IMDB, given as PEER=path.
 #
-# Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | offload_large_model | offload_5b | planner |
+# causal_lm_1b also needs DATA/tok32k, a 32,000-token tokenizer: python3 benchmarks/make_tokenizer.py
+# DATA/gutenberg/train.txt.xz DATA/tok32k.
+#
+# Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | offload_large_model | offload_5b | planner |
 #        kill_test (CPU) | gpu_tests
 set -uo pipefail
 OUT=${OUT:-/tmp/zerotrain-bench}
@@ -33,6 +36,13 @@ BIG=("${BERT[@]}" --model.h_dim 4096 --model.ff_dim 16384 --model.num_heads 32
 LORA=(--model.init random --model.config configs/llama_1b_config.json --model.tokenizer "$TOK"
       --data.train_path "$OUT/sft.jsonl" --data.max_length 512 --trainer.micro_batch_size 4
       --precision.dtype bf16 --optimizer.lr 2e-4 --trainer.num_workers 2 --checkpoint.save_final false)
+# causal-lm, Llama-shaped 1.1B (configs/llama_1.1b_config.json, random weights), rows of 2,048 Gutenberg tokens, bf16,
+# full AdamW, micro-batch 8, 40 steps of which the first 15 are not timed; no evaluation, export or final save
+LLAMA=(--model.init random --model.config configs/llama_1.1b_config.json --model.tokenizer "$D/tok32k"
+       --data.train_path "$D/gutenberg/train.txt.xz" --data.format text --data.seq_len 2048 --data.max_train_lines 30000
+       --data.cache_dir "$OUT/cache" --precision.dtype bf16 --optimizer.lr 3e-4 --scheduler.warmup_steps 5
+       --trainer.micro_batch_size 8 --trainer.max_steps 40 --trainer.warmup_steps_excluded 15 --trainer.log_every_steps 5
+       --trainer.evaluate false --trainer.export false --checkpoint.save_final false --logging.progress_bar false)
 plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
   local name=$1; shift
   z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials 3 > "$OUT/planner/$name.log" 2>&1
@@ -74,8 +84,38 @@ for part in "$@"; do
              --scheduler.warmup_steps 5 --strategy.deepspeed_config src/zerotrain/presets/ds_zero2_offload.json)
       z benchmark lora --strategies zero2 --predict false --out "$OUT/lora/compiled" "${FLAGS[@]}" \
         --compile.enabled true --data.bucket_by_length true --data.pad_to_multiple_of 64 | tail -n 3
-      python3 benchmarks/hf_trainer_lora.py --out "$OUT/lora/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
+      python3 benchmarks/hf_trainer.py --recipe lora --out "$OUT/lora/hf_trainer.json" --warmup 40 -- "${FLAGS[@]}" \
         > "$OUT/lora/hf_trainer.log" 2>&1; echo "hf_trainer rc=$?"; tail -n 8 "$OUT/lora/hf_trainer.log" ;;
+    causal_lm_1b)  # zerotrain's causal-lm (GPU CUDA_A) beside the Hugging Face Trainer (GPU CUDA_B) on one model and
+      # data; zerotrain: DeepSpeed ZeRO-1/2, eager or compiled block by block, its attention choices for packed
+      # rows; the Trainer: the ZeRO-2 JSON a user writes (ds_zero2_auto.json), with torch_compile, and alone at its best
+      C=$OUT/causal_lm_1b
+      zb() { local name=$1 stage=$2; shift 2; CUDA_VISIBLE_DEVICES=${CUDA_A:-0} z benchmark causal-lm --strategies "$stage" \
+        --predict false --out "$C/$name" "${LLAMA[@]}" "$@" > "$C/$name.log" 2>&1; echo "$name rc=$?"; }
+      hf() { local name=$1 args=$2; shift 2; CUDA_VISIBLE_DEVICES=${CUDA_B:-0} python3 benchmarks/hf_trainer.py \
+        --recipe causal-lm --out "$C/$name.json" --warmup 15 --trainer_args "$args" -- "${LLAMA[@]}" "$@" \
+        --data.cache_dir "$OUT/cache_hf" > "$C/$name.log" 2>&1; echo "$name rc=$?"; }
+      COMPILED=(--compile.enabled true)
+      ( zb zero2_eager zero2 --model.attn_implementation sdpa
+        zb zero1_compiled_sdpa zero1 "${COMPILED[@]}" --model.attn_implementation sdpa
+        zb zero1_compiled zero1 "${COMPILED[@]}"
+        zb zero2_compiled zero2 "${COMPILED[@]}"
+        zb zero1_compiled_rowmask zero1 "${COMPILED[@]}" --data.document_mask false ) &
+      ( hf hf_zero2 '{}' --strategy.deepspeed_config benchmarks/ds_zero2_auto.json
+        hf hf_zero2_compile '{"torch_compile": true}' --strategy.deepspeed_config benchmarks/ds_zero2_auto.json
+        hf hf_alone_compile '{"torch_compile": true, "optim": "adamw_torch_fused"}'
+        hf hf_alone_liger '{"use_liger_kernel": true, "optim": "adamw_torch_fused"}' ) &
+      wait
+      python3 benchmarks/compare_rows.py --out "$C/causal_lm_1b" \
+        --title "Llama-shaped 1.1B, seq 2048, bf16, AdamW, micro-batch 8, one GPU each" \
+        --zerotrain "zerotrain ZeRO-2, eager, sdpa + document mask=$C/zero2_eager/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-1, compiled, sdpa + document mask=$C/zero1_compiled_sdpa/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-1, compiled (default attention: flex)=$C/zero1_compiled/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-2, compiled (default attention: flex)=$C/zero2_compiled/benchmark.json" \
+        --zerotrain "zerotrain ZeRO-1, compiled, one causal mask a row=$C/zero1_compiled_rowmask/benchmark.json" \
+        --peer "HF Trainer + ZeRO-2 JSON=$C/hf_zero2.json" --peer "HF Trainer + ZeRO-2 JSON, torch_compile=$C/hf_zero2_compile.json" \
+        --peer "HF Trainer alone, torch_compile, fused AdamW=$C/hf_alone_compile.json" \
+        --peer "HF Trainer alone, Liger kernels, fused AdamW=$C/hf_alone_liger.json" | tail -n 16 ;;
     offload_large_model)  # full AdamW with the optimizer on the host (ZeRO-2 + CPU offload), one GPU.
       # SIZE=12b: 60 layers (12.31B parameters), micro-batch 32, pinned (needs ~260 GiB of host memory);
       # SIZE=host125: 32 layers (6.67B), micro-batch 16, unpinned, GPU capped at 79 GiB (fits a 125 GiB host)

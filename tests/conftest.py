@@ -1,89 +1,44 @@
-"""Shared fixtures: a tiny tokenizer and tiny text data built in the test, never downloaded."""
+"""Fixtures and hooks for every test under tests/; the plain helpers they share are in helpers.py.
+
+Layout: tests/<package>/test_*.py tests src/zerotrain/<package>/ (config, cli, tasks, models, data, train,
+engines, checkpoint, runtime, metrics, plan), a file going where what it mainly tests lives. The test_*.py
+files at the top of tests/ are about the product as a whole: the docs, every documented bad input (also a
+script: ``python tests/test_bad_inputs.py``), the GPU checks, the kill test of benchmarks/.
+
+The folders are not packages (no __init__.py): pytest imports each test module under its file name, so file
+names must stay unique across folders (pytest stops at collection when two collide). Packages would allow
+equal names but would make ``config``, ``data``, ``train``... importable top-level packages that shadow
+any module of that name. pyproject.toml's ``pythonpath = ["tests"]`` puts this folder on ``sys.path`` before
+any conftest or test module is imported, under every import mode, so ``from helpers import ...`` works
+from every folder; a script in this folder finds it as its own folder.
+
+Test modules never import each other: what two of them need is a function in helpers.py or a fixture here.
+The names this module takes from helpers (``zerotrain_cmd``, ``run_python``, ``start_zerotrain``, ``REPO``,
+``WORDS``, ``make_tokenizer``, ``LAUNCHER_VARS``) stay importable from here, as ``from conftest import ...``.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+from helpers import (  # noqa: F401  (some only to be importable from here)
+    LAUNCHER_VARS,
+    LLAMA,
+    REPO,
+    RUNNING,
+    SHARED_DATA,
+    WORDS,
+    make_tokenizer,
+    run_python,
+    start_zerotrain,
+    zerotrain_cmd,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
-LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
-_RUNNING: dict[str, pytest.Item] = {}
-"""The test being set up or run, for :func:`run_python`'s marker check."""
-
-
-def run_python(argv: list[str], cwd: Path, timeout: int = 600, **env_extra: str):
-    """Run ``python ARGV`` in a fresh process that imports this checkout's zerotrain.
-
-    In-process fits earlier in the session set torchrun's variables for their group of one;
-    they are dropped, so a command with --launch.nproc_per_node N starts its N workers itself.
-    The test that calls it must be marked ``slow`` (a fresh process pays for importing torch).
-    """
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, *argv], cwd=cwd, env=_child_env(argv, env_extra), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def start_zerotrain(args: list[str], cwd: Path, **env_extra: str):
-    """``python -m zerotrain ARGS`` started in the background (a ``subprocess.Popen``), for a test that acts
-    on the job while it runs. Its stdout and stderr go to ``cwd/stdout.txt`` and ``cwd/stderr.txt`` (files,
-    not pipes, which a long run fills while nobody reads them). Same environment as :func:`run_python`."""
-    import subprocess
-    import sys
-
-    argv = ["-m", "zerotrain", *args]
-    with open(cwd / "stdout.txt", "w") as out, open(cwd / "stderr.txt", "w") as err:
-        return subprocess.Popen([sys.executable, *argv], cwd=cwd, env=_child_env(argv, env_extra), stdout=out,
-                                stderr=err)
-
-
-def _child_env(argv: list[str], env_extra: dict) -> dict:
-    item = _RUNNING.get("item")
-    if item is not None and item.get_closest_marker("slow") is None:
-        pytest.fail(f"{item.nodeid} starts `python {' '.join(map(str, argv[:2]))} ...`: mark it @pytest.mark.slow",
-                    pytrace=False)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    pythonpath = os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)
-    env.update(PYTHONPATH=pythonpath, HF_HUB_OFFLINE="1", **env_extra)
-    return env
-
-
-def zerotrain_cmd(args: list[str], cwd: Path, timeout: int = 600, **env_extra: str):
-    """Run ``python -m zerotrain ARGS`` as a user would (see :func:`run_python`)."""
-    return run_python(["-m", "zerotrain", *args], cwd, timeout, **env_extra)
-
-
-WORDS = (
-    "the a movie film was great good bad awful terrible wonderful plot acting story actor boring "
-    "fun loved hated and but not very really i it this of to in is".split()
-)
-
-
-def make_tokenizer(folder: Path):
-    """A word-level tokenizer with RoBERTa's special tokens, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<s>", "<pad>", "</s>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + WORDS + ["<mask>"])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        mask_token="<mask>", cls_token="<s>", sep_token="</s>",
-    )
-    fast.save_pretrained(folder)
-    return fast
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +46,17 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tokenizer")
     make_tokenizer(folder)
     return folder
+
+
+@pytest.fixture()
+def lora_files(tmp_path, tiny_tokenizer_dir) -> tuple[Path, Path]:
+    """``(tmp_path, tokenizer)`` with ``tmp_path/llama.json`` (a tiny Llama for that tokenizer) and
+    ``tmp_path/train.jsonl`` (32 prompt/target records in its words), the inputs of ``helpers.lora_fit_args``."""
+    (tmp_path / "llama.json").write_text(json.dumps(dict(LLAMA, vocab_size=64)))
+    records = [{"input": f"{WORDS[i % 20]} {WORDS[(i * 7) % 20]}", "target": f"{WORDS[(i * 3) % 20]} {WORDS[i % 5]}"}
+               for i in range(32)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return tmp_path, tiny_tokenizer_dir
 
 
 @pytest.fixture(scope="session")
@@ -128,11 +94,11 @@ MARKER_OF_FIXTURE = {"shared_data": "data", "cpu_adam_built": "slow"}
 
 
 def pytest_runtest_setup(item):
-    _RUNNING["item"] = item
+    RUNNING["item"] = item
 
 
 def pytest_runtest_teardown(item, nextitem):
-    _RUNNING.pop("item", None)
+    RUNNING.pop("item", None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,6 +15,7 @@ of two ranks ends with the same single line as one process.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import shlex
 import sys
@@ -22,9 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import REPO, make_tokenizer, zerotrain_cmd  # noqa: E402
+from helpers import REPO, make_tokenizer, zerotrain_cmd
 
 DOC = REPO / "docs" / "BAD_INPUTS.md"
 
@@ -55,7 +54,10 @@ CASES = [
     Case("unknown-flag", "flag", "fit toy $FIT --no.such.flag 1"),
     Case("flag-prefix", "flag", "fit toy $FIT --trainer.max_step 5"),
     Case("flag-wrong-type", "flag", "fit toy $FIT --trainer.max_steps five"),
-    Case("flag-bad-choice", "flag", "fit toy $FIT --optimizer.name sgd"),
+    Case("flag-bad-choice", "flag", "fit toy $FIT --strategy.backend fsdp"),
+    Case("optimizer-unknown", "flag", "fit toy $FIT --optimizer.name sgdd"),
+    Case("optimizer-class-not-found", "flag", "fit toy $FIT --optimizer.name no_such_package.optim:Fast"),
+    Case("optimizer-not-an-optimizer", "flag", "fit toy $FIT --optimizer.name collections.OrderedDict"),
     Case("flag-bad-precision", "flag", "fit toy $FIT --precision.dtype fp8"),
     Case("old-precision-flag", "flag", "fit toy $FIT --strategy.precision bf16"),
     Case("old-compile-flag", "flag", "fit toy $FIT --strategy.compile true"),
@@ -160,6 +162,21 @@ CASES = [
     Case("causal-lm-chat-no-assistant", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/chat_noanswer.jsonl --data.format chat"),
+    Case("causal-lm-streaming-saved-dataset", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/saved_text --data.streaming true"),
+    Case("causal-lm-cache-dir-is-file", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/train.txt --data.cache_dir {tmp}/train.txt"),
+    Case("causal-lm-csv-missing-field", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/sft_nofield.csv --data.format sft"),
+    Case("causal-lm-parquet-missing-field", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/docs.parquet --data.text_field body"),
+    Case("causal-lm-mixed-formats", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/mixed"),
     Case("classify-missing-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_nolabel.jsonl"),
     Case("classify-bad-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_badlabel.jsonl"),
     Case("classify-one-class", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_oneclass.jsonl"),
@@ -192,6 +209,15 @@ CASES = [
     Case("export-no-checkpoint", "checkpoint", "export {tmp}/nockpt"),
     Case("export-missing-step", "checkpoint", "export {tmp}/runs/toyrun --step 7"),
     Case("export-hf-not-mlm", "checkpoint", "export {tmp}/runs/toyrun --format hf"),
+    # ---- files and folders from elsewhere ----
+    Case("run-name-outside", "flag", "fit toy $FIT --trainer.run_name ../../x"),
+    Case("run-name-absolute", "flag", "fit toy $FIT --trainer.run_name {tmp}/x"),
+    Case("run-folder-link-out", "output", "fit toy $FIT --trainer.run_name linked"),
+    Case("resume-crafted-pickle", "checkpoint", "fit toy $FIT --trainer.run_name crafted --checkpoint.resume auto"),
+    Case("export-crafted-pickle", "checkpoint", "export {tmp}/runs/crafted"),
+    Case("export-damaged", "checkpoint", "export {tmp}/runs/flipped"),
+    Case("export-marker-without-files", "checkpoint", "export {tmp}/runs/nolist"),
+    Case("predict-pickle-weights", "command", "predict {tmp}/runs/pickled hello"),
 ]
 
 
@@ -207,7 +233,7 @@ def normalise(text: str, tmp: Path, tok: Path) -> str:
 
 def make_inputs(tmp: Path) -> tuple[Path, Path]:
     """Every file and folder the cases name, under ``tmp``; returns (tmp, tokenizer folder)."""
-    from conftest import WORDS
+    from helpers import WORDS
 
     tok = tmp / "tok"
     make_tokenizer(tok)
@@ -264,6 +290,16 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     chat = {"messages": [{"role": "user", "content": "the movie"}, {"role": "assistant", "content": "was good"}]}
     (tmp / "chat.jsonl").write_text(json.dumps(chat) + "\n")
     (tmp / "chat_noanswer.jsonl").write_text(json.dumps({"messages": chat["messages"][:1]}) + "\n")
+    (tmp / "sft_nofield.csv").write_text("input,answer\nthe movie,was good\nthe plot,was bad\n")
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["the movie was good", "the plot was bad"]}), tmp / "docs.parquet")
+    datasets.Dataset.from_dict({"text": ["the movie was good"] * 4}).save_to_disk(str(tmp / "saved_text"))
+    (tmp / "mixed").mkdir()
+    (tmp / "mixed" / "a.txt").write_text("the movie was good\n")
+    (tmp / "mixed" / "b.jsonl").write_text(json.dumps({"text": "the plot was bad"}) + "\n")
     lines = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
     (tmp / "cls.jsonl").write_text(lines([{"text": "good", "label": "pos"}, {"text": "bad", "label": "neg"}]))
     (tmp / "cls_nolabel.jsonl").write_text(lines([{"text": "good", "label": "pos"}, {"text": "bad"}]))
@@ -282,7 +318,49 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     fit(ToyTask(cfg))
     (tmp / "nockpt").mkdir()
     (tmp / "nockpt" / "hparams.json").write_text((tmp / "runs" / "toyrun" / "hparams.json").read_text())
+    make_untrusted(tmp)
     return tmp, tok
+
+
+class _Evil:
+    """Unpickling this would create ``path``: what a crafted file would do instead (the cases check it does not)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def make_untrusted(tmp: Path) -> None:
+    """Copies of the toy run, each with one thing someone else put there, and a run folder with a link out of it."""
+    import hashlib
+    import shutil
+
+    runs = tmp / "runs"
+    (runs / "linked").mkdir()
+    (tmp / "outside.txt").write_text("not the run's\n")
+    (runs / "linked" / "gitdiff.log").symlink_to(tmp / "outside.txt")
+
+    def copy(name: str) -> tuple[Path, Path, dict]:
+        shutil.copytree(runs / "toyrun", runs / name)
+        (folder,) = (runs / name / "checkpoints").glob("step*")
+        return runs / name, folder, json.loads((folder / "COMPLETE.json").read_text())
+
+    _, folder, meta = copy("crafted")  # a pickle that would create {tmp}/code-ran, its marker edited to match
+    weights = folder / "mp_rank_00_model_states.pt"
+    weights.write_bytes(pickle.dumps({"module": _Evil(tmp / "code-ran")}))
+    meta["files"][weights.name] = {"bytes": weights.stat().st_size,
+                                   "sha256": hashlib.sha256(weights.read_bytes()).hexdigest()}
+    (folder / "COMPLETE.json").write_text(json.dumps(meta))
+    _, folder, _ = copy("flipped")  # one byte changed after the save
+    data = bytearray((folder / "mp_rank_00_model_states.pt").read_bytes())
+    data[-100] ^= 0xFF
+    (folder / "mp_rank_00_model_states.pt").write_bytes(bytes(data))
+    _, folder, meta = copy("nolist")  # a marker with no file list
+    (folder / "COMPLETE.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+    run, _, _ = copy("pickled")  # a pickle among the exported weights
+    (run / "model" / "pytorch_model.bin").write_bytes(pickle.dumps({"w": _Evil(tmp / "code-ran")}))
 
 
 def run_in_process(case: Case, tmp: Path, tok: Path, capsys) -> tuple[int, list[str]]:
@@ -354,6 +432,8 @@ def test_bad_input(case, inputs, capsys):
     _, want_code, want = doc_rows()[case.id]
     code, lines = run_in_process(case, tmp, tok, capsys)
     assert (code, lines) == (want_code, [want])
+    assert not (tmp / "code-ran").exists()  # no crafted file ran its code
+    assert (tmp / "outside.txt").read_text() == "not the run's\n"  # nothing was written through a link
     assert code == case.code
     # What makes the line useful: which subcommand, and a flag, key or file it names.
     assert re.match(r"zerotrain( \w+)?: error: ", want)
@@ -379,7 +459,8 @@ def test_hparams_record_what_the_deepspeed_file_set(tmp_path):
     h = json.loads((tmp_path / "r" / "hparams.json").read_text())
     assert (h["strategy"]["zero_stage"], h["strategy"]["gradient_accumulation_steps"], h["trainer"]["micro_batch_size"],
             h["strategy"]["gradient_clipping"], h["strategy"]["reduce_bucket_size"]) == (2, 2, 4, 0.5, 1000)
-    assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0}
+    assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0,
+                              "momentum": 0.0}
     assert cfg.strategy.zero_stage == 0  # the caller's config is left as it was
 
 

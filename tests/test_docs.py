@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 USER_DOCS = [REPO / "README.md", REPO / "BENCHMARKS.md", *sorted((REPO / "docs").rglob("*.md"))]
 
 # [text](target) and ![alt](target); a target ends at whitespace or the closing parenthesis

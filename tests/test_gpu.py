@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import zerotrain_cmd
+from helpers import popen_zerotrain, wait_for_rows, zerotrain_cmd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # most tests start a `python -m zerotrain fit` process
 
@@ -74,22 +74,20 @@ def test_sigterm_saves_and_the_zero2_bf16_checkpoint_resumes_on_gpu(tmp_path):
     weights-only loader with GPU tensors in them."""
     import signal
 
-    from test_preemption import _start, _wait_for_rows
-
     from zerotrain.checkpoint.layout import MARKER, complete_checkpoints
     from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
     args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
             "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
             "--trainer.eval_every_steps", "100000", "--strategy.zero_stage", "2", "--precision.dtype", "bf16"]
-    proc = _start(args, tmp_path)
-    _wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc, timeout=600)
+    proc = popen_zerotrain(args, tmp_path)
+    wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc, timeout=600)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
     (folder,) = complete_checkpoints(tmp_path / "run" / "checkpoints")
     step = json.loads((folder / MARKER).read_text())["step"]
-    resumed = _start([*args[:3], str(step + 2), *args[4:], "--checkpoint.resume", "auto"], tmp_path)
+    resumed = popen_zerotrain([*args[:3], str(step + 2), *args[4:], "--checkpoint.resume", "auto"], tmp_path)
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_step"] == step + 2
@@ -249,7 +247,7 @@ def test_the_mlm_residual_stream_is_bf16_under_cuda_autocast():
 
 def test_the_backward_clock_finds_autograds_thread_for_the_gpu_and_it_runs():
     """A CUDA backward runs on torch's pt_autograd_<index> thread: the clock finds the thread by that name and its
-    CPU time grows with backward work (no such clock on a CPU device: tests/test_metrics.py)."""
+    CPU time grows with backward work (no such clock on a CPU device: tests/metrics/test_metrics.py)."""
     import torch
 
     from zerotrain.metrics.meters import BackwardThreadClock, HostClock
@@ -263,3 +261,22 @@ def test_the_backward_clock_finds_autograds_thread_for_the_gpu_and_it_runs():
     torch.cuda.synchronize()
     assert start.backward_cpu_s is not None
     assert (HostClock.read(backward=clock) - start).backward_cpu_s > 0
+
+
+def test_causal_lm_packed_documents_take_flex_attention_and_train(tmp_path):
+    """On a GPU, document-masked packed rows take flex_attention by default (sdpa would get a dense mask), and the
+    compiled model trains with it: the loss falls."""
+    from conftest import REPO
+
+    out = zerotrain_cmd(["fit", "causal-lm", "--config", str(REPO / "configs" / "causal_lm_tiny.yaml"),
+                         "--model.config", str(REPO / "configs" / "tiny_llama_config.json"),
+                         "--model.tokenizer", str(REPO / "examples" / "data" / "roberta-tokenizer"),
+                         "--data.train_path", str(REPO / "examples" / "data" / "imdb-sample" / "train.jsonl.gz"),
+                         "--data.cache_dir", str(tmp_path / "cache"), "--precision.dtype", "bf16",
+                         "--compile.enabled", "true", "--trainer.output_dir", str(tmp_path),
+                         "--trainer.run_name", "flex", "--logging.progress_bar", "false"], cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "attn_implementation=flex_attention" in out.stderr + out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "flex" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    assert len(losses) >= 3 and losses[-1] < losses[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, run_python
+from helpers import REPO, run_python
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ import torch
 from zerotrain.checkpoint.layout import (
     complete_checkpoints,
     is_complete,
+    problem,
     step_folder,
 )
 from zerotrain.checkpoint.weights import (
@@ -46,6 +47,7 @@ from zerotrain.checkpoint.weights import (
     materialise,
     write_safetensors,
 )
+from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.engines.ds_private.zero_to_fp32 import (
     fp32_state_dict_lazy,
     import_consolidator,
@@ -53,6 +55,7 @@ from zerotrain.engines.ds_private.zero_to_fp32 import (
 from zerotrain.errors import UserError
 from zerotrain.models.roberta_mlm import hf_roberta_config, hf_roberta_state_dict
 from zerotrain.runtime import rundir
+from zerotrain.train.state import load_safely, refuse_unsafe_files, weights_only_torch_load
 
 Format = Literal["safetensors", "hf"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -71,7 +74,22 @@ class ExportResult:
 # ---- reading a run ---------------------------------------------------------------------------
 
 def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
-    """The newest complete checkpoint, or the one of ``step``."""
+    """The newest complete checkpoint, or the one of ``step``, checked before anything in it is read.
+
+    The check is resume's (:func:`zerotrain.checkpoint.layout.problem`): the marker lists every file, and each
+    has its recorded size and sha256. A damaged checkpoint is refused in one line naming the file, not replaced
+    by an older one: what the export holds is what was asked for.
+    """
+    folder = _pick(run_dir, step)
+    damage = problem(folder, checksums=True)
+    if damage is not None:
+        older = [p for p in complete_checkpoints(run_dir / "checkpoints") if p.name < folder.name]
+        hint = f"Export an older step with --step {_step_of(older[-1])}" if older else "It has no older checkpoint"
+        raise UserError(f"checkpoint {folder} is damaged: {damage}. {hint}")
+    return folder
+
+
+def _pick(run_dir: Path, step: Optional[int]) -> Path:
 
     ckpts = run_dir / "checkpoints"
     found = complete_checkpoints(ckpts)
@@ -109,10 +127,13 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
     Names are the unwrapped module's (no ``module.`` prefix). Tensors shared between names (tied
     weights) are listed under each name.
     """
+    # Every file a loader below may read is scanned first (nothing unpickled): a crafted one is refused naming it.
+    with _cpu_accelerator():
+        allow = ds_safe_globals()  # imports DeepSpeed's record classes
+    refuse_unsafe_files(sorted(folder.glob("*.pt")), allow, _EXPORTING)
     state_file = folder / TORCH_STATE
     optim = sorted(folder.glob("*_optim_states.pt"))
     if state_file.is_file():
-        # Tensors and plain containers only (weights_only): a crafted file cannot run code here; mmap: not read into memory.
         sd = _torch_load(state_file)
         module = sd.get("module") if isinstance(sd, dict) else None
         if not isinstance(module, dict):
@@ -123,7 +144,10 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
         with _cpu_accelerator():
             import_consolidator()
         try:
-            with _quiet():
+            # DeepSpeed's converter calls torch.load(weights_only=False) on every *_states.pt it finds: within this
+            # block each of those loads is weights-only (DeepSpeed's few record classes allowed), so a crafted file
+            # is refused in one line and runs nothing. Lazy mode reads every file here, none later.
+            with _quiet(), weights_only_torch_load(folder, ds_safe_globals(), _EXPORTING):
                 lazy = fp32_state_dict_lazy(str(folder.parent), folder.name)
         except (ValueError, FileNotFoundError, RuntimeError, KeyError) as exc:
             raise UserError(f"{folder}: DeepSpeed cannot consolidate this checkpoint "
@@ -155,12 +179,13 @@ def _cpu_accelerator() -> Iterator[None]:
             os.environ.pop("DS_ACCELERATOR", None)
 
 
+_EXPORTING = ("", "Export an older step with --step N")
+"""How a file export cannot load safely is named (see :func:`zerotrain.train.state.unreadable`)."""
+
+
 def _torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # a truncated or foreign file: pickle, zip and torch each raise their own
-        raise UserError(f"{path} cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}): "
-                        "the file is damaged. Export an older step with --step N") from None
+    # Tensors, plain containers and DeepSpeed's record classes only; mmap: not read into memory.
+    return load_safely(path, "cpu", ds_safe_globals(), _EXPORTING, mmap=True)
 
 
 def _strip(name: str) -> str:
@@ -187,6 +212,7 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
     if fmt not in ("safetensors", "hf"):
         raise UserError(f"--format {fmt!r}: choose safetensors or hf")
     recipe, cfg, raw = rundir.read_run(run_dir)
+    rundir.check_closed(run_dir.resolve())  # nothing is read or written through a link out of the run folder
     task_cls = rundir.task_class(raw, run_dir / "hparams.json")
     if fmt == "hf" and recipe != "mlm" and not callable(getattr(task_cls, "export_hf", None)):
         raise UserError(f"--format hf: only the mlm, causal-lm and classify recipes map onto a Hugging Face "
@@ -206,6 +232,11 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
     except OSError as exc:
         raise UserError(f"--out: cannot create {out_dir} ({exc.strerror or exc}). Pass a folder you can write to") \
             from None
+    if fmt == "hf" or recipe != "lora":
+        # Built without pretrained weights (every tensor comes from the checkpoint): the run's own model config
+        # serves, so the export works when the model folder it was trained from is gone. The lora recipe's
+        # safetensors export rebuilds the frozen base from where the run took it (the checkpoint holds the adapter).
+        rundir.use_own_model_config(cfg, run_dir)
     task = task_cls(cfg)
     torch_dtype = DTYPES[dtype]
     try:

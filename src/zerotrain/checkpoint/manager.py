@@ -44,6 +44,7 @@ import torch
 from zerotrain.checkpoint.layout import (
     FORMAT,
     MARKER,
+    STEP_NAME,
     _gather,
     checkpoint_bytes,
     complete_checkpoints,
@@ -185,12 +186,13 @@ def check_global_batch(folder: Path, meta: dict[str, Any], shape: dict[str, Any]
 
 
 # ---- integrity -------------------------------------------------------------------------------
-def estimate_bytes(n_params: int, n_trainable: int, precision: str, backend: str) -> int:
+def estimate_bytes(n_params: int, n_trainable: int, precision: str, backend: str, optimizer_states: int = 2) -> int:
     """One checkpoint's size, estimated from the model before training: the weights in their training
-    precision, plus per trainable parameter Adam's two fp32 moments and, under DeepSpeed, the fp32
-    master copy (which a 16-bit run keeps besides its 16-bit weights)."""
+    precision, plus per trainable parameter the optimizer's ``optimizer_states`` fp32 states (Adam's two
+    moments; :func:`zerotrain.engines.states.optimizer_states`) and, under DeepSpeed, the fp32 master copy
+    (which a 16-bit run keeps besides its 16-bit weights)."""
     weight = 2 if precision in ("bf16", "fp16") else 4
-    per_trainable = 8 + (4 if backend == "deepspeed" else 0)
+    per_trainable = 4 * optimizer_states + (4 if backend == "deepspeed" else 0)
     return n_params * weight + n_trainable * per_trainable
 
 
@@ -234,9 +236,10 @@ class Checkpointer:
             # never delete a good checkpoint.
             self.last_saved = step
             return folder
-        if rank == 0 and folder.exists():
-            # A leftover from a killed save of the same step; what cannot be removed fails the writes below.
-            shutil.rmtree(folder, ignore_errors=True)
+        if rank == 0 and (folder.exists() or folder.is_symlink()):
+            # A leftover from a killed save of the same step (a link: the link, never what it names); what cannot
+            # be removed fails the writes below.
+            rundir.remove_entry(folder)
         self.engine.barrier()
         error = None
         try:
@@ -333,12 +336,16 @@ class Checkpointer:
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` complete checkpoints; remove older ones and the debris of killed saves.
+
+    Only checkpoint folders (:data:`~zerotrain.checkpoint.layout.STEP_NAME`) are touched: a damaged checkpoint
+    moved aside (``step*.damaged-*``) stays, as :func:`~zerotrain.checkpoint.layout.set_aside` decides."""
     complete = complete_checkpoints(ckpt_dir)
     doomed = complete[:-keep_last]
     newest = complete[-1] if complete else None
     for p in ckpt_dir.iterdir():
         # Incomplete folders older than the newest complete one are debris of killed saves.
-        if p.is_dir() and not is_complete(p) and newest is not None and p.name < newest.name:
+        if STEP_NAME.fullmatch(p.name) and not is_complete(p) and newest is not None and p.name < newest.name:
             doomed.append(p)
     for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+        rundir.remove_entry(p)

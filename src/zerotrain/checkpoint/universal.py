@@ -95,6 +95,4 @@ def _listing_problem(folder: Path, marker: str, checksums: bool) -> Optional[str
         files = json.loads((folder / marker).read_text()).get("files")
     except (OSError, ValueError, AttributeError) as exc:
         return f"{folder / marker} cannot be read ({exc})"
-    if not isinstance(files, dict):
-        return f"{folder / marker} lists no files"
-    return listing_problem(folder, files, checksums)
+    return listing_problem(folder, files, checksums, marker=folder / marker)

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from zerotrain.engines import optimizers
 from zerotrain.errors import ConfigError
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
@@ -24,8 +25,8 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw", "adam"] = "adamw"
-    """Adam with decoupled weight decay (adamw) or L2-style weight decay (adam). FusedAdam runs it on GPU, DeepSpeedCPUAdam under CPU offload, torch Adam on CPU."""
+    name: str = "adamw"
+    """adamw (default), adam, sgd, adagrad, or a torch.optim.Optimizer class path (torch.optim.RMSprop, my_package.module:MyOptimizer). DeepSpeed runs Adam as FusedAdam on GPU, DeepSpeedCPUAdam under CPU offload."""
     lr: float = 1e-4
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -34,8 +35,14 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = 0.01
     """Weight decay."""
+    momentum: float = 0.0
+    """SGD momentum (sgd, or a class path that takes it); 0 keeps no momentum buffer."""
 
     def validate(self) -> None:
+        if optimizers.kind(self.name) is None:  # a class path: that it imports and is an optimizer
+            optimizers.resolve_class(self.name)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("--optimizer.momentum", f"must be in [0, 1), got {self.momentum}")
         if self.lr <= 0:
             raise ConfigError("--optimizer.lr", f"must be > 0, got {self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -246,6 +253,8 @@ class TrainerConfig:
             raise ConfigError("--trainer.num_workers", f"must be >= 0, got {self.num_workers}")
         if self.profile_steps < 0:
             raise ConfigError("--trainer.profile_steps", f"must be >= 0, got {self.profile_steps}")
+        if self.run_name and (why := run_name_problem(self.run_name)):
+            raise ConfigError("--trainer.run_name", f"{why}: pass one folder name, such as myrun-1")
 
 
 @dataclass
@@ -382,6 +391,20 @@ def check_across_sections(cfg: "RunConfig") -> None:
                           "given: pass --trainer.run_name NAME (the folder name under --trainer.output_dir)")
     if tr.max_steps is not None:
         check_warmup(sched.warmup_steps, tr.max_steps)
+
+
+def run_name_problem(name: str) -> Optional[str]:
+    """What makes ``name`` no single folder name under ``--trainer.output_dir`` (None: nothing). A run folder is a
+    closed room: a name with a path separator (an absolute path included) or ``..`` would put the run, and every
+    file it writes, somewhere else; a control character such as a newline breaks the log lines that name it."""
+    if name in (".", ".."):
+        return f"{name!r} is no folder name"
+    if "/" in name or "\\" in name:
+        return f"{name!r} holds a path separator, and a run name is one folder under --trainer.output_dir"
+    bad = next((ch for ch in name if ord(ch) < 32 or ord(ch) == 127), None)
+    if bad is not None:
+        return f"{name!r} holds the control character {bad!r}"
+    return None
 
 
 def check_warmup(warmup_steps: int, total_steps: int) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zerotrain.config import RunConfig
+from zerotrain.engines import optimizers
 from zerotrain.engines.ds_private.config import (
     builtin_optimizer_names,
     zero_optimization_keys,
@@ -59,9 +60,10 @@ def _offload_block(kind: str, nvme_path: str | None, pin_memory: bool) -> dict[s
 def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision) -> dict[str, Any]:
     """The DeepSpeed config for ``cfg`` on ``world_size`` data-parallel ranks of ``device`` (cuda/cpu).
 
-    Pure: reads nothing but its arguments. The optimizer is DeepSpeed's own (FusedAdam on GPU,
-    DeepSpeedCPUAdam under optimizer offload); on CPU without offload ``torch_adam`` selects
-    torch's Adam, since FusedAdam is a CUDA kernel.
+    Pure: reads nothing but its arguments (and the optimizer table, :mod:`zerotrain.engines.optimizers`).
+    The optimizer block is the table's (Adam: DeepSpeed's FusedAdam on GPU, DeepSpeedCPUAdam under
+    optimizer offload, torch's Adam on CPU); a class path has none, as the engine hands DeepSpeed the
+    optimizer it built.
     """
     s, opt = cfg.strategy, cfg.optimizer
     micro = cfg.trainer.micro_batch_size
@@ -74,20 +76,20 @@ def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Res
         "gradient_clipping": s.gradient_clipping,
         "steps_per_print": _QUIET_STEPS,
         "wall_clock_breakdown": False,
-        "optimizer": {
-            "type": "AdamW" if opt.name == "adamw" else "Adam",
-            "params": {
-                "lr": opt.lr,
-                "betas": list(opt.betas),
-                "eps": opt.eps,
-                "weight_decay": opt.weight_decay,
-                "torch_adam": device == "cpu" and not offloading,
-                "adam_w_mode": opt.name == "adamw",
-            },
-        },
         "fp16": {"enabled": False},
         "bf16": {"enabled": precision == "bf16"},
     }
+    block = optimizers.ds_block(opt, device, offloading)
+    if block is not None:
+        ds["optimizer"] = block
+    if not (block is not None and optimizers.OPTIMIZERS[opt.name].zero_tested):
+        # DeepSpeed's ZeRO stages step any torch optimizer's partition, but refuse one off their tested list
+        # without this key (stage 0 ignores it; written at every stage, so a user's file whose stage differs
+        # gets it too)
+        ds["zero_allow_untested_optimizer"] = True
+    if block is None:
+        # The client optimizer steps the offloaded partition on the host, as the table's torch optimizers do
+        ds["zero_force_ds_cpu_optimizer"] = False
     if precision == "fp16":
         ds["fp16"] = {
             "enabled": True,
@@ -240,10 +242,8 @@ def check_user_keys(user: dict[str, Any], path: str | Path) -> None:
 
 # Keys whose "auto" is not the same key in the generated config (Hugging Face's conventions).
 def _auto_aliases(generated: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    opt = generated["optimizer"]["params"]
     zero = generated["zero_optimization"]
     aliases: dict[str, Any] = {
-        "scheduler.params.warmup_max_lr": opt["lr"],
         "scheduler.params.warmup_min_lr": 0.0,
         "scheduler.params.cos_min_ratio": extra.get("min_lr_ratio", 0.0),
         "zero_optimization.stage3_prefetch_bucket_size": zero["reduce_bucket_size"],
@@ -252,6 +252,8 @@ def _auto_aliases(generated: dict[str, Any], extra: dict[str, Any]) -> dict[str,
         "zero_optimization.stage3_max_live_parameters": 1_000_000_000,
         "zero_optimization.stage3_max_reuse_distance": 1_000_000_000,
     }
+    if "optimizer" in generated:
+        aliases["scheduler.params.warmup_max_lr"] = generated["optimizer"]["params"]["lr"]
     if "hidden_size" in extra:
         h = extra["hidden_size"]
         # Hugging Face's rule of thumb: buckets sized from the hidden size.
@@ -311,8 +313,11 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
         world = generated["train_batch_size"] // (
             generated["train_micro_batch_size_per_gpu"] * generated["gradient_accumulation_steps"])
         resolved["train_batch_size"] = micro * gas * world
-    if "optimizer" not in resolved:
+    if "optimizer" not in resolved and "optimizer" in generated:
         resolved["optimizer"] = copy.deepcopy(generated["optimizer"])
+    for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
+        if key in generated and key not in user:
+            resolved[key] = generated[key]
     return resolved
 
 
@@ -365,7 +370,8 @@ def _validate_for_device(ds: dict[str, Any], device: str) -> None:
                           "does nothing for zerotrain's models: remove it and pass --activation_checkpointing.enabled true")
     opt = ds.get("optimizer")
     name = opt.get("type") if isinstance(opt, dict) else None
-    if isinstance(name, str) and name.lower() not in _DS_OPTIMIZERS:
+    if isinstance(name, str) and name.lower() not in _DS_OPTIMIZERS \
+            and name not in {row.ds_type for row in optimizers.OPTIMIZERS.values()}:  # DeepSpeed: torch.optim.<type>
         # Deferred: zerotrain.engines imports this module (a circle at import time), and it imports DeepSpeed
 
         known = sorted(set(builtin_optimizer_names() or ()) | set(_DS_OPTIMIZERS))
@@ -400,7 +406,10 @@ def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> Non
         s.gradient_clipping = float(ds["gradient_clipping"])
     params = (ds.get("optimizer") or {}).get("params") or {}
     o = cfg.optimizer
-    for name, cast in (("lr", float), ("eps", float), ("weight_decay", float)):
+    row = optimizers.by_ds_type((ds.get("optimizer") or {}).get("type", ""))
+    if row is not None:
+        o.name = "adamw" if row.name == "adam" and bool(params.get("adam_w_mode", True)) else row.name
+    for name, cast in (("lr", float), ("eps", float), ("weight_decay", float), ("momentum", float)):
         if isinstance(params.get(name), (int, float)):
             setattr(o, name, cast(params[name]))
     if isinstance(params.get("betas"), list) and len(params["betas"]) == 2:
@@ -477,6 +486,10 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
+        if "optimizer" in user and "optimizer" not in generated:
+            raise ConfigError("--optimizer.name", f"{cfg.optimizer.name} and the optimizer block of "
+                              f"{cfg.strategy.deepspeed_config} (--strategy.deepspeed_config) both name an optimizer: "
+                              "remove the block, or leave --optimizer.name unset")
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
     validate_ds_config(ds, world_size, device)

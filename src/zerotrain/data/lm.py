@@ -19,7 +19,7 @@ row-long pieces, each its own sequence.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from zerotrain.data.collate import IGNORE_INDEX
 from zerotrain.data.io import atomic_file, fingerprint
 from zerotrain.data.sft import read_records
+from zerotrain.data.streaming import RowMaker
 from zerotrain.errors import DataError
 
 _CACHE_FORMAT = 1
@@ -192,3 +193,92 @@ def file_identity(path: str) -> str:
     p = Path(path).expanduser()
     files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
     return "|".join(f"{q.resolve()}:{q.stat().st_size}:{q.stat().st_mtime_ns}" for q in files if q.exists())
+
+
+# ---- rows from a chunk of records (the datasets path: Dataset.map and the streamed split) -------------------------
+_HERE = "\x00here\x00"
+PACK_CHUNK = 1000
+"""Records per chunk: one Dataset.map batch, or one read of a streamed split. Packing stays within a chunk, so a
+chunk's rows depend on that chunk alone (what makes a streamed resume exact); it wastes at most one part-filled row
+per chunk."""
+
+
+def rows_of(examples: list[dict[str, list[int]]], seq_len: int, pad_token_id: int, packed: bool) -> dict[str, list]:
+    """Examples as columns of rows: packed into ``seq_len`` rows (``input_ids``, ``labels``, ``position_ids``,
+    ``tokens``), or as they are (``input_ids``, ``labels``)."""
+    if not packed:
+        return {"input_ids": [e["input_ids"] for e in examples], "labels": [e["labels"] for e in examples]}
+    rows = pack(examples, seq_len, pad_token_id)
+    return {"input_ids": rows.input_ids.tolist(), "labels": rows.labels.tolist(),
+            "position_ids": rows.position_ids.tolist(), "tokens": rows.tokens.tolist()}
+
+
+def text_rows(column: str, tokenizer, seq_len: int, pad_token_id: int, where) -> RowMaker:
+    """Raw documents (non-blank values of ``column``) -> packed rows. ``where(index)`` names a record in errors."""
+    def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        docs = []
+        for value, i in zip(batch[column], indices):
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise DataError(f"{where(i)}: no string field {column!r}; set --data.text_field")
+            if value.strip():
+                docs.append(value)
+        return rows_of(text_examples(docs, tokenizer), seq_len, pad_token_id, packed=True)
+    return make
+
+
+def sft_rows(tokenizer, template: str, seq_len: int, train_on_inputs: bool, input_field: str, target_field: str,
+             pad_token_id: int, packed: bool, where, length_flag: str) -> RowMaker:
+    """Prompt/response records -> rows (the prompt masked), as :func:`zerotrain.data.sft.build_example` makes them."""
+    from zerotrain.data.sft import build_example
+
+    def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        examples = []
+        for k, i in enumerate(indices):
+            record = {name: batch[name][k] for name in batch}
+            for name, flag in ((input_field, "--data.input_field"), (target_field, "--data.target_field")):
+                if record.get(name) is None:
+                    keys = sorted(n for n, v in record.items() if v is not None)
+                    raise DataError(f"{where(i)}: missing field {name!r} (keys: {keys}). Rename the field or set {flag}")
+                if not isinstance(record[name], str):
+                    raise DataError(f"{where(i)}: field {name!r} must be a string, got {type(record[name]).__name__}")
+            try:
+                examples.append(build_example(record, tokenizer, template, seq_len, train_on_inputs, i, input_field,
+                                              target_field, length_flag))
+            except DataError as exc:
+                raise DataError(f"{where(i)}: {str(exc).removeprefix(f'record {i}: ')}") from None
+        return rows_of(examples, seq_len, pad_token_id, packed)
+    return make
+
+
+def chat_rows(get_tokenizer: Callable[[], Any], field: str, seq_len: int, train_on_inputs: bool, pad_token_id: int,
+              packed: bool, where) -> RowMaker:
+    """Chat records (``field``: a list of {role, content}) -> rows, only the assistant turns learned.
+    ``get_tokenizer()`` (the tokenizer with its chat template) is asked for once a chunk's records passed their
+    checks, so a record's fault is named before a missing template."""
+    def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        chats = []
+        for messages, i in zip(batch[field], indices):
+            if not isinstance(messages, list) or not messages:
+                keys = sorted(n for n in batch if batch[n][indices.index(i)] is not None)
+                raise DataError(f"{where(i)}: no list of messages in field {field!r} (keys: {keys}). "
+                                "Rename the field or set --data.messages_field")
+            # Arrow gives every message every key seen in the file; the ones a message lacks are None.
+            messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
+            for m in messages:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise DataError(f"{where(i)}: each message must be an object with string 'role' and 'content', "
+                                    f"got {str(m)[:80]!r}")
+            if not any(m["role"] == "assistant" for m in messages):
+                raise DataError(f"{where(i)}: the conversation has no 'assistant' message, so nothing to learn")
+            chats.append((messages, i))
+        tokenizer = get_tokenizer()
+        examples = []
+        for messages, i in chats:
+            try:  # where(i) may read the file: only for an error
+                examples.append(chat_example(messages, tokenizer, seq_len, train_on_inputs, _HERE))
+            except DataError as exc:
+                raise DataError(str(exc).replace(_HERE, where(i), 1)) from None
+        return rows_of(examples, seq_len, pad_token_id, packed)
+    return make

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from zerotrain.data.sampling import EpochBatches
+from zerotrain.data.streaming import Drawn
 
 
 def make_loader(dataset: Dataset, batch_sampler: Iterable[list[int]], collate: Callable[[list[Any]], Any],
@@ -112,8 +113,9 @@ class _StopSignalSafeLoader(DataLoader):
 
 
 def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
-                       skip: int) -> Iterator[tuple[int, int, Any]]:
-    """Micro-batches forever from (epoch, skip), as (epoch, batches consumed in it with this one, batch).
+                       skip: int) -> Iterator[Drawn]:
+    """Micro-batches forever from (epoch, skip), as :class:`Drawn` (epoch, batches consumed in it with this one,
+    batch).
 
     A position at the very end of an epoch is reported as (next epoch, 0), so a checkpoint taken
     there resumes at the start of the next epoch.
@@ -124,7 +126,7 @@ def micro_batch_stream(loader: DataLoader, sampler: EpochBatches, epoch: int,
             loader.dataset.set_epoch(epoch)
         for i, batch in enumerate(loader, start=skip + 1):
             if i == sampler.batches_per_epoch:
-                yield epoch + 1, 0, batch
+                yield Drawn(epoch + 1, 0, batch)
             else:
-                yield epoch, i, batch
+                yield Drawn(epoch, i, batch)
         epoch, skip = epoch + 1, 0

@@ -15,6 +15,7 @@ from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import (
     precision_of,
 )
+from zerotrain.engines import optimizers
 from zerotrain.engines.base import Engine, _compile
 from zerotrain.engines.ds_private.engine import zero3_consolidated_state_dict
 from zerotrain.engines.ds_private.patches import Applied, apply_patches
@@ -47,7 +48,9 @@ class DeepSpeedEngine(Engine):
         scheduler = None if "scheduler" in ds else (lambda opt: make_scheduler(opt, cfg, total_steps, steps_per_epoch))
         params = [p for p in model.parameters() if p.requires_grad]
         prepare_ops(ops_for(ds))  # a first run compiles DeepSpeed's optimizer op in there: say so, clear a stale lock
-        self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds,
+        # No optimizer block: --optimizer.name is a class path, built here and handed to DeepSpeed
+        client = None if "optimizer" in ds else optimizers.build(params, cfg.optimizer, device.type)
+        self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds, optimizer=client,
                                                 lr_scheduler=scheduler)
         if cfg.compile.enabled:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
@@ -134,13 +137,15 @@ class DeepSpeedEngine(Engine):
     def load(self, folder: Path) -> None:
         # DeepSpeed's checkpoint engine calls torch.load(weights_only=False): a crafted file in the
         # folder would run code. This engine's loader is replaced, for this call only, by a
-        # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS).
+        # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS);
+        # any torch.load DeepSpeed makes around it directly is forced weights-only too.
 
         allow = ds_safe_globals()
         ckpt_engine = self.ds.checkpoint_engine
         ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)
         try:
-            path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+            with weights_only_torch_load(folder, allow):
+                path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
         finally:
             del ckpt_engine.load  # the class's own method again
         if path is None:

@@ -15,6 +15,7 @@ from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import (
     ResolvedPrecision,
 )
+from zerotrain.engines import optimizers
 from zerotrain.engines.base import Engine, _compile
 from zerotrain.train.schedule import make_scheduler
 from zerotrain.train.state import load_safely
@@ -41,13 +42,10 @@ class TorchEngine(Engine):
         if self.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
             self._wrapped = nn.parallel.DistributedDataParallel(self._module, device_ids=ids)
-        o = cfg.optimizer
         # Kept: the clip needs them every step, and walking the module tree for them is host time a small
         # model's step waits for (the parameters never change object)
         self._params = params = [p for p in self._module.parameters() if p.requires_grad]
-        cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-        kwargs = {"fused": True} if device.type == "cuda" else {}
-        self.optimizer = cls(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, **kwargs)
+        self.optimizer = optimizers.build(params, cfg.optimizer, device.type)
         self.scheduler = make_scheduler(self.optimizer, cfg, total_steps, steps_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self._autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)

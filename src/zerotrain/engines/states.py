@@ -1,16 +1,19 @@
 """What an engine layout keeps per parameter: the memory of the model states before a single activation.
 
-Model states are the parameters, their gradients and the optimizer's state (Adam: two moments).
-With Ψ parameters of which T train, on N data-parallel GPUs, in bytes per parameter:
+Model states are the parameters, their gradients and the optimizer's state: ``k`` tensors of a parameter's
+size per trainable parameter, ``k`` from the optimizer table (:mod:`zerotrain.engines.optimizers`: Adam 2,
+SGD with momentum 1, without 0). With Ψ parameters of which T train, on N data-parallel GPUs, in bytes per
+parameter:
 
 ===========================  =======================  ========================  ====================
 precision                    weights (all Ψ)          gradients (T)             optimizer (T)
 ===========================  =======================  ========================  ====================
-bf16/fp16 under DeepSpeed    2                        2                         16: fp32 master, two
-                                                                                moments, fp32 gradient
-fp32 under DeepSpeed         4                        4                         8: two moments
-autocast: plain PyTorch, and  as built (fp32: 4)       as built; 2x in DDP on    2x as built: two
-DeepSpeed ZeRO-0's fast path                          several GPUs (its         moments
+bf16/fp16 under DeepSpeed    2                        2                         8 + 4k: fp32 master,
+                                                                                fp32 gradient, k fp32
+                                                                                states (Adam: 16)
+fp32 under DeepSpeed         4                        4                         4k (Adam: 8)
+autocast: plain PyTorch, and  as built (fp32: 4)       as built; 2x in DDP on    k x as built
+DeepSpeed ZeRO-0's fast path                          several GPUs (its
 (``torch_autocast``)                                  buckets hold a copy)
 ===========================  =======================  ========================  ====================
 
@@ -20,8 +23,8 @@ built, e.g. a LoRA base model loaded in bf16 with fp32 adapters.)
 ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also the gradients,
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
-memory, where each process holds its partition; under ZeRO-1/2 that is 18 (bf16) or 20 (fp32) bytes a
-parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
+memory, where each process holds its partition; under ZeRO-1/2 with Adam that is 18 (bf16) or 20 (fp32) bytes
+a parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
 NVMe offload (ZeRO-Infinity) puts them on disk instead (``nvme_bytes``: 16 bytes a parameter for Adam, 2
 for bf16 weights) and keeps the fp32 gradient partition and DeepSpeed's pinned swap buffers on the host.
 That accounting is read from DeepSpeed 0.19's swappers and not measured on a GPU (NVMe offload needs libaio),
@@ -40,15 +43,36 @@ to the end of the step (DeepSpeed 0.19's ``stage_1_and_2.py``: ``setup_buckets``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
+from zerotrain.engines import optimizers
+
 if TYPE_CHECKING:
-    from zerotrain.config import RunConfig
+    from zerotrain.config import OptimizerConfig, RunConfig
+
+ADAM_STATES = 2
+"""State tensors per parameter of the default optimizer (AdamW's two moments): the memory model's default."""
+
+
+def optimizer_states(o: "OptimizerConfig", ds: Optional[dict] = None) -> int:
+    """State tensors of a parameter's size the run's optimizer keeps per trainable parameter: the optimizer
+    table's count for ``o`` (:mod:`zerotrain.engines.optimizers`), or for the ``optimizer`` block of the
+    DeepSpeed JSON ``ds`` where it has one (a user's file decides). A type outside the table counts as Adam."""
+    block = (ds or {}).get("optimizer")
+    if isinstance(block, dict):
+        row = optimizers.by_ds_type(block.get("type", ""))
+        if row is None:
+            return ADAM_STATES
+        params = block.get("params") or {}
+        o = dataclasses.replace(o, momentum=float(params.get("momentum", 0.0) or 0.0))
+        return row.states(o)
+    return optimizers.state_count(o)
 
 
 @dataclass(frozen=True)
@@ -178,26 +202,28 @@ class StateMemory:
 
 
 def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
-                 autocast: bool) -> tuple[float, float, float]:
+                 autocast: bool, states: int) -> tuple[float, float, float]:
     """Unpartitioned (weights, gradients, optimizer state) bytes: the module docstring's table."""
     psi, t = counts.total, counts.trainable
     if strategy.backend == "ddp" or autocast:
         ddp_copy = 2 if strategy.backend == "ddp" and world_size > 1 else 1
-        return counts.total_bytes, ddp_copy * counts.trainable_bytes, 2 * counts.trainable_bytes
+        return counts.total_bytes, ddp_copy * counts.trainable_bytes, states * counts.trainable_bytes
     if precision == "fp32":
-        return 4 * psi, 4 * t, 8 * t
-    return 2 * psi, 2 * t, 16 * t
+        return 4 * psi, 4 * t, 4 * states * t
+    return 2 * psi, 2 * t, (8 + 4 * states) * t
 
 
 def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,
-                       buckets: Buckets = Buckets(), autocast: bool = False, grad_accum: int = 1) -> StateMemory:
+                       buckets: Buckets = Buckets(), autocast: bool = False, grad_accum: int = 1,
+                       optimizer_states: int = ADAM_STATES) -> StateMemory:
     """Bytes the model states take per GPU and per process in host memory (see the module docstring).
 
     ``autocast``: DeepSpeed runs ``torch_autocast`` (ZeRO-0's fast path in bf16, see
     ``zerotrain.config.ds_config.fast_path``), keeping the dtypes as built like plain PyTorch does.
-    ``grad_accum``: micro-batches a step; under ZeRO-1/2 optimizer offload more than one costs host memory."""
+    ``grad_accum``: micro-batches a step; under ZeRO-1/2 optimizer offload more than one costs host memory.
+    ``optimizer_states``: state tensors per trainable parameter (:func:`optimizer_states`; Adam: 2)."""
     n = world_size
-    weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast)
+    weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast, optimizer_states)
     stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
     element = 4 if precision == "fp32" else 2  # bytes of a weight/gradient element inside DeepSpeed
     if stage >= 1:
@@ -220,8 +246,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         gathered = 2 * element * counts.largest_layer
     cpu = nvme = 0.0
     if strategy.offload_optimizer == "nvme":
-        # ZeRO-3 swaps the fp32 master weights, gradients and both moments (16 bytes a parameter, an upper
-        # bound) to disk, one sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's
+        # ZeRO-3 swaps the fp32 master weights, gradients and the optimizer's states (Adam: 16 bytes a parameter,
+        # an upper bound) to disk, one sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's
         # OptimizerSwapper); the gradients are reduced into a flat fp32 partition that stays on the host
         # (stage3.py, grad_partitions_flat_buffer), pinned with the offload's pin_memory.
         held = pinned if buckets.pin_memory else float
@@ -230,7 +256,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         cpu += held(4 * counts.trainable / n)
         optim = 0
     elif strategy.offload_optimizer != "none":
-        cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory) if stage in (1, 2) else optim
+        cpu += (_offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states)
+                if stage in (1, 2) else optim)
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
             # DeepSpeed sums the micro-batches' gradients in a second copy on the host, in the weights' dtype
@@ -266,12 +293,12 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
                        cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none", nvme_bytes=int(nvme))
 
 
-def _offloaded_partition(partition: float, element: int, pin: bool) -> float:
+def _offloaded_partition(partition: float, element: int, pin: bool, states: int = ADAM_STATES) -> float:
     """Host bytes of one ZeRO-1/2 optimizer-offload partition of ``partition`` parameters (one param group):
     the fp32 master weights, their fp32 gradients and a weights-dtype copy that the updated weights go back
-    to the GPU through, each pinned when ``pin``, and Adam's two fp32 moments (DeepSpeedCPUAdam allocates
-    them, not pinned). DeepSpeed 0.19's ``stage_1_and_2.py``: ``single_partition_of_fp32_groups`` and its
+    to the GPU through, each pinned when ``pin``, and the optimizer's ``states`` fp32 states (Adam's two moments:
+    DeepSpeedCPUAdam allocates them, not pinned). DeepSpeed 0.19's ``stage_1_and_2.py``: ``single_partition_of_fp32_groups`` and its
     ``.grad``, ``param_buffer_of_bit16_for_cpu_offload_groups``. Measured on one H100 host: 5.06B parameters
     at 120.3 GiB (this model: 119.8), 0.93B at 19.2 GiB (18.5)."""
     held = pinned if pin else float
-    return held(4 * partition) + held(4 * partition) + held(element * partition) + 8 * partition
+    return held(4 * partition) + held(4 * partition) + held(element * partition) + 4 * states * partition

@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from zerotrain.checkpoint.layout import complete_checkpoints
+from zerotrain.checkpoint.layout import complete_checkpoints, problem
 from zerotrain.config import LoggingConfig
 from zerotrain.data.io import atomic_write_text
 from zerotrain.errors import TrainingDiverged, UserError
 from zerotrain.metrics.meters import memory_snapshot
-from zerotrain.runtime.rundir import writing
+from zerotrain.runtime.rundir import open_own, writing
 
 log = logging.getLogger("zerotrain")
 
@@ -63,11 +64,16 @@ class Tracker:
             return
         metrics = run_dir / "metrics.jsonl"
         with rundir_writing("metrics.jsonl", run_dir):
+            if metrics.is_symlink():  # neither read nor replaced: a link here was put by someone else
+                raise UserError(f"{metrics} (the run's metrics log) is a symbolic link: zerotrain writes nothing "
+                                "through it. Remove the link")
             if resumed_at is not None:
                 _drop_rows_after(metrics, resumed_at)
             else:
                 _clear_earlier_attempt(run_dir)
-            self._jsonl = open(metrics, "a", buffering=1)
+            # Appended in place: opened without following a link (a link or hard link there is refused)
+            fd = open_own(metrics, os.O_WRONLY | os.O_APPEND, "the run's metrics log")
+            self._jsonl = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -152,7 +158,9 @@ def _clear_earlier_attempt(run_dir: Path) -> None:
         log.warning("%s: clearing what an earlier attempt of this run logged (it left no checkpoint)", metrics)
         metrics.unlink()
     tb = run_dir / "tb_dir"
-    if tb.is_dir() and any(tb.iterdir()):
+    if tb.is_symlink():
+        tb.unlink()  # the link itself, never what it points to (zerotrain.runtime.rundir.check_closed)
+    elif tb.is_dir() and any(tb.iterdir()):
         shutil.rmtree(tb)
 
 
@@ -246,7 +254,8 @@ class StepLogger:
 
         for folder in reversed(complete_checkpoints(self.tracker.run_dir / "checkpoints")):
             step = folder.name[len("step"):]  # step{N:08d}, as checkpoint.step_folder names it
-            if step.isdigit() and int(step) <= self._last_good_step:
+            # Sizes and the marker's listing only: every rank gets here at once, and hashing would cost a read
+            if step.isdigit() and int(step) <= self._last_good_step and problem(folder, checksums=False) is None:
                 return folder
         return None
 

@@ -60,6 +60,15 @@ class ModelSection:
     fp32 master weights, so fp32 is the default."""
     tokenizer: Optional[str] = None
     """Tokenizer folder or hub name; default --model.name_or_path."""
+    attn_implementation: Literal["auto", "sdpa", "flex_attention", "flash_attention_2", "eager"] = "auto"
+    """The attention kernels (transformers' attn_implementation); auto is transformers' choice (sdpa where the
+    model supports it). flex_attention keeps packed documents apart without a dense mask; flash_attention_2 needs
+    the flash-attn package."""
+
+    def source(self) -> "ModelSource":
+        """Where the model comes from, as these flags say."""
+        return ModelSource(self.name_or_path, self.init, self.config,
+                           attn_implementation=None if self.attn_implementation == "auto" else self.attn_implementation)
 
     def validate(self) -> None:
         if self.init == "pretrained" and not self.name_or_path:
@@ -108,6 +117,8 @@ class ModelSource:
     """init=random: a config.json (or a folder holding one)."""
     flag: str = "--model"
     """The flags' prefix, for error messages (``--model``: ``--model.name_or_path``, ``--model.config``)."""
+    attn_implementation: Optional[str] = None
+    """transformers' ``attn_implementation`` (None: its own choice)."""
 
 
 def read_config(source: ModelSource, overrides: Optional[dict[str, Any]] = None):
@@ -153,9 +164,19 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
     """
     cls = auto_class(kind)
     overrides = dict(config_overrides or {})
+    attention = {"attn_implementation": source.attn_implementation} if source.attn_implementation else {}
+    try:
+        return _load(cls, kind, source, dtype, pretrained, min_vocab, overrides, attention, partition_random)
+    except ImportError as exc:  # an attention kernel whose package is not installed (flash-attn)
+        raise UserError(f"{source.flag}.attn_implementation {source.attn_implementation}: {_first_line(exc).rstrip('.')}; "
+                        f"install it or pick another (sdpa, flex_attention, eager)") from None
+
+
+def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool, min_vocab: Optional[int],
+          overrides: dict[str, Any], attention: dict[str, str], partition_random: bool) -> nn.Module:
     ds = zero3_config()
     if ds is not None and pretrained and source.init != "random":
-        return _load_partitioned_pretrained(kind, cls, source, dtype, overrides, ds)
+        return _load_partitioned_pretrained(kind, cls, source, dtype, overrides, ds, attention)
     partition = ds is not None and pretrained and partition_random
     if source.init == "random" or not pretrained:
         config = read_config(source, overrides)
@@ -166,14 +187,14 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
                               f"vocab_size in the config file or use a matching {source.flag}.tokenizer")
         try:
             with built_partitioned(ds if partition else None):
-                return cls.from_config(config, dtype=dtype)
+                return cls.from_config(config, dtype=dtype, **attention)
         except ValueError as exc:
             raise UserError(f"{source.flag}.config: {source.config or source.name_or_path!r} does not describe "
                             f"{_WHAT[kind]} ({_first_line(exc)})") from None
     where = _checked_source(source)
     try:
         with _quiet_load_report():
-            return cls.from_pretrained(where, dtype=dtype, **overrides)
+            return cls.from_pretrained(where, dtype=dtype, **attention, **overrides)
     except (OSError, ValueError) as exc:
         raise _load_error(source, _WHAT[kind], exc) from None
 
@@ -200,7 +221,7 @@ def built_partitioned(ds: Optional[dict[str, Any]]):
 
 
 def _load_partitioned_pretrained(kind: Kind, cls: Any, source: ModelSource, dtype: torch.dtype,
-                                 overrides: dict[str, Any], ds: dict[str, Any]) -> nn.Module:
+                                 overrides: dict[str, Any], ds: dict[str, Any], attention: dict[str, str]) -> nn.Module:
     """A pretrained model built partitioned and filled one tensor at a time (see :func:`load_partitioned`).
 
     The architecture comes from the folder's config (``overrides`` set on it, as ``from_pretrained`` sets them)
@@ -212,7 +233,7 @@ def _load_partitioned_pretrained(kind: Kind, cls: Any, source: ModelSource, dtyp
     files = weight_files(where, source)
     try:
         with built_partitioned(ds):
-            model = cls.from_config(config, dtype=dtype)
+            model = cls.from_config(config, dtype=dtype, **attention)
     except ValueError as exc:
         raise _load_error(source, _WHAT[kind], exc) from None
     load_partitioned(model, files, source.flag)

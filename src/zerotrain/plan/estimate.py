@@ -5,7 +5,9 @@ pretrained=False)``), its parameters are counted, and :func:`zerotrain.plan.memo
 strategy for the GPUs of the config (``launch.nproc_per_node`` per host x ``launch.nnodes``).
 Activations: with a :class:`~zerotrain.plan.probe.Probe` (``zerotrain estimate --measure``) they are
 measured on this machine and added (:func:`zerotrain.plan.memory.predict`, at the config's micro-batch
-and activation checkpointing); without one, :func:`estimate` keeps ``reserve_gib`` of each GPU for them.
+and activation checkpointing); without one, a recipe that reports its transformer's shape
+(:meth:`~zerotrain.tasks.base.Task.transformer_shape`) gets them from :mod:`zerotrain.plan.activations`, and
+:func:`estimate` keeps ``reserve_gib`` of each GPU for the rest (all of the activations for other recipes).
 The pick is the first strategy that fits in a fixed order; ``zerotrain plan`` finds the fastest.
 """
 
@@ -21,7 +23,7 @@ import torch
 
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import _enabled, make_ds_config
-from zerotrain.engines.states import Buckets, ParamCounts, count_params
+from zerotrain.engines.states import Buckets, ParamCounts, count_params, model_state_memory, optimizer_states
 from zerotrain.errors import ConfigError
 from zerotrain.plan.memory import (
     GIB,
@@ -31,8 +33,10 @@ from zerotrain.plan.memory import (
     gpu_memory_bytes,
     plan,
     predict,
+    step_peak,
 )
-from zerotrain.plan.strategies import STRATEGIES, Strategy
+from zerotrain.plan.activations import Activations, activation_bytes
+from zerotrain.plan.strategies import STRATEGIES, Strategy, available
 from zerotrain.tasks import registry as recipes
 
 if TYPE_CHECKING:
@@ -60,6 +64,10 @@ class EstimateReport:
     """Rows beyond :data:`~zerotrain.plan.strategies.STRATEGIES`: the configured NVMe offload, by row name."""
     unpinned: Optional[PlanRow] = None
     """When nothing fits with the offloads pinned (the default on GPUs): the first that fits unpinned."""
+    modelled: Optional[Activations] = None
+    """Without a probe, for a recipe that reports its transformer's shape: the activations its config implies."""
+    modelled_gpu_bytes: Optional[dict[str, float]] = None
+    """With ``modelled``: each strategy's peak GPU bytes, its states and those activations (judged to fit with them)."""
 
     @property
     def pick(self) -> Optional[str]:
@@ -109,7 +117,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     # --strategy.deepspeed_config): its bucket sizes, and whether it keeps fp32 weights under autocast.
     own = make_ds_config(cfg, world, device, precision)  # type: ignore[arg-type]
     ds_jsons = {}
-    for name, strategy in STRATEGIES.items():
+    candidates = available(cfg)
+    for name, strategy in candidates.items():
         if strategy.backend != "deepspeed":
             continue
         try:
@@ -119,27 +128,36 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             # offload that only stages 1-3 take): the row is sized from the JSON the run would get.
             ds_jsons[name] = own
     buckets = {name: Buckets.from_ds_config(ds) for name, ds in ds_jsons.items()}
+    # The optimizer's states per parameter: --optimizer.name's, or the optimizer block of a user's DeepSpeed file
+    states = optimizer_states(cfg.optimizer, own)
     autocast = {name: _enabled(ds.get("torch_autocast")) for name, ds in ds_jsons.items()}
 
+    task = recipes.get(recipe)(cfg)
     with torch.device("meta"):
-        model = recipes.get(recipe)(cfg).build_model(pretrained=False)
+        model = task.build_model(pretrained=False)
     counts = count_params(model)
+    shape = task.transformer_shape(model) if probe is None else None
+    modelled = None
+    if shape is not None:
+        element = 2 if precision in ("bf16", "fp16") else 4
+        modelled = activation_bytes(shape, cfg.trainer.micro_batch_size, element, cfg.activation_checkpointing.enabled)
 
     gpu = gpu_memory_gib * GIB if gpu_memory_gib is not None else gpu_memory_bytes()
     host = host_memory_gib * GIB if host_memory_gib is not None else float(psutil.virtual_memory().total)
-    strategies = dict(STRATEGIES)
+    strategies = dict(candidates)
     s = cfg.strategy
-    disk = math.inf
-    if "nvme" in (s.offload_optimizer, s.offload_param):
-        # NVMe offload is not among the planner's candidates (it needs a disk the user names): the row of
-        # the configured strategy, with what it puts on that disk.
+    disk = _free_disk(s.nvme_path) if s.nvme_path else math.inf
+    yours = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
+    if "nvme" in (s.offload_optimizer, s.offload_param) and yours not in strategies.values():
+        # An NVMe offload other than the candidates' (e.g. the optimizer on NVMe, the weights on the host): the
+        # row of the configured strategy, with what it puts on that disk.
         name = f"yours: zero{s.zero_stage} nvme"
-        strategies[name] = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
+        strategies[name] = yours
         buckets[name], autocast[name] = Buckets.from_ds_config(own), _enabled(own.get("torch_autocast"))
-        disk = _free_disk(s.nvme_path)
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
                 procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast,
-                grad_accum=cfg.strategy.gradient_accumulation_steps, strategies=strategies, disk_bytes=disk)
+                grad_accum=cfg.strategy.gradient_accumulation_steps, strategies=strategies, disk_bytes=disk,
+                optimizer_states=states)
     predictions = None
     if probe is not None:
         predictions, judged = {}, []
@@ -147,10 +165,24 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             pred = predict(counts, strategies[row.name], cfg.trainer.micro_batch_size,
                            cfg.activation_checkpointing.enabled, world, precision, probe,
                            buckets.get(row.name, Buckets()), autocast.get(row.name, False),
-                           cfg.strategy.gradient_accumulation_steps, export=cfg.trainer.export)
+                           cfg.strategy.gradient_accumulation_steps, export=cfg.trainer.export,
+                           optimizer_states=states)
             predictions[row.name] = pred
             ok = fits(pred, probe, host, per_node) is None and row.memory.nvme_bytes * per_node <= disk
             judged.append(PlanRow(row.name, row.memory, ok))
+        rows = judged
+    modelled_gpu = None
+    if modelled is not None:
+        # The activations the config implies, added to each strategy's states at a step's largest moment.
+        modelled_gpu, judged = {}, []
+        limit = (gpu if gpu is not None else math.inf) - reserve_gib * GIB
+        for row in rows:
+            held = model_state_memory(counts, strategies[row.name], world, precision,
+                                      buckets.get(row.name, Buckets()), autocast.get(row.name, False),
+                                      cfg.strategy.gradient_accumulation_steps, optimizer_states=states)
+            peak = step_peak(held, modelled.peak_bytes, modelled.peak_bytes, cfg.strategy.gradient_accumulation_steps)
+            modelled_gpu[row.name] = peak
+            judged.append(PlanRow(row.name, row.memory, row.fits and peak <= limit))
         rows = judged
     alternative = None
     # Pinned blocks round up to powers of two: unpinned may fit. (A user's DeepSpeed file decides its own pinning.)
@@ -164,7 +196,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
                           micro_batch_size=cfg.trainer.micro_batch_size,
                           activation_checkpointing=cfg.activation_checkpointing.enabled,
                           configured={k: v for k, v in strategies.items() if k not in STRATEGIES},
-                          unpinned=alternative)
+                          unpinned=alternative, modelled=modelled, modelled_gpu_bytes=modelled_gpu)
 
 
 def _free_disk(folder: Optional[str]) -> float:
@@ -187,16 +219,20 @@ def format_report(report: EstimateReport) -> str:
     ]
     lines[-1] += f", {report.host_bytes / GIB:.1f} GiB host memory, {report.reserve_bytes / GIB:g} GiB reserved for activations"
     preds = report.predictions
-    extra = " peak GPU with activations (GiB) | peak host (GiB) |" if preds else ""
+    modelled = report.modelled_gpu_bytes
+    extra = (" peak GPU with activations (GiB) | peak host (GiB) |" if preds
+             else " peak GPU with activations (GiB) |" if modelled else "")
     nvme = any(row.memory.nvme_bytes for row in report.rows)
     disk = " on NVMe per process (GiB) |" if nvme else ""
     lines += ["", f"| strategy | model states per GPU (GiB) | offloaded per process (GiB) |{disk}{extra} fits |",
-              "|---|---|---|" + ("---|" if nvme else "") + ("---|---|" if preds else "") + "---|"]
+              "|---|---|---|" + ("---|" if nvme else "") + ("---|---|" if preds else "---|" if modelled else "") + "---|"]
     for row in report.rows:
         ok = ("yes" if row.fits else "no") if gpu is not None else "?"
         cells = f" {row.memory.nvme_bytes / GIB:.2f} |" if nvme else ""
         if preds:
             cells += f" {preds[row.name].gpu_bytes / GIB:.2f} | {preds[row.name].host_bytes / GIB:.2f} |"
+        elif modelled:
+            cells += f" {modelled[row.name] / GIB:.2f} |"
         lines.append(f"| {row.name} | {row.memory.gpu_bytes / GIB:.2f} | {row.memory.cpu_bytes / GIB:.2f} |{cells} {ok} |")
     if preds:
         first = next(iter(preds.values()))
@@ -206,6 +242,12 @@ def format_report(report: EstimateReport) -> str:
         if first.workers_bytes:
             lines[-1] += (f" Data-loading workers: {first.workers_bytes / GIB:.2f} GiB per process beside the peak host "
                           "figure (measured), counted when judging what fits.")
+    elif report.modelled is not None:
+        act = report.modelled
+        lines += ["", f"Activations at micro-batch {report.micro_batch_size}"
+                  f"{' with activation checkpointing' if report.activation_checkpointing else ''}: "
+                  f"{act.peak_bytes / GIB:.2f} GiB, {act.describe()} (--measure measures them on this machine). "
+                  "The CUDA context and the allocator's slack come on top: keep room with --reserve_gib."]
     else:
         lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket); activations come "
                   "on top (--measure measures them on this machine)."]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 import torch
 
 from zerotrain.engines.states import (
+    ADAM_STATES,
     Buckets,
     ParamCounts,
     StateMemory,
@@ -50,17 +51,18 @@ class PlanRow:
 def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float, host_bytes: float,
          procs_per_host: int, reserve_bytes: float = 0.0, buckets: Mapping[str, Buckets] = {},
          autocast: Mapping[str, bool] = {}, grad_accum: int = 1,
-         strategies: Optional[Mapping[str, Strategy]] = None, disk_bytes: float = math.inf) -> list[PlanRow]:
+         strategies: Optional[Mapping[str, Strategy]] = None, disk_bytes: float = math.inf,
+         optimizer_states: int = ADAM_STATES) -> list[PlanRow]:
     """Every strategy with its model-state memory and whether it fits: GPU states within ``gpu_bytes``
     minus ``reserve_bytes`` (kept for activations), the offloaded states of the processes of one host
     within ``host_bytes``, and what they put on NVMe within ``disk_bytes``. ``buckets`` and ``autocast`` are
     per strategy name, from the DeepSpeed JSON each would run with (absent: DeepSpeed's default bucket, no
     autocast). ``strategies``: :data:`~zerotrain.plan.strategies.STRATEGIES` unless given, in order: the first that
-    fits is the planner's pick."""
+    fits is the planner's pick. ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
     rows = []
     for name, strategy in (STRATEGIES if strategies is None else strategies).items():
         mem = model_state_memory(counts, strategy, world_size, precision, buckets.get(name, Buckets()),
-                                 autocast.get(name, False), grad_accum)
+                                 autocast.get(name, False), grad_accum, optimizer_states)
         fits = (mem.gpu_bytes <= gpu_bytes - reserve_bytes and mem.cpu_bytes * procs_per_host <= host_bytes
                 and mem.nvme_bytes * procs_per_host <= disk_bytes)
         rows.append(PlanRow(name, mem, fits))
@@ -102,11 +104,13 @@ class MemoryPrediction:
 
 def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, checkpointing: bool, world_size: int,
             precision: str, probe: "Probe", buckets: Buckets = Buckets(), autocast: bool = False,
-            grad_accum: int = 1, export: bool = False) -> MemoryPrediction:
+            grad_accum: int = 1, export: bool = False, optimizer_states: int = ADAM_STATES) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring). ``export``: the
-    run ends with ``--trainer.export`` (under ZeRO-3 it gathers the whole model on rank 0's host)."""
-    states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum)
+    run ends with ``--trainer.export`` (under ZeRO-3 it gathers the whole model on rank 0's host).
+    ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
+    states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum,
+                                optimizer_states)
     key = probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))
     act = probe.activations[key].at(micro_batch_size)
     # What the backward pass still holds at its first gradient; unmeasured, the peak stands for it.
@@ -134,12 +138,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     # accumulation they, and the bucket, are there through the next micro-batches' forward passes too
     # (ZeRO-1 with optimizer offload measured 1.1 GiB over activations and gradients at 4 x 2 on one
     # H100, BENCHMARKS.md: the 0.93 GiB bucket).
-    persistent = states.gpu_bytes - states.transient_bytes
-    grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
-    forward_end = act + (grads + states.bucket_bytes if grad_accum > 1 else 0)
-    backward = min(first, act) + max(grads, states.bucket_bytes)
-    step = states.transient_bytes - states.bucket_bytes
-    device = persistent + probe.kernel_workspace_bytes + max(forward_end, backward, step)
+    device = step_peak(states, act, first, grad_accum) + probe.kernel_workspace_bytes
     if probe.gpu_total_bytes and states.init_bytes <= probe.gpu_total_bytes - (probe.gpu_context_bytes or 0):
         device = max(device, states.init_bytes)  # DeepSpeed flattens on the GPU only when the copy fits there
     if probe.device == "cpu":  # training on the CPU: the device's memory is the host's
@@ -148,6 +147,19 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     return MemoryPrediction(gpu_bytes=device, host_bytes=host, states_bytes=states.gpu_bytes,
                             activation_bytes=act, activations=how, workers_bytes=probe.host_workers_bytes,
                             rank0_extra_bytes=rank0_extra)
+
+
+def step_peak(states: StateMemory, activations: float, at_first_gradient: float, grad_accum: int) -> float:
+    """Peak GPU bytes of a training step, the largest of its three moments (module docstring): the model
+    states that persist, plus ``activations`` at the forward's end, or what the backward pass still holds at
+    its first gradient (``at_first_gradient``, never above the peak) with the gradients or bucket it builds, or
+    the step's gradients."""
+    persistent = states.gpu_bytes - states.transient_bytes
+    grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
+    forward_end = activations + (grads + states.bucket_bytes if grad_accum > 1 else 0)
+    backward = min(at_first_gradient, activations) + max(grads, states.bucket_bytes)
+    step = states.transient_bytes - states.bucket_bytes
+    return persistent + max(forward_end, backward, step)
 
 
 def sixteen_bit(strategy: Strategy, precision: str, autocast: bool) -> bool:

@@ -2,7 +2,8 @@
 
 1. **Probe** (:mod:`zerotrain.plan.probe`, its own process): activation memory and step time of the real
    model on its longest batches, on this device.
-2. **Candidates**: every backend/ZeRO stage/offload (:data:`~zerotrain.plan.strategies.STRATEGIES`) x
+2. **Candidates**: every backend/ZeRO stage/offload (:func:`~zerotrain.plan.strategies.available`: ZeRO-3's
+   parameter offload too, and NVMe offload with ``--strategy.nvme_path``) x
    micro-batch (powers of two dividing the per-rank batch; accumulation keeps the global batch) x
    activation checkpointing, for the GPUs the launch flags name. Precision, global batch, optimizer
    and everything else stay as configured. When nothing fits, the offloads again with their host states
@@ -44,14 +45,14 @@ from zerotrain.config.ds_config import (
     make_ds_config,
     portable_ds_config,
 )
-from zerotrain.engines.states import Buckets, count_params
+from zerotrain.engines.states import Buckets, count_params, optimizer_states
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.metrics.tracking import log
 from zerotrain.plan.benchmark import run_one
 from zerotrain.plan.memory import GIB, MemoryPrediction, fits, predict
 from zerotrain.plan.probe import Probe, run_probe
 from zerotrain.plan.speed import StepTime, step_time
-from zerotrain.plan.strategies import STRATEGIES
+from zerotrain.plan.strategies import STRATEGIES, available
 from zerotrain.runtime.rundir import commit, environment, write_json
 from zerotrain.tasks import registry as recipes
 
@@ -149,8 +150,7 @@ def candidates(cfg: RunConfig, device: str, strategies: Optional[list[str]] = No
     micros = sorted({m for m in (2**i for i in range(per_rank.bit_length())) if per_rank % m == 0} | {per_rank})
     if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead":
         micros = [per_rank]  # CUDA graphs cannot accumulate gradients (config.check_across_sections)
-    names = strategies or [name for name, s in STRATEGIES.items()
-                           if device == "cuda" or s.offload_optimizer == "none"]  # offload needs a GPU to offload from
+    names = strategies or list(available(cfg, device))  # offload needs a GPU to offload from, NVMe a path
     return [Candidate(name, m, per_rank // m, ckpt) for name in names for m in micros
             for ckpt in ((False, True) if checkpointing else (False,))]
 
@@ -159,7 +159,7 @@ def unpinned(cands: list[Candidate], cfg: RunConfig) -> list[Candidate]:
     """The offload candidates again with unpinned host states, unless the config pins or unpins them itself."""
     if cfg.strategy.offload_pin_memory is not None:
         return []
-    return [dataclasses.replace(c, unpinned=True) for c in cands if STRATEGIES[c.strategy].offload_optimizer != "none"]
+    return [dataclasses.replace(c, unpinned=True) for c in cands if STRATEGIES[c.strategy].offload_optimizer == "cpu"]
 
 
 def _meta_counts(recipe: str, cfg: RunConfig):
@@ -186,17 +186,18 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
             run_cfg.validate()
         except ConfigError as exc:
             raise UserError(f"the plan's candidate {cand.label} is not a valid configuration: {exc}") from None
-        buckets, autocast = Buckets(), False
+        buckets, autocast, ds = Buckets(), False, None
         if run_cfg.strategy.backend == "deepspeed":
             ds = make_ds_config(run_cfg, world, device, probe.precision)  # type: ignore[arg-type]
             buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
+        states = optimizer_states(run_cfg.optimizer, ds)
         strategy = STRATEGIES[cand.strategy]
         # The row carries the trial's figures (trials run without the export, TRIAL_FLAGS), next to what the trial
         # measures; whether the run fits is judged with its own end, the export included.
         mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
-                      buckets, autocast, cand.grad_accum)
+                      buckets, autocast, cand.grad_accum, optimizer_states=states)
         run_mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
-                          buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export)
+                          buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export, optimizer_states=states)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
                          cfg.launch.nnodes, autocast, pinned=not cand.unpinned)
         dropped = fits(run_mem, probe, host_bytes, cfg.launch.nproc_per_node)
@@ -220,7 +221,8 @@ def _disk_problem(recipe: str, cfg: RunConfig, precision: str) -> Optional[str]:
     if not (cfg.checkpoint.save_final or cfg.checkpoint.every_steps):
         return None
     counts = _meta_counts(recipe, cfg)
-    need = estimate_bytes(counts.total, counts.trainable, precision, cfg.strategy.backend)
+    need = estimate_bytes(counts.total, counts.trainable, precision, cfg.strategy.backend,
+                          optimizer_states(cfg.optimizer))
     folder = Path(cfg.trainer.output_dir).resolve()
     while not folder.exists():
         folder = folder.parent

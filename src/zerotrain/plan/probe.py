@@ -52,6 +52,8 @@ from zerotrain.data.loader import make_loader
 from zerotrain.engines.base import to_device
 from zerotrain.engines.states import count_params
 from zerotrain.errors import UserError
+from zerotrain.models.shape import TransformerShape
+from zerotrain.plan.activations import activation_bytes
 from zerotrain.runtime import distributed
 from zerotrain.runtime.distributed import cap_gpu_memory
 from zerotrain.runtime.launcher import environment_alone
@@ -464,6 +466,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
 
     workspace = 0.0
     swept: Optional[dict[str, float]] = None
+    shape: Optional[TransformerShape] = None
 
     def trace(key: str, model: nn.Module, autocast_precision: Optional[str]) -> None:
         nonlocal workspace, swept
@@ -517,6 +520,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                 only16 = "" if variant(ckpt, False) in activations else "traced with 16-bit weights only; "
                 notes.append(f"fp32 weights with Adam do not fit this GPU: {only16}the Adam step timed on a "
                              "slice and scaled")
+        shape = shape or variant_task.transformer_shape(model)
         del model
         gc.collect()
         if device.type == "cuda":
@@ -538,10 +542,20 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
     workers = _workers_bytes(task.with_config(cfg), splits.train, cfg.trainer.num_workers, cfg.trainer.micro_batch_size,
                              cfg.trainer.seed)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    method = "cuda allocator" if device.type == "cuda" else "torch MemTracker"
     if all(fit.floor == 0 and fit.per_sample == 0 for fit in activations.values()):
-        notes.append("activations not measured: PyTorch's MemTracker cannot trace frozen parameters on the CPU")
-    return Probe(device=device.type, device_name=name, precision=precision,
-                 method="cuda allocator" if device.type == "cuda" else "torch MemTracker", seq_len=seq_len,
+        if shape is None:
+            notes.append("activations not measured: PyTorch's MemTracker cannot trace frozen parameters on the CPU")
+        else:
+            # Every term of the formula grows with the micro-batch: a line through zero.
+            activations = {key: Linear(0.0, activation_bytes(dataclasses.replace(shape, seq_len=seq_len), 1,
+                                                             2 if key.endswith("16") or half else 4,
+                                                             key.startswith("on")).peak_bytes)
+                           for key in activations}
+            method = f"modelled from the model's config ({method} cannot measure this model)"
+            notes.append("activations modelled from the config: PyTorch's MemTracker cannot trace frozen parameters "
+                         "on the CPU")
+    return Probe(device=device.type, device_name=name, precision=precision, method=method, seq_len=seq_len,
                  activations=activations, forward_backward_s=seconds, at_first_gradient=at_first, optimizer_step_s=opt_s,
                  host_base_bytes=host_base, host_before_model_bytes=before_model, gpu_total_bytes=gpu_total,
                  gpu_context_bytes=context,

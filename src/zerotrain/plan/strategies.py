@@ -6,20 +6,44 @@ so it means the same thing whatever a ``--config`` file says.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from zerotrain.engines.states import Strategy
+
+if TYPE_CHECKING:
+    from zerotrain.config import RunConfig
 
 # In the order the planner prefers them when they fit: fewer partitions before more, everything on
 # the GPU before anything on the host. On one GPU ZeRO-3 never fits where ZeRO-2 does not (it only
 # adds gathered layers), so the planner goes from ZeRO-2 to the offloads, the order BENCHMARKS.md
 # measured on one H200. From two GPUs up, ZeRO-3 comes first: its all-gathers run on the GPU
 # interconnect, while an offloaded optimizer step runs on the CPU (not measured here yet).
+# ZeRO-3's parameter offload alone keeps the optimizer on the GPU and moves only the 16-bit weights to the
+# host (2 bytes a parameter, copied up for each forward and backward pass): it comes before the optimizer
+# offloads, whose CPU Adam step costs more than those copies. NVMe offload needs a disk the user names
+# (--strategy.nvme_path): it is a candidate only then (:func:`available`).
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy("ddp"),
     "zero0": Strategy("deepspeed", 0),
     "zero1": Strategy("deepspeed", 1),
     "zero2": Strategy("deepspeed", 2),
     "zero3": Strategy("deepspeed", 3),
+    "zero3_offload_param": Strategy("deepspeed", 3, offload_param="cpu"),
     "zero1_offload": Strategy("deepspeed", 1, offload_optimizer="cpu"),
     "zero2_offload": Strategy("deepspeed", 2, offload_optimizer="cpu"),
     "zero3_offload": Strategy("deepspeed", 3, offload_optimizer="cpu", offload_param="cpu"),
+    "zero3_nvme": Strategy("deepspeed", 3, offload_optimizer="nvme", offload_param="nvme"),
 }
+
+
+def offloads(strategy: Strategy) -> bool:
+    """Whether ``strategy`` moves anything off the GPU (which needs a GPU to move it from)."""
+    return strategy.offload_optimizer != "none" or strategy.offload_param != "none"
+
+
+def available(cfg: "RunConfig", device: str = "cuda") -> dict[str, Strategy]:
+    """The strategies a run of ``cfg`` can take on ``device``, in :data:`STRATEGIES` order: no offload on the
+    CPU, NVMe offload only with ``--strategy.nvme_path``."""
+    return {name: s for name, s in STRATEGIES.items()
+            if (device == "cuda" or not offloads(s))
+            and (cfg.strategy.nvme_path or "nvme" not in (s.offload_optimizer, s.offload_param))}

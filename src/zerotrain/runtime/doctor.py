@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
+from zerotrain.engines import optimizers
 from zerotrain.engines.ds_private.patches import (
     PATCHES,
     installed_version,
@@ -41,6 +42,7 @@ OPS = {"ShareMemCommBuilder": "shared-memory communication op (CPU runs)",
 JIT_OPS = {
     "ShareMemCommBuilder": ("DeepSpeed's shared-memory communication op (CPU runs)", "1-5 minutes"),
     "CPUAdamBuilder": ("DeepSpeedCPUAdam (CPU optimizer offload)", "2-25 minutes"),
+    "CPUAdagradBuilder": ("DeepSpeedCPUAdagrad (CPU optimizer offload of adagrad)", "2-25 minutes"),
     "FusedAdamBuilder": ("FusedAdam (the GPU optimizer)", "1-5 minutes"),
     "AsyncIOBuilder": ("AsyncIO (NVMe offload)", "1-3 minutes"),
 }
@@ -269,19 +271,20 @@ def prepare_ops(ops: Iterable[str], say: Callable[[str], None] = log.info) -> li
 
 
 def ops_for(ds_config: dict[str, Any]) -> list[str]:
-    """The ops ``deepspeed.initialize`` compiles for this DeepSpeed config: CPUAdam under optimizer offload,
-    FusedAdam for DeepSpeed's Adam otherwise (unless ``torch_adam``), AsyncIO for NVMe offload."""
+    """The ops ``deepspeed.initialize`` compiles for this DeepSpeed config: the optimizer table's host op under
+    optimizer offload (CPUAdam for Adam), its GPU op otherwise (FusedAdam, unless ``torch_adam``), AsyncIO for
+    NVMe offload."""
     zero = ds_config.get("zero_optimization") or {}
     devices = {str((zero.get(k) or {}).get("device", "none")).lower() for k in ("offload_optimizer", "offload_param")}
     optimizer = ds_config.get("optimizer") or {}
-    kind = str(optimizer.get("type", "")).lower()
+    row = optimizers.by_ds_type(optimizer.get("type", ""))
     ops = []
-    if kind in ("adam", "adamw"):
+    if row is not None:
         offloaded = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() in ("cpu", "nvme")
-        if offloaded:
-            ops.append("CPUAdamBuilder")
-        elif not (optimizer.get("params") or {}).get("torch_adam"):
-            ops.append("FusedAdamBuilder")
+        if offloaded and row.offload_op:
+            ops.append(row.offload_op)
+        elif not offloaded and row.gpu_op and not (optimizer.get("params") or {}).get("torch_adam"):
+            ops.append(row.gpu_op)
     if "nvme" in devices:
         ops.append("AsyncIOBuilder")
     return ops

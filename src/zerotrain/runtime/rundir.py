@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import errno
 import json
+import logging
 import os
 import platform
 import secrets
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -27,14 +30,18 @@ from typing import Any, Optional
 
 import torch
 
-from zerotrain.checkpoint.layout import complete_checkpoints, find_resume_folder
+from zerotrain.checkpoint.layout import complete_checkpoints, resume_folder, set_aside
 from zerotrain.config import from_dict, upgrade_layout
-from zerotrain.data.io import looks_local
+from zerotrain.data.io import atomic_write_text, looks_local
 from zerotrain.data.io import write_json as atomic_write_json
+from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.errors import UserError
 from zerotrain.models.hf import is_hf_folder
-from zerotrain.runtime.collectives import broadcast_object, run_on_main
+from zerotrain.runtime.collectives import barrier, broadcast_object, run_on_main
 from zerotrain.tasks import registry as recipes
+from zerotrain.train.state import refuse_unsafe_files
+
+log = logging.getLogger("zerotrain")
 
 
 def new_run_name(recipe: str) -> str:
@@ -77,12 +84,98 @@ def prepare(output_dir: str, run_name: Optional[str], recipe: str, resume: Optio
     name = broadcast_object(run_name or new_run_name(recipe) if is_main else None)
     run_on_main(lambda: check_writable(output_dir))  # its error stops every rank, not rank 0 alone
     run_dir = Path(output_dir).expanduser() / name
+    run_on_main(lambda: check_closed(run_dir))  # before the lock file is opened in it
     if lock is not None:
         run_on_main(lambda: lock.take(run_dir) if run_dir.is_dir() else None)
-    resume_from = find_resume_folder(resume, run_dir, verify=verify) if resume else None
+    resume_from, damaged = resume_folder(resume, run_dir, verify=verify) if resume else (None, [])
+    own = [f for f in damaged if f.parent.resolve() == (run_dir / "checkpoints").resolve()]
+    if own:
+        barrier()  # every rank has finished reading them
+        run_on_main(lambda: _set_aside(own))
     if resume_from is None:
         run_on_main(lambda: _refuse_fresh_start_over(run_dir))
+    else:
+        # Before anything is built or rewritten: a file no weights-only load would accept is refused now, naming
+        # it, not after the run folder's metadata was written (the loads themselves are weights-only too).
+        run_on_main(lambda: refuse_unsafe_files(sorted(resume_from.glob("*.pt")), ds_safe_globals()))
     return run_dir, resume_from
+
+
+def _set_aside(damaged: list[Path]) -> None:
+    """This run's damaged checkpoints that resume skipped, renamed out of the way (see
+    :func:`zerotrain.checkpoint.layout.set_aside`): they count in no ``--checkpoint.keep_last`` and their steps are
+    saved again."""
+    for folder in damaged:
+        moved = set_aside(folder)
+        log.warning(
+            "moved the damaged checkpoint %s aside to %s: it is no longer resumed or counted in "
+            "--checkpoint.keep_last, and step %s is saved again when training passes it (delete it once you have "
+            "looked at it)", folder.name, moved, int(folder.name[len("step"):]))
+
+
+# ---- a run folder is a closed room ----------------------------------------------------------------
+def check_closed(run_dir: Path) -> None:
+    """Refuse, in one line naming the entry, a run folder that is a symbolic link or holds one that points
+    outside it (or holds a pipe or device file where zerotrain writes files).
+
+    Everything a run writes goes under its folder: a link there (a run folder copied from someone else, a run
+    name pre-created in a shared output folder) would make a fit, resume or export overwrite whatever the link
+    names with the user's permissions. Links that stay inside the folder are left alone (W&B's ``latest-run``).
+    Checked when a command starts using the folder; the files zerotrain then creates in place are opened
+    without following links (:func:`open_own`), and the others are written beside and renamed over their
+    name, which replaces a link instead of writing through it.
+    """
+    if run_dir.is_symlink():
+        raise UserError(f"--trainer.run_name: {run_dir} is a symbolic link (to {os.readlink(run_dir)}): a run is "
+                        "written only into a folder of its own. Remove the link or pass another --trainer.run_name")
+    if not run_dir.is_dir():
+        return
+    root = run_dir.resolve()
+    for here, dirs, files in os.walk(run_dir):
+        for name in sorted(dirs + files):
+            entry = Path(here) / name
+            mode = entry.lstat().st_mode
+            if stat.S_ISLNK(mode):
+                target = Path(os.path.realpath(entry))
+                if target != root and root not in target.parents:
+                    raise UserError(f"{entry} is a symbolic link to {target}, outside the run folder {run_dir}: "
+                                    "zerotrain writes nothing through it. Remove the link (or copy what it points "
+                                    "to into the run folder)")
+            elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise UserError(f"{entry} is not a regular file or folder (a pipe, socket or device): zerotrain "
+                                "writes nothing into it. Remove it")
+
+
+def open_own(path: Path, flags: int, what: str) -> int:
+    """``os.open(path, flags | O_CREAT | O_NOFOLLOW)`` for a file zerotrain writes in place in a run folder
+    (``what`` names it): a symbolic link, or a file with other hard links (whose writes would land in another
+    file too), is refused in one line instead of written through."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UserError(f"{path} ({what}) is a symbolic link: zerotrain writes nothing through it. Remove the "
+                            "link") from None
+        raise
+    if os.fstat(fd).st_nlink > 1:
+        os.close(fd)
+        raise UserError(f"{path} ({what}) has other hard links: writing it would change another file too. Remove "
+                        "it (zerotrain writes it again)")
+    return fd
+
+
+def remove_entry(path: Path) -> None:
+    """Remove ``path``: a link itself (never what it points to), a file, or a folder tree; nothing when absent.
+    Errors are ignored, as ``shutil.rmtree(..., ignore_errors=True)`` ignores them."""
+    import shutil
+
+    if path.is_symlink() or path.is_file():
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _refuse_fresh_start_over(run_dir: Path) -> None:
@@ -125,13 +218,11 @@ MODEL_CONFIG = "config.json"
 
 def save_tokenizer(tokenizer: Any, folder: Path) -> None:
     """``tokenizer.save_pretrained(folder)``, written beside and renamed into place: a crash leaves no half copy."""
-    import shutil
-
     staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    remove_entry(staging)
     with writing("the run's copy of its tokenizer", folder.parent):
         tokenizer.save_pretrained(str(staging))
-    shutil.rmtree(folder, ignore_errors=True)
+    remove_entry(folder)
     staging.rename(folder)
 
 
@@ -176,7 +267,7 @@ class RunLock:
         import fcntl
 
         path = run_dir / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_own(path, os.O_RDWR, "the run folder's lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -282,8 +373,9 @@ def _git(args: list[str], cwd: Path) -> str:
 def write_code_state(run: Path) -> None:
     """githash.log and gitdiff.log of the working tree the command ran from (empty outside git)."""
     cwd = Path.cwd()
-    (run / "githash.log").write_text(_git(["rev-parse", "HEAD"], cwd) or "not a git checkout\n")
-    (run / "gitdiff.log").write_text(_git(["diff", "HEAD"], cwd))
+    # Written beside and renamed: a link under either name is replaced, never written through.
+    atomic_write_text(run / "githash.log", _git(["rev-parse", "HEAD"], cwd) or "not a git checkout\n")
+    atomic_write_text(run / "gitdiff.log", _git(["diff", "HEAD"], cwd))
 
 
 def commit(here: Path = Path(__file__).resolve().parent) -> str | None:
@@ -360,6 +452,32 @@ def _tokenizer_setting(cfg: Any) -> Optional[str]:
         if dataclasses.is_dataclass(value) and name in {f.name for f in dataclasses.fields(value)}:
             return dotted
     return None
+
+
+def use_own_model_config(cfg: Any, run_dir: Path) -> bool:
+    """Point a Hugging Face recipe's ``--model`` at the run folder's own ``model/`` (a ``save_pretrained`` folder: its
+    config.json) for building the architecture, so that a run rebuilds without the folder, hub name or config file
+    it was trained from. Only for building without pretrained weights: the weights then come from the run (its
+    export or checkpoint). True when it did; a run without that folder, or a recipe without those settings, is
+    left as it was."""
+    model = getattr(cfg, "model", None)
+    names = {f.name for f in dataclasses.fields(model)} if dataclasses.is_dataclass(model) else set()
+    folder = Path(run_dir) / "model"
+    if not {"name_or_path", "init", "config"} <= names or not _is_hf_config(folder / "config.json"):
+        return False
+    if model.init == "random":
+        model.config = str(folder)
+    else:
+        model.name_or_path = str(folder)
+    return True
+
+
+def _is_hf_config(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face config.json (it names a ``model_type``), not zerotrain's own model config."""
+    try:
+        return "model_type" in json.loads(path.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _apply_overrides(cfg: Any, overrides: dict[str, Any], recipe: str) -> None:
@@ -455,6 +573,24 @@ def _check_tokenizer_fits(task: Any, export_dir: Path, tokenizer: Any, setting: 
                         "--tokenizer DIR (load_run(..., overrides={'tokenizer': DIR}) from Python)")
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+"""Weight files in Python's pickle format (``pytorch_model.bin``, peft's ``adapter_model.bin``, ...)."""
+
+
+def refuse_pickles(export_dir: Path) -> None:
+    """Refuse, in one line naming it, a pickle file among the exported weights in ``export_dir``.
+
+    zerotrain exports safetensors only (peft's adapter and Hugging Face folders included), which hold tensors and
+    nothing that runs. A pickle file there was put by someone else; Hugging Face's and peft's loaders would
+    prefer or fall back to it, and unpickling can run code (their weights-only mode ends in a traceback instead).
+    """
+    for path in sorted(export_dir.rglob("*")):
+        if path.suffix.lower() in PICKLE_SUFFIXES and path.is_file():
+            raise UserError(f"{path} is a pickle file, which zerotrain does not load (unpickling it could run code; "
+                            "zerotrain exports safetensors only). Delete it, or export the run's checkpoint again "
+                            "with zerotrain export")
+
+
 def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, device: str = "cpu") -> LoadedRun:
     """Rebuild the model a finished ``zerotrain fit`` run exported, ready for inference.
 
@@ -481,6 +617,8 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     dev = _check_device(device)
     task_cls = task_class(raw, run_dir / "hparams.json")
     _apply_overrides(cfg, dict(overrides or {}), recipe)
+    if not any(key.startswith("model.") for key in overrides or {}):
+        use_own_model_config(cfg, run_dir)  # the model is rebuilt without weights: the run's own config serves
     cfg.activation_checkpointing.enabled = False  # a training setting; inference has no backward pass
 
     setting = _tokenizer_setting(cfg)
@@ -497,6 +635,7 @@ def load_run(run_dir: str | Path, overrides: Optional[dict[str, Any]] = None, de
     if not export_dir.is_dir():
         raise UserError(f"{export_dir} is missing: the run did not finish exporting its model. "
                         "Let it finish (or resume it) and try again")
+    refuse_pickles(export_dir)
     task = task_cls(cfg)
     _check_tokenizer_fits(task, export_dir, tokenizer, setting)
     # Random initialisation before the weights are loaded must not move the caller's random streams.

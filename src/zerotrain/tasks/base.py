@@ -13,7 +13,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Generic, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from zerotrain.checkpoint.weights import (
 from zerotrain.config import RunConfig
 from zerotrain.engines.states import full_numel
 from zerotrain.errors import UserError
+
+if TYPE_CHECKING:
+    from zerotrain.models.shape import TransformerShape
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +163,12 @@ class Task(ABC, Generic[C]):
         """Length in tokens of every training item, to batch similar lengths together; None (the
         default) keeps plain shuffled batches. Recipes with variable-length items return lengths
         when their config asks for length bucketing."""
+        return None
+
+    def transformer_shape(self, model: nn.Module) -> Optional["TransformerShape"]:
+        """The dimensions and row length that size ``model``'s activations without running it
+        (:mod:`zerotrain.plan.activations`: ``zerotrain estimate``, and the planner where the probe cannot
+        measure), from ``model`` as built, on the meta device too. None (the default): they are only measured."""
         return None
 
     def deepspeed_hints(self, model: nn.Module) -> dict[str, Any]:

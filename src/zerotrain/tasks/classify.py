@@ -31,6 +31,7 @@ from zerotrain.data.labelled import label_ids, label_names, read_labelled
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError
 from zerotrain.models import hf
+from zerotrain.models.shape import TransformerShape, transformer_shape
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 
 logger = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class ClassifyTask(Task[ClassifyConfig]):
                      "label2id": {name: i for i, name in enumerate(names)}}
         if self.tokenizer.pad_token_id is not None:
             overrides["pad_token_id"] = self.tokenizer.pad_token_id  # decoders find the last token by it
-        model = hf.load_model("classify", hf.ModelSource(m.name_or_path, m.init, m.config),
+        model = hf.load_model("classify", m.source(),
                               hf.resolve_dtype(m.dtype, self.cfg.precision.dtype), pretrained,
                               min_vocab=len(self.tokenizer), config_overrides=overrides)
         if self.cfg.activation_checkpointing.enabled:
@@ -193,6 +194,10 @@ class ClassifyTask(Task[ClassifyConfig]):
     def flops_per_token(self, model: nn.Module) -> float:
         # Only a fallback: training_step reports each batch's FLOPs at its padded length.
         return hf.transformer_flops_per_token(model, self.cfg.data.max_length)
+
+    def transformer_shape(self, model: nn.Module) -> Optional[TransformerShape]:
+        """Batches padded up to ``--data.max_length`` at most (with their mask); a few logits per row, no vocabulary."""
+        return transformer_shape(model, self.cfg.data.max_length, 0, dense_mask=True)
 
     def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
         """A Hugging Face folder: config (with ``id2label``/``label2id``), weights, tokenizer."""

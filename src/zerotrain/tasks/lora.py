@@ -10,6 +10,7 @@ layout (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -22,6 +23,7 @@ from zerotrain.engines.states import full_numel
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.models import hf
 from zerotrain.tasks.causal_lm import CausalLMTask
+from zerotrain.train.state import unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +148,12 @@ class LoRATask(CausalLMTask):
     def packed(self) -> bool:
         return False
 
+    def cache_dir(self) -> None:
+        return None  # records are few and tokenized in seconds
+
+    def streaming(self) -> bool:
+        return False
+
     def _load_base(self, pretrained: bool = True) -> nn.Module:
         return self.load_base(pretrained)
 
@@ -234,6 +242,8 @@ class LoRATask(CausalLMTask):
             with hf.peft_quiet():
                 loaded = PeftModel.from_pretrained(base, str(adapter_dir))
             model.load_state_dict(loaded.state_dict())
+        except pickle.UnpicklingError as exc:  # peft loads a pickled adapter weights-only (load_run refuses one first)
+            raise unreadable(adapter_dir, exc, ("", "Export the run's checkpoint again with zerotrain export")) from None
         except (ValueError, RuntimeError, KeyError, OSError) as exc:
             detail = " ".join(str(exc).split())
             raise UserError(f"{adapter_dir} does not fit the model the run's hparams.json describes "

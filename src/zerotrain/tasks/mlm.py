@@ -27,6 +27,7 @@ from zerotrain.data.text import load_packed
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models import hf
+from zerotrain.models.shape import TransformerShape, transformer_shape
 from zerotrain.models.roberta_mlm import RobertaMLM
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 
@@ -209,6 +210,14 @@ class MLMTask(Task[MLMConfig]):
         if self.cfg.model.uses_hf():
             return super().deepspeed_hints(model)
         return {"hidden_size": self.cfg.model.h_dim}
+
+    def transformer_shape(self, model: nn.Module) -> Optional[TransformerShape]:
+        """A Hugging Face masked LM: full blocks of ``--model.max_seq_length`` without a mask, every position scored
+        over the vocabulary (its head scores them all). zerotrain's own encoder: None (measured only)."""
+        if not self.cfg.model.uses_hf():
+            return None
+        T = self.cfg.model.max_seq_length
+        return transformer_shape(model, T, T, dense_mask=False)
 
     def _masked_logits(self, model: nn.Module, batch: Batch):
         """(loss, logits of the masked positions (M, V)). A Hugging Face masked LM scores every position and

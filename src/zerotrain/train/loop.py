@@ -33,6 +33,7 @@ from zerotrain.config import RunConfig, check_warmup
 from zerotrain.config.ds_config import batch_shape, check_nvme_io, reflect_ds_config
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
+from zerotrain.data.streaming import Drawn, StreamedRows
 from zerotrain.engines.base import Engine
 from zerotrain.engines.build import build_engine, model_construction
 from zerotrain.engines.states import (
@@ -42,8 +43,9 @@ from zerotrain.engines.states import (
     count_params,
     full_numel,
     model_state_memory,
+    optimizer_states,
 )
-from zerotrain.errors import DataError, OutOfMemory
+from zerotrain.errors import ConfigError, DataError, OutOfMemory
 from zerotrain.metrics.meters import (
     HostPeak,
     StepProfiler,
@@ -85,17 +87,27 @@ class Run:
     run_dir: Path
     resume_from: Optional[Path]
     splits: Splits
-    sampler: EpochBatches
+    sampler: Optional[EpochBatches]
+    """The plan of a map-style training split; None for a streamed one."""
     total_steps: int
     engine: Engine
-    loader: DataLoader
-    """The training split's loader; its persistent workers (if any) were started before the model was built."""
+    loader: Optional[DataLoader]
+    """The training split's loader; its persistent workers (if any) were started before the model was built.
+    None for a streamed split, which is read in the training process."""
     flops_per_token: float
     n_params: int
     param_counts: ParamCounts
     """Of the whole model before the engine (maybe) sharded it: what the out-of-memory line's prediction sizes."""
     model_load: dict[str, Any] = field(default_factory=dict)
     """How building the model went (:func:`_build_model`), for summary.json."""
+
+    def batches(self, state: TrainState) -> Iterator[Drawn]:
+        """The training micro-batches from where ``state`` says the data stands."""
+        if isinstance(self.splits.train, StreamedRows):
+            return self.splits.train.batches(self.engine.micro_batch_size, self.rt.rank, self.rt.world_size,
+                                             self.task.collator(), state.epoch, state.batches_in_epoch,
+                                             state.stream_offset)
+        return micro_batch_stream(self.loader, self.sampler, state.epoch, state.batches_in_epoch)
 
 
 def seed_everything(seed: int) -> None:
@@ -112,7 +124,8 @@ def fit(task: Task) -> FitResult:
     task.cfg.validate()
     with setup(task.cfg) as rt, rundir.RunLock() as lock:  # rank 0 owns the run folder until fit returns
         run = _build(task, rt, lock)
-        with contextlib.closing(run.loader):  # its workers end however the run does, set-up failures included
+        # The loader's workers end however the run does, set-up failures included (a streamed split has none)
+        with contextlib.closing(run.loader) if run.loader is not None else contextlib.nullcontext():
             return _train(run)
 
 
@@ -139,7 +152,7 @@ def _train(run: Run) -> FitResult:
     # The meter's warm-up restarts with every process, a resumed one too; its first step compiles
     after_warmup = max(1, tr.warmup_steps_excluded)
     profiler = StepProfiler(tr.profile_steps, state.step + after_warmup, rt.device, run.run_dir, rt.is_main)
-    stream = micro_batch_stream(run.loader, run.sampler, state.epoch, state.batches_in_epoch)
+    stream = run.batches(state)
     results: dict[str, Any] = dict(run.model_load)
     heartbeat = Progress(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
     heap = FrozenHeap(tr.gc_freeze, after_warmup, run.total_steps - state.step)
@@ -152,11 +165,11 @@ def _train(run: Run) -> FitResult:
                 t0 = time.perf_counter()
                 drawn = [next(stream) for _ in range(engine.grad_accum)]
                 meter.add_data_wait(time.perf_counter() - t0)
-                stats = engine.train_step([b for _, _, b in drawn], run.task.training_step, run.task.loss_weight)
-                state.advance(stats.loss, *drawn[-1][:2])
+                stats = engine.train_step([d.batch for d in drawn], run.task.training_step, run.task.loss_weight)
+                state.advance(stats.loss, drawn[-1].epoch, drawn[-1].batches, drawn[-1].offset)
                 heartbeat.beat(state.step)
                 meter.add_step(stats.micro_batches, stats.samples, stats.tokens, stats.flops,
-                               sum(run.task.real_tokens(b) for _, _, b in drawn))
+                               sum(run.task.real_tokens(d.batch) for d in drawn))
                 last = state.step == run.total_steps
                 if (collected_s := heap.step()) is not None:
                     log.info("step %d: Python's heap collected (%.2f s) and frozen", state.step, collected_s)
@@ -212,16 +225,28 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     with main_process_first(rt.is_main):  # rank 0 fills the tokenisation cache; the others then read it
         splits = task.build_datasets()
     micro, grad_accum = batch_shape(cfg)
-    sampler = EpochBatches(len(splits.train), micro, rt.rank, rt.world_size, tr.seed, grad_accum,
-                           task.train_lengths(splits.train))
-    steps_per_epoch = sampler.batches_per_epoch // grad_accum
-    if steps_per_epoch < 1:
-        raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
-                        f"({micro} x {grad_accum} x {rt.world_size}). Add data or lower --trainer.micro_batch_size")
-    total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
+    sampler: Optional[EpochBatches] = None
+    loader: Optional[DataLoader] = None
+    if isinstance(splits.train, StreamedRows):  # its length is unknown until it is read
+        if tr.max_steps is None:
+            raise ConfigError("--trainer.max_steps", "is required with --data.streaming true: a streamed split's "
+                                                     "length is unknown until it is read")
+        if cfg.scheduler.step_unit == "epochs" and cfg.scheduler.name == "step":
+            raise ConfigError("--scheduler.step_unit", "must be steps with --data.streaming true (epochs are not "
+                                                       "known in advance)")
+        total_steps = steps_per_epoch = tr.max_steps
+    else:
+        sampler = EpochBatches(len(splits.train), micro, rt.rank, rt.world_size, tr.seed, grad_accum,
+                               task.train_lengths(splits.train))
+        steps_per_epoch = sampler.batches_per_epoch // grad_accum
+        if steps_per_epoch < 1:
+            raise DataError(f"the training set has {len(splits.train)} examples, fewer than one optimizer step needs "
+                            f"({micro} x {grad_accum} x {rt.world_size}). Add data or lower --trainer.micro_batch_size")
+        total_steps = tr.max_steps if tr.max_steps is not None else tr.epochs * steps_per_epoch
     check_warmup(cfg.scheduler.warmup_steps, total_steps)  # epochs: the run's length is known only now
-    loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
-    loader.start_workers()  # before the model and the engine fill this process's memory
+    if sampler is not None:
+        loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
+        loader.start_workers()  # before the model and the engine fill this process's memory
     with _closed_on_error(loader):
         model, model_load = _build_model(task, cfg, rt, total_steps)
         # Counted on the whole model, before an engine may shard it (a partitioned one: its full sizes).
@@ -238,7 +263,8 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
             check_compatible(resume_from, shape_of(engine, name))
         if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
-            one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
+            one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend,
+                                            optimizer_states(cfg.optimizer, engine.ds_config))
             run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
         # On rank 0, with its error shared: a lock held by another run stops every rank.
         run_on_main(lambda: rundir.write_metadata(run_dir, name, cfg.to_dict(), engine.ds_config, lock,
@@ -279,12 +305,13 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int) -> t
 
 
 @contextlib.contextmanager
-def _closed_on_error(loader: DataLoader) -> Iterator[None]:
+def _closed_on_error(loader: Optional[DataLoader]) -> Iterator[None]:
     """Stops the loader's workers if what the block builds fails: ``fit`` may be called again in this process."""
     try:
         yield
     except BaseException:
-        loader.close()
+        if loader is not None:
+            loader.close()
         raise
 
 
@@ -311,7 +338,8 @@ def _predicted_gpu_bytes(run: Run) -> Optional[float]:
         autocast = bool((ds.get("torch_autocast") or {}).get("enabled"))  # ZeRO-0's bf16 fast path keeps fp32 weights
         return float(model_state_memory(run.param_counts, strategy, run.rt.world_size, run.engine.precision,
                                         Buckets.from_ds_config(ds), autocast=autocast,
-                                        grad_accum=run.engine.grad_accum).gpu_bytes)
+                                        grad_accum=run.engine.grad_accum,
+                                        optimizer_states=optimizer_states(run.cfg.optimizer, ds)).gpu_bytes)
     except Exception:  # a figure for the message is not worth hiding the out-of-memory error behind another
         return None
 

@@ -19,7 +19,7 @@ import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -42,11 +42,17 @@ class TrainState:
     """Sum of this rank's step losses since the last log line (a device tensor while training)."""
     window_steps: int = 0
     """Steps in the open logging window."""
+    stream_offset: tuple[int, ...] = ()
+    """A streamed training split (--data.streaming): (first raw record of the chunk, rows of it consumed) in this
+    rank's share, where the next micro-batch starts; empty otherwise (see :mod:`zerotrain.data.streaming`)."""
 
-    def advance(self, loss: Any, epoch: int, batches_in_epoch: int) -> None:
-        """Count one optimizer step whose last micro-batch left the data at (epoch, batches_in_epoch)."""
+    def advance(self, loss: Any, epoch: int, batches_in_epoch: int,
+                stream_offset: Optional[Sequence[int]] = None) -> None:
+        """Count one optimizer step whose last micro-batch left the data at (epoch, batches_in_epoch), and for a
+        streamed split at ``stream_offset``."""
         self.step += 1
         self.epoch, self.batches_in_epoch = epoch, batches_in_epoch
+        self.stream_offset = tuple(int(x) for x in stream_offset) if stream_offset else ()
         self.window_loss = self.window_loss + loss
         self.window_steps += 1
 
@@ -62,6 +68,7 @@ class TrainState:
             "batches_in_epoch": self.batches_in_epoch,
             "window_loss": float(self.window_loss),  # reading a device tensor: only at save time
             "window_steps": self.window_steps,
+            "stream_offset": list(self.stream_offset),
             "rng": rng_state(),
         }
 
@@ -74,6 +81,7 @@ class TrainState:
         self.step, self.epoch = int(state["step"]), int(state["epoch"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
         self.window_loss, self.window_steps = float(state["window_loss"]), int(state["window_steps"])
+        self.stream_offset = tuple(int(x) for x in state.get("stream_offset", ()))
         set_rng_state(state["rng"])
 
     def load_resharded(self, states: list[dict[str, Any]], seed: int, rank: int) -> None:
@@ -97,6 +105,10 @@ class TrainState:
         for state in states:
             if state.get("version") != SCHEMA_VERSION:
                 self.load_state_dict(state)  # raises the version's one line
+        if any(s.get("stream_offset") for s in states):
+            raise UserError(f"--checkpoint.resume: the checkpoint was written by {len(states)} process(es) reading a "
+                            "streamed split (--data.streaming), whose position is per process. Resume it with "
+                            f"{len(states)} process(es)")
         first = states[0]
         where = [(int(s["step"]), int(s["epoch"]), int(s["batches_in_epoch"])) for s in states]
         if len(set(where)) != 1:
@@ -109,7 +121,10 @@ class TrainState:
 
     def plain(self) -> dict[str, Any]:
         """The fields alone (no RNG), for the checkpoint's JSON marker and log lines."""
-        return {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        out = {"step": self.step, "epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        if self.stream_offset:
+            out["stream_offset"] = list(self.stream_offset)
+        return out
 
 
 def rng_state() -> dict[str, Any]:
@@ -145,39 +160,71 @@ def reseed(seed: int, step: int, rank: int) -> None:
     torch.manual_seed(value)  # seeds every CUDA device too
 
 
-def load_safely(path: Path, map_location: Any = "cpu", allow: Iterable[type] = ()) -> Any:
+RESUME = ("--checkpoint.resume: ", "Pass an older checkpoint folder")
+"""Where a file that cannot be loaded safely was met (the line's start) and what to do instead: resuming."""
+
+
+def load_safely(path: Path, map_location: Any = "cpu", allow: Iterable[type] = (),
+                where: tuple[str, str] = RESUME, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``: tensors, plain containers and the classes in ``allow`` only.
 
     A file that needs more (a crafted pickle whose ``__reduce__`` would run code) or is damaged
-    ends in one :class:`UserError` line naming it; nothing in it runs.
+    ends in one :class:`UserError` line naming it (:func:`unreadable`, ``where``); nothing in it runs.
     """
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as exc:  # UnpicklingError, RuntimeError (a damaged zip), EOFError, ...
-        raise unreadable(path, exc) from None
+        raise unreadable(path, exc, where) from None
 
 
-def unreadable(path: Path, exc: BaseException) -> UserError:
-    """The one line for a checkpoint file that cannot be loaded safely."""
+def unreadable(path: Path, exc: BaseException, where: tuple[str, str] = RESUME) -> UserError:
+    """The one line for a file that cannot be loaded safely: ``where`` is (the line's start, what to do)."""
     text = " ".join(str(exc).split())
-    if "Weights only load failed" in text or "Unsupported global" in text:
+    if is_refused_pickle(exc):
         why = ("it holds Python objects other than tensors and plain containers, which are refused because loading "
                "them could run code (was the file replaced?)")
     else:
         why = f"it is damaged ({type(exc).__name__}: {text[:200]})"
-    return UserError(f"--checkpoint.resume: {path} cannot be loaded: {why}. Pass an older checkpoint folder")
+    return UserError(f"{where[0]}{path} cannot be loaded: {why}. {where[1]}")
+
+
+def refuse_unsafe_files(paths: Iterable[Path], allow: Iterable[type] = (), where: tuple[str, str] = RESUME) -> None:
+    """Before a third-party loader reads ``paths`` (DeepSpeed's ``zero_to_fp32``): each must be a file ``torch.save``
+    wrote whose pickle names nothing beyond torch's weights-only set and ``allow``. Nothing is unpickled: the
+    pickle's opcodes are only scanned. The first file that fails is refused in one line naming it (``where``), so
+    the line names the file rather than the folder the loader was given."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in allow}
+    for path in paths:
+        try:
+            unsafe = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if g not in allowed]
+        except ValueError:  # not torch.save's zip layout: a bare pickle, or garbage
+            raise UserError(f"{where[0]}{path} cannot be loaded: it is not a file torch.save wrote (a bare pickle is "
+                            f"refused because loading it could run code; was the file replaced?). {where[1]}") from None
+        except Exception as exc:  # a damaged zip
+            raise unreadable(path, exc, where) from None
+        if unsafe:
+            raise UserError(f"{where[0]}{path} cannot be loaded: it holds Python objects other than tensors and plain "
+                            f"containers ({', '.join(unsafe[:3])}), which are refused because loading them could run "
+                            f"code (was the file replaced?). {where[1]}")
+
+
+def is_refused_pickle(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's weights-only unpickler refusing an object (rather than a damaged file)."""
+    text = str(exc)
+    return "Weights only load failed" in text or "Unsupported global" in text
 
 
 @contextlib.contextmanager
-def weights_only_torch_load(source: Path, allow: Iterable[type] = ()) -> Iterator[None]:
+def weights_only_torch_load(source: Path, allow: Iterable[type] = (), where: tuple[str, str] = RESUME
+                            ) -> Iterator[None]:
     """Within the block, every ``torch.load`` call (in third-party code too) loads weights only.
 
     DeepSpeed's universal-checkpoint converter and loader call ``torch.load(weights_only=False)`` directly, not
     through its checkpoint engine. torch's own switch, ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, overrides that
     argument; ``allow`` (classes the files may hold besides tensors) is added to torch's allow-list for the
     block (``add_safe_globals``; the list is as it was after). A file refused or cut short ends the block with :func:`unreadable`
-    naming ``source``. The environment is as it was after the block.
+    naming ``source`` (``where``: the line's start and what to do). The environment is as it was after the block.
     """
     saved = {key: os.environ.pop(key, None) for key in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
@@ -187,7 +234,7 @@ def weights_only_torch_load(source: Path, allow: Iterable[type] = ()) -> Iterato
     try:
         yield
     except (pickle.UnpicklingError, EOFError) as exc:
-        raise unreadable(source, exc) from None
+        raise unreadable(source, exc, where) from None
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(allowed_before)

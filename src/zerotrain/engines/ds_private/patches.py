@@ -119,6 +119,25 @@ PATCHES: tuple[Patch, ...] = (
              "forward and backward directly)",
         upstream="DeepSpeed's engine forward/backward skipping its compiler context, graph tracker and "
                  "lock-guarded counters when ZeRO, timers and profilers are off"),
+    Patch(
+        name="zero0_zero_grad_from_list",
+        what="ZeRO-0: zero_grad on the engine instance sets .grad = None on a list of the module's parameters made "
+             "once, where DeepSpeed walks module.named_parameters() every step",
+        target="engine", verified_versions=VERIFIED,
+        applies=zero_host.is_zero0, apply=zero_host.zero_grad_from_list,
+        gain="IMDB (b), ZeRO-0, one H200: measured together with the idle forward hooks below, side by side "
+             "(docs/benchmarks/restructure_ab_h200_202611.md)",
+        upstream="DeepSpeed's engine caching its parameter list for zero_grad"),
+    Patch(
+        name="zero0_drop_idle_forward_hooks",
+        what="ZeRO-0: the engine's forward pre- and post-hooks on its module are removed where every feature they "
+             "serve (timers, flops profiler, random-LTD, fp16 input casting, ZeRO-3 marking) is off",
+        target="engine", verified_versions=VERIFIED,
+        applies=zero_host.forward_hooks_idle, apply=zero_host.drop_idle_forward_hooks,
+        gain="IMDB (b), ZeRO-0, one H200: measured together with the gradient list above, side by side "
+             "(docs/benchmarks/restructure_ab_h200_202611.md)",
+        upstream="DeepSpeed registering its forward hooks only when a feature that needs them is on, as it "
+                 "already does while DeepCompile is active"),
 )
 
 

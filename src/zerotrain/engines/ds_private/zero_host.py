@@ -20,6 +20,9 @@ figures that keep it, are declared in :mod:`zerotrain.engines.ds_private.patches
   parameter at its slice of the flat buffer again; skipped where every parameter already is that slice.
 * **ZeRO-0's forward and backward** (:func:`forward_backward_add_nothing`): where DeepSpeed's wrap only
   autocast and ``loss.backward()``, the engine runs those two itself.
+* **ZeRO-0's per-step walks** (:func:`zero_grad_from_list`, :func:`drop_idle_forward_hooks`): DeepSpeed walks
+  the module tree for the gradients to clear every step, and calls forward hooks whose bodies are all
+  switched off; the gradients are cleared from a list made once, and idle hooks are removed.
 """
 
 from __future__ import annotations
@@ -233,3 +236,56 @@ def _is_zero12(optimizer: Any) -> bool:
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return isinstance(optimizer, DeepSpeedZeroOptimizer)
+
+
+def is_zero0(engine: Any) -> bool:
+    """Whether DeepSpeed ``engine`` runs without ZeRO (stage 0), whose optimizer does not clear the gradients."""
+    return not engine.zero_optimization()
+
+
+def zero_grad_from_list(engine: Any) -> Callable[[], None]:
+    """Give a ZeRO-0 ``engine`` (:func:`is_zero0`) a ``zero_grad`` that sets ``.grad = None`` on a list of its
+    module's parameters made now; returns the undo (the class's method again).
+
+    DeepSpeed's (0.19.8) sets ``param.grad = None`` for every ``module.named_parameters()``, a walk of the module
+    tree each step. The parameters never change object after ``deepspeed.initialize`` (its optimizer holds them),
+    so the list names the same tensors, deduplicated as ``named_parameters`` does; the gradients end the same."""
+    params = list(engine.module.parameters())
+
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
+        for p in params:
+            p.grad = None
+
+    engine.zero_grad = zero_grad  # an instance attribute over the class's method
+    return lambda: engine.__dict__.pop("zero_grad", None)
+
+
+def forward_hooks_idle(engine: Any) -> bool:
+    """Whether ``engine``'s forward pre- and post-hooks would do nothing: ``_forward_prologue``/``_forward_epilogue``
+    only start and stop timers (wall clock; throughput when DeepSpeed was given no data loader), the flops
+    profiler, random-LTD, fp16 input casting, ZeRO-3's external-parameter marking and a memory report, all off."""
+    return (not engine.zero_optimization_partition_weights() and not engine.flops_profiler_enabled()
+            and not engine.random_ltd_enabled() and not engine.fp16_auto_cast() and not engine.memory_breakdown()
+            and not engine.autotuning_profile_model_info() and not engine.is_deepcompile_enabled()
+            and not engine.engine_timers.forward_timers
+            and not (engine.training_dataloader is None and engine.tput_timer.config.enabled)
+            and any(getattr(engine, name, None) is not None for name in _FORWARD_HOOKS))
+
+
+_FORWARD_HOOKS = ("module_forward_pre_hook", "module_forward_post_hook")
+
+
+def drop_idle_forward_hooks(engine: Any) -> Callable[[], None]:
+    """Remove ``engine``'s idle forward hooks (check :func:`forward_hooks_idle` first): they are empty calls that
+    also take the module off ``nn.Module``'s hook-free call path. DeepSpeed removes the same two itself while
+    DeepCompile is active. Returns the undo, which registers DeepSpeed's hooks again."""
+    for name in _FORWARD_HOOKS:
+        handle = getattr(engine, name, None)
+        if handle is not None:
+            handle.remove()
+            setattr(engine, name, None)
+
+    def undo() -> None:
+        engine.module_forward_pre_hook = engine._create_module_forward_pre_hook()
+        engine.module_forward_post_hook = engine._create_module_forward_post_hook()
+    return undo

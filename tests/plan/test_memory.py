@@ -1,0 +1,374 @@
+"""The model-state memory estimator and the planner behind ``zerotrain estimate``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zerotrain.cli import main
+from zerotrain.plan.memory import plan
+from zerotrain.engines.states import Buckets, ParamCounts, count_params, model_state_memory
+from zerotrain.plan.strategies import STRATEGIES
+
+GIB = 2**30
+
+
+def test_count_params_on_the_meta_device():
+    with torch.device("meta"):
+        emb = nn.Embedding(100, 8)
+        head = nn.Linear(8, 100, bias=False)
+        head.weight = emb.weight  # tied: counted once
+        model = nn.Sequential(emb, nn.Linear(8, 8), head).to(torch.bfloat16)
+    model[1].weight.requires_grad_(False)
+    c = count_params(model)
+    assert (c.total, c.trainable, c.largest_layer, c.largest_trainable) == (800 + 72, 800 + 8, 800, 800)
+    assert (c.total_bytes, c.trainable_bytes) == (2 * 872, 2 * 808)
+
+
+def test_each_stage_partitions_what_it_should():
+    """Ψ = T = 1000 on 4 GPUs in bf16: weights 2, gradients 2, optimizer 16 bytes per parameter."""
+    c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000,
+                    largest_trainable=80)
+
+    def mem(name):
+        m = model_state_memory(c, STRATEGIES[name], world_size=4, precision="bf16", buckets=Buckets(10))
+        return m.gpu_bytes, m.cpu_bytes
+
+    bucket = 2 * 10
+    assert mem("zero0") == (2000 + 2000 + 16000, 0)
+    assert mem("zero1") == (2000 + 2000 + 4000 + bucket, 0)
+    assert mem("zero2") == (2000 + 500 + 4000 + bucket, 0)
+    assert mem("zero3") == (500 + 500 + 4000 + 2 * 2 * 100 + bucket, 0)
+    # Offloaded ZeRO-2 partition (250 parameters): fp32 master weights and gradients, a bf16 copy, two moments
+    # (its gradients go to the host bucket by bucket, through a buffer the size of the largest layer)
+    assert mem("zero2_offload") == (2000 + bucket + 2 * 80, (4 + 4 + 2 + 8) * 250)
+    assert mem("zero3_offload") == (500 + 2 * 2 * 100 + bucket, 4000 + 500)
+    # Plain PyTorch keeps the built fp32 weights; gradients twice over (DDP's buckets), Adam's two moments.
+    assert mem("ddp") == (4000 + 8000 + 8000, 0)
+    # Accumulating under ZeRO-1/2 offload: DeepSpeed's sum of the gradient partition on the host, in the weights' dtype
+    for name, precision, extra in (("zero2_offload", "bf16", 2 * 1000 / 4), ("zero2_offload", "fp32", 4 * 1000 / 4),
+                                   ("zero3_offload", "bf16", 0), ("zero2", "bf16", 0)):
+        once, accumulated = (model_state_memory(c, STRATEGIES[name], 4, precision, Buckets(10), grad_accum=k).cpu_bytes
+                             for k in (1, 4))
+        assert accumulated - once == extra, (name, precision)
+
+
+def test_pinned_offload_partitions_round_up_to_a_power_of_two():
+    """PyTorch's pinned-memory allocator rounds each block up to a power of two; DeepSpeed pins three of the
+    four host copies of a ZeRO-1/2 offload partition (Adam's moments are not pinned)."""
+    c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000)
+    pin = Buckets.from_ds_config({"zero_optimization": {"reduce_bucket_size": 10, "offload_optimizer":
+                                                        {"device": "cpu", "pin_memory": True}}})
+    assert pin.pin_memory and not Buckets.from_ds_config({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}).pin_memory
+    cpu = model_state_memory(c, STRATEGIES["zero2_offload"], 4, "bf16", pin).cpu_bytes
+    assert cpu == 1024 + 1024 + 512 + 8 * 250
+    # The 5.06B-parameter MLM of BENCHMARKS.md on one GPU: 32 + 32 + 16 GiB pinned, 37.7 GiB of moments
+    big = ParamCounts(total=5_057_946_713, trainable=5_057_946_713, largest_layer=4096 * 16384,
+                      total_bytes=4 * 5_057_946_713, trainable_bytes=4 * 5_057_946_713)
+    cpu = model_state_memory(big, STRATEGIES["zero2_offload"], 1, "bf16", pin).cpu_bytes
+    assert cpu == 80 * GIB + 8 * 5_057_946_713
+
+
+def test_reduce_buckets_follow_the_deepspeed_config():
+    """Two buckets with overlap_comm (stages 1-2), none without contiguous_gradients, read from the JSON."""
+    c = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=4000, trainable_bytes=4000)
+    plain = model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", Buckets(10)).gpu_bytes
+    overlap = Buckets.from_ds_config({"zero_optimization": {"reduce_bucket_size": 10, "overlap_comm": True}})
+    assert model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", overlap).gpu_bytes == plain + 2 * 10
+    assert model_state_memory(c, STRATEGIES["zero3"], 1, "bf16", overlap).gpu_bytes == (
+        model_state_memory(c, STRATEGIES["zero3"], 1, "bf16", Buckets(10)).gpu_bytes)
+    # DeepSpeed's ZeRO-1/2 keep contiguous gradients (and their bucket) under optimizer offload, whatever the JSON says.
+    offloaded = {"zero_optimization": {"stage": 2, "contiguous_gradients": False, "offload_optimizer": {"device": "cpu"}}}
+    assert Buckets.from_ds_config(offloaded).contiguous_gradients
+    assert not Buckets.from_ds_config({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}).contiguous_gradients
+    no_buffer = Buckets(10, contiguous_gradients=False)
+    assert model_state_memory(c, STRATEGIES["zero2"], 1, "bf16", no_buffer).gpu_bytes == plain - 2 * 10
+
+
+def test_lora_pays_for_frozen_weights_only_once():
+    """1B frozen + 1M trainable: every stage needs the 16-bit weights; the optimizer barely counts."""
+    c = ParamCounts(total=10**9, trainable=10**6, largest_layer=10**7, total_bytes=2 * 10**9 + 4 * 10**6,
+                    trainable_bytes=4 * 10**6)
+    zero0 = model_state_memory(c, STRATEGIES["zero0"], 1, "bf16").gpu_bytes
+    assert zero0 == 2 * 10**9 + 18 * 10**6
+    offload = model_state_memory(c, STRATEGIES["zero2_offload"], 1, "bf16")
+    # offloading takes 18 MB off the GPU (the optimizer state and the adapters' gradients) for 18 MB on the
+    # host (with a bf16 copy of the adapters): not worth its cost for LoRA
+    assert (zero0 - offload.gpu_bytes + offload.bucket_bytes, offload.cpu_bytes) == (18 * 10**6, 18 * 10**6)
+
+
+def test_the_planner_picks_the_first_strategy_that_fits():
+    """Full training of 1B parameters on 8 GPUs of 16 GiB: DDP and ZeRO-0 need ~18.6 GiB; ZeRO-1 fits."""
+    c = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**8, total_bytes=4 * 10**9, trainable_bytes=4 * 10**9)
+    rows = plan(c, world_size=8, precision="bf16", gpu_bytes=16 * GIB, host_bytes=512 * GIB, procs_per_host=8)
+    assert [r.name for r in rows] == list(STRATEGIES)
+    fits = {r.name: r.fits for r in rows}
+    assert not fits["ddp"] and not fits["zero0"] and fits["zero1"]
+    assert next(r.name for r in rows if r.fits) == "zero1"
+    # Keeping 10 GiB for activations rules ZeRO-1 (6.5 GiB of states) out; ZeRO-2 (4.9 GiB) is next.
+    rows = plan(c, 8, "bf16", 16 * GIB, 512 * GIB, procs_per_host=8, reserve_bytes=10 * GIB)
+    assert next(r.name for r in rows if r.fits) == "zero2"
+    # Host memory bounds the offloads: 8 processes x 2 GB of optimizer state do not fit in 8 GiB,
+    # however much GPU memory there is; with 64 GiB of host memory they do.
+    offloads = [name for name in STRATEGIES if name.endswith("_offload")]
+    assert offloads, "no offload strategy to check"
+    fits = {r.name: r.fits for r in plan(c, 8, "bf16", 100 * GIB, 8 * GIB, procs_per_host=8)}
+    assert fits["zero2"] and not any(fits[name] for name in offloads)
+    fits = {r.name: r.fits for r in plan(c, 8, "bf16", 100 * GIB, 64 * GIB, procs_per_host=8)}
+    assert all(fits[name] for name in offloads)
+
+
+def test_estimate_command_prints_the_table_and_a_pick(capsys):
+    assert main(["estimate", "toy", "--gpu_memory_gib", "16", "--host_memory_gib", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| zero3_offload |" in out and "Pick: ddp" in out and "--strategy.backend ddp" in out
+
+
+def test_estimate_command_says_when_nothing_fits(capsys):
+    assert main(["estimate", "toy", "--gpu_memory_gib", "1e-7", "--host_memory_gib", "1e-7"]) == 1
+    assert "Nothing fits" in capsys.readouterr().out
+
+
+def test_estimate_command_rejects_a_bad_flag(capsys):
+    assert main(["estimate", "toy", "--strategy.zero_stage", "7"]) == 2
+    assert "--strategy.zero_stage" in capsys.readouterr().err
+
+
+def test_estimate_reads_a_pretrained_models_config_not_its_weights(tmp_path, tiny_tokenizer_dir, capsys):
+    """A saved causal LM (the LoRA recipe's default --model.init pretrained) is sized from its config.json."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "model.safetensors").write_bytes(b"not read")  # proves the weights are not loaded
+    n_params = sum(p.numel() for p in model.parameters())
+    argv = ["estimate", "lora", "--model.name_or_path", str(tmp_path / "llama"), "--model.tokenizer",
+            str(tiny_tokenizer_dir), "--data.train_path", "unused.jsonl", "--gpu_memory_gib", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    adapters = 8 * (32 + 32) * 2 * 2  # r x (in + out) for q_proj and v_proj in 2 layers: the defaults
+    assert f"lora: {n_params + adapters:,} parameters, {adapters:,} trainable" in out and "Pick:" in out
+
+
+def test_estimate_is_a_library_call_with_rows_and_a_pick():
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
+    from zerotrain.tasks.toy import ToyTask
+
+    cfg = parse_config("toy", ["--launch.nproc_per_node", "2"])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64, reserve_gib=1)
+    # NVMe offload only with a disk to offload to (--strategy.nvme_path)
+    assert [row.name for row in report.rows] == [name for name in STRATEGIES if name != "zero3_nvme"]
+    assert report.pick == "ddp" and report.world_size == 2 and report.precision == "bf16"
+    assert report.counts.total == sum(p.numel() for p in ToyTask(cfg).build_model().parameters())
+    assert report.gpu_bytes == 16 * GIB and report.host_bytes == 64 * GIB and report.reserve_bytes == GIB
+    # The caller's config is left as it was (estimate fills max_steps and resolves auto on a copy).
+    assert cfg.trainer.max_steps is None and cfg.precision.dtype == "auto"
+    text = format_report(report)
+    assert text.splitlines()[0].startswith("toy: ") and "| zero3_offload |" in text and "Pick: ddp" in text
+
+
+def test_estimate_sizes_each_strategy_from_the_deepspeed_json_it_would_run_with():
+    """ZeRO-0 in bf16 runs under DeepSpeed's autocast (fp32 weights, as the plain engine) and ZeRO-1
+    with optimizer offload keeps its reduce bucket (contiguous gradients), whatever strategy the flags name."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate
+
+    cfg = parse_config("toy", ["--precision.dtype", "bf16", "--strategy.zero_stage", "3",
+                               "--strategy.reduce_bucket_size", "1000000"])
+    rows = {row.name: row.memory for row in estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64).rows}
+    assert rows["zero0"].gpu_bytes == rows["ddp"].gpu_bytes
+    assert rows["zero1_offload"].bucket_bytes == 2 * 1_000_000 and rows["zero0"].bucket_bytes == 0
+
+
+def test_estimate_sizes_every_row_when_a_users_json_pins_what_a_strategy_would_change(tmp_path):
+    """"stage": "auto" next to an optimizer offload is valid for the user's ZeRO-2 but not for the ZeRO-0
+    row: that row is sized from the user's JSON rather than failing the whole estimate."""
+    import json
+
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": "auto", "offload_optimizer": {"device": "cpu"}}}))
+    cfg = parse_config("toy", ["--strategy.backend", "deepspeed", "--strategy.zero_stage", "2",
+                               "--strategy.deepspeed_config", str(ds)])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    assert [row.name for row in report.rows] == [n for n in STRATEGIES if n != "zero3_nvme"] and report.pick is not None
+
+
+def test_estimate_without_known_gpu_memory_judges_nothing(monkeypatch, capsys):
+    import zerotrain.plan.estimate
+
+    monkeypatch.setattr(zerotrain.plan.estimate, "gpu_memory_bytes", lambda: None)
+    assert main(["estimate", "toy", "--host_memory_gib", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory unknown (no GPU here: pass --gpu_memory_gib)" in out and "| ddp |" in out and "| ? |" in out
+    assert "Pick" not in out and "Nothing fits" not in out
+
+
+@pytest.mark.parametrize("flag,value", [("--gpu_memory_gib", "-3"), ("--gpu_memory_gib", "0"),
+                                        ("--host_memory_gib", "0"), ("--reserve_gib", "-1")])
+def test_estimate_refuses_a_memory_size_that_is_not_one(capsys, flag, value):
+    assert main(["estimate", "toy", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().splitlines() == [
+        f"zerotrain estimate: error: {flag} must be a number {'>=' if flag == '--reserve_gib' else '>'} 0 (GiB), "
+        f"got {float(value):g}"]
+
+
+@pytest.mark.slow  # a fresh python process (run_python)
+def test_estimate_does_not_import_the_fit_command(tmp_path):
+    from helpers import run_python
+
+    code = ("import sys, zerotrain.cli.estimate, zerotrain.plan.estimate\n"
+            "print(sorted(m for m in sys.modules if m.startswith('zerotrain.cli.')))")
+    out = run_python(["-c", code], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['zerotrain.cli.estimate']"
+
+
+def test_nvme_offload_puts_the_states_on_disk_and_swap_buffers_on_the_host():
+    """ZeRO-Infinity: Adam's 16 bytes a parameter and the bf16 weights go to the NVMe disk; the host keeps
+    DeepSpeed's pinned swap buffers (one fp32 sub-group per optimizer buffer, buffer_size elements per
+    parameter buffer), not the states, as it would under CPU offload."""
+    c = ParamCounts(total=10**10, trainable=10**10, largest_layer=10**8, total_bytes=2 * 10**10,
+                    trainable_bytes=2 * 10**10, largest_trainable=10**8)
+    nvme = STRATEGIES["zero3_offload"].__class__("deepspeed", 3, offload_optimizer="nvme", offload_param="nvme")
+    cpu = model_state_memory(c, STRATEGIES["zero3_offload"], 1, "bf16")
+    disk = model_state_memory(c, nvme, 1, "bf16")
+    assert cpu.nvme_bytes == 0 and cpu.cpu_bytes == 16 * 10**10 + 2 * 10**10
+    assert disk.nvme_bytes == 16 * 10**10 + 2 * 10**10
+    # 4 buffers x 1e9-element sub-groups x fp32; the fp32 gradient partition; 5 x 1e8 x bf16 weight buffers
+    assert disk.cpu_bytes == 4 * 4 * 10**9 + 4 * 10**10 + 5 * 10**8 * 2
+    assert disk.gpu_bytes == cpu.gpu_bytes  # the GPU side is the same
+    small = Buckets.from_ds_config({"zero_optimization": {"sub_group_size": 10**8, "offload_optimizer": {
+        "device": "nvme", "buffer_count": 6}, "offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 10**7}}})
+    assert model_state_memory(c, nvme, 1, "bf16", small).cpu_bytes == 6 * 4 * 10**8 + 4 * 10**10 + 3 * 10**7 * 2
+    pinned = Buckets(pin_memory=True)  # the gradient partition pinned: a power of two
+    assert model_state_memory(c, nvme, 1, "bf16", pinned).cpu_bytes == 4 * 4 * 10**9 + 2**36 + 5 * 10**8 * 2
+    # On two GPUs each process holds half the states on disk; a sub-group is never more than a partition.
+    tiny = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=2000, trainable_bytes=2000)
+    two = model_state_memory(tiny, nvme, 2, "bf16")
+    assert two.nvme_bytes == (16 * 1000 + 2 * 1000) / 2 and two.cpu_bytes == 4 * 4 * 500 + 4 * 500 + 5 * 10**8 * 2
+
+
+def test_estimate_shows_a_configured_nvme_offload_with_its_disk(tmp_path, capsys):
+    args = ["estimate", "toy", "--gpu_memory_gib", "16", "--host_memory_gib", "64", "--strategy.zero_stage", "3",
+            "--strategy.offload_optimizer", "nvme", "--strategy.offload_param", "nvme",
+            "--strategy.nvme_path", str(tmp_path / "swap")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| yours: zero3 nvme |"))
+    assert "on NVMe per process (GiB)" in out and row.endswith(" yes |")
+
+
+def test_an_nvme_offload_that_outgrows_its_disk_does_not_fit(monkeypatch, tmp_path):
+    from zerotrain.plan import estimate as estimate_mod
+    from zerotrain.config.flags import parse_config
+
+    cfg = parse_config("toy", ["--strategy.zero_stage", "3", "--strategy.offload_optimizer", "nvme",
+                               "--strategy.nvme_path", str(tmp_path)])
+    roomy = estimate_mod.estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    monkeypatch.setattr(estimate_mod, "_free_disk", lambda folder: 10.0)  # bytes: less than the toy's states
+    full = estimate_mod.estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    assert roomy.rows[-1].name == full.rows[-1].name == "yours: zero3 nvme"
+    assert roomy.rows[-1].memory.nvme_bytes > 10 and roomy.rows[-1].fits and not full.rows[-1].fits
+
+
+def test_estimate_picks_a_configured_nvme_offload_when_it_alone_fits(tmp_path):
+    """When only the NVMe row fits (no GPU nor host room for the others), it is the pick, printed with the
+    flags that select it."""
+    import dataclasses
+
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
+
+    cfg = parse_config("toy", ["--strategy.zero_stage", "3", "--strategy.offload_optimizer", "nvme",
+                               "--strategy.offload_param", "nvme", "--strategy.nvme_path", str(tmp_path)])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    only_nvme = [dataclasses.replace(row, fits=row.name.startswith("yours:")) for row in report.rows]
+    report = dataclasses.replace(report, rows=only_nvme)
+    assert report.pick == "yours: zero3 nvme"
+    text = format_report(report)
+    assert "Pick: yours: zero3 nvme" in text and "--strategy.offload_optimizer nvme --strategy.offload_param nvme" in text
+
+
+def test_estimate_sizes_unpinned_offload_without_the_power_of_two():
+    """--strategy.offload_pin_memory false: the offloaded ZeRO-2 states are their bytes (fp32 master and
+    gradients, the bf16 copy, both moments: 18 a parameter), not rounded up to pinned blocks; rows
+    without an offload are unchanged."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate
+
+    def rows(pin):
+        cfg = parse_config("toy", ["--strategy.offload_pin_memory", pin])
+        return {row.name: row.memory for row in estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64).rows}
+
+    pinned, unpinned = rows("true"), rows("false")
+    n = count_toy_trainable()
+    assert unpinned["zero2_offload"].cpu_bytes == 18 * n
+    assert pinned["zero2_offload"].cpu_bytes > unpinned["zero2_offload"].cpu_bytes
+    assert pinned["zero2"] == unpinned["zero2"]
+
+
+def count_toy_trainable():
+    from zerotrain.tasks import registry as recipes
+    from zerotrain.config.flags import parse_config
+    from zerotrain.engines.states import count_params
+
+    with torch.device("meta"):
+        model = recipes.get("toy")(parse_config("toy", [])).build_model(pretrained=False)
+    return count_params(model).trainable
+
+
+def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
+    """A 1.1B toy on a 5 GiB GPU and a 20 GiB host: only ZeRO-2 offload fits the GPU, and its host states
+    fit only unpinned (28.5 GiB pinned, 19.1 GiB not). The report says so with the flags; a config that
+    pins the offload itself gets the plain 'nothing fits'."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
+
+    def report(*flags):
+        cfg = parse_config("toy", ["--model.width", str(2**26), *flags])
+        return estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=20)
+
+    default = report()
+    assert default.pick is None and default.unpinned is not None and default.unpinned.name == "zero2_offload"
+    text = format_report(default)
+    assert "Nothing fits pinned" in text and "--strategy.offload_pin_memory false" in text
+    pinned = report("--strategy.offload_pin_memory", "true")
+    assert pinned.pick is None and pinned.unpinned is None and "Nothing fits:" in format_report(pinned)
+
+
+def test_estimate_with_a_users_file_does_not_retry_unpinned(tmp_path):
+    """With --strategy.deepspeed_config the file decides pinning: no unpinned re-estimate (which would set a
+    flag the file contradicts and fail on it), the plain 'nothing fits'."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true}}}')
+    cfg = parse_config("toy", ["--model.width", str(2**26), "--strategy.deepspeed_config", str(path)])
+    report = estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=20)
+    assert report.pick is None and report.unpinned is None and "Nothing fits:" in format_report(report)
+
+
+def test_the_unpinned_alternative_can_be_a_configured_nvme_offload(tmp_path, monkeypatch):
+    """ZeRO-3 with NVMe offload keeps the fp32 gradient partition on the host, pinned by default: a 9B toy on a
+    60 GiB host fits only unpinned, and the report names that row (not among the built-in strategies)."""
+    from zerotrain.plan import estimate as estimate_mod
+    from zerotrain.config.flags import parse_config
+
+    monkeypatch.setattr(estimate_mod, "_free_disk", lambda folder: 1e15)
+    cfg = parse_config("toy", ["--model.width", str(2**29), "--strategy.zero_stage", "3",
+                               "--strategy.offload_optimizer", "nvme", "--strategy.offload_param", "nvme",
+                               "--strategy.nvme_path", str(tmp_path)])
+    report = estimate_mod.estimate("toy", cfg, gpu_memory_gib=80, host_memory_gib=60)
+    assert report.pick is None and report.unpinned is not None and report.unpinned.name == "yours: zero3 nvme"
+    line = estimate_mod.format_report(report).splitlines()[-1]
+    assert "--strategy.offload_optimizer nvme" in line and line.endswith("--strategy.offload_pin_memory false")
