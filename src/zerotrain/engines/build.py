@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -11,6 +12,7 @@ from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, engine_clips, make_ds_config
 from zerotrain.engines.base import Engine
 from zerotrain.engines.deepspeed import DeepSpeedEngine
+from zerotrain.engines.partitioning import partitioned_construction
 from zerotrain.engines.plain import TorchEngine
 
 
@@ -24,8 +26,31 @@ def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precisi
     """
     if cfg.strategy.backend != "deepspeed":
         return TorchEngine(model, cfg, device, precision, total_steps, steps_per_epoch)
-    facts = {"total_num_steps": total_steps, "warmup_num_steps": cfg.scheduler.warmup_steps,
-             "min_lr_ratio": cfg.scheduler.min_lr_ratio, **(hints or {})}
-    ds = make_ds_config(cfg, world_size, device.type, precision, facts)
+    ds = _ds_config(cfg, device, precision, total_steps, world_size, hints)
     clip = cfg.strategy.gradient_clipping if engine_clips(cfg, ds) else None
     return DeepSpeedEngine(model, cfg, device, ds, total_steps, steps_per_epoch, clip)
+
+
+def model_construction(cfg: RunConfig, device: torch.device, precision: ResolvedPrecision, total_steps: int,
+                       world_size: int) -> ContextManager[bool]:
+    """The block the recipe's model is built in; it yields whether models are built partitioned there.
+
+    Under DeepSpeed ZeRO-3 (the generated JSON's stage or the user's file's), Hugging Face models loaded in the
+    block through :mod:`zerotrain.models.hf` are built partitioned over the ranks and pretrained weights are read
+    one tensor at a time into the partitions, so that no process holds the whole model (see
+    :mod:`zerotrain.engines.partitioning`). Elsewhere the block changes nothing.
+    """
+    if cfg.strategy.backend != "deepspeed":
+        return contextlib.nullcontext(False)
+    # Without the model's hints: what they fill (bucket sizes) does not change how parameters are partitioned.
+    ds = _ds_config(cfg, device, precision, total_steps, world_size, None)
+    if (ds.get("zero_optimization") or {}).get("stage", 0) != 3:
+        return contextlib.nullcontext(False)
+    return partitioned_construction(ds)
+
+
+def _ds_config(cfg: RunConfig, device: torch.device, precision: ResolvedPrecision, total_steps: int,
+               world_size: int, hints: Optional[dict[str, Any]]) -> dict[str, Any]:
+    facts = {"total_num_steps": total_steps, "warmup_num_steps": cfg.scheduler.warmup_steps,
+             "min_lr_ratio": cfg.scheduler.min_lr_ratio, **(hints or {})}
+    return make_ds_config(cfg, world_size, device.type, precision, facts)

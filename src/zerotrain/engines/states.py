@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import torch
 from torch import nn
 
 from zerotrain.engines import optimizers
@@ -114,16 +115,23 @@ class ParamCounts:
     """Elements of the largest trainable tensor (what DeepSpeed's offload staging buffer is sized for)."""
 
 
+def full_numel(p: torch.Tensor) -> int:
+    """Elements of parameter ``p`` as the model defines it, also when ZeRO-3 built it partitioned: such a
+    parameter holds an empty tensor outside a gather, and its full size in DeepSpeed's ``ds_numel``."""
+    return int(getattr(p, "ds_numel", None) or p.numel())
+
+
 def count_params(model: nn.Module) -> ParamCounts:
-    """Counts of ``model``'s parameters; works on a model built on the meta device."""
+    """Counts of ``model``'s parameters; works on a model built on the meta device or partitioned by ZeRO-3."""
     unique = list({id(p): p for p in model.parameters()}.values())
     trainable = [p for p in unique if p.requires_grad]
-    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    largest = max((sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return ParamCounts(
-        total=sum(p.numel() for p in unique), trainable=sum(p.numel() for p in trainable), largest_layer=largest,
-        tensors=len(trainable), largest_trainable=max((p.numel() for p in trainable), default=0),
-        total_bytes=sum(p.numel() * p.element_size() for p in unique),
-        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        total=sum(full_numel(p) for p in unique), trainable=sum(full_numel(p) for p in trainable),
+        largest_layer=largest, tensors=len(trainable),
+        largest_trainable=max((full_numel(p) for p in trainable), default=0),
+        total_bytes=sum(full_numel(p) * p.element_size() for p in unique),
+        trainable_bytes=sum(full_numel(p) * p.element_size() for p in trainable),
     )
 
 

@@ -12,6 +12,17 @@ from a ``config.json`` behave the same everywhere, with the same one-line errors
 
 The weights' dtype follows ``--model.dtype`` (``auto``: the run's ``--precision.dtype`` when that is bf16 or
 fp16, else fp32).
+
+Under DeepSpeed ZeRO-3 the training loop builds the model inside
+:func:`zerotrain.engines.build.model_construction`: the model is then built partitioned (transformers'
+``zero.Init`` path, each module's parameters split over the ranks as soon as it exists, initialised one module at a
+time) and a pretrained model's weights are read one tensor at a time into the partitions
+(:func:`load_partitioned`). No process holds the whole model, in host or device memory: at most one weights
+file mapped, one full tensor, and its own partition. transformers' own ``from_pretrained`` under ZeRO-3 reads
+every file into one state dict on rank 0 first, the whole model in host memory.
+
+A random model built partitioned is initialised module by module, which draws the random numbers in another
+order than the whole model's initialisation: the same seed gives other weights than a build outside ZeRO-3.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ import torch
 from torch import nn
 
 from zerotrain.data.io import hub_offline, looks_local
+from zerotrain.engines.partitioning import zero3_config
+from zerotrain.engines.states import full_numel
 from zerotrain.errors import ConfigError, UserError
 
 logger = logging.getLogger(__name__)
@@ -135,7 +148,8 @@ def read_config(source: ModelSource, overrides: Optional[dict[str, Any]] = None)
 
 
 def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool = True,
-               min_vocab: Optional[int] = None, config_overrides: Optional[dict[str, Any]] = None) -> nn.Module:
+               min_vocab: Optional[int] = None, config_overrides: Optional[dict[str, Any]] = None,
+               partition_random: bool = True) -> nn.Module:
     """The model of ``kind`` from ``source``, on CPU, in ``dtype``.
 
     ``pretrained=False`` builds the architecture without reading any weights (``zerotrain estimate``, and what
@@ -143,19 +157,27 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
     model's ``vocab_size``: a smaller embedding than the tokenizer would index past its end.
     ``config_overrides`` (``num_labels``, ``id2label``, ``label2id``) are set on the config before the model is
     built, so a pretrained encoder gets a fresh classification head of the right size.
+
+    Inside the training loop's model construction under ZeRO-3 the model is built partitioned (see the module's
+    docstring); ``partition_random=False`` builds a random model whole there all the same, for a caller that
+    redraws it from the seed outside the run.
     """
     cls = auto_class(kind)
     overrides = dict(config_overrides or {})
     attention = {"attn_implementation": source.attn_implementation} if source.attn_implementation else {}
     try:
-        return _load(cls, kind, source, dtype, pretrained, min_vocab, overrides, attention)
+        return _load(cls, kind, source, dtype, pretrained, min_vocab, overrides, attention, partition_random)
     except ImportError as exc:  # an attention kernel whose package is not installed (flash-attn)
         raise UserError(f"{source.flag}.attn_implementation {source.attn_implementation}: {_first_line(exc).rstrip('.')}; "
                         f"install it or pick another (sdpa, flex_attention, eager)") from None
 
 
 def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool, min_vocab: Optional[int],
-          overrides: dict[str, Any], attention: dict[str, str]) -> nn.Module:
+          overrides: dict[str, Any], attention: dict[str, str], partition_random: bool) -> nn.Module:
+    ds = zero3_config()
+    if ds is not None and pretrained and source.init != "random":
+        return _load_partitioned_pretrained(kind, cls, source, dtype, overrides, ds, attention)
+    partition = ds is not None and pretrained and partition_random
     if source.init == "random" or not pretrained:
         config = read_config(source, overrides)
         vocab = getattr(config, "vocab_size", None)
@@ -164,7 +186,8 @@ def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
                               f"vocab_size {vocab} is smaller than the tokenizer's {min_vocab} tokens; raise "
                               f"vocab_size in the config file or use a matching {source.flag}.tokenizer")
         try:
-            return cls.from_config(config, dtype=dtype, **attention)
+            with built_partitioned(ds if partition else None):
+                return cls.from_config(config, dtype=dtype, **attention)
         except ValueError as exc:
             raise UserError(f"{source.flag}.config: {source.config or source.name_or_path!r} does not describe "
                             f"{_WHAT[kind]} ({_first_line(exc)})") from None
@@ -174,6 +197,185 @@ def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
             return cls.from_pretrained(where, dtype=dtype, **attention, **overrides)
     except (OSError, ValueError) as exc:
         raise _load_error(source, _WHAT[kind], exc) from None
+
+
+@contextlib.contextmanager
+def built_partitioned(ds: Optional[dict[str, Any]]):
+    """transformers builds models partitioned as the ZeRO-3 JSON ``ds`` says in this block (None: whole).
+
+    transformers' own switch for it is a live ``HfDeepSpeedConfig`` (a public, weakly referenced global): while it
+    lives, ``from_config`` builds inside DeepSpeed's ``zero.Init`` (each module's parameters split over the ranks as
+    soon as the module exists) and initialises the model one module at a time, gathered. It lives for this block
+    only, so that models built later in the process (an export's copy on rank 0 alone) are whole again.
+    """
+    if ds is None:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    switch = HfDeepSpeedConfig(ds)
+    try:
+        yield
+    finally:
+        del switch  # the weak reference dies with it: transformers builds whole models again
+
+
+def _load_partitioned_pretrained(kind: Kind, cls: Any, source: ModelSource, dtype: torch.dtype,
+                                 overrides: dict[str, Any], ds: dict[str, Any], attention: dict[str, str]) -> nn.Module:
+    """A pretrained model built partitioned and filled one tensor at a time (see :func:`load_partitioned`).
+
+    The architecture comes from the folder's config (``overrides`` set on it, as ``from_pretrained`` sets them)
+    and is built by ``from_config`` in ZeRO-3's ``zero.Init``, with transformers' initialisation, so that tensors
+    the weights files lack (a classifier's new head) start as ``from_pretrained`` would start them.
+    """
+    where = _checked_source(source)
+    config = read_config(source, overrides)
+    files = weight_files(where, source)
+    try:
+        with built_partitioned(ds):
+            model = cls.from_config(config, dtype=dtype, **attention)
+    except ValueError as exc:
+        raise _load_error(source, _WHAT[kind], exc) from None
+    load_partitioned(model, files, source.flag)
+    return model
+
+
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def weight_files(where: str, source: Optional[ModelSource] = None) -> list[Path]:
+    """The weights files of the model folder (or hub name) ``where``, in the order its index lists them:
+    safetensors shards when there are any, else PyTorch ``.bin`` files."""
+    folder = Path(where)
+    if not folder.is_dir():
+        folder = _hub_snapshot(where, source or ModelSource(where))
+    for index, single in zip(_WEIGHT_INDEXES, _WEIGHT_FILES):
+        if (folder / index).is_file():
+            weight_map = json.loads((folder / index).read_text(encoding="utf-8")).get("weight_map", {})
+            names = list(dict.fromkeys(weight_map.values()))
+            missing = [n for n in names if not (folder / n).is_file()]
+            if missing:
+                raise UserError(f"{(source or ModelSource(where)).flag}.name_or_path: {folder / index} lists "
+                                f"{missing[0]}, which is missing: copy the whole model folder")
+            return [folder / n for n in names]
+        if (folder / single).is_file():
+            return [folder / single]
+    raise UserError(f"{(source or ModelSource(where)).flag}.name_or_path: no weights file in {folder} "
+                    f"(looked for {', '.join(_WEIGHT_INDEXES + _WEIGHT_FILES)}): pass a folder written by "
+                    "save_pretrained")
+
+
+def _hub_snapshot(name: str, source: ModelSource) -> Path:
+    """The local copy of hub model ``name``'s config and weights (the Hugging Face cache, or downloaded)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as exc:  # huggingface_hub's errors have no common base beyond OSError/ValueError/HTTP ones
+        raise _load_error(source, "model weights", exc) from None
+
+
+class _WeightsFile:
+    """One weights file, read a tensor at a time: safetensors memory-mapped (closing it unmaps it), a ``.bin``
+    through ``torch.load(mmap=True, weights_only=True)``. Shapes come from the header alone."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._safe = path.name.endswith(".safetensors")
+        self._handle: Any = None
+
+    def __enter__(self) -> "_WeightsFile":
+        if self._safe:
+            from safetensors import safe_open
+
+            self._handle = safe_open(str(self.path), framework="pt", device="cpu")
+        else:
+            try:
+                self._handle = torch.load(str(self.path), map_location="cpu", mmap=True, weights_only=True)
+            except (RuntimeError, OSError, ValueError) as exc:  # mmap needs the zip format torch has saved since 1.6
+                raise UserError(f"--model.name_or_path: {self.path} cannot be read a tensor at a time "
+                                f"({_first_line(exc)}): save the model again with save_pretrained (safetensors)") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle = None  # drops the mapping: the pages read so far leave this process's memory
+
+    def keys(self) -> list[str]:
+        return list(self._handle.keys())
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if self._safe:
+            return tuple(self._handle.get_slice(key).get_shape())
+        return tuple(self._handle[key].shape)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._handle.get_tensor(key) if self._safe else self._handle[key]
+
+
+def load_partitioned(model: nn.Module, files: list[Path], flag: str = "--model") -> None:
+    """Copy the tensors of ``files`` (a model's weights files) into ``model``, whose parameters ZeRO-3
+    partitioned as it was built (``zero.Init``): one file open at a time, one parameter gathered at a time.
+
+    Every rank walks the files' headers in the same order and gathers each parameter the files hold
+    (``GatheredParameters``, a collective); rank 0 alone reads the tensor's values and copies them in, and
+    leaving the gather hands each rank its part. Buffers are not partitioned: every rank reads its own (they are
+    small). A key is matched to the model's names as they are, or with the model's ``base_model_prefix`` added or
+    removed (a base model's weights into a model with a head, and back). Parameters the files lack keep the
+    initialisation they were built with, and the log names them; a tensor whose shape differs from the model's,
+    or files of which no tensor fits, are one-line errors.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    loaded: set[int] = set()
+    unexpected: list[str] = []
+    for path in files:
+        with _WeightsFile(path) as weights, torch.no_grad():
+            for key in weights.keys():
+                name = _model_name(key, params, buffers, prefix)
+                if name is None:
+                    unexpected.append(key)
+                    continue
+                target = params.get(name, buffers.get(name))
+                want = tuple(target.ds_shape if hasattr(target, "ds_shape") else target.shape)
+                got = weights.shape(key)
+                if got != want:
+                    raise UserError(f"{flag}.name_or_path: {path.name} holds {key} of shape {list(got)}, but the "
+                                    f"model built from its config.json has {list(want)}: the folder's config and "
+                                    "weights do not belong together")
+                if name in buffers:
+                    target.copy_(weights.tensor(key))
+                    continue
+                with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                    if rank == 0:
+                        target.data.copy_(weights.tensor(key))
+                loaded.add(id(target))
+    missing = sorted({n for n, p in params.items() if id(p) not in loaded})
+    if not loaded:
+        example = f"e.g. {unexpected[0]!r}" if unexpected else "they hold no tensors"
+        raise UserError(f"{flag}.name_or_path: no tensor of {files[0].parent} fits the model built from its "
+                        f"config.json ({example}): pass a folder written by save_pretrained for this kind of model")
+    logger.info("weights read into the ZeRO-3 partitions one tensor at a time from %d file(s)%s", len(files),
+                f"; {len(missing)} tensor(s) not in them keep their fresh initialisation: "
+                f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "")
+    if unexpected:
+        logger.info("%d tensor(s) of the weights files are not in the model and were skipped: %s", len(unexpected),
+                    ", ".join(unexpected[:4]) + (" ..." if len(unexpected) > 4 else ""))
+
+
+def _model_name(key: str, params: dict, buffers: dict, prefix: str) -> Optional[str]:
+    """The model's name for checkpoint ``key``: itself, or with the base model's prefix added or removed."""
+    candidates = [key]
+    if prefix:
+        candidates.append(f"{prefix}.{key}")
+        if key.startswith(prefix + "."):
+            candidates.append(key[len(prefix) + 1:])
+    return next((c for c in candidates if c in params or c in buffers), None)
 
 
 def _checked_source(source: ModelSource) -> str:
@@ -280,8 +482,8 @@ def add_lora(base: nn.Module, lora: LoRASettings, task_type: str, checkpointing:
 
 def trainable_summary(model: nn.Module) -> str:
     """peft's line: trainable and total parameters."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(full_numel(p) for p in model.parameters())
     return (f"trainable params: {trainable:,} || all params: {total:,} || "
             f"trainable%: {100 * trainable / max(total, 1):.4f}")
 
@@ -405,7 +607,7 @@ def transformer_flops_per_token(model: nn.Module, seq_len: int, trainable_only: 
     for p in model.parameters():
         if id(p) in skip:
             continue
-        flops += (6.0 if p.requires_grad else 4.0) * p.numel()
+        flops += (6.0 if p.requires_grad else 4.0) * full_numel(p)
     layers = _first_attr(config, ("num_hidden_layers", "n_layer", "n_layers", "num_layers"))
     width = _first_attr(config, ("hidden_size", "n_embd", "dim", "d_model"))
     if layers and width:

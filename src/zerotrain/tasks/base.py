@@ -26,6 +26,7 @@ from zerotrain.checkpoint.weights import (
     write_safetensors,
 )
 from zerotrain.config import RunConfig
+from zerotrain.engines.states import full_numel
 from zerotrain.errors import UserError
 
 if TYPE_CHECKING:
@@ -156,7 +157,7 @@ class Task(ABC, Generic[C]):
         Default: 6 x all parameters (2 forward + 4 backward per weight, nanoGPT's estimate without
         the attention term). Recipes with a better formula override it and say which.
         """
-        return 6.0 * sum(p.numel() for p in model.parameters())
+        return 6.0 * sum(full_numel(p) for p in model.parameters())
 
     def train_lengths(self, train: Dataset) -> Optional[Sequence[int]]:
         """Length in tokens of every training item, to batch similar lengths together; None (the

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zerotrain.config import RunConfig
+from zerotrain.engines.states import full_numel
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.models import hf
 from zerotrain.tasks.causal_lm import CausalLMTask
@@ -158,8 +159,8 @@ class LoRATask(CausalLMTask):
 
     def build_model(self, pretrained: bool = True) -> nn.Module:
         model = super().build_model(pretrained)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+        total = sum(full_numel(p) for p in model.parameters())
         self._summary = {"trainable": trainable, "total": total, "fraction": trainable / max(total, 1)}
         return model
 
@@ -183,7 +184,7 @@ class LoRATask(CausalLMTask):
         """
         frozen = trainable = 0
         for p in model.parameters():
-            n = p.numel()
+            n = full_numel(p)
             if p.requires_grad:
                 trainable += n
             else:

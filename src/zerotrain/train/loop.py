@@ -35,12 +35,13 @@ from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
 from zerotrain.data.streaming import Drawn, StreamedRows
 from zerotrain.engines.base import Engine
-from zerotrain.engines.build import build_engine
+from zerotrain.engines.build import build_engine, model_construction
 from zerotrain.engines.states import (
     Buckets,
     ParamCounts,
     Strategy,
     count_params,
+    full_numel,
     model_state_memory,
     optimizer_states,
 )
@@ -54,7 +55,7 @@ from zerotrain.metrics.meters import (
 )
 from zerotrain.metrics.tracking import StepLogger, Tracker, log, progress_bar
 from zerotrain.runtime import rundir
-from zerotrain.runtime.collectives import barrier, main_process_first, run_on_main
+from zerotrain.runtime.collectives import all_gather_object, barrier, main_process_first, run_on_main
 from zerotrain.runtime.distributed import Runtime, setup
 from zerotrain.runtime.launcher import Progress
 from zerotrain.runtime.preemption import armed
@@ -97,6 +98,8 @@ class Run:
     n_params: int
     param_counts: ParamCounts
     """Of the whole model before the engine (maybe) sharded it: what the out-of-memory line's prediction sizes."""
+    model_load: dict[str, Any] = field(default_factory=dict)
+    """How building the model went (:func:`_build_model`), for summary.json."""
 
     def batches(self, state: TrainState) -> Iterator[Drawn]:
         """The training micro-batches from where ``state`` says the data stands."""
@@ -150,7 +153,7 @@ def _train(run: Run) -> FitResult:
     after_warmup = max(1, tr.warmup_steps_excluded)
     profiler = StepProfiler(tr.profile_steps, state.step + after_warmup, rt.device, run.run_dir, rt.is_main)
     stream = run.batches(state)
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = dict(run.model_load)
     heartbeat = Progress(rt.rank, run.run_dir, state.step)  # the launcher names the step of a rank lost
     heap = FrozenHeap(tr.gc_freeze, after_warmup, run.total_steps - state.step)
     engine.train()
@@ -245,11 +248,11 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
         loader.start_workers()  # before the model and the engine fill this process's memory
     with _closed_on_error(loader):
-        model = task.build_model()
-        # Counted on the whole model, before an engine may shard it.
+        model, model_load = _build_model(task, cfg, rt, total_steps)
+        # Counted on the whole model, before an engine may shard it (a partitioned one: its full sizes).
         flops_per_token = task.flops_per_token(model)
-        n_params = sum(p.numel() for p in model.parameters())
-        n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        n_params = sum(full_numel(p) for p in model.parameters())
+        n_train = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
         param_counts = count_params(model)
         engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
                               task.deepspeed_hints(model))
@@ -275,7 +278,30 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
                  total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
         return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, loader, flops_per_token,
-                   n_params, param_counts)
+                   n_params, param_counts, model_load)
+
+
+def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int) -> tuple[Any, dict[str, Any]]:
+    """The recipe's model, built where the engine wants it (partitioned under ZeRO-3: see
+    :func:`zerotrain.engines.build.model_construction`), with the host memory each process used meanwhile.
+
+    Every rank's figures go to summary.json (``model_load_host_rss_before_gib`` / ``..._peak_gib``, in rank
+    order) and rank 0 logs them: whether loading a big model fits the host is read there, per process.
+    """
+    t0 = time.perf_counter()
+    with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size), \
+            HostPeak(interval_s=0.01) as host:
+        model = task.build_model()
+    seconds = time.perf_counter() - t0
+    # What the recipe's loader made of it (a model it builds whole stays whole): a partitioned parameter has ds_numel
+    partitioned = any(hasattr(p, "ds_numel") for p in model.parameters())
+    mine = (host.before_gib, host.peak_gib)
+    before, peak = zip(*(all_gather_object(mine) if rt.world_size > 1 else [mine]))
+    log.info("model built in %.1f s%s: host memory at most %s GiB per process (%s before)", seconds,
+             ", partitioned over the ranks (ZeRO-3)" if partitioned else "",
+             " / ".join(f"{v:.2f}" for v in peak), " / ".join(f"{v:.2f}" for v in before))
+    return model, {"model_load_s": seconds, "model_load_partitioned": partitioned,
+                   "model_load_host_rss_before_gib": list(before), "model_load_host_rss_peak_gib": list(peak)}
 
 
 @contextlib.contextmanager
