@@ -244,6 +244,11 @@ class TrainerConfig:
             raise ConfigError("--trainer.eval_every_steps", f"must be >= 0, got {self.eval_every_steps}")
         if self.num_workers < 0:
             raise ConfigError("--trainer.num_workers", f"must be >= 0, got {self.num_workers}")
+        if self.eval_max_batches is not None and self.eval_max_batches < 1:
+            raise ConfigError("--trainer.eval_max_batches", f"must be >= 1 (or unset: the whole split), got "
+                              f"{self.eval_max_batches}; to train without evaluating pass --trainer.evaluate false")
+        if self.warmup_steps_excluded < 0:
+            raise ConfigError("--trainer.warmup_steps_excluded", f"must be >= 0, got {self.warmup_steps_excluded}")
         if self.profile_steps < 0:
             raise ConfigError("--trainer.profile_steps", f"must be >= 0, got {self.profile_steps}")
 

@@ -164,6 +164,11 @@ def _train(run: Run) -> FitResult:
                 bar.update(1)
                 if profiler.step(state.step):
                     meter.start()  # profiled steps run slower: they are not part of the throughput figures
+                if last:
+                    # The trained state first: whatever follows (validation, test, export, a signal) cannot lose it.
+                    if checkpointer.should_save(state.step, last_step=True):
+                        log.info("checkpoint: %s", checkpointer.save())
+                    checkpointer.save_if_preempted(rt.preemption)  # a stop signal now skips the evaluations
                 if tr.evaluate and evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
                     if run.splits.val is not None:
                         val = evaluator.run(run.splits.val, "val")
@@ -292,7 +297,8 @@ def _predicted_gpu_bytes(run: Run) -> Optional[float]:
 
 def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: Evaluator, tracker: Tracker,
             meter: ThroughputMeter, results: dict[str, Any], start_step: int) -> dict[str, Any]:
-    """Final checkpoint, test, export and summary.json."""
+    """Final checkpoint (when the loop had no last step to save at: a resumed run that had finished), test,
+    export and summary.json."""
     if checkpointer.should_save(state.step, last_step=True):
         log.info("checkpoint: %s", checkpointer.save())
     if run.splits.test is not None and run.cfg.trainer.evaluate:
