@@ -375,6 +375,14 @@ def _validate_for_device(ds: dict[str, Any], device: str) -> None:
                               + (f": did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"))
 
 
+REFLECTED = frozenset({"precision.dtype", "strategy.zero_stage", "strategy.offload_optimizer", "strategy.offload_param",
+                       "strategy.offload_pin_memory", "strategy.overlap_comm", "strategy.contiguous_gradients",
+                       "strategy.reduce_bucket_size", "strategy.allgather_bucket_size", "trainer.micro_batch_size",
+                       "strategy.gradient_accumulation_steps", "strategy.gradient_clipping", "optimizer.lr",
+                       "optimizer.eps", "optimizer.weight_decay", "optimizer.betas"})
+"""The settings :func:`reflect_ds_config` writes: with a user's DeepSpeed file, known only once it is resolved."""
+
+
 def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> None:
     """Write into ``cfg`` (the run's resolved copy) what a user's DeepSpeed file set, so ``hparams.json``
     records the settings the run used rather than the typed config the file overrode."""

@@ -24,13 +24,14 @@ from torch.utils.data import DataLoader
 from zerotrain.checkpoint.manager import (
     Checkpointer,
     check_compatible,
-    check_same_model,
+    check_same_config,
     estimate_bytes,
+    keep_global_batch,
     preflight_space,
     shape_of,
 )
 from zerotrain.config import RunConfig, check_warmup
-from zerotrain.config.ds_config import batch_shape, check_nvme_io, reflect_ds_config
+from zerotrain.config.ds_config import REFLECTED, batch_shape, check_nvme_io, reflect_ds_config
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
 from zerotrain.engines.base import Engine
@@ -206,7 +207,10 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, name, cfg.checkpoint.resume, rt.is_main,
                                           lock, cfg.checkpoint.verify)
     if resume_from is not None:  # before anything is built or hparams.json rewritten
-        run_on_main(lambda: check_same_model(resume_from, name, cfg))
+        unresolved = REFLECTED if cfg.strategy.deepspeed_config else frozenset()  # compared once the file is
+        run_on_main(lambda: check_same_config(resume_from, name, cfg, unresolved))
+        if (kept := keep_global_batch(resume_from, cfg, rt.world_size)) and rt.is_main:
+            log.info("%s", kept)
 
     check_nvme_io(cfg)  # before the data and the model: a missing op would otherwise end the run minutes later
     # Identical initial weights on every rank, then per-rank randomness (dropout).
@@ -239,6 +243,9 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
             reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
         if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
             check_compatible(resume_from, shape_of(engine, name))
+            changed = run_on_main(lambda: check_same_config(resume_from, name, cfg, ds_config=engine.ds_config))
+            if changed and rt.is_main:
+                log.info("resuming with changed settings that leave the training as it was: %s", ", ".join(changed))
         if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
             one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend)
             run_on_main(lambda: preflight_space(run_dir, one_checkpoint))
