@@ -377,7 +377,7 @@ class Checkpointer:
         self.engine.load_resharded(folder, saved_world, self.cfg.verify)
         # Positions count micro-steps of micro x processes examples: the checkpoint's, converted to this run's.
         self.state.load_resharded(states, seed, self.engine.rank, examples_per_micro_step=(
-            int(meta["micro_batch_size"]) * saved_world, self.engine.micro_batch_size * self.engine.world_size))
+            int(meta["micro_batch_size"]) * saved_world, int(self.shape["micro_batch_size"]) * self.engine.world_size))
         self.last_saved = self.state.step
         if self.engine.rank == 0:
             log.warning("resumed on %d process(es) from a checkpoint of %d: exact in weights, optimizer state, "

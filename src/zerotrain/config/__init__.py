@@ -432,7 +432,7 @@ def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = froze
                 ok = f.name in allowed or "*" in allowed
                 (safe if ok else unsafe).append((f"--{name}", old[f.name], now))
 
-    walk(cfg, saved, "")
+    walk(cfg, json.loads(json.dumps(saved, default=str)), "")
     return safe, unsafe
 
 
