@@ -142,6 +142,21 @@ CASES = [
     Case("json-offload-param-stage-2", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/offload.json"),
     Case("json-stage-5", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/stage5.json"),
     Case("json-auto-unresolvable", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/auto.json"),
+    Case("json-block-not-object", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_block_number.json"),
+    Case("json-number-not-list", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_micro_list.json"),
+    Case("json-number-not-text", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_clipping_text.json"),
+    Case("json-bool-not-text", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_enabled_yes.json"),
+    Case("json-bool-not-number", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_enabled_one.json"),
+    Case("json-bucket-text", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_bucket_text.json"),
+    Case("json-pin-memory-text", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_pin_maybe.json"),
+    Case("json-scalar-not-object", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_print_object.json"),
+    Case("json-stage-bool", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/t_stage_true.json"),
+    Case("json-accumulation-zero", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/accum_zero.json"),
+    Case("json-offload-gpu", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/offload_gpu.json"),
+    Case("json-bucket-negative", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/bucket_negative.json"),
+    Case("json-unknown-scheduler", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/scheduler_unknown.json"),
+    Case("json-comm-fp8", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/comm_fp8.json"),
+    Case("json-yaml-body", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/yaml_body.json"),
     # ---- data ----
     Case("mlm-missing-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/nope.txt --data.tokenizer {tok}"),
     Case("mlm-empty-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/empty.txt --data.tokenizer {tok}"),
@@ -234,10 +249,25 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
         "stage5.json": {"zero_optimization": {"stage": 5}},
         "auto.json": {"zero_optimization": {"stage": 2, "sub_group_size": "auto"}},
         "list.json": [1, 2],
+        "t_block_number.json": {"zero_optimization": 5},
+        "t_micro_list.json": {"train_micro_batch_size_per_gpu": [1]},
+        "t_clipping_text.json": {"gradient_clipping": "none"},
+        "t_enabled_yes.json": {"fp16": {"enabled": "yes"}},
+        "t_enabled_one.json": {"bf16": {"enabled": 1}, "fp16": {"enabled": 1}},
+        "t_bucket_text.json": {"zero_optimization": {"stage": 2, "reduce_bucket_size": "5e8"}},
+        "t_pin_maybe.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": "maybe"}}},
+        "t_print_object.json": {"steps_per_print": {"a": 1}},
+        "t_stage_true.json": {"zero_optimization": {"stage": True}},
+        "accum_zero.json": {"gradient_accumulation_steps": 0},
+        "offload_gpu.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
+        "bucket_negative.json": {"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}},
+        "scheduler_unknown.json": {"scheduler": {"type": "CosineAnnealing", "params": {}}},
+        "comm_fp8.json": {"communication_data_type": "fp8"},
     }
     for name, content in files.items():
         (tmp / name).write_text(json.dumps(content))
     (tmp / "broken.json").write_text('{"zero_optimization": {"stage": 2}')
+    (tmp / "yaml_body.json").write_text("zero_optimization:\n  stage: 2\ntrain_micro_batch_size_per_gpu: 4\n")
     (tmp / "unknown_key.yaml").write_text("trainer:\n  max_stepz: 3\n")
     (tmp / "broken.yaml").write_text("trainer: [\n")
     (tmp / "wrong_type.yaml").write_text("trainer:\n  max_steps: lots\n")

@@ -25,7 +25,9 @@ from typing import Any, Literal
 
 from zerotrain.config import RunConfig
 from zerotrain.engines.ds_private.config import (
+    block_type_error,
     builtin_optimizer_names,
+    builtin_scheduler_names,
     zero_optimization_keys,
 )
 from zerotrain.errors import ConfigError, UserError
@@ -184,13 +186,88 @@ def load_user_config(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{flag}: file {str(p)!r} not found. Pass the path of a DeepSpeed JSON file, "
                         "e.g. one of the presets in zerotrain/presets/")
     try:
-        loaded = hjson.loads(p.read_text(), object_pairs_hook=dict)
+        text = p.read_text()
+        loaded = hjson.loads(text, object_pairs_hook=dict)
     except Exception as exc:  # hjson raises its own HjsonDecodeError with line/column
         raise UserError(f"{flag}: {p} is not valid JSON/HJSON: {exc}") from None
-    if not isinstance(loaded, dict):
-        raise UserError(f"{flag}: {p} must hold a JSON object at the top level")
+    if not isinstance(loaded, dict) or not _opens_an_object(text):
+        raise UserError(f"{flag}: {p} must hold one JSON object ({{...}}) at the top level"
+                        + (" (it reads as YAML: write the file as JSON)" if isinstance(loaded, dict) else ""))
     check_user_keys(loaded, p)
+    check_user_types(loaded, p)
     return loaded
+
+
+def _opens_an_object(text: str) -> bool:
+    """Whether a JSON/HJSON text starts with ``{`` after comments: HJSON also reads a brace-less body, which is how a
+    YAML file given by mistake parses (into other values than YAML's)."""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith(("#", "//")):
+            return stripped.startswith("{")
+    return False
+
+
+_TOP_LEVEL_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "steps_per_print"), (int,)),
+    **dict.fromkeys(("gradient_clipping", "gradient_predivide_factor"), (int, float)),
+    **dict.fromkeys(("wall_clock_breakdown", "prescale_gradients", "sparse_gradients", "zero_allow_untested_optimizer",
+                     "zero_force_ds_cpu_optimizer", "dump_state", "memory_breakdown", "dataloader_drop_last",
+                     "disable_allgather", "use_data_before_expert_parallelism", "use_node_local_storage",
+                     "graph_harvesting"), (bool,)),
+    **dict.fromkeys(("communication_data_type", "seq_parallel_communication_data_type"), (str, type(None))),
+}
+"""The types of DeepSpeed's top-level scalar keys, which DeepSpeed reads without a config model; every other
+documented top-level key holds an object."""
+
+_AT_LEAST = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "steps_per_print": 1, "gradient_clipping": 0, "gradient_predivide_factor": 0}
+_COMM_TYPES = ("fp32", "fp16", "bf16")
+"""What DeepSpeed's communication_data_type accepts (its ZeRO reductions run in one of these)."""
+
+
+def check_user_types(user: dict[str, Any], path: str | Path) -> None:
+    """Refuse, in one line naming the key, the value and the type expected, a value of a user's DeepSpeed file that
+    DeepSpeed would read as another type or refuse deep in ``deepspeed.initialize``: the top-level scalars against
+    their types above, the ``zero_optimization``, ``fp16`` and ``bf16`` blocks against DeepSpeed's own config models
+    (:func:`zerotrain.engines.ds_private.config.block_type_error`), optimizer and scheduler types against the ones
+    DeepSpeed builds. ``"auto"`` stands for any value (zerotrain fills it)."""
+
+    def refuse(key: str, value: Any, expected: str) -> UserError:
+        shown = json.dumps(value, default=str)
+        return UserError(f"--strategy.deepspeed_config: {path}: {key} is {shown}, but DeepSpeed expects {expected}")
+
+    for key, value in user.items():
+        if value == "auto" or str(key).startswith("_"):
+            continue
+        types = _TOP_LEVEL_TYPES.get(key, (dict,))
+        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if int in types and float not in types and isinstance(value, float) and value.is_integer():
+            wrong = False  # 1e3: a whole number, as JSON may write it
+        if wrong:
+            expected = {(int,): "an integer", (int, float): "a number", (bool,): "true or false",
+                        (str, type(None)): "a string or null", (dict,): "an object ({...})"}[types]
+            raise refuse(key, value, expected)
+        if key in _AT_LEAST and value < _AT_LEAST[key]:
+            raise refuse(key, value, f"a value >= {_AT_LEAST[key]}")
+        if key in ("communication_data_type", "seq_parallel_communication_data_type") and value not in (None, *_COMM_TYPES):
+            raise refuse(key, value, "one of " + ", ".join(f'"{t}"' for t in _COMM_TYPES) + " or null")
+        if key in ("zero_optimization", "fp16", "bf16"):
+            found = block_type_error(key, value)
+            if found is not None:
+                raise refuse(*found)
+    for block, known in (("optimizer", None), ("scheduler", builtin_scheduler_names())):
+        spec = user.get(block)
+        if not isinstance(spec, dict):
+            continue
+        name, params = spec.get("type"), spec.get("params", {})
+        if "type" in spec and not isinstance(name, str):
+            raise refuse(f"{block}.type", name, "a string (the name of one of DeepSpeed's)")
+        if not isinstance(params, dict) and params != "auto":
+            raise refuse(f"{block}.params", params, "an object ({...})")
+        if known is not None and isinstance(name, str) and name not in known:
+            raise refuse(f"{block}.type", name, "one of " + ", ".join(sorted(known)))
 
 
 # DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed reads the keys it
