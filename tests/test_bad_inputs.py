@@ -157,6 +157,10 @@ CASES = [
     Case("json-unknown-scheduler", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/scheduler_unknown.json"),
     Case("json-comm-fp8", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/comm_fp8.json"),
     Case("json-yaml-body", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/yaml_body.json"),
+    Case("json-flag-conflict-lr", "ds-json", "fit toy $FIT --optimizer.lr 0.5 --strategy.deepspeed_config {tmp}/lr.json"),
+    Case("json-flag-conflict-micro", "ds-json",
+         "fit toy $FIT --trainer.micro_batch_size 4 --strategy.deepspeed_config {tmp}/micro2.json"),
+    Case("json-flag-conflict-stage", "ds-json", "fit toy $FIT --strategy.zero_stage 2 --strategy.deepspeed_config {tmp}/ok.json"),
     # ---- data ----
     Case("mlm-missing-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/nope.txt --data.tokenizer {tok}"),
     Case("mlm-empty-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/empty.txt --data.tokenizer {tok}"),
@@ -263,6 +267,8 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
         "bucket_negative.json": {"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}},
         "scheduler_unknown.json": {"scheduler": {"type": "CosineAnnealing", "params": {}}},
         "comm_fp8.json": {"communication_data_type": "fp8"},
+        "lr.json": {"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}},
+        "micro2.json": {"train_micro_batch_size_per_gpu": 2},
     }
     for name, content in files.items():
         (tmp / name).write_text(json.dumps(content))

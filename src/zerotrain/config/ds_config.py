@@ -390,7 +390,52 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
         resolved["train_batch_size"] = micro * gas * world
     if "optimizer" not in resolved:
         resolved["optimizer"] = copy.deepcopy(generated["optimizer"])
+    scheduler = resolved.get("scheduler")
+    if isinstance(scheduler, dict) and scheduler.get("type") == "WarmupCosineLR" \
+            and _lookup_or(user, "scheduler.params.warmup_num_steps") == "auto" \
+            and scheduler.get("params", {}).get("warmup_num_steps") == 0:
+        # DeepSpeed's WarmupCosineLR refuses 0 (it warms up over at least 2 steps whatever it is given): without
+        # --scheduler.warmup_steps the shortest warm-up it accepts.
+        scheduler["params"]["warmup_num_steps"] = 1
     return resolved
+
+
+def _lookup_or(tree: dict[str, Any], dotted: str) -> Any:
+    try:
+        return _lookup(tree, dotted)
+    except KeyError:
+        return None
+
+
+FLAG_KEYS = (("optimizer", "lr", "optimizer.params.lr"), ("optimizer", "betas", "optimizer.params.betas"),
+             ("optimizer", "eps", "optimizer.params.eps"), ("optimizer", "weight_decay", "optimizer.params.weight_decay"),
+             ("trainer", "micro_batch_size", "train_micro_batch_size_per_gpu"),
+             ("strategy", "gradient_accumulation_steps", "gradient_accumulation_steps"),
+             ("strategy", "gradient_clipping", "gradient_clipping"), ("strategy", "zero_stage", "zero_optimization.stage"),
+             ("strategy", "overlap_comm", "zero_optimization.overlap_comm"),
+             ("strategy", "reduce_bucket_size", "zero_optimization.reduce_bucket_size"),
+             ("strategy", "allgather_bucket_size", "zero_optimization.allgather_bucket_size"))
+"""(section, field, DeepSpeed key): the flags a user's DeepSpeed file can also set."""
+
+
+def check_flags_agree(cfg: RunConfig, user: dict[str, Any], path: str) -> None:
+    """Refuse, in one line naming both, a flag that a user's DeepSpeed file sets to another value: the file would
+    win without a word (the Hugging Face Trainer refuses such a mismatch too). A flag at its default counts as not
+    given, so the file decides; a file's ``"auto"`` is filled from the flag. Offload and precision are checked by
+    their own rules (:func:`_check_pinning_agrees`, the file's blocks decide)."""
+    for section_name, name, key in FLAG_KEYS:
+        section = getattr(cfg, section_name)
+        value = getattr(section, name)
+        if value == getattr(type(section)(), name):
+            continue
+        theirs = _lookup_or(user, key)
+        if theirs is None or theirs == "auto":
+            continue
+        mine = list(value) if isinstance(value, tuple) else value
+        if theirs != mine:
+            raise ConfigError(f"--{section_name}.{name}", f"is {json.dumps(mine)}, but {path} "
+                              f"(--strategy.deepspeed_config) sets {key} to {json.dumps(theirs)}, and the file would "
+                              f"win: drop the flag, or write {json.dumps(mine)} (or \"auto\") there")
 
 
 def validate_ds_config(ds: dict[str, Any], world_size: int, device: str | None = None) -> None:
@@ -543,6 +588,7 @@ def batch_shape(cfg: RunConfig) -> tuple[int, int]:
     micro, gas = cfg.trainer.micro_batch_size, cfg.strategy.gradient_accumulation_steps
     if cfg.strategy.backend == "deepspeed" and cfg.strategy.deepspeed_config:
         user = load_user_config(cfg.strategy.deepspeed_config)
+        check_flags_agree(cfg, user, cfg.strategy.deepspeed_config)
         micro = user.get("train_micro_batch_size_per_gpu", micro)
         gas = user.get("gradient_accumulation_steps", gas)
         micro = cfg.trainer.micro_batch_size if micro == "auto" else micro
@@ -559,6 +605,7 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         plain = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, fast_path=False))
         generated = build_ds_config(plain, world_size, device, precision)
         user = load_user_config(cfg.strategy.deepspeed_config)
+        check_flags_agree(cfg, user, cfg.strategy.deepspeed_config)
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
