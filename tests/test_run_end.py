@@ -1,11 +1,17 @@
-"""The last step is as safe as any other: its checkpoint is written before the final evaluation, test and export."""
+"""The end of a run loses nothing: the last step's checkpoint is written before the final evaluation, test and
+export, and a full disk at the export is one line that leaves no half-written model behind.
+
+The full disk is real: RLIMIT_FSIZE makes the kernel refuse writes past a size (EFBIG), as a full disk refuses
+them (ENOSPC); no filesystem is filled and no writer is faked."""
 
 from __future__ import annotations
 
 import pytest
 from test_fit import toy_config
+from test_tracking import file_size_limit
 
 from zerotrain.checkpoint.layout import complete_checkpoints, read_marker
+from zerotrain.errors import UserError
 from zerotrain.tasks.toy import ToyTask
 from zerotrain.train.loop import fit
 
@@ -27,3 +33,33 @@ def test_a_failure_in_the_final_evaluation_keeps_the_final_checkpoint(tmp_path):
     again = toy_config(tmp_path, "end", zero_stage=0)
     again.trainer.max_steps, again.checkpoint.resume, again.trainer.evaluate = 3, "auto", False
     assert fit(ToyTask(again)).final_step == 3  # nothing left to train: the trained state was kept
+
+
+class ExportOnAFullDisk(ToyTask):
+    """The toy task, its export run where the kernel refuses writes past 1 kB (the weights are 2.2 kB)."""
+
+    def export(self, model, state_dict, out_dir):
+        with file_size_limit(1000):
+            super().export(model, state_dict, out_dir)
+
+
+def test_a_full_disk_at_the_final_export_is_one_line_and_leaves_no_half_model(tmp_path):
+    cfg = toy_config(tmp_path, "full", zero_stage=0)
+    cfg.trainer.max_steps = 2
+    with pytest.raises(UserError, match=r"^no space left to write the exported model in .*full \(.* free\)") as err:
+        fit(ExportOnAFullDisk(cfg))  # safetensors' own error: "File too large (os error 27)"
+    assert "\n" not in str(err.value)
+    run = tmp_path / "full"
+    assert not (run / "model").exists() and not list(run.glob(".model.partial-*"))
+    assert complete_checkpoints(run / "checkpoints")  # the trained state was saved before
+
+
+def test_a_full_disk_during_zerotrain_export_is_one_line_and_leaves_nothing(tmp_path):
+    from zerotrain.checkpoint.export import export_run
+
+    cfg = toy_config(tmp_path, "done", zero_stage=0)
+    cfg.trainer.max_steps, cfg.trainer.export = 2, False
+    run = fit(ToyTask(cfg)).run_dir
+    with file_size_limit(1000), pytest.raises(UserError, match=r"^no space left to write the export in "):
+        export_run(run, out=tmp_path / "exported")
+    assert not (tmp_path / "exported").exists() and not list(tmp_path.glob(".exported.partial-*"))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import math
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -67,13 +72,11 @@ class Tracker:
                 _drop_rows_after(metrics, resumed_at)
             else:
                 _clear_earlier_attempt(run_dir)
-            self._jsonl = open(metrics, "a", buffering=1)
+            self._jsonl = AppendOnly(metrics)
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
             purge = None if resumed_at is None else resumed_at + 1
             with rundir_writing("TensorBoard events", run_dir / "tb_dir"):
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tb_dir"), purge_step=purge)
+                self._tb = EventFile(run_dir / "tb_dir", purge_step=purge)
         if cfg.wandb:
             try:
                 import wandb
@@ -91,23 +94,97 @@ class Tracker:
         with rundir_writing("metrics.jsonl", self.run_dir):
             self._jsonl.write(json.dumps({"step": step, **{k: _json_number(v) for k, v in clean.items()}}) + "\n")
         with rundir_writing("TensorBoard events", self.run_dir / "tb_dir"):
-            for key, value in clean.items():
-                if isinstance(value, (int, float)) and self._tb is not None:
-                    self._tb.add_scalar(key, value, step)
+            scalars = {k: float(v) for k, v in clean.items() if isinstance(v, (int, float))}
+            if self._tb is not None and scalars:
+                self._tb.scalars(scalars, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
     def close(self) -> None:
+        """Close the files; nothing is left to flush (each row was written whole, or not at all)."""
         if self._jsonl:
-            self._jsonl.close()
-            self._jsonl = None
+            jsonl, self._jsonl = self._jsonl, None
+            jsonl.close()
         if self._tb is not None:
-            with rundir_writing("TensorBoard events", self.run_dir / "tb_dir"):
-                tb, self._tb = self._tb, None
-                tb.close()
+            tb, self._tb = self._tb, None
+            tb.close()
         if self._wandb is not None:
             run, self._wandb = self._wandb, None
             run.finish()
+
+
+class AppendOnly:
+    """A file that grows by whole records: each :meth:`write` appends its bytes in one unbuffered write, and a
+    write that fails (a full disk) is cut off again, so the file never ends in half a record and nothing is
+    left in a buffer for a later flush or close to fail on."""
+
+    def __init__(self, path: Path, mode: str = "a"):
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+        self._fd: Optional[int] = os.open(path, flags, 0o644)
+
+    def write(self, data: str | bytes) -> None:
+        raw = data.encode("utf-8") if isinstance(data, str) else data
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)  # shrinking needs no space
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+class EventFile:
+    """TensorBoard's event file, written in the calling thread by whole records (:class:`AppendOnly`).
+
+    ``torch.utils.tensorboard.SummaryWriter`` writes from a thread of its own: a full disk there prints that
+    thread's traceback and surfaces later, at another call. Here a failed write raises where it happens and
+    leaves the file as it was. ``purge_step``: TensorBoard hides what a killed run logged from that step on,
+    as SummaryWriter's ``purge_step`` does (a ``SessionLog.START`` event at that step)."""
+
+    def __init__(self, folder: Path, purge_step: Optional[int] = None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._event = Event
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_event_files)}"
+        self._file = AppendOnly(folder / name, mode="w")
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            self._write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        from torch.utils.tensorboard.summary import scalar
+
+        records = [self._record(self._event(wall_time=time.time(), step=step, summary=scalar(k, v)))
+                   for k, v in values.items()]
+        self._file.write(b"".join(records))  # one write: the step's points are there all, or none
+
+    def _write(self, event: Any) -> None:
+        self._file.write(self._record(event))
+
+    @staticmethod
+    def _record(event: Any) -> bytes:
+        """TFRecord framing: length, its masked crc32c, the data, its masked crc32c."""
+        import struct
+
+        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        return (header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data)))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_event_files = itertools.count()
 
 
 def _json_number(value: Any) -> Any:

@@ -318,9 +318,11 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
 
         def export() -> None:
             t0 = time.perf_counter()
-            with rundir.writing("the exported model", run.run_dir / "model"), HostPeak() as host:
-                run.task.export(run.engine.module, weights, run.run_dir / "model")
-                rundir.write_model_config(run.task, run.run_dir / "model")
+            # Written beside model/ and renamed into place: a full disk leaves no half-written model/.
+            with rundir.writing("the exported model", run.run_dir), HostPeak() as host, \
+                    rundir.replaced(run.run_dir / "model") as staging:
+                run.task.export(run.engine.module, weights, staging)
+                rundir.write_model_config(run.task, staging)
             results.update(export_s=time.perf_counter() - t0, export_host_rss_before_gib=host.before_gib,
                            export_host_rss_peak_gib=host.peak_gib)
             log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",
