@@ -63,3 +63,18 @@ def test_a_full_disk_during_zerotrain_export_is_one_line_and_leaves_nothing(tmp_
     with file_size_limit(1000), pytest.raises(UserError, match=r"^no space left to write the export in "):
         export_run(run, out=tmp_path / "exported")
     assert not (tmp_path / "exported").exists() and not list(tmp_path.glob(".exported.partial-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_steps,profiled", [(2, False), (3, True)])
+def test_a_run_that_ends_inside_its_profiled_steps_exits_cleanly(tmp_path, max_steps, profiled):
+    """The warm-up ends at step 2: one profiled step needs a third. A run of 2 steps profiles nothing and says
+    so, instead of leaving torch's profiler running, which crashed the process at exit (status 139)."""
+    from conftest import zerotrain_cmd
+
+    out = zerotrain_cmd(["fit", "toy", "--trainer.max_steps", str(max_steps), "--trainer.profile_steps", "1",
+                         "--trainer.device", "cpu", "--trainer.num_workers", "0", "--logging.progress_bar", "false",
+                         "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "p"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "p" / "profile.json").is_file() == profiled
+    assert ("no profile written" in out.stderr) != profiled

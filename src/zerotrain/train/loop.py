@@ -163,7 +163,7 @@ def _train(run: Run) -> FitResult:
                 if logger.should_log(state.step):
                     results.update(logger.log(state))  # keeps the latest val_* next to the latest window
                 bar.update(1)
-                if profiler.step(state.step):
+                if profiler.step(state.step, run.total_steps):
                     meter.start()  # profiled steps run slower: they are not part of the throughput figures
                 if last:
                     # The trained state first: whatever follows (validation, test, export, a signal) cannot lose it.
@@ -188,6 +188,7 @@ def _train(run: Run) -> FitResult:
         summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
     finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
         heap.close()  # first: it cannot fail, and the closings below may
+        profiler.close()  # a profiler left recording would crash the process at exit
         stream.close()
         bar.close()
         heartbeat.close()
