@@ -345,7 +345,9 @@ class LaunchConfig:
     """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights.
     A rank that dies or hangs ends the job after this long, with one line naming it (fractions allowed, >= 0.05)."""
     rdzv_timeout_minutes: float = 10.0
-    """Several nodes: how long the launcher on each node waits for all nodes to join at rdzv_endpoint before giving up."""
+    """How long the rendezvous is waited for before giving up in one line: the launcher on each node for all nodes
+    to join at rdzv_endpoint, and a process started with RANK/MASTER_ADDR set (by torchrun or a scheduler) for
+    rank 0 to answer at MASTER_ADDR:MASTER_PORT. A stop signal ends either wait at once."""
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
