@@ -17,8 +17,10 @@ What makes a checkpoint trustworthy:
 * **Of this run's shape.** The marker records recipe, backend, ZeRO stage, precision, micro-batch,
   gradient accumulation and world size; :func:`check_compatible` refuses a resume that would silently
   continue differently, before anything in the run folder is rewritten.
-* **Of any process count.** A resume on another world size keeps micro-batch x processes (the global
-  batch and its data order, see :func:`check_compatible`) and is resharded by :meth:`Checkpointer.load`:
+* **Of the same run.** Every setting is compared with the run's ``hparams.json`` (:func:`check_same_config`):
+  one that changes the model, the data stream or the numerics is refused, naming it.
+* **Of any process count.** A resume on another world size keeps the global batch, accumulation following
+  (:func:`keep_global_batch`, :func:`check_compatible`), and is resharded by :meth:`Checkpointer.load`:
   ZeRO-1/2/3 through DeepSpeed's universal checkpoint, converted once and cached in
   ``<step>/universal/`` with its own marker (:func:`zerotrain.checkpoint.universal.universal_checkpoint`).
 * **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
@@ -54,6 +56,7 @@ from zerotrain.checkpoint.layout import (
     step_folder,
 )
 from zerotrain.config import CheckpointConfig, resume_changes, upgrade_layout
+from zerotrain.config.ds_config import batch_shape, load_user_config
 from zerotrain.data.io import atomic_write_text
 from zerotrain.engines.base import Engine
 from zerotrain.errors import UserError
@@ -184,8 +187,6 @@ def keep_global_batch(folder: Path, cfg: Any, world_size: int) -> Optional[str]:
     Possible where this run's micro-batch x processes divides the recorded global batch; otherwise one
     :class:`UserError` line names the flags that would keep it. A user's DeepSpeed file that sets
     ``gradient_accumulation_steps`` explicitly decides it: a value that does not keep the batch is refused."""
-    from zerotrain.config.ds_config import batch_shape, load_user_config  # deferred: it imports DeepSpeed's config
-
     meta = read_marker(folder)
     if not isinstance(meta.get("world_size"), int) or meta["world_size"] == world_size \
             or not isinstance(meta.get("micro_batch_size"), int):
