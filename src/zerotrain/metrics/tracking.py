@@ -12,11 +12,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from zerotrain.checkpoint.layout import complete_checkpoints
 from zerotrain.config import LoggingConfig
-from zerotrain.data.io import atomic_write_text
+from zerotrain.data.io import atomic_write_bytes, atomic_write_text
 from zerotrain.errors import TrainingDiverged, UserError
 from zerotrain.metrics.meters import memory_snapshot
 from zerotrain.runtime.rundir import writing
@@ -56,7 +56,7 @@ class Tracker:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, hparams: dict[str, Any], is_main: bool,
                  resumed_at: Optional[int] = None):
         """``resumed_at``: the checkpoint step a resumed run starts from. What a killed run logged after
-        it is hidden from TensorBoard (its ``purge_step``), as the loop removes it from metrics.jsonl.
+        it is removed from TensorBoard's event files and from metrics.jsonl.
         None: the run starts at step 0, so whatever an earlier attempt of it logged (a run killed before
         its first checkpoint) is cleared, metrics.jsonl and tb_dir both."""
         self.is_main = is_main
@@ -74,9 +74,10 @@ class Tracker:
                 _clear_earlier_attempt(run_dir)
             self._jsonl = AppendOnly(metrics)
         if cfg.tensorboard:
-            purge = None if resumed_at is None else resumed_at + 1
             with rundir_writing("TensorBoard events", run_dir / "tb_dir"):
-                self._tb = EventFile(run_dir / "tb_dir", purge_step=purge)
+                if resumed_at is not None:
+                    _drop_events_after(run_dir / "tb_dir", resumed_at)
+                self._tb = EventFile(run_dir / "tb_dir")
         if cfg.wandb:
             try:
                 import wandb
@@ -145,19 +146,16 @@ class EventFile:
 
     ``torch.utils.tensorboard.SummaryWriter`` writes from a thread of its own: a full disk there prints that
     thread's traceback and surfaces later, at another call. Here a failed write raises where it happens and
-    leaves the file as it was. ``purge_step``: TensorBoard hides what a killed run logged from that step on,
-    as SummaryWriter's ``purge_step`` does (a ``SessionLog.START`` event at that step)."""
+    leaves the file as it was."""
 
-    def __init__(self, folder: Path, purge_step: Optional[int] = None):
-        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    def __init__(self, folder: Path):
+        from tensorboard.compat.proto.event_pb2 import Event
 
         self._event = Event
         folder.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_event_files)}"
         self._file = AppendOnly(folder / name, mode="w")
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
-        if purge_step is not None:
-            self._write(Event(wall_time=time.time(), step=purge_step, session_log=SessionLog(status=SessionLog.START)))
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         from torch.utils.tensorboard.summary import scalar
@@ -171,20 +169,51 @@ class EventFile:
 
     @staticmethod
     def _record(event: Any) -> bytes:
-        """TFRecord framing: length, its masked crc32c, the data, its masked crc32c."""
-        import struct
-
-        from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-        data = event.SerializeToString()
-        header = struct.pack("<Q", len(data))
-        return (header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data)))
+        return _framed(event.SerializeToString())
 
     def close(self) -> None:
         self._file.close()
 
 
 _event_files = itertools.count()
+
+
+def _framed(data: bytes) -> bytes:
+    """One TFRecord: the length, its masked crc32c, the data, its masked crc32c."""
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+
+
+def _records(raw: bytes) -> Iterator[bytes]:
+    """The whole records of an event file's bytes (a record cut short at the end is left out)."""
+    import struct
+
+    at = 0
+    while at + 12 <= len(raw):
+        (length,) = struct.unpack("<Q", raw[at:at + 8])
+        end = at + 12 + length + 4
+        if end > len(raw):
+            return
+        yield raw[at + 12:at + 12 + length]
+        at = end
+
+
+def _drop_events_after(tb_dir: Path, step: int) -> None:
+    """Forget the points a killed run logged to TensorBoard after its last checkpoint, as :func:`_drop_rows_after`
+    does in metrics.jsonl: the resumed run logs those steps again, and a curve must not show them twice."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")) if tb_dir.is_dir() else []:
+        raw = path.read_bytes()
+        kept = [data for data in _records(raw)
+                if not ((event := Event.FromString(data)).HasField("summary") and event.step > step)]
+        text = b"".join(_framed(data) for data in kept)
+        if text != raw:
+            atomic_write_bytes(path, text)
 
 
 def _json_number(value: Any) -> Any:

@@ -89,6 +89,8 @@ class CausalLMModelConfig(hf.ModelSection):
 
 @dataclass
 class CausalLMDataConfig:
+    resume_safe = frozenset({"cache_dir"})  # where the tokenised text is kept, not what it holds
+
     train_path: str = ""
     """Training data: a file or folder. Text: .txt/.txt.xz/.jsonl/.parquet (documents); sft: .json/.jsonl
     prompt/response records; chat: .json/.jsonl records with a list of messages."""

@@ -85,6 +85,8 @@ class MLMModelConfig:
 
 @dataclass
 class MLMDataConfig:
+    resume_safe = frozenset({"cache_dir"})  # where the packed blocks are kept, not what they hold
+
     train_path: str = "wikitext:wikitext-2-raw-v1"
     """Training text: a .txt/.txt.xz/.txt.gz/.raw/.jsonl/.jsonl.gz file, a folder of them, or a hub dataset name[:config]."""
     val_path: Optional[str] = None
