@@ -99,7 +99,8 @@ def test_tensorboard_events_are_written_whole_or_not_at_all(tmp_path):
 
 def test_a_resume_removes_the_points_logged_after_its_checkpoint_from_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
 
     first = Tracker(tmp_path, LoggingConfig(progress_bar=False), {}, True)
     for step in (1, 2, 3, 4):
@@ -112,6 +113,7 @@ def test_a_resume_removes_the_points_logged_after_its_checkpoint_from_tensorboar
     accumulator = EventAccumulator(str(tmp_path / "tb_dir"))
     accumulator.Reload()
     assert [(e.step, e.value) for e in accumulator.Scalars("train_loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
-    written = [(e.step, e.summary.value[0].simple_value) for path in sorted((tmp_path / "tb_dir").iterdir())
-               for e in EventFileLoader(str(path)).Load() if e.HasField("summary")]
+    events = [Event.FromString(raw) for path in sorted((tmp_path / "tb_dir").iterdir())
+              for raw in RawEventFileLoader(str(path)).Load()]
+    written = [(e.step, e.summary.value[0].simple_value) for e in events if e.HasField("summary")]
     assert written == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]  # in the files themselves, not only as shown
