@@ -59,3 +59,30 @@ def test_a_safe_change_is_allowed_and_said_in_one_line(tmp_path, capsys):
     said = [line for line in capsys.readouterr().err.splitlines() if "changed settings" in line]  # the log: stderr
     assert said == ["[zerotrain] resuming with changed settings that leave the training as it was: --trainer.max_steps 2 -> 4, "
                     "--trainer.eval_every_steps 0 -> 2"]
+
+
+def test_a_deepspeed_file_is_compared_by_what_it_sets(tmp_path):
+    """With --strategy.deepspeed_config the settings the file decides are compared once it is resolved: a longer run
+    (the schedule's total_num_steps follows) is allowed, another peak learning rate in the file is refused."""
+    import json
+
+    def config(max_steps: int, lr: float) -> ToyConfig:
+        path = tmp_path / f"ds-{lr}.json"
+        path.write_text(json.dumps({"scheduler": {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": 0, "warmup_max_lr": lr, "warmup_num_steps": 1, "total_num_steps": "auto"}}}))
+        cfg = toy_config(tmp_path, "ds", zero_stage=0)
+        cfg.strategy.gradient_accumulation_steps = 1  # the toy config's 2 is not the default: the file would refuse it
+        cfg.optimizer.lr = ToyConfig().optimizer.lr
+        cfg.strategy.deepspeed_config, cfg.trainer.max_steps = str(path), max_steps
+        cfg.scheduler.name = "constant"
+        return cfg
+
+    fit(ToyTask(config(2, 0.01)))
+    longer = config(4, 0.01)
+    longer.checkpoint.resume = "auto"
+    assert fit(ToyTask(longer)).final_step == 4
+    other = config(6, 0.02)
+    other.checkpoint.resume = "auto"
+    with pytest.raises(UserError, match=r"was trained with the scheduler block of --strategy.deepspeed_config "
+                                        r".*\"warmup_max_lr\": 0.01.*this run has .*\"warmup_max_lr\": 0.02"):
+        fit(ToyTask(other))

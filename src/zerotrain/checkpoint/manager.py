@@ -119,15 +119,23 @@ def check_same_config(checkpoint: Path, recipe: str, cfg: Any, skip: frozenset[s
         except (OSError, ValueError):
             recorded = None
         for block in ("optimizer", "scheduler") if isinstance(recorded, dict) else ():
-            if recorded.get(block) != ds_config.get(block):
-                unsafe.append((f"the {block} block of --strategy.deepspeed_config",
-                               json.dumps(recorded.get(block)), json.dumps(ds_config.get(block))))
+            before, now = _without_length(recorded.get(block)), _without_length(ds_config.get(block))
+            if before != now:
+                unsafe.append((f"the {block} block of --strategy.deepspeed_config", json.dumps(before), json.dumps(now)))
     if unsafe:
         said = "; ".join(f"{flag} {_shown(old)}, this run has {_shown(new)}" for flag, old, new in unsafe)
         raise UserError(f"--checkpoint.resume: {checkpoint} was trained with {said}. A resume keeps what shapes the "
                         "model, the data and the numerics: pass the recorded values (the run's hparams.json has "
                         "them all), or start a new run (another --trainer.run_name)")
     return [f"{flag} {_shown(old)} -> {_shown(new)}" for flag, old, new in safe if flag != "--checkpoint.resume"]
+
+
+def _without_length(block: Any) -> Any:
+    """A DeepSpeed optimizer or scheduler block without its ``total_num_steps``: the run's length, which a resume
+    may change (as --trainer.max_steps)."""
+    if isinstance(block, dict) and isinstance(block.get("params"), dict):
+        return {**block, "params": {k: v for k, v in block["params"].items() if k != "total_num_steps"}}
+    return block
 
 
 def _shown(value: Any) -> str:
