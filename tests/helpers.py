@@ -14,9 +14,12 @@ tests/ on ``sys.path`` (see conftest.py). Test modules never import each other; 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -271,3 +274,18 @@ class Evil:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past ``limit`` bytes of any file fail in the kernel (RLIMIT_FSIZE: write(2) returns EFBIG, which
+    zerotrain treats as a full disk, as it does ENOSPC). Real failing writes, without privileges, a small
+    filesystem or a fake file object. SIGXFSZ, which would end the process, is ignored meanwhile."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)

@@ -142,27 +142,56 @@ def test_ranks_that_disagree_on_the_position_are_refused(tmp_path):
         ck.load(folder)
 
 
-def test_another_process_count_needs_the_same_micro_batch_times_processes(tmp_path):
+def test_another_process_count_needs_the_same_global_batch(tmp_path):
     from zerotrain.checkpoint.manager import check_compatible
 
     folder = two_rank_checkpoint(tmp_path)  # 2 processes x micro 4 x accumulation 2: global batch 16
-    check_compatible(folder, {**SHAPE, "micro_batch_size": 8, "world_size": 1})  # 1 x 8: kept, no error
+    check_compatible(folder, {**SHAPE, "micro_batch_size": 8, "world_size": 1})  # 1 x 8 x 2: kept, no error
     check_compatible(folder, {**SHAPE, "micro_batch_size": 2, "world_size": 4})
-    with pytest.raises(UserError, match=r"^--checkpoint.resume: .* was written by 2 processes x micro-batch 4 \(global "
-                                        r"batch 16\), this run has 1 x 4 \(global batch 8\)\. .* keeps micro-batch x "
-                                        r"processes = 8: pass --trainer.micro_batch_size 8, or start it with 2 "
-                                        r"processes$") as err:
+    check_compatible(folder, {**SHAPE, "grad_accum": 4, "world_size": 1})  # 1 x 4 x 4: kept by accumulating
+    with pytest.raises(UserError, match=r"^--checkpoint.resume: .* was written by 2 processes x micro-batch 4 x "
+                                        r"accumulation 2 \(global batch 16\), this run has 1 x 4 x 2 \(global batch "
+                                        r"8\)\. A resume keeps the global batch: pass "
+                                        r"--strategy.gradient_accumulation_steps 4, or start it with 2 processes$") as err:
         check_compatible(folder, {**SHAPE, "world_size": 1})
     assert "\n" not in str(err.value)
-    with pytest.raises(UserError, match=r"this run has 3 x 4 .* use a process count that divides 8"):
+    with pytest.raises(UserError, match=r"this run has 3 x 4 x 2 .* pass a --trainer.micro_batch_size that, times 3 "
+                                        r"process\(es\), divides 16"):
         check_compatible(folder, {**SHAPE, "world_size": 3})
-    # The same global batch through accumulation instead is refused, naming the flag.
-    with pytest.raises(UserError, match=r"grad_accum 2, this run has 4; pass --strategy.gradient_accumulation_steps 2"):
-        check_compatible(folder, {**SHAPE, "grad_accum": 4, "world_size": 1})
     # The loader applies the same rule (a Checkpointer used without check_compatible).
     ck = Checkpointer(CheckpointConfig(), tmp_path, ReshardingEngine(), TrainState(), {**SHAPE, "world_size": 1})
-    with pytest.raises(UserError, match="pass --trainer.micro_batch_size 8"):
+    with pytest.raises(UserError, match="pass --strategy.gradient_accumulation_steps 4"):
         ck.load(folder)
+
+
+def test_the_position_is_converted_to_the_micro_steps_of_another_split(tmp_path):
+    folder = two_rank_checkpoint(tmp_path)  # 6 micro-steps of 2 x 4 examples into epoch 1
+    ck = Checkpointer(CheckpointConfig(), tmp_path, ReshardingEngine(), TrainState(),
+                      {**SHAPE, "micro_batch_size": 4, "grad_accum": 4, "world_size": 1})
+    ck.load(folder)
+    assert ck.state.plain() == {"step": 1, "epoch": 1, "batches_in_epoch": 12}  # micro-steps of 1 x 4
+
+
+def test_accumulation_follows_the_process_count_to_keep_the_global_batch(tmp_path):
+    from zerotrain.checkpoint.manager import keep_global_batch
+    from zerotrain.tasks.toy import ToyConfig
+
+    folder = two_rank_checkpoint(tmp_path)  # global batch 16 = 4 x 2 x 2
+    cfg = ToyConfig()
+    cfg.trainer.micro_batch_size, cfg.strategy.gradient_accumulation_steps = 4, 2
+    assert keep_global_batch(folder, cfg, 2) is None  # the same count: nothing to change
+    said = keep_global_batch(folder, cfg, 1)
+    assert cfg.strategy.gradient_accumulation_steps == 4
+    assert said == ("resuming on 1 process(es) from a checkpoint of 2: gradient accumulation 4 (was 2) keeps its "
+                    "global batch of 16 (4 x 4 x 1)")
+    cfg.trainer.micro_batch_size = 8  # 8 x 3 processes does not divide 16
+    with pytest.raises(UserError, match=r"global batch of 16 \(micro-batch 4 x accumulation 2 x 2 processes\); 3 "
+                                        r"process\(es\) x --trainer.micro_batch_size 8 does not divide it: use a "
+                                        r"process count that divides 16, or resume it on 2 processes$"):
+        keep_global_batch(folder, cfg, 3)
+    with pytest.raises(UserError, match=r"4 process\(es\) x --trainer.micro_batch_size 8 does not divide it: pass "
+                                        r"--trainer.micro_batch_size 4 \(one of \[1, 2, 4\]\)"):
+        keep_global_batch(folder, cfg, 4)
 
 
 def test_an_engine_that_cannot_reshard_is_one_line(tmp_path):

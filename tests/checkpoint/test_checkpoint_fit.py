@@ -119,17 +119,6 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_with_a_clean_log(tmp_
     assert sorted(train_log(run)) == list(range(1, 9)) and steps == sorted(steps)
 
 
-def test_full_disk_at_export_is_one_line(tmp_path, monkeypatch):
-    import errno
-
-    def full(self, model, state_dict, out_dir):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(ToyTask, "export", full)
-    with pytest.raises(UserError, match=r"no space left to write the exported model in .*model \(.* free"):
-        finished_run(tmp_path, "full")
-
-
 def test_a_crafted_pickle_in_a_cached_universal_checkpoint_runs_no_code(tmp_path, capsys):
     """A 1-process ZeRO-2 checkpoint whose marker says 2 processes x micro-batch 4 takes the resharding path in-process:
     converted once, the cache then reused, and its files loaded weights-only like every other checkpoint file."""

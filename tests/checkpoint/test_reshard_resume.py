@@ -27,8 +27,9 @@ COMMON = ["--trainer.log_every_steps", "1", "--trainer.num_workers", "0", "--log
           "--scheduler.gamma", "0.5", "--optimizer.lr", "1e-2"]
 
 
-def fit(tmp_path: Path, name: str, strategy: list[str], procs: int, max_steps: int, resume: str | None = None):
-    micro = str(8 // procs)  # micro-batch x processes stays 8: the global batch of every run
+def fit(tmp_path: Path, name: str, strategy: list[str], procs: int, max_steps: int, resume: str | None = None,
+        micro: int | None = None):
+    micro = str(micro or 8 // procs)  # by default micro-batch x processes stays 8: the global batch of every run
     args = ["fit", "toy", *COMMON, *strategy, "--trainer.output_dir", str(tmp_path), "--trainer.run_name", name,
             "--trainer.max_steps", str(max_steps), "--trainer.micro_batch_size", micro,
             "--launch.nproc_per_node", str(procs)]
@@ -99,3 +100,19 @@ def test_two_one_two_processes_continue_the_uninterrupted_run(tmp_path, strategy
         assert train_log(tmp_path / "again")[5]["train_loss"] == pytest.approx(a[5]["train_loss"], rel=REL)
     else:
         assert not any((ckpts / f"step{step:08d}" / "universal").exists() for step in (4, 7))
+
+
+@pytest.mark.slow
+def test_one_process_resumes_two_with_the_same_flags_by_accumulating(tmp_path):
+    """2 processes x micro 4 continue on 1 process given the same --trainer.micro_batch_size 4: accumulation 2
+    keeps the global batch of 8, with one line saying so, and the run continues the uninterrupted one."""
+    strategy = ["--strategy.zero_stage", "1"]
+    fit(tmp_path, "straight", strategy, procs=2, max_steps=6, micro=4)
+    fit(tmp_path, "split", strategy, procs=2, max_steps=3, micro=4)
+    out = fit(tmp_path, "split", strategy, procs=1, max_steps=6, resume="auto", micro=4)
+    assert ("resuming on 1 process(es) from a checkpoint of 2: gradient accumulation 2 (was 1) keeps its global "
+            "batch of 8 (4 x 2 x 1)") in out
+    a, b = train_log(tmp_path / "straight"), train_log(tmp_path / "split")
+    assert sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        assert b[step]["train_loss"] == pytest.approx(a[step]["train_loss"], rel=REL), f"step {step}"

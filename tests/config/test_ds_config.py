@@ -187,6 +187,7 @@ def test_fast_path_leaves_a_user_file_alone(tmp_path):
     path = write(tmp_path, json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": 2.0,
                                        "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}))
     cfg = make_cfg(deepspeed_config=str(path))
+    cfg.strategy.gradient_clipping = StrategyConfig().gradient_clipping  # no clipping flag: the file decides
     ds = make_ds_config(cfg, 1, "cuda", "bf16")
     assert ds["gradient_clipping"] == 2.0 and ds["bf16"] == {"enabled": True} and "torch_autocast" not in ds
     assert not engine_clips(cfg, ds)
@@ -506,9 +507,13 @@ def test_a_user_file_that_accumulates_is_refused_with_cuda_graphs(tmp_path):
 
 def test_batch_shape_reads_a_user_file(tmp_path):
     path = write(tmp_path, '# mine\n{"train_micro_batch_size_per_gpu": 6, "gradient_accumulation_steps": 5}')
-    assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (6, 5)
+    defaults = TrainerConfig().micro_batch_size, StrategyConfig().gradient_accumulation_steps  # no flags given
+    assert batch_shape(make_cfg(*defaults, deepspeed_config=str(path))) == (6, 5)
+    with pytest.raises(ConfigError, match=r"^--trainer.micro_batch_size is 4, but .*ds.json \(--strategy.deepspeed_"
+                                          r"config\) sets train_micro_batch_size_per_gpu to 6, and the file would win"):
+        batch_shape(make_cfg(micro=4, gas=5, deepspeed_config=str(path)))  # a flag given beside the file's value
     path = write(tmp_path, '{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 3}', "b.json")
-    assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (4, 3)
+    assert batch_shape(make_cfg(micro=4, gas=1, deepspeed_config=str(path))) == (4, 3)
     path = write(tmp_path, '{"zero_optimization": {"stage": 1}}', "c.json")
     assert batch_shape(make_cfg(micro=4, gas=2, deepspeed_config=str(path))) == (4, 2)
     assert batch_shape(make_cfg(micro=4, gas=2)) == (4, 2)
@@ -574,3 +579,21 @@ def test_a_pinning_flag_the_users_file_contradicts_is_refused_in_one_line(tmp_pa
     message = str(err.value)
     assert "--strategy.offload_pin_memory" in message and refused in message and "\n" not in message
     assert str(path) in message and "leave --strategy.offload_pin_memory unset" in message
+
+
+def test_an_auto_warmup_of_warmup_cosine_is_one_deepspeed_accepts(tmp_path):
+    """--scheduler.warmup_steps 0 would fill WarmupCosineLR's warmup_num_steps with 0, which DeepSpeed refuses:
+    a real fit through DeepSpeed's scheduler shows the filled value is accepted."""
+    from zerotrain.tasks.toy import ToyConfig, ToyTask
+    from zerotrain.train.loop import fit
+
+    (tmp_path / "ds.json").write_text(json.dumps({"scheduler": {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": "auto", "warmup_num_steps": "auto", "warmup_min_ratio": 0.0, "cos_min_ratio": "auto"}}}))
+    cfg = ToyConfig()
+    cfg.strategy.deepspeed_config = str(tmp_path / "ds.json")
+    cfg.trainer.max_steps, cfg.trainer.num_workers, cfg.trainer.device = 3, 0, "cpu"
+    cfg.trainer.output_dir, cfg.trainer.run_name = str(tmp_path), "r"
+    cfg.logging.progress_bar, cfg.logging.tensorboard, cfg.trainer.export = False, False, False
+    fit(ToyTask(cfg))
+    params = json.loads((tmp_path / "r" / "ds_config.json").read_text())["scheduler"]["params"]
+    assert params["warmup_num_steps"] == 1 and params["total_num_steps"] == 3

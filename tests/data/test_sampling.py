@@ -167,3 +167,20 @@ def test_the_training_stream_forks_its_workers_once_not_every_epoch(persistent):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("lengths", [None, [(i * 37) % 101 for i in range(200)]], ids=["plain", "bucketed"])
+def test_every_optimizer_step_holds_the_same_samples_however_the_global_batch_is_split(lengths):
+    """2 processes x micro 4 and 1 process x micro 4 x accumulation 2 (and 4 x 2 x 1): the same global batch of 8
+    trains on the same samples at every step, which a resume on another process count relies on."""
+
+    def steps(micro, world, accum):
+        ranks = [list(EpochBatches(200, micro, r, world, seed=3, grad_accum=accum, lengths=lengths)) for r in range(world)]
+        micro_steps = [sum((ranks[r][i] for r in range(world)), []) for i in range(len(ranks[0]))]
+        return [sorted(sum(micro_steps[s:s + accum], [])) for s in range(0, len(micro_steps), accum)]
+
+    reference = steps(4, 2, 1)
+    assert len(reference) == 25
+    assert steps(4, 1, 2) == reference
+    assert steps(2, 4, 1) == reference
+    assert steps(1, 2, 4) == reference

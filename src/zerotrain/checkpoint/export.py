@@ -239,37 +239,38 @@ def export_run(run_dir: str | Path, out: Optional[str | Path] = None, step: Opti
         rundir.use_own_model_config(cfg, run_dir)
     task = task_cls(cfg)
     torch_dtype = DTYPES[dtype]
-    try:
-        lazy = checkpoint_tensors(folder)
-        if fmt == "hf":
-            export_hf = getattr(task, "export_hf", None)
-            export_hf = export_hf if callable(export_hf) else (lambda *a: _export_hf_roberta(task, *a))
-            files = export_hf(lazy, staging, torch_dtype)
-        elif recipe == "lora":
-            files = _export_lora(task, lazy, staging / "model", torch_dtype)
-        else:
-            files = ["model/" + f for f in write_safetensors(lazy, staging / "model", torch_dtype, max_shard_size,
-                                                             progress=progress)]
-        if fmt == "safetensors":
-            # hparams.json beside model/ (and the run's tokenizer): the folder is a run folder to load_run and
-            # zerotrain predict, wherever it goes.
-            rundir.write_model_config(task, staging / "model")
-            files.append(f"model/{rundir.MODEL_CONFIG}")
-            shutil.copyfile(run_dir / "hparams.json", staging / "hparams.json")
-            files.append("hparams.json")
-            if (run_dir / rundir.TOKENIZER_DIR).is_dir():
-                shutil.copytree(run_dir / rundir.TOKENIZER_DIR, staging / rundir.TOKENIZER_DIR)
-                files += sorted(str(p.relative_to(staging)) for p in (staging / rundir.TOKENIZER_DIR).iterdir())
-        info = {"source_run": str(run_dir.resolve()), "checkpoint": str(folder.resolve()), "step": step_n,
-                "recipe": recipe, "dtype": dtype, "format": fmt}
-        (staging / "export.json").write_text(json.dumps(info, indent=2) + "\n")
-        files.append("export.json")
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    with rundir.writing("the export", out_dir.parent):  # a full disk: one line, the staging folder removed
+        try:
+            lazy = checkpoint_tensors(folder)
+            if fmt == "hf":
+                export_hf = getattr(task, "export_hf", None)
+                export_hf = export_hf if callable(export_hf) else (lambda *a: _export_hf_roberta(task, *a))
+                files = export_hf(lazy, staging, torch_dtype)
+            elif recipe == "lora":
+                files = _export_lora(task, lazy, staging / "model", torch_dtype)
+            else:
+                files = ["model/" + f for f in write_safetensors(lazy, staging / "model", torch_dtype, max_shard_size,
+                                                                 progress=progress)]
+            if fmt == "safetensors":
+                # hparams.json beside model/ (and the run's tokenizer): the folder is a run folder to load_run and
+                # zerotrain predict, wherever it goes.
+                rundir.write_model_config(task, staging / "model")
+                files.append(f"model/{rundir.MODEL_CONFIG}")
+                shutil.copyfile(run_dir / "hparams.json", staging / "hparams.json")
+                files.append("hparams.json")
+                if (run_dir / rundir.TOKENIZER_DIR).is_dir():
+                    shutil.copytree(run_dir / rundir.TOKENIZER_DIR, staging / rundir.TOKENIZER_DIR)
+                    files += sorted(str(p.relative_to(staging)) for p in (staging / rundir.TOKENIZER_DIR).iterdir())
+            info = {"source_run": str(run_dir.resolve()), "checkpoint": str(folder.resolve()), "step": step_n,
+                    "recipe": recipe, "dtype": dtype, "format": fmt}
+            (staging / "export.json").write_text(json.dumps(info, indent=2) + "\n")
+            files.append("export.json")
+            if out_dir.exists():
+                out_dir.rmdir()  # empty (checked above)
+            staging.rename(out_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return ExportResult(out_dir=out_dir, step=step_n, checkpoint=folder, files=sorted(files))
 
 

@@ -17,8 +17,10 @@ What makes a checkpoint trustworthy:
 * **Of this run's shape.** The marker records recipe, backend, ZeRO stage, precision, micro-batch,
   gradient accumulation and world size; :func:`check_compatible` refuses a resume that would silently
   continue differently, before anything in the run folder is rewritten.
-* **Of any process count.** A resume on another world size keeps micro-batch x processes (the global
-  batch and its data order, see :func:`check_compatible`) and is resharded by :meth:`Checkpointer.load`:
+* **Of the same run.** Every setting is compared with the run's ``hparams.json`` (:func:`check_same_config`):
+  one that changes the model, the data stream or the numerics is refused, naming it.
+* **Of any process count.** A resume on another world size keeps the global batch, accumulation following
+  (:func:`keep_global_batch`, :func:`check_compatible`), and is resharded by :meth:`Checkpointer.load`:
   ZeRO-1/2/3 through DeepSpeed's universal checkpoint, converted once and cached in
   ``<step>/universal/`` with its own marker (:func:`zerotrain.checkpoint.universal.universal_checkpoint`).
 * **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
@@ -32,7 +34,6 @@ the only code that writes or reads either.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import shutil
@@ -54,7 +55,8 @@ from zerotrain.checkpoint.layout import (
     state_file,
     step_folder,
 )
-from zerotrain.config import CheckpointConfig
+from zerotrain.config import CheckpointConfig, resume_changes, upgrade_layout
+from zerotrain.config.ds_config import batch_shape, load_user_config
 from zerotrain.data.io import atomic_write_text
 from zerotrain.engines.base import Engine
 from zerotrain.errors import UserError
@@ -86,60 +88,75 @@ def shape_of(engine: Engine, recipe: str) -> dict[str, Any]:
     }
 
 
-HARMLESS_MODEL_FIELDS = frozenset({"dropout", "lora_dropout", "merge_on_export", "init_from_mlm"})
-"""Model settings that change no tensor's name or shape: a resume may change them."""
+def check_same_config(checkpoint: Path, recipe: str, cfg: Any, skip: frozenset[str] = frozenset(),
+                      ds_config: Optional[dict[str, Any]] = None) -> list[str]:
+    """Refuse in one :class:`UserError` line a resume from ``checkpoint`` by a run of another recipe, or with a
+    setting changed that shapes the model, the data stream or the numerics; return the changes that do not
+    (``--trainer.max_steps 8 -> 12``), for the caller to say in one line.
 
-
-def check_same_model(checkpoint: Path, recipe: str, cfg: Any) -> None:
-    """Raise a one-line :class:`UserError` when ``checkpoint`` was written by a run of another recipe or
-    with other model settings than ``cfg`` (the ``--model.*`` flags that change tensors' names or shapes).
-
-    The run that wrote a checkpoint left its config in ``hparams.json`` beside ``checkpoints/``. This
-    runs before anything is built, so a wrong resume is refused at once; :func:`check_compatible`
-    checks how the engine was set up once it exists, also before the run folder is rewritten."""
-    hparams = checkpoint.parent.parent / "hparams.json"
+    The run that wrote a checkpoint left its config in ``hparams.json`` beside ``checkpoints/``; which change
+    is safe each config section declares (:func:`zerotrain.config.resume_changes`), so the check covers every
+    setting of every recipe. ``skip``: settings not resolved yet (what a DeepSpeed file sets, before the
+    engine reads it). ``ds_config``: this run's DeepSpeed JSON, whose ``optimizer`` and ``scheduler`` blocks
+    must be the recorded ``ds_config.json``'s where a file of the user's set them. Called before anything is
+    built and again once the engine exists, both before anything in the run folder is rewritten."""
+    run = checkpoint.parent.parent
     try:
-        saved = json.loads(hparams.read_text(encoding="utf-8"))
+        saved = json.loads((run / "hparams.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return  # nothing to compare with (a checkpoint copied alone): the engine's loader decides
+        return []  # nothing to compare with (a checkpoint copied alone): the engine's loader decides
     if not isinstance(saved, dict):
-        return
+        return []
     theirs = saved.get("recipe")
     if theirs is not None and theirs != recipe:
         raise UserError(f"--checkpoint.resume: {checkpoint} was written by a {theirs} run, and this is a {recipe} "
                         f"run. Resume with zerotrain fit {saved.get('task') or theirs}, or start a new run (another "
                         "--trainer.run_name)")
-    model = getattr(cfg, "model", None)
-    old = saved.get("model")
-    if not (dataclasses.is_dataclass(model) and isinstance(old, dict)):
-        return
-    now = json.loads(json.dumps(dataclasses.asdict(model), default=str))  # tuples as lists, as the file has them
-    changed = [f"--model.{k} {now[k]} (the checkpoint's run had {old[k]})" for k in now
-               if k in old and k not in HARMLESS_MODEL_FIELDS and now[k] != old[k]]
-    if changed:
-        raise UserError(f"--checkpoint.resume: {checkpoint} holds another model: {'; '.join(changed)}. Pass the "
-                        "run's own model flags (its hparams.json has them) or start a new run")
+    safe, unsafe = resume_changes(upgrade_layout(saved), cfg, skip)
+    if ds_config is not None and getattr(cfg.strategy, "deepspeed_config", None):
+        try:
+            recorded = json.loads((run / "ds_config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            recorded = None
+        for block in ("optimizer", "scheduler") if isinstance(recorded, dict) else ():
+            before, now = _without_length(recorded.get(block)), _without_length(ds_config.get(block))
+            if before != now:
+                unsafe.append((f"the {block} block of --strategy.deepspeed_config", json.dumps(before), json.dumps(now)))
+    if unsafe:
+        said = "; ".join(f"{flag} {_shown(old)}, this run has {_shown(new)}" for flag, old, new in unsafe)
+        raise UserError(f"--checkpoint.resume: {checkpoint} was trained with {said}. A resume keeps what shapes the "
+                        "model, the data and the numerics: pass the recorded values (the run's hparams.json has "
+                        "them all), or start a new run (another --trainer.run_name)")
+    return [f"{flag} {_shown(old)} -> {_shown(new)}" for flag, old, new in safe if flag != "--checkpoint.resume"]
+
+
+def _without_length(block: Any) -> Any:
+    """A DeepSpeed optimizer or scheduler block without its ``total_num_steps``: the run's length, which a resume
+    may change (as --trainer.max_steps)."""
+    if isinstance(block, dict) and isinstance(block.get("params"), dict):
+        return {**block, "params": {k: v for k, v in block["params"].items() if k != "total_num_steps"}}
+    return block
+
+
+def _shown(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
     """Refuse, in one line, a resume from ``folder`` by a run of another ``shape`` (see :func:`shape_of`).
 
     Called before anything in the run folder is rewritten. Each difference would continue the run
-    silently wrong or crash in the engine: accumulation sets the global batch the schedule and
-    optimizer state were made for; the engine's files are sharded by stage and backend, and
-    precision decides which of them hold the master weights.
+    silently wrong or crash in the engine: the engine's files are sharded by stage and backend, and
+    precision decides which of them hold the master weights; on the same process count the micro-batch
+    and accumulation must be the checkpoint's (the data position counts micro-batches).
 
-    **Another process count** is converted (see :meth:`Checkpointer.load`), under one rule: the
-    global batch and its data order stay exactly as they were, so micro-batch x processes must
-    stay the same (and accumulation, as always). The sampler plans global batches of micro x world
-    examples and cuts one micro-batch per rank, and the data position counts those global
-    micro-steps: with micro x world unchanged the new ranks continue at the same samples, the same
-    optimizer step, the same schedule. 2 processes x micro 8 resume on 1 process with
-    ``--trainer.micro_batch_size 16`` (or on 4 with 4); any other micro-batch is refused with the
-    flag to pass. Changing accumulation instead (2 x 8 x accum 1 -> 1 x 8 x accum 2: the same
-    global batch) is refused too: it would split each step's samples differently (and, with
-    length bucketing, plan other batches), and accumulation stays one of the checked keys. On the
-    same process count the micro-batch must be the checkpoint's (the position counts micro-batches).
+    **Another process count** is converted (see :meth:`Checkpointer.load`), under one rule: the global
+    batch (micro-batch x accumulation x processes) stays what it was, and so do the samples of every
+    optimizer step. The sampler plans each epoch's optimizer steps from the global batch alone and cuts
+    each into micro-steps of micro x processes examples (:class:`~zerotrain.data.sampling.EpochBatches`),
+    and the resumed position is converted to the new micro-steps: 2 processes x micro 8 continue on 1
+    process as micro 8 x accumulation 2 (set by :func:`keep_global_batch` before the engine is built). What
+    changes is where the sums happen (one reduction more or less), a few float32 ulps.
     """
     meta = read_marker(folder)
     flag = "--checkpoint.resume"
@@ -154,7 +171,7 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
     }
     resharding = "world_size" in meta and meta["world_size"] != shape.get("world_size")
     for key in SHAPE_KEYS:
-        if key not in meta or key == "world_size" or (resharding and key == "micro_batch_size"):
+        if key not in meta or key == "world_size" or (resharding and key in ("micro_batch_size", "grad_accum")):
             continue  # a marker of format 1 records the world size only; another world size: below
         saved, now = meta[key], shape.get(key)
         if saved != now:
@@ -164,25 +181,67 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         check_global_batch(folder, meta, shape)
 
 
+def _global_batch(meta: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(global batch, micro-batch, accumulation, processes) a checkpoint's marker records."""
+    micro, accum, world = int(meta["micro_batch_size"]), int(meta.get("grad_accum", 1)), int(meta["world_size"])
+    return micro * accum * world, micro, accum, world
+
+
+def keep_global_batch(folder: Path, cfg: Any, world_size: int) -> Optional[str]:
+    """On another process count than ``folder``'s, set ``cfg``'s gradient accumulation so that the global batch
+    stays the checkpoint's, and return the line that says so (None: nothing to change). Every rank calls it,
+    before the sampler and the engine are built.
+
+    Possible where this run's micro-batch x processes divides the recorded global batch; otherwise one
+    :class:`UserError` line names the flags that would keep it. A user's DeepSpeed file that sets
+    ``gradient_accumulation_steps`` explicitly decides it: a value that does not keep the batch is refused."""
+    meta = read_marker(folder)
+    if not isinstance(meta.get("world_size"), int) or meta["world_size"] == world_size \
+            or not isinstance(meta.get("micro_batch_size"), int):
+        return None  # same count, or a marker without the batch (refused by check_global_batch if resharded)
+    total, micro_s, accum_s, world_s = _global_batch(meta)
+    micro, accum = batch_shape(cfg)
+    was = f"a global batch of {total} (micro-batch {micro_s} x accumulation {accum_s} x {world_s} processes)"
+    if total % (micro * world_size):
+        per_rank = total // world_size
+        if total % world_size:
+            fix = f"use a process count that divides {total}"
+        else:
+            options = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+            fix = f"pass --trainer.micro_batch_size {max(d for d in options if d <= micro)} (one of {options})"
+        raise UserError(f"--checkpoint.resume: {folder} was trained with {was}; {world_size} process(es) x "
+                        f"--trainer.micro_batch_size {micro} does not divide it: {fix}, or resume it on {world_s} "
+                        "processes")
+    need = total // (micro * world_size)
+    if need == accum:
+        return None
+    path = cfg.strategy.deepspeed_config
+    if path and load_user_config(path).get("gradient_accumulation_steps", "auto") != "auto":
+        raise UserError(f"--checkpoint.resume: {folder} was trained with {was}; on {world_size} process(es) at "
+                        f"micro-batch {micro} it takes gradient_accumulation_steps {need}, and {path} "
+                        f"(--strategy.deepspeed_config) sets {accum}: write {need} or \"auto\" there")
+    cfg.strategy.gradient_accumulation_steps = need
+    return (f"resuming on {world_size} process(es) from a checkpoint of {world_s}: gradient accumulation "
+            f"{need} (was {accum}) keeps its global batch of {total} ({micro} x {need} x {world_size})")
+
+
 def check_global_batch(folder: Path, meta: dict[str, Any], shape: dict[str, Any]) -> None:
     """The rule of :func:`check_compatible` for a resume on another process count, in one line when broken."""
     flag, world, now_world = "--checkpoint.resume", meta["world_size"], shape.get("world_size")
     if "micro_batch_size" not in meta:
         raise UserError(f"{flag}: {folder} was written by {world} processes and does not record its micro-batch "
                         f"size, so it cannot be resumed on {now_world}. Start it with {world} processes")
-    micro, now_micro = meta["micro_batch_size"], shape.get("micro_batch_size")
-    accum = meta.get("grad_accum", shape.get("grad_accum"))
-    per_step = micro * world  # examples of one micro-step over all ranks
-    if now_micro * now_world == per_step:
+    total, micro, accum, _ = _global_batch(meta)
+    now_micro, now_accum = shape.get("micro_batch_size"), shape.get("grad_accum", accum)
+    now_total = now_micro * now_accum * now_world
+    if now_total == total:
         return
-    if per_step % now_world == 0:
-        fix = f"pass --trainer.micro_batch_size {per_step // now_world}"
-    else:
-        fix = f"use a process count that divides {per_step}"
-    raise UserError(f"{flag}: {folder} was written by {world} processes x micro-batch {micro} (global batch "
-                    f"{per_step * accum}), this run has {now_world} x {now_micro} (global batch "
-                    f"{now_micro * now_world * accum}). A resume on another process count keeps micro-batch x "
-                    f"processes = {per_step}: {fix}, or start it with {world} processes")
+    per_micro_step = now_micro * now_world
+    fix = (f"pass --strategy.gradient_accumulation_steps {total // per_micro_step}" if total % per_micro_step == 0
+           else f"pass a --trainer.micro_batch_size that, times {now_world} process(es), divides {total}")
+    raise UserError(f"{flag}: {folder} was written by {world} processes x micro-batch {micro} x accumulation "
+                    f"{accum} (global batch {total}), this run has {now_world} x {now_micro} x {now_accum} (global "
+                    f"batch {now_total}). A resume keeps the global batch: {fix}, or start it with {world} processes")
 
 
 # ---- integrity -------------------------------------------------------------------------------
@@ -327,7 +386,9 @@ class Checkpointer:
                             "Pass an older checkpoint folder, or start a new run")
         states = [load_safely(f) for f in files]
         self.engine.load_resharded(folder, saved_world, self.cfg.verify)
-        self.state.load_resharded(states, seed, self.engine.rank)
+        # Positions count micro-steps of micro x processes examples: the checkpoint's, converted to this run's.
+        self.state.load_resharded(states, seed, self.engine.rank, examples_per_micro_step=(
+            int(meta["micro_batch_size"]) * saved_world, int(self.shape["micro_batch_size"]) * self.engine.world_size))
         self.last_saved = self.state.step
         if self.engine.rank == 0:
             log.warning("resumed on %d process(es) from a checkpoint of %d: exact in weights, optimizer state, "

@@ -13,6 +13,7 @@ Validation lives here, next to the fields: :meth:`RunConfig.validate` raises
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
@@ -21,6 +22,10 @@ from zerotrain.errors import ConfigError
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+ALL_SAFE = frozenset({"*"})
+"""A section's ``resume_safe`` that admits a change of any of its settings on resume."""
 
 
 @dataclass
@@ -82,6 +87,13 @@ class SchedulerConfig:
 @dataclass
 class StrategyConfig:
     """How the model is distributed: backend, ZeRO stage, offloads, buckets, accumulation, clipping."""
+
+    resume_safe = frozenset({"nvme_path", "offload_pin_memory", "overlap_comm", "contiguous_gradients",
+                             "reduce_bucket_size", "allgather_bucket_size", "auto", "deepspeed_config",
+                             "gradient_accumulation_steps"})
+    """Settings a resume may change (see :func:`resume_changes`): where and how fast, not what is computed. A
+    DeepSpeed file is compared by what it sets (recorded in hparams.json), not by its path; accumulation with
+    the micro-batch by the checkpoint, which keeps the global batch (``checkpoint.manager.check_compatible``)."""
 
     backend: Literal["deepspeed", "ddp"] = "deepspeed"
     """deepspeed (ZeRO) or plain PyTorch DDP, the baseline 'without DeepSpeed'."""
@@ -190,12 +202,22 @@ class CompileConfig:
 class ActivationCheckpointingConfig:
     """Activation checkpointing: recompute instead of store."""
 
+    resume_safe = ALL_SAFE
+    """Recomputing instead of storing computes the same values: a resume may turn it on or off."""
+
     enabled: bool = False
     """Recompute activations in the backward pass instead of storing them (less memory, ~30% more compute)."""
 
 
 @dataclass
 class TrainerConfig:
+    resume_safe = frozenset({"micro_batch_size", "epochs", "max_steps", "log_every_steps", "eval_every_steps",
+                             "eval_max_batches", "device", "num_workers", "gpu_memory_gib", "output_dir", "run_name",
+                             "warmup_steps_excluded", "gc_freeze", "profile_steps", "evaluate", "export"})
+    """Settings a resume may change: the length of the run, when it evaluates and logs, where it runs. The
+    micro-batch is checked against the checkpoint (with the process count; see ``check_compatible``); the
+    precision a device trains in too. The seed is not here: it orders the data."""
+
     micro_batch_size: int = 8
     """Samples per GPU (or process) per forward pass."""
     epochs: Optional[int] = None
@@ -251,6 +273,11 @@ class TrainerConfig:
             raise ConfigError("--trainer.eval_every_steps", f"must be >= 0, got {self.eval_every_steps}")
         if self.num_workers < 0:
             raise ConfigError("--trainer.num_workers", f"must be >= 0, got {self.num_workers}")
+        if self.eval_max_batches is not None and self.eval_max_batches < 1:
+            raise ConfigError("--trainer.eval_max_batches", f"must be >= 1 (or unset: the whole split), got "
+                              f"{self.eval_max_batches}; to train without evaluating pass --trainer.evaluate false")
+        if self.warmup_steps_excluded < 0:
+            raise ConfigError("--trainer.warmup_steps_excluded", f"must be >= 0, got {self.warmup_steps_excluded}")
         if self.profile_steps < 0:
             raise ConfigError("--trainer.profile_steps", f"must be >= 0, got {self.profile_steps}")
         if self.run_name and (why := run_name_problem(self.run_name)):
@@ -259,6 +286,9 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
+    resume_safe = ALL_SAFE
+    """Every setting of this section may change on resume: none changes what is computed."""
+
     every_steps: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
     keep_last: int = 2
@@ -280,6 +310,9 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    resume_safe = ALL_SAFE
+    """Every setting of this section may change on resume: none changes what is computed."""
+
     tensorboard: bool = True
     """Write TensorBoard events to <run>/tb_dir."""
     progress_bar: bool = True
@@ -304,6 +337,9 @@ MIN_TIMEOUT_MINUTES = 0.05
 
 @dataclass
 class LaunchConfig:
+    resume_safe = ALL_SAFE
+    """Every setting of this section may change on resume: none changes what is computed."""
+
     nproc_per_node: int = 1
     """Processes (GPUs) to start on this node; zerotrain starts them itself, like torchrun."""
     nnodes: int = 1
@@ -318,7 +354,9 @@ class LaunchConfig:
     """How long a collective waits for the other ranks, e.g. while rank 0 alone tokenises a corpus or exports weights.
     A rank that dies or hangs ends the job after this long, with one line naming it (fractions allowed, >= 0.05)."""
     rdzv_timeout_minutes: float = 10.0
-    """Several nodes: how long the launcher on each node waits for all nodes to join at rdzv_endpoint before giving up."""
+    """How long the rendezvous is waited for before giving up in one line: the launcher on each node for all nodes
+    to join at rdzv_endpoint, and a process started with RANK/MASTER_ADDR set (by torchrun or a scheduler) for
+    rank 0 to answer at MASTER_ADDR:MASTER_PORT. A stop signal ends either wait at once."""
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -373,6 +411,40 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = frozenset()
+                   ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """(safe, unsafe) differences between a run's recorded config (its ``hparams.json``) and ``cfg``, each as
+    (``--section.field``, recorded value, new value), for a resume of that run with ``cfg``.
+
+    Generic over the config tree: every section (a recipe's ``model`` and ``data`` too) declares in its
+    ``resume_safe`` the settings a resume may change (:data:`ALL_SAFE`: all of them); every other setting
+    shapes the model, the data stream or the numerics, and a change of it is unsafe. A setting absent on
+    either side (a run recorded by another zerotrain version) is not compared, nor are the flags in ``skip``
+    (``section.field``: settings not resolved yet). Values are compared as JSON holds them (tuples as lists).
+    """
+    safe: list[tuple[str, Any, Any]] = []
+    unsafe: list[tuple[str, Any, Any]] = []
+
+    def walk(section: Any, old: dict[str, Any], prefix: str) -> None:
+        allowed = getattr(type(section), "resume_safe", frozenset())
+        for f in dataclasses.fields(section):
+            if f.name not in old:
+                continue
+            name, value = f"{prefix}{f.name}", getattr(section, f.name)
+            if dataclasses.is_dataclass(value) and isinstance(old[f.name], dict):
+                walk(value, old[f.name], f"{name}.")
+                continue
+            if name in skip:
+                continue
+            now = json.loads(json.dumps(value, default=str))
+            if now != old[f.name]:
+                ok = f.name in allowed or "*" in allowed
+                (safe if ok else unsafe).append((f"--{name}", old[f.name], now))
+
+    walk(cfg, json.loads(json.dumps(saved, default=str)), "")
+    return safe, unsafe
 
 
 def check_across_sections(cfg: "RunConfig") -> None:

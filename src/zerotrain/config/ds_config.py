@@ -26,7 +26,9 @@ from typing import Any, Literal
 from zerotrain.config import RunConfig
 from zerotrain.engines import optimizers
 from zerotrain.engines.ds_private.config import (
+    block_type_error,
     builtin_optimizer_names,
+    builtin_scheduler_names,
     zero_optimization_keys,
 )
 from zerotrain.errors import ConfigError, UserError
@@ -186,13 +188,88 @@ def load_user_config(path: str | Path) -> dict[str, Any]:
         raise UserError(f"{flag}: file {str(p)!r} not found. Pass the path of a DeepSpeed JSON file, "
                         "e.g. one of the presets in zerotrain/presets/")
     try:
-        loaded = hjson.loads(p.read_text(), object_pairs_hook=dict)
+        text = p.read_text()
+        loaded = hjson.loads(text, object_pairs_hook=dict)
     except Exception as exc:  # hjson raises its own HjsonDecodeError with line/column
         raise UserError(f"{flag}: {p} is not valid JSON/HJSON: {exc}") from None
-    if not isinstance(loaded, dict):
-        raise UserError(f"{flag}: {p} must hold a JSON object at the top level")
+    if not isinstance(loaded, dict) or not _opens_an_object(text):
+        raise UserError(f"{flag}: {p} must hold one JSON object ({{...}}) at the top level"
+                        + (" (it reads as YAML: write the file as JSON)" if isinstance(loaded, dict) else ""))
     check_user_keys(loaded, p)
+    check_user_types(loaded, p)
     return loaded
+
+
+def _opens_an_object(text: str) -> bool:
+    """Whether a JSON/HJSON text starts with ``{`` after comments: HJSON also reads a brace-less body, which is how a
+    YAML file given by mistake parses (into other values than YAML's)."""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith(("#", "//")):
+            return stripped.startswith("{")
+    return False
+
+
+_TOP_LEVEL_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "steps_per_print"), (int,)),
+    **dict.fromkeys(("gradient_clipping", "gradient_predivide_factor"), (int, float)),
+    **dict.fromkeys(("wall_clock_breakdown", "prescale_gradients", "sparse_gradients", "zero_allow_untested_optimizer",
+                     "zero_force_ds_cpu_optimizer", "dump_state", "memory_breakdown", "dataloader_drop_last",
+                     "disable_allgather", "use_data_before_expert_parallelism", "use_node_local_storage",
+                     "graph_harvesting"), (bool,)),
+    **dict.fromkeys(("communication_data_type", "seq_parallel_communication_data_type"), (str, type(None))),
+}
+"""The types of DeepSpeed's top-level scalar keys, which DeepSpeed reads without a config model; every other
+documented top-level key holds an object."""
+
+_AT_LEAST = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+             "steps_per_print": 1, "gradient_clipping": 0, "gradient_predivide_factor": 0}
+_COMM_TYPES = ("fp32", "fp16", "bf16")
+"""What DeepSpeed's communication_data_type accepts (its ZeRO reductions run in one of these)."""
+
+
+def check_user_types(user: dict[str, Any], path: str | Path) -> None:
+    """Refuse, in one line naming the key, the value and the type expected, a value of a user's DeepSpeed file that
+    DeepSpeed would read as another type or refuse deep in ``deepspeed.initialize``: the top-level scalars against
+    their types above, the ``zero_optimization``, ``fp16`` and ``bf16`` blocks against DeepSpeed's own config models
+    (:func:`zerotrain.engines.ds_private.config.block_type_error`), optimizer and scheduler types against the ones
+    DeepSpeed builds. ``"auto"`` stands for any value (zerotrain fills it)."""
+
+    def refuse(key: str, value: Any, expected: str) -> UserError:
+        shown = json.dumps(value, default=str)
+        return UserError(f"--strategy.deepspeed_config: {path}: {key} is {shown}, but DeepSpeed expects {expected}")
+
+    for key, value in user.items():
+        if value == "auto" or str(key).startswith("_"):
+            continue
+        types = _TOP_LEVEL_TYPES.get(key, (dict,))
+        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if int in types and float not in types and isinstance(value, float) and value.is_integer():
+            wrong = False  # 1e3: a whole number, as JSON may write it
+        if wrong:
+            expected = {(int,): "an integer", (int, float): "a number", (bool,): "true or false",
+                        (str, type(None)): "a string or null", (dict,): "an object ({...})"}[types]
+            raise refuse(key, value, expected)
+        if key in _AT_LEAST and value < _AT_LEAST[key]:
+            raise refuse(key, value, f"a value >= {_AT_LEAST[key]}")
+        if key in ("communication_data_type", "seq_parallel_communication_data_type") and value not in (None, *_COMM_TYPES):
+            raise refuse(key, value, "one of " + ", ".join(f'"{t}"' for t in _COMM_TYPES) + " or null")
+        if key in ("zero_optimization", "fp16", "bf16"):
+            found = block_type_error(key, value)
+            if found is not None:
+                raise refuse(*found)
+    for block, known in (("optimizer", None), ("scheduler", builtin_scheduler_names())):
+        spec = user.get(block)
+        if not isinstance(spec, dict):
+            continue
+        name, params = spec.get("type"), spec.get("params", {})
+        if "type" in spec and not isinstance(name, str):
+            raise refuse(f"{block}.type", name, "a string (the name of one of DeepSpeed's)")
+        if not isinstance(params, dict) and params != "auto":
+            raise refuse(f"{block}.params", params, "an object ({...})")
+        if known is not None and isinstance(name, str) and name not in known:
+            raise refuse(f"{block}.type", name, "one of " + ", ".join(sorted(known)))
 
 
 # DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed reads the keys it
@@ -318,7 +395,52 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
     for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
         if key in generated and key not in user:
             resolved[key] = generated[key]
+    scheduler = resolved.get("scheduler")
+    if isinstance(scheduler, dict) and scheduler.get("type") == "WarmupCosineLR" \
+            and _lookup_or(user, "scheduler.params.warmup_num_steps") == "auto" \
+            and scheduler.get("params", {}).get("warmup_num_steps") == 0:
+        # DeepSpeed's WarmupCosineLR refuses 0 (it warms up over at least 2 steps whatever it is given): without
+        # --scheduler.warmup_steps the shortest warm-up it accepts.
+        scheduler["params"]["warmup_num_steps"] = 1
     return resolved
+
+
+def _lookup_or(tree: dict[str, Any], dotted: str) -> Any:
+    try:
+        return _lookup(tree, dotted)
+    except KeyError:
+        return None
+
+
+FLAG_KEYS = (("optimizer", "lr", "optimizer.params.lr"), ("optimizer", "betas", "optimizer.params.betas"),
+             ("optimizer", "eps", "optimizer.params.eps"), ("optimizer", "weight_decay", "optimizer.params.weight_decay"),
+             ("trainer", "micro_batch_size", "train_micro_batch_size_per_gpu"),
+             ("strategy", "gradient_accumulation_steps", "gradient_accumulation_steps"),
+             ("strategy", "gradient_clipping", "gradient_clipping"), ("strategy", "zero_stage", "zero_optimization.stage"),
+             ("strategy", "overlap_comm", "zero_optimization.overlap_comm"),
+             ("strategy", "reduce_bucket_size", "zero_optimization.reduce_bucket_size"),
+             ("strategy", "allgather_bucket_size", "zero_optimization.allgather_bucket_size"))
+"""(section, field, DeepSpeed key): the flags a user's DeepSpeed file can also set."""
+
+
+def check_flags_agree(cfg: RunConfig, user: dict[str, Any], path: str) -> None:
+    """Refuse, in one line naming both, a flag that a user's DeepSpeed file sets to another value: the file would
+    win without a word (the Hugging Face Trainer refuses such a mismatch too). A flag at its default counts as not
+    given, so the file decides; a file's ``"auto"`` is filled from the flag. Offload and precision are checked by
+    their own rules (:func:`_check_pinning_agrees`, the file's blocks decide)."""
+    for section_name, name, key in FLAG_KEYS:
+        section = getattr(cfg, section_name)
+        value = getattr(section, name)
+        if value == getattr(type(section)(), name):
+            continue
+        theirs = _lookup_or(user, key)
+        if theirs is None or theirs == "auto":
+            continue
+        mine = list(value) if isinstance(value, tuple) else value
+        if theirs != mine:
+            raise ConfigError(f"--{section_name}.{name}", f"is {json.dumps(mine)}, but {path} "
+                              f"(--strategy.deepspeed_config) sets {key} to {json.dumps(theirs)}, and the file would "
+                              f"win: drop the flag, or write {json.dumps(mine)} (or \"auto\") there")
 
 
 def validate_ds_config(ds: dict[str, Any], world_size: int, device: str | None = None) -> None:
@@ -379,6 +501,14 @@ def _validate_for_device(ds: dict[str, Any], device: str) -> None:
             close = difflib.get_close_matches(name.lower(), known, n=1)
             raise ConfigError("optimizer.type", f"= {name!r} is not a DeepSpeed optimizer"
                               + (f": did you mean {close[0]!r}?" if close else f" (known: {', '.join(known)})"))
+
+
+REFLECTED = frozenset({"precision.dtype", "strategy.zero_stage", "strategy.offload_optimizer", "strategy.offload_param",
+                       "strategy.offload_pin_memory", "strategy.overlap_comm", "strategy.contiguous_gradients",
+                       "strategy.reduce_bucket_size", "strategy.allgather_bucket_size", "trainer.micro_batch_size",
+                       "strategy.gradient_accumulation_steps", "strategy.gradient_clipping", "optimizer.lr",
+                       "optimizer.eps", "optimizer.weight_decay", "optimizer.betas"})
+"""The settings :func:`reflect_ds_config` writes: with a user's DeepSpeed file, known only once it is resolved."""
 
 
 def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> None:
@@ -467,6 +597,7 @@ def batch_shape(cfg: RunConfig) -> tuple[int, int]:
     micro, gas = cfg.trainer.micro_batch_size, cfg.strategy.gradient_accumulation_steps
     if cfg.strategy.backend == "deepspeed" and cfg.strategy.deepspeed_config:
         user = load_user_config(cfg.strategy.deepspeed_config)
+        check_flags_agree(cfg, user, cfg.strategy.deepspeed_config)
         micro = user.get("train_micro_batch_size_per_gpu", micro)
         gas = user.get("gradient_accumulation_steps", gas)
         micro = cfg.trainer.micro_batch_size if micro == "auto" else micro
@@ -483,6 +614,7 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         plain = dataclasses.replace(cfg, strategy=dataclasses.replace(cfg.strategy, fast_path=False))
         generated = build_ds_config(plain, world_size, device, precision)
         user = load_user_config(cfg.strategy.deepspeed_config)
+        check_flags_agree(cfg, user, cfg.strategy.deepspeed_config)
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import resource
 import sys
@@ -52,6 +53,8 @@ import psutil
 import torch
 
 from zerotrain.data.io import atomic_write_text, write_json
+
+log = logging.getLogger("zerotrain")
 
 # Dense peak TFLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor core, tf32 tensor core).
 # Matched by substring of torch.cuda.get_device_name(); the first match wins, so specific names go first.
@@ -472,10 +475,28 @@ class StepProfiler:
         self._prof = None
         self._t0 = 0.0
 
-    def step(self, step: int) -> bool:
+    def close(self) -> None:
+        """Stop a profiler still recording (the run ended, or failed, inside the profiled steps), without a summary.
+
+        A profiler left running when the process exits crashes it in torch's profiler library (exit 139, after
+        the run's last line), so the loop closes it however the run ends."""
+        if self._prof is not None:
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+
+    def step(self, step: int, last_step: Optional[int] = None) -> bool:
         """Call after each optimizer step. True when profiling started or stopped at this step: the
-        profiler slows the steps it records, so the caller restarts its throughput clock."""
+        profiler slows the steps it records, so the caller restarts its throughput clock. ``last_step``: the
+        run's last; profiling that would not end by then does not start (a warning says so)."""
         if not self.steps:
+            return False
+        if self._prof is None and step == self.start_after and last_step is not None \
+                and step + self.steps > last_step:
+            if self.is_main:
+                log.warning("--trainer.profile_steps %d: the run ends at step %d, before %d steps after the warm-up "
+                            "(step %d) could be profiled; no profile written (train longer or profile fewer steps)",
+                            self.steps, last_step, self.steps, step)
+            self.steps = 0
             return False
         if self._prof is None and step == self.start_after:
             from torch.profiler import ProfilerActivity, profile

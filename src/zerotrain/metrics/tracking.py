@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import math
 import os
+import socket
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from zerotrain.checkpoint.layout import complete_checkpoints, problem
 from zerotrain.config import LoggingConfig
-from zerotrain.data.io import atomic_write_text
+from zerotrain.data.io import atomic_write_bytes, atomic_write_text
 from zerotrain.errors import TrainingDiverged, UserError
 from zerotrain.metrics.meters import memory_snapshot
 from zerotrain.runtime.rundir import open_own, writing
@@ -52,7 +56,7 @@ class Tracker:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, hparams: dict[str, Any], is_main: bool,
                  resumed_at: Optional[int] = None):
         """``resumed_at``: the checkpoint step a resumed run starts from. What a killed run logged after
-        it is hidden from TensorBoard (its ``purge_step``), as the loop removes it from metrics.jsonl.
+        it is removed from TensorBoard's event files and from metrics.jsonl.
         None: the run starts at step 0, so whatever an earlier attempt of it logged (a run killed before
         its first checkpoint) is cleared, metrics.jsonl and tb_dir both."""
         self.is_main = is_main
@@ -72,14 +76,12 @@ class Tracker:
             else:
                 _clear_earlier_attempt(run_dir)
             # Appended in place: opened without following a link (a link or hard link there is refused)
-            fd = open_own(metrics, os.O_WRONLY | os.O_APPEND, "the run's metrics log")
-            self._jsonl = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+            self._jsonl = AppendOnly(metrics, what="the run's metrics log")
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = None if resumed_at is None else resumed_at + 1
             with rundir_writing("TensorBoard events", run_dir / "tb_dir"):
-                self._tb = SummaryWriter(log_dir=str(run_dir / "tb_dir"), purge_step=purge)
+                if resumed_at is not None:
+                    _drop_events_after(run_dir / "tb_dir", resumed_at)
+                self._tb = EventFile(run_dir / "tb_dir")
         if cfg.wandb:
             try:
                 import wandb
@@ -97,23 +99,125 @@ class Tracker:
         with rundir_writing("metrics.jsonl", self.run_dir):
             self._jsonl.write(json.dumps({"step": step, **{k: _json_number(v) for k, v in clean.items()}}) + "\n")
         with rundir_writing("TensorBoard events", self.run_dir / "tb_dir"):
-            for key, value in clean.items():
-                if isinstance(value, (int, float)) and self._tb is not None:
-                    self._tb.add_scalar(key, value, step)
+            scalars = {k: float(v) for k, v in clean.items() if isinstance(v, (int, float))}
+            if self._tb is not None and scalars:
+                self._tb.scalars(scalars, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
     def close(self) -> None:
+        """Close the files; nothing is left to flush (each row was written whole, or not at all)."""
         if self._jsonl:
-            self._jsonl.close()
-            self._jsonl = None
+            jsonl, self._jsonl = self._jsonl, None
+            jsonl.close()
         if self._tb is not None:
-            with rundir_writing("TensorBoard events", self.run_dir / "tb_dir"):
-                tb, self._tb = self._tb, None
-                tb.close()
+            tb, self._tb = self._tb, None
+            tb.close()
         if self._wandb is not None:
             run, self._wandb = self._wandb, None
             run.finish()
+
+
+class AppendOnly:
+    """A file that grows by whole records: each :meth:`write` appends its bytes in one unbuffered write, and a
+    write that fails (a full disk) is cut off again, so the file never ends in half a record and nothing is
+    left in a buffer for a later flush or close to fail on."""
+
+    def __init__(self, path: Path, mode: str = "a", what: str = "a run file"):
+        # Opened without following a link (open_own refuses a link or a hard link there, naming ``what``)
+        self._fd: Optional[int] = open_own(path, os.O_WRONLY | (os.O_APPEND if mode == "a" else os.O_TRUNC), what)
+
+    def write(self, data: str | bytes) -> None:
+        raw = data.encode("utf-8") if isinstance(data, str) else data
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)  # shrinking needs no space
+            raise
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+class EventFile:
+    """TensorBoard's event file, written in the calling thread by whole records (:class:`AppendOnly`).
+
+    ``torch.utils.tensorboard.SummaryWriter`` writes from a thread of its own: a full disk there prints that
+    thread's traceback and surfaces later, at another call. Here a failed write raises where it happens and
+    leaves the file as it was."""
+
+    def __init__(self, folder: Path):
+        from tensorboard.compat.proto.event_pb2 import Event
+
+        self._event = Event
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_event_files)}"
+        self._file = AppendOnly(folder / name, mode="w", what="a TensorBoard event file")
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        from torch.utils.tensorboard.summary import scalar
+
+        records = [self._record(self._event(wall_time=time.time(), step=step, summary=scalar(k, v)))
+                   for k, v in values.items()]
+        self._file.write(b"".join(records))  # one write: the step's points are there all, or none
+
+    def _write(self, event: Any) -> None:
+        self._file.write(self._record(event))
+
+    @staticmethod
+    def _record(event: Any) -> bytes:
+        return _framed(event.SerializeToString())
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_event_files = itertools.count()
+
+
+def _framed(data: bytes) -> bytes:
+    """One TFRecord: the length, its masked crc32c, the data, its masked crc32c."""
+    import struct
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    header = struct.pack("<Q", len(data))
+    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+
+
+def _records(raw: bytes) -> Iterator[bytes]:
+    """The whole records of an event file's bytes (a record cut short at the end is left out)."""
+    import struct
+
+    at = 0
+    while at + 12 <= len(raw):
+        (length,) = struct.unpack("<Q", raw[at:at + 8])
+        end = at + 12 + length + 4
+        if end > len(raw):
+            return
+        yield raw[at + 12:at + 12 + length]
+        at = end
+
+
+def _drop_events_after(tb_dir: Path, step: int) -> None:
+    """Forget the points a killed run logged to TensorBoard after its last checkpoint, as :func:`_drop_rows_after`
+    does in metrics.jsonl: the resumed run logs those steps again, and a curve must not show them twice."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    for path in sorted(tb_dir.glob("events.out.tfevents.*")) if tb_dir.is_dir() else []:
+        raw = path.read_bytes()
+        kept = [data for data in _records(raw)
+                if not ((event := Event.FromString(data)).HasField("summary") and event.step > step)]
+        text = b"".join(_framed(data) for data in kept)
+        if text != raw:
+            atomic_write_bytes(path, text)
 
 
 def _json_number(value: Any) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import logging
 import os
 import socket
 import sys
@@ -33,6 +34,8 @@ from zerotrain.runtime.launcher import (
     sanitize_cuda_arch_list,
 )
 from zerotrain.runtime.preemption import Preemption
+
+log = logging.getLogger("zerotrain")
 
 
 def free_port() -> int:
@@ -95,6 +98,59 @@ class Runtime:
         return self.rank == 0
 
 
+class RendezvousUnreachable(UserError):
+    """This rank cannot reach the rendezvous: each rank that meets it says so (the others may never have started)."""
+
+    said_by_each_rank = True
+
+
+def wait_for_rendezvous(timeout_minutes: float) -> None:
+    """Before the process group: make sure rank 0's rendezvous at MASTER_ADDR:MASTER_PORT can be reached, waiting
+    for it at most ``timeout_minutes`` (``--launch.rdzv_timeout_minutes``), in one line when it cannot.
+
+    torch's store retries its connection inside C++ for the whole collective timeout (an hour by default), where no
+    Python signal handler runs: a wrong MASTER_ADDR hung for that long and ignored SIGTERM. Here rank 0 checks that
+    the address is one of this machine's (it serves the store there), and the other ranks try to connect once a
+    second in Python, so a stop signal ends the wait at once, as it would without zerotrain."""
+    import time
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return  # torch's own message names what is missing
+    rank = os.environ.get("RANK", "0")
+    where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
+    try:
+        infos = socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError):
+        raise RendezvousUnreachable(f"rank {rank}: {where}: {addr!r} is not a host name or address this machine can resolve. Set "
+                        "MASTER_ADDR (or --launch.rdzv_endpoint) to the address of the node of rank 0") from None
+    if rank == "0":
+        for family, kind, proto, _, sockaddr in infos:
+            with socket.socket(family, kind, proto) as probe:
+                try:
+                    probe.bind((sockaddr[0], 0))
+                    return
+                except OSError:
+                    continue
+        raise RendezvousUnreachable(f"rank 0: {where}: {addr} is not an address of this machine, and rank 0 serves the "
+                        "rendezvous there. Set MASTER_ADDR (or --launch.rdzv_endpoint) to this node's address")
+    deadline, said = time.monotonic() + timeout_minutes * 60, False
+    while True:
+        try:
+            socket.create_connection((addr, int(port)), timeout=2).close()
+            return
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            raise RendezvousUnreachable(f"rank {rank}: nothing answers at {where} after {timeout_minutes:g} minutes "
+                            "(--launch.rdzv_timeout_minutes): start rank 0, or set MASTER_ADDR (or "
+                            "--launch.rdzv_endpoint) to the address of its node")
+        if not said:
+            log.warning("rank %s: waiting up to %g minutes for rank 0's rendezvous at %s", rank, timeout_minutes, where)
+            said = True
+        time.sleep(1)
+
+
 @contextlib.contextmanager
 def setup(cfg: RunConfig) -> Iterator[Runtime]:
     """Join the job for the length of a ``with`` block, and leave the process as it was found.
@@ -130,6 +186,8 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         # Before the process group: a first run builds DeepSpeed's CPU communication op there, and says so.
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
         restore_logging = setup_logging(rank == 0)
+        if "RANK" in os.environ and not torch.distributed.is_initialized():
+            wait_for_rendezvous(cfg.launch.rdzv_timeout_minutes)
         init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
                            timeout_minutes=cfg.launch.timeout_minutes)
         if cfg.strategy.backend == "deepspeed":

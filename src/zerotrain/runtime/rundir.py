@@ -12,6 +12,7 @@ from any working directory, after it was moved, and on another machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import errno
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -197,14 +198,15 @@ def write_metadata(run_dir: Path, recipe: str, hparams: dict[str, Any], ds_confi
 
     ``lock`` (rank 0's :class:`RunLock`) takes the folder first, so that nothing is rewritten under a
     run that another process still trains."""
-    create(str(run_dir.parent), run_dir.name)
-    if lock is not None:
-        lock.take(run_dir)
-    write_json(run_dir / "hparams.json", {"recipe": recipe, **({"task": task} if task else {}), **hparams})
-    if ds_config is not None:
-        write_json(run_dir / "ds_config.json", ds_config)
-    write_json(run_dir / "env.json", environment())
-    write_code_state(run_dir)
+    with writing("the run folder's records (hparams.json, env.json, ...)", run_dir.parent):
+        create(str(run_dir.parent), run_dir.name)
+        if lock is not None:
+            lock.take(run_dir)
+        write_json(run_dir / "hparams.json", {"recipe": recipe, **({"task": task} if task else {}), **hparams})
+        if ds_config is not None:
+            write_json(run_dir / "ds_config.json", ds_config)
+        write_json(run_dir / "env.json", environment())
+        write_code_state(run_dir)
     if tokenizer is not None:
         save_tokenizer(tokenizer, run_dir / TOKENIZER_DIR)
 
@@ -218,12 +220,24 @@ MODEL_CONFIG = "config.json"
 
 def save_tokenizer(tokenizer: Any, folder: Path) -> None:
     """``tokenizer.save_pretrained(folder)``, written beside and renamed into place: a crash leaves no half copy."""
-    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
-    remove_entry(staging)
-    with writing("the run's copy of its tokenizer", folder.parent):
+    with writing("the run's copy of its tokenizer", folder.parent), replaced(folder) as staging:
         tokenizer.save_pretrained(str(staging))
-    remove_entry(folder)
-    staging.rename(folder)
+
+
+@contextlib.contextmanager
+def replaced(folder: Path) -> Iterator[Path]:
+    """``with replaced(folder) as staging:`` write into ``staging`` (beside ``folder``); when the block ends
+    without error, ``staging`` takes ``folder``'s place (an older ``folder`` is removed first). When it fails,
+    ``staging`` is removed and ``folder`` is as it was: never half a folder under its final name."""
+    staging = folder.with_name(f".{folder.name}.partial-{os.getpid()}")
+    remove_entry(staging)  # a link there is removed itself, never followed
+    try:
+        staging.mkdir(parents=True)
+        yield staging
+        remove_entry(folder)
+        staging.rename(folder)
+    finally:
+        remove_entry(staging)  # gone already after the rename
 
 
 def write_model_config(task: Any, model_dir: Path) -> None:
@@ -325,8 +339,11 @@ def is_space_error(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
     text = str(exc)
-    return isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text
-                                              or "file write failed" in text)
+    # Writers in Rust or C++ report the OS error in their text: safetensors' SafetensorError says "... (os error 28)".
+    said = any(f"(os error {code})" in text for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)) \
+        or "No space left on device" in text
+    return said or isinstance(exc, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter" in text
+                                                      or "file write failed" in text)
 
 
 def space_error(what: str, folder: Path, needed: Optional[int] = None, keep: str = "") -> UserError:

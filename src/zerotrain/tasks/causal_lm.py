@@ -82,6 +82,8 @@ class CausalLMModelConfig(hf.ModelSection):
 
 @dataclass
 class CausalLMDataConfig:
+    resume_safe = frozenset({"cache_dir"})  # where the tokenised text is kept, not what it holds
+
     train_path: str = ""
     """Training data: a file, a glob, a folder of data files or a saved dataset (save_to_disk). Files: .txt (a
     document per line), .json/.jsonl, .csv/.tsv, .parquet (records), optionally .gz/.xz/.bz2. Text: documents in

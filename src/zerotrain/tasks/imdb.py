@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class SentimentModelConfig:
+    resume_safe = frozenset({"init_from_mlm"})  # read at the first start only: a resume loads its weights
+
     embed_dim: int = 256
     """Model width (token embedding and every encoder layer). Must be divisible by num_heads."""
     hidden_dim: int = 1024
@@ -82,6 +84,8 @@ class SentimentModelConfig:
 
 @dataclass
 class SentimentDataConfig:
+    resume_safe = frozenset({"cache_dir"})  # where the tokenised reviews are kept, not what they hold
+
     path: str = "stanfordnlp/imdb"
     """Hub dataset name, or a local folder (train/test as .jsonl.gz, .jsonl, .csv, .parquet, or an aclImdb tree) or file."""
     tokenizer: str = "roberta-base"

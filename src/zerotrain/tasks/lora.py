@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoRAModelConfig(hf.ModelSection):
+    resume_safe = frozenset({"merge_on_export"})  # what the export writes, not what is trained
+
     name_or_path: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
     """Base model: a local folder saved with save_pretrained, or a Hugging Face hub name (needs network or the HF cache)."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

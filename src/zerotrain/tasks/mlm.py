@@ -86,6 +86,8 @@ class MLMModelConfig:
 
 @dataclass
 class MLMDataConfig:
+    resume_safe = frozenset({"cache_dir"})  # where the packed blocks are kept, not what they hold
+
     train_path: str = "wikitext:wikitext-2-raw-v1"
     """Training text: a .txt/.txt.xz/.txt.gz/.raw/.jsonl/.jsonl.gz file, a folder of them, or a hub dataset name[:config]."""
     val_path: Optional[str] = None
@@ -110,8 +112,10 @@ class MLMDataConfig:
     def validate(self) -> None:
         if not self.train_path:
             raise ConfigError("--data.train_path", "is required")
-        for flag, value in (("--data.mask_prob", self.mask_prob),
-                            ("--data.random_replace_prob", self.random_replace_prob),
+        if not 0.0 < self.mask_prob <= 1.0:  # 0: no token is predicted, the loss is 0 and nothing is learnt
+            raise ConfigError("--data.mask_prob", f"must be in (0, 1] (the fraction of tokens the model learns to "
+                              f"predict, e.g. 0.15), got {self.mask_prob}")
+        for flag, value in (("--data.random_replace_prob", self.random_replace_prob),
                             ("--data.unmask_replace_prob", self.unmask_replace_prob)):
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(flag, f"must be in [0, 1], got {value}")

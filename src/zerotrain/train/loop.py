@@ -24,13 +24,14 @@ from torch.utils.data import DataLoader
 from zerotrain.checkpoint.manager import (
     Checkpointer,
     check_compatible,
-    check_same_model,
+    check_same_config,
     estimate_bytes,
+    keep_global_batch,
     preflight_space,
     shape_of,
 )
 from zerotrain.config import RunConfig, check_warmup
-from zerotrain.config.ds_config import batch_shape, check_nvme_io, reflect_ds_config
+from zerotrain.config.ds_config import REFLECTED, batch_shape, check_nvme_io, reflect_ds_config
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
 from zerotrain.data.streaming import Drawn, StreamedRows
@@ -178,8 +179,13 @@ def _train(run: Run) -> FitResult:
                 if logger.should_log(state.step):
                     results.update(logger.log(state))  # keeps the latest val_* next to the latest window
                 bar.update(1)
-                if profiler.step(state.step):
+                if profiler.step(state.step, run.total_steps):
                     meter.start()  # profiled steps run slower: they are not part of the throughput figures
+                if last:
+                    # The trained state first: whatever follows (validation, test, export, a signal) cannot lose it.
+                    if checkpointer.should_save(state.step, last_step=True):
+                        log.info("checkpoint: %s", checkpointer.save())
+                    checkpointer.save_if_preempted(rt.preemption)  # a stop signal now skips the evaluations
                 if tr.evaluate and evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
                     if run.splits.val is not None:
                         val = evaluator.run(run.splits.val, "val")
@@ -198,6 +204,7 @@ def _train(run: Run) -> FitResult:
         summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
     finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
         heap.close()  # first: it cannot fail, and the closings below may
+        profiler.close()  # a profiler left recording would crash the process at exit
         stream.close()
         bar.close()
         heartbeat.close()
@@ -217,7 +224,10 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
     run_dir, resume_from = rundir.prepare(tr.output_dir, tr.run_name, name, cfg.checkpoint.resume, rt.is_main,
                                           lock, cfg.checkpoint.verify)
     if resume_from is not None:  # before anything is built or hparams.json rewritten
-        run_on_main(lambda: check_same_model(resume_from, name, cfg))
+        unresolved = REFLECTED if cfg.strategy.deepspeed_config else frozenset()  # compared once the file is
+        run_on_main(lambda: check_same_config(resume_from, name, cfg, unresolved))
+        if (kept := keep_global_batch(resume_from, cfg, rt.world_size)) and rt.is_main:
+            log.info("%s", kept)
 
     check_nvme_io(cfg)  # before the data and the model: a missing op would otherwise end the run minutes later
     # Identical initial weights on every rank, then per-rank randomness (dropout).
@@ -262,6 +272,9 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
             reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
         if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
             check_compatible(resume_from, shape_of(engine, name))
+            changed = run_on_main(lambda: check_same_config(resume_from, name, cfg, ds_config=engine.ds_config))
+            if changed and rt.is_main:
+                log.info("resuming with changed settings that leave the training as it was: %s", ", ".join(changed))
         if cfg.checkpoint.save_final or cfg.checkpoint.every_steps:
             one_checkpoint = estimate_bytes(n_params, n_train, engine.precision, cfg.strategy.backend,
                                             optimizer_states(cfg.optimizer, engine.ds_config))
@@ -346,7 +359,8 @@ def _predicted_gpu_bytes(run: Run) -> Optional[float]:
 
 def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: Evaluator, tracker: Tracker,
             meter: ThroughputMeter, results: dict[str, Any], start_step: int) -> dict[str, Any]:
-    """Final checkpoint, test, export and summary.json."""
+    """Final checkpoint (when the loop had no last step to save at: a resumed run that had finished), test,
+    export and summary.json."""
     if checkpointer.should_save(state.step, last_step=True):
         log.info("checkpoint: %s", checkpointer.save())
     if run.splits.test is not None and run.cfg.trainer.evaluate:
@@ -359,9 +373,11 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
 
         def export() -> None:
             t0 = time.perf_counter()
-            with rundir.writing("the exported model", run.run_dir / "model"), HostPeak() as host:
-                run.task.export(run.engine.module, weights, run.run_dir / "model")
-                rundir.write_model_config(run.task, run.run_dir / "model")
+            # Written beside model/ and renamed into place: a full disk leaves no half-written model/.
+            with rundir.writing("the exported model", run.run_dir), HostPeak() as host, \
+                    rundir.replaced(run.run_dir / "model") as staging:
+                run.task.export(run.engine.module, weights, staging)
+                rundir.write_model_config(run.task, staging)
             results.update(export_s=time.perf_counter() - t0, export_host_rss_before_gib=host.before_gib,
                            export_host_rss_peak_gib=host.peak_gib)
             log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",

@@ -84,17 +84,19 @@ class TrainState:
         self.stream_offset = tuple(int(x) for x in state.get("stream_offset", ()))
         set_rng_state(state["rng"])
 
-    def load_resharded(self, states: list[dict[str, Any]], seed: int, rank: int) -> None:
+    def load_resharded(self, states: list[dict[str, Any]], seed: int, rank: int,
+                       examples_per_micro_step: tuple[int, int] = (1, 1)) -> None:
         """Restore from the train states of a checkpoint written by ``len(states)`` processes, on another count.
 
         Decisions (see also :func:`zerotrain.checkpoint.manager.check_compatible`, which admits such a resume):
 
-        * **Step and data position are exact.** A resume on another process count keeps
-          micro-batch x processes (and accumulation), so the sampler plans the same global batches
-          in the same order (:class:`~zerotrain.data.sampling.EpochBatches` cuts each global batch of
-          micro x world examples into one micro-batch per rank) and the position, counted in those
-          global micro-steps, means the same samples on every rank. Every saved rank holds the same
-          step, epoch and position; a disagreement is refused.
+        * **Step and data position are exact.** A resume on another process count keeps the global
+          batch, so the sampler plans the same optimizer steps in the same order
+          (:class:`~zerotrain.data.sampling.EpochBatches` plans steps, then cuts each into micro-steps
+          of micro x world examples, one micro-batch per rank). The position counts micro-steps:
+          ``examples_per_micro_step`` (the checkpoint's, this run's) converts it, exactly, since a
+          checkpoint is taken between optimizer steps. Every saved rank holds the same step, epoch and
+          position; a disagreement is refused.
         * **The open log window** continues with the mean of the saved ranks' sums, so the next
           logged loss (a mean over ranks) is the one an uninterrupted run logs.
         * **RNG is re-seeded**, not restored: per-rank generator states cannot be mapped onto
@@ -114,7 +116,13 @@ class TrainState:
         if len(set(where)) != 1:
             raise UserError(f"--checkpoint.resume: the checkpoint's ranks disagree on where training stands "
                             f"(step, epoch, micro-batches: {sorted(set(where))}). Pass an older checkpoint folder")
-        self.step, self.epoch, self.batches_in_epoch = where[0]
+        self.step, self.epoch, position = where[0]
+        before, now = examples_per_micro_step
+        if position * before % now:
+            raise UserError(f"--checkpoint.resume: the checkpoint stands {position} micro-steps of {before} examples "
+                            f"into its epoch, not a whole number of this run's micro-steps of {now}. Resume it with "
+                            "its own process count and micro-batch")
+        self.batches_in_epoch = position * before // now
         self.window_loss = sum(float(s["window_loss"]) for s in states) / len(states)
         self.window_steps = int(first["window_steps"])
         reseed(seed, self.step, rank)
