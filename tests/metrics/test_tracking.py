@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
-import resource
-import signal
 
 import pytest
 from helpers import file_size_limit
