@@ -216,13 +216,25 @@ def test_example_data_with_roberta_tokenizer(shared_data):
     assert all(max(e["input_ids"]) < 50265 and e["labels"][-1] == task.tokenizer.eos_token_id for e in examples)
 
 
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """A one-process gloo group for the test, destroyed after it, with the launcher variables it needs restored:
+    a group (or RANK) left behind would be the next in-process fit's."""
+    from zerotrain.runtime.distributed import free_port, init_process_group
+
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    init_process_group("gloo", use_deepspeed=False)
+    yield
+    torch.distributed.destroy_process_group()
+
+
 def _weighing_setup(workdir, tok):
-    """A one-process gloo group, the LoRA task, its model and a plain engine, and two micro-batches with
+    """The LoRA task, its model and a plain engine (in the test's group of one), and two micro-batches with
     different target counts (1 and 5 examples)."""
-    from zerotrain.runtime.distributed import init_process_group
     from zerotrain.engines.plain import TorchEngine
 
-    init_process_group("gloo", use_deepspeed=False)
     task = make_task(workdir, tok)
     torch.manual_seed(0)
     model = task.build_model().eval()
@@ -232,6 +244,7 @@ def _weighing_setup(workdir, tok):
     return task, model, engine, small, large
 
 
+@pytest.mark.usefixtures("group_of_one")
 def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenizer_dir):
     """Two micro-batches with different target counts: the weighted losses add up to the one-batch loss."""
     task, model, engine, small, large = _weighing_setup(workdir, tiny_tokenizer_dir)
@@ -251,6 +264,7 @@ def test_accumulated_loss_weights_every_target_token_once(workdir, tiny_tokenize
     assert combined != pytest.approx(sum(means) / 2, rel=1e-3)  # the plain mean of means differs
 
 
+@pytest.mark.usefixtures("group_of_one")
 def test_across_ranks_the_loss_factors_stay_on_the_device_and_match_the_host_formula(workdir, tiny_tokenizer_dir):
     """With several ranks the factors are tensors (no read of the summed weight), equal bitwise to the
     float32 rounding of the host formula, and the weighted loss is bitwise the same."""

@@ -352,3 +352,36 @@ def test_the_training_workers_start_before_the_model_and_engine_exist(tmp_path, 
     with pytest.raises(RuntimeError, match="tracker") as held:  # the traceback, and its frames, still held here
         fit(ToyTask(cfg("failing", 2)))
     assert held.value and len(psutil.Process().children()) == before
+
+
+def test_a_fit_that_fails_in_a_callers_group_leaves_the_next_fit_a_working_deepspeed(tmp_path, monkeypatch):
+    """main() in a process group the caller made: a DeepSpeed fit that stops with an error (the CLI then ends the
+    group, as after every error), then a fit in a group of its own. DeepSpeed's cached groups must go with the
+    ended group, or the second fit's model broadcast finds a group torch no longer knows."""
+    import torch.distributed as dist
+
+    from zerotrain.cli import main
+    from zerotrain.errors import DIVERGED_EXIT
+    from zerotrain.runtime.distributed import free_port
+
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", world_size=1, rank=0)
+    try:
+        # Adam steps of 1e30 overflow the toy's loss at once: the run stops as diverged after its engine was built.
+        code = main(["fit", "toy", "--trainer.device", "cpu", "--trainer.num_workers", "0", "--trainer.max_steps", "6",
+                     "--trainer.log_every_steps", "1", "--optimizer.lr", "1e30", "--logging.progress_bar", "false",
+                     "--logging.tensorboard", "false", "--checkpoint.save_final", "false", "--trainer.export", "false",
+                     "--trainer.output_dir", str(tmp_path)])
+        assert code == DIVERGED_EXIT
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key)
+    cfg = toy_config(tmp_path, "after-the-failed-one", zero_stage=1)
+    cfg.trainer.max_steps = 2
+    assert fit(ToyTask(cfg)).final_step == 2

@@ -122,10 +122,17 @@ def _rank() -> int:
 
 
 def _end_process_group() -> None:
-    """Destroy the process group on the way out, so NCCL/Gloo add no warnings after the error line."""
+    """Destroy the process group on the way out, so NCCL/Gloo add no warnings after the error line.
+
+    DeepSpeed's cached groups go with it (see ``destroy_process_groups``): ``main`` called in-process, in a
+    group the fit did not make, is followed by other fits in the same process.
+    """
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            # Deferred: torch is loaded by now, and the CLI's start (--help, a mistyped subcommand) goes without it.
+            from zerotrain.engines.ds_private.groups import destroy_process_groups
+
+            destroy_process_groups()
     except Exception:
         pass

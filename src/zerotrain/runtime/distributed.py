@@ -24,7 +24,7 @@ import torch
 
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, resolve_precision
-from zerotrain.engines.ds_private.groups import groups_time_out_after
+from zerotrain.engines.ds_private.groups import destroy_process_groups, groups_time_out_after
 from zerotrain.errors import UserError
 from zerotrain.metrics.tracking import setup_logging
 from zerotrain.runtime.doctor import prepare_ops
@@ -213,7 +213,7 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         if owns_group and torch.distributed.is_initialized():
             if finished and torch.distributed.get_world_size() > 1:
                 torch.distributed.barrier()  # nobody tears down while another rank still talks
-            _destroy_process_group()
+            destroy_process_groups()  # DeepSpeed's cached groups too: a later fit here makes its own
         if undo_group_timeout is not None:
             undo_group_timeout()
         torch.set_float32_matmul_precision(saved_matmul_precision)
@@ -285,16 +285,6 @@ def _set_death_signal(value: Optional[int]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
-
-
-def _destroy_process_group() -> None:
-    ds_comm = sys.modules.get("deepspeed.comm.comm")  # where DeepSpeed keeps its backend (cdb)
-    if ds_comm is not None and getattr(ds_comm, "cdb", None) is not None:
-        # DeepSpeed caches its process groups in module globals; its own teardown drops them too,
-        # so a later fit in this process starts from a clean slate.
-        ds_comm.destroy_process_group()
-    else:
-        torch.distributed.destroy_process_group()
 
 
 def _device_type(requested: str) -> str:

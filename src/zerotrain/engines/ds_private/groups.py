@@ -1,4 +1,4 @@
-"""DeepSpeed's own process groups with the job's collective timeout.
+"""DeepSpeed's own process groups: the job's collective timeout on them, and their end with the job's group.
 
 DeepSpeed builds the groups ZeRO reduces and gathers in (data-parallel, sequence-parallel, expert groups)
 through its communication backend, whose ``new_group(ranks)`` calls ``torch.distributed.new_group(ranks)``
@@ -7,11 +7,16 @@ with no timeout. Those groups then take torch's default (30 minutes for Gloo, 10
 one-minute timeout. Verified on DeepSpeed 0.16.0-0.19.8 (``deepspeed/comm/torch.py``, ``TorchBackend.new_group``).
 Upstream, a ``timeout`` passed through ``deepspeed.comm.new_group`` (or groups inheriting the world group's)
 would make this unnecessary.
+
+DeepSpeed also keeps the groups it made (its copy of the world group, ZeRO's data-parallel group, expert and
+sequence-parallel groups) in module globals of ``deepspeed.utils.groups``, for the life of the process.
+:func:`destroy_process_groups` ends torch's groups so that those references go with them.
 """
 
 from __future__ import annotations
 
 import datetime
+import sys
 from typing import Callable
 
 import torch
@@ -40,3 +45,20 @@ def groups_time_out_after(minutes: float) -> Callable[[], None]:
         backend.__dict__.pop("new_group", None)
 
     return undo
+
+
+def destroy_process_groups() -> None:
+    """Destroy this process's torch.distributed groups, and DeepSpeed's references to them with them.
+
+    ``torch.distributed.destroy_process_group`` alone leaves DeepSpeed's cached groups pointing at groups torch
+    no longer knows, and the next ``deepspeed.initialize`` in this process (an in-process fit after a failed one,
+    under the Python API or a test run) fails to broadcast the model: ``ValueError: Group ... is not
+    registered``. ``deepspeed.comm.destroy_process_group`` destroys the world and drops those references
+    (DeepSpeed 0.19.8 and later). Without DeepSpeed's backend (DeepSpeed not imported, or never initialised in
+    this process) no DeepSpeed group exists and torch's own call does it; DeepSpeed is not imported for it.
+    """
+    comm = sys.modules.get("deepspeed.comm.comm")  # where DeepSpeed keeps its backend (cdb)
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        comm.destroy_process_group()
+    else:
+        torch.distributed.destroy_process_group()
