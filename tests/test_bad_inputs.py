@@ -166,7 +166,9 @@ CASES = [
     # ---- data ----
     Case("mlm-missing-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/nope.txt --data.tokenizer {tok}"),
     Case("mlm-empty-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/empty.txt --data.tokenizer {tok}"),
-    Case("mlm-folder-not-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/cfgonly --data.tokenizer {tok}"),
+    Case("mlm-folder-not-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/notes --data.tokenizer {tok}"),
+    Case("mlm-csv-missing-field", "data",
+         "fit mlm $FIT $MLM --data.train_path {tmp}/mlm_nofield.csv --data.tokenizer {tok}"),
     Case("imdb-missing-folder", "data", "fit imdb $FIT $IMDB --data.path {tmp}/nope"),
     Case("imdb-gz-not-gzip", "data", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_notgz"),
     Case("imdb-binary-garbage", "data", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_garbage"),
@@ -205,6 +207,11 @@ CASES = [
     Case("classify-val-label-unknown", "data",
          "fit classify $FIT $CLS --data.train_path {tmp}/cls.jsonl --data.val_path {tmp}/cls_other.jsonl"),
     Case("classify-empty-file", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_empty.jsonl"),
+    Case("classify-csv-missing-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_nolabel.csv"),
+    Case("classify-csv-bad-label", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_badlabel.csv"),
+    Case("classify-csv-header-only", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_header.csv"),
+    Case("classify-line-not-object", "data", "fit classify $FIT $CLS --data.train_path {tmp}/cls_list.jsonl"),
+    Case("classify-text-file", "data", "fit classify $FIT $CLS --data.train_path {tmp}/train.txt"),
     Case("too-few-examples", "data", "fit toy $FIT --data.num_examples 4"),
     # ---- tokenizer ----
     Case("tokenizer-missing-folder", "tokenizer",
@@ -349,6 +356,13 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     (tmp / "cls_oneclass.jsonl").write_text(lines([{"text": "good", "label": "pos"}] * 2))
     (tmp / "cls_other.jsonl").write_text(lines([{"text": "fine", "label": "neutral"}]))
     (tmp / "cls_empty.jsonl").write_text("")
+    (tmp / "cls_nolabel.csv").write_text("text,label\ngood,pos\nbad,\n")
+    (tmp / "cls_badlabel.csv").write_text("text,label\ngood,1\nbad,-1\n")
+    (tmp / "cls_header.csv").write_text("text,label\n")
+    (tmp / "cls_list.jsonl").write_text(lines([{"text": "good", "label": "pos"}, ["bad", "neg"]]))
+    (tmp / "mlm_nofield.csv").write_text("body\nthe movie was good\n")
+    (tmp / "notes").mkdir()
+    (tmp / "notes" / "README.md").write_text("notes, no data\n")
     # A finished toy run (checkpoint at step 1) and a run folder without checkpoints.
     from zerotrain.train.loop import fit
     from zerotrain.tasks.toy import ToyConfig, ToyTask

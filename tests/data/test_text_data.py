@@ -7,7 +7,7 @@ import lzma
 import pytest
 import torch
 
-from zerotrain.data import text as text_mod
+from zerotrain.data import source
 from zerotrain.data.text import load_packed, read_text_lines, tokenize_and_pack
 from zerotrain.errors import DataError, UserError
 from zerotrain.data.tokenizer import load_tokenizer
@@ -90,12 +90,12 @@ def test_cache_is_reused_without_tokenizing(tmp_path, tok, monkeypatch):
     path = tmp_path / "train.txt"
     path.write_text("\n".join(["the movie was great and i loved it"] * 20) + "\n")
     first = load_packed(str(path), tok, 8, cache_dir=str(tmp_path / "cache"))
-    assert list((tmp_path / "cache").glob("*.npy"))
+    assert list((tmp_path / "cache").glob("mlm-*.arrow"))
 
     def boom(*args, **kwargs):
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(text_mod, "read_text_lines", boom)
+    monkeypatch.setattr(source.Source, "load", boom)  # the files are not even read
     monkeypatch.setattr(type(tok), "__call__", boom)
     again = load_packed(str(path), tok, 8, cache_dir=str(tmp_path / "cache"))
     assert torch.equal(first, again)

@@ -47,6 +47,7 @@ def config(tmp_path: Path, tok: Path, model: str = "roberta", run_name: str = "r
     cfg = ClassifyConfig()
     cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / f"{model}.json"), str(tok)
     cfg.data.train_path, cfg.data.val_path, cfg.data.max_length = str(tmp_path / "train.jsonl"), None, 32
+    cfg.data.cache_dir = str(tmp_path / "cache")
     cfg.trainer.micro_batch_size, cfg.trainer.max_steps, cfg.trainer.log_every_steps = 4, steps, 1
     cfg.trainer.num_workers, cfg.trainer.output_dir, cfg.trainer.run_name = 0, str(tmp_path), run_name
     cfg.logging.progress_bar, cfg.logging.tensorboard = False, False
@@ -57,7 +58,107 @@ def config(tmp_path: Path, tok: Path, model: str = "roberta", run_name: str = "r
     return cfg
 
 
+FORMS = ["train.csv", "train.tsv", "train.parquet", "saved", "parts", "parts/*.jsonl"]
 
+
+def _write_form(tmp_path: Path, form: str, rows: list[dict]) -> None:
+    """The records as CSV, TSV, Parquet, a saved dataset or a folder of two JSON-lines files."""
+    import csv
+
+    import datasets
+
+    if form.endswith((".csv", ".tsv")):
+        with open(tmp_path / form, "w", newline="") as f:
+            writer = csv.writer(f, delimiter="," if form.endswith(".csv") else "\t")
+            writer.writerow(["text", "label"])
+            writer.writerows([r["text"], r["label"]] for r in rows)
+    elif form.endswith(".parquet"):
+        pa = pytest.importorskip("pyarrow", reason="Parquet files are read through pyarrow, which is not installed")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / form)
+    elif form == "saved":
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    else:
+        (tmp_path / "parts").mkdir()
+        for i, part in enumerate((rows[:15], rows[15:])):
+            (tmp_path / "parts" / f"{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+
+
+def _examples(cfg: ClassifyConfig) -> list[tuple[list[int], int]]:
+    train = ClassifyTask(cfg).build_datasets().train
+    return [(list(train[i]["input_ids"]), int(train[i]["labels"])) for i in range(len(train))]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_csv_tsv_parquet_a_saved_dataset_and_a_folder_give_the_jsonl_examples(files, form):
+    tmp_path, tok = files
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    want = _examples(config(tmp_path, tok))
+    assert len(want) == 40 and {y for _, y in want} == {0, 1}
+    _write_form(tmp_path, form, rows)
+    cfg = config(tmp_path, tok)
+    cfg.data.train_path = str(tmp_path / form)
+    assert _examples(cfg) == want
+    assert cfg.data.label_names == ["negative", "positive"]
+
+
+def test_a_second_build_reads_the_cached_tokens(files, monkeypatch):
+    tmp_path, tok = files
+    cfg = config(tmp_path, tok)
+    cfg.data.val_path = str(tmp_path / "val.jsonl")
+    first = ClassifyTask(cfg).build_datasets()
+    assert len(list((tmp_path / "cache").glob("classify-*.arrow"))) == 2
+
+    def boom(*args, **kwargs):
+        raise AssertionError("tokenized again: the cache was not used")
+
+    task = ClassifyTask(config(tmp_path, tok))
+    task.cfg.data.val_path = str(tmp_path / "val.jsonl")
+    monkeypatch.setattr(type(task.tokenizer), "__call__", boom)
+    again = task.build_datasets()
+    for a, b in ((first.train, again.train), (first.val, again.val)):
+        assert [a[i] for i in range(len(a))] == [b[i] for i in range(len(b))]
+    monkeypatch.undo()
+    task = ClassifyTask(config(tmp_path, tok))
+    task.cfg.data.max_length = 8  # another setting: another key, tokenized anew
+    assert max(len(x["input_ids"]) for x in task.build_datasets().train) == 8
+
+
+@pytest.mark.parametrize("body, where, message", [
+    ("text,label\ngood,pos\nbad,\n", ":3", "missing field 'label' \\(keys: \\['text'\\]\\). Rename the field or set "
+                                          "--data.label_field"),
+    ("text,label\ngood,pos\n,neg\n", ":3", "missing field 'text' \\(keys: \\['label'\\]\\)"),
+    ("text,label\ngood,pos\n\nbad,-1\n", ":4", "label -1 must be a class name or an integer >= 0 \\(--data.label_field\\)"),
+    ("text,label\n", "", "no records"),
+])
+def test_a_bad_csv_row_is_named_by_its_line(files, body, where, message):
+    tmp_path, tok = files
+    (tmp_path / "bad.csv").write_text(body)
+    cfg = config(tmp_path, tok)
+    cfg.data.train_path = str(tmp_path / "bad.csv")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'bad.csv'}{where}: {message}"):
+        ClassifyTask(cfg).build_datasets()
+
+
+def test_csv_cells_are_text_digits_are_class_ids(files):
+    """As Python's csv module reads them: "NA" is a text, digits are integer labels, an id past the classes fails."""
+    tmp_path, tok = files
+    (tmp_path / "ids.csv").write_text("text,label\nNA,1\ngood,0\nbad,2\n")
+    cfg = config(tmp_path, tok)
+    cfg.data.train_path = str(tmp_path / "ids.csv")
+    task = ClassifyTask(cfg)
+    assert task.label_names() == ["0", "1", "2"]
+    assert [task.build_datasets().train[i]["labels"] for i in range(3)] == [1, 0, 2]
+
+
+def test_a_text_file_has_no_labels(files):
+    tmp_path, tok = files
+    (tmp_path / "plain.txt").write_text("the movie was good\n")
+    cfg = config(tmp_path, tok)
+    cfg.data.train_path = str(tmp_path / "plain.txt")
+    with pytest.raises(DataError, match="text files hold no labels"):
+        ClassifyTask(cfg).build_datasets()
 
 
 @pytest.mark.parametrize("model", [pytest.param(m, marks=() if m == "roberta" else pytest.mark.slow)

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from zerotrain.config import TrainerConfig
-from zerotrain.errors import ConfigError
+from zerotrain.errors import ConfigError, DataError
 from zerotrain.tasks.mlm import MLMConfig, MLMDataConfig, MLMModelConfig, MLMTask
 
 TEXT = "the movie was great and i loved the plot but the acting was bad\nit was a very boring film\n\nthis story is fun\n"
@@ -158,3 +160,62 @@ def test_the_stream_tells_the_dataset_its_epoch_and_a_resumed_stream_masks_alike
     assert not torch.equal(full[0], full[per_epoch]), "epoch 1 reads block 0 again, with a fresh mask"
     in_process, _ = stream(0, 0, 2 * per_epoch + 2, workers=0)
     assert all(torch.equal(a, b) for a, b in zip(full, in_process, strict=True))
+
+
+@pytest.mark.parametrize("form", ["train.jsonl", "train.csv", "train.parquet", "saved", "parts", "parts/*.txt"])
+def test_records_a_saved_dataset_and_a_folder_give_the_text_files_blocks(task, tmp_path, form):
+    """The training text as records of every format (blank lines as empty texts), a saved dataset and a folder of
+    two text files: the same packed blocks as the .txt file."""
+    import csv
+
+    import datasets
+
+    want = task.build_datasets().train.blocks
+    lines = (TEXT * 20).split("\n")[:-1]
+    if form == "train.jsonl":
+        (tmp_path / form).write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(lines)))
+    elif form == "train.csv":
+        with open(tmp_path / form, "w", newline="") as f:
+            csv.writer(f).writerows([["id", "text"]] + [[i, t or " "] for i, t in enumerate(lines)])
+    elif form == "train.parquet":
+        pa = pytest.importorskip("pyarrow", reason="Parquet files are read through pyarrow, which is not installed")
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": lines}), tmp_path / form)
+    elif form == "saved":
+        datasets.Dataset.from_dict({"text": lines}).save_to_disk(str(tmp_path / form))
+    else:
+        (tmp_path / "parts").mkdir()
+        (tmp_path / "parts" / "a.txt").write_text("\n".join(lines[:9]) + "\n")
+        (tmp_path / "parts" / "b.txt").write_text("\n".join(lines[9:]) + "\n")
+    task.cfg.data.train_path = str(tmp_path / form)
+    assert torch.equal(MLMTask(task.cfg).build_datasets().train.blocks, want)
+
+
+def test_a_second_build_reads_the_cached_tokens_without_reading_the_files(task, monkeypatch):
+    from zerotrain.data import source
+
+    first = task.build_datasets()
+    cache = Path(task.cfg.data.cache_dir)
+    assert len(list(cache.glob("mlm-*.arrow"))) == 2  # train and validation
+
+    def boom(*args, **kwargs):
+        raise AssertionError("read or tokenized again: the cache was not used")
+
+    again = MLMTask(task.cfg)
+    tok = again.tokenizer  # loaded (and its encoding checked) before tokenizing is forbidden
+    monkeypatch.setattr(source.Source, "load", boom)
+    monkeypatch.setattr(type(tok), "__call__", boom)
+    splits = again.build_datasets()
+    assert torch.equal(splits.train.blocks, first.train.blocks) and torch.equal(splits.val.blocks, first.val.blocks)
+    monkeypatch.undo()
+    task.cfg.model.max_seq_length = 8  # packing runs on the cached tokens: another block length, same cache
+    assert MLMTask(task.cfg).build_datasets().train.blocks.shape[1] == 8
+    assert len(list(cache.glob("mlm-*.arrow"))) == 2
+
+
+def test_a_csv_without_the_text_field_names_its_line(task, tmp_path):
+    (tmp_path / "bad.csv").write_text("body\nthe movie\n")
+    task.cfg.data.train_path = str(tmp_path / "bad.csv")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'bad.csv'}:2: missing field 'text' .* set --data.text_field"):
+        MLMTask(task.cfg).build_datasets()

@@ -1,77 +1,95 @@
-"""Text + label records for sequence classification: read, check, map label names to ids.
+"""Text + label records for sequence classification: check them, map label names to ids.
 
-A record holds a text field and a label field (``--data.text_field``, ``--data.label_field``): JSON lines
-(``.jsonl``, gzip/xz allowed), a JSON list (``.json``), CSV with a header, or Parquet. A label is an integer
-class id or a class name; names get ids in sorted order, unless ``--data.label_names`` fixes the order. Every
-error is one line naming the file, the line (or row) and the flag to set.
+Records come through :mod:`zerotrain.data.source` (JSON lines, a JSON list, CSV/TSV with a header, Parquet, or a
+saved dataset; a file, a glob or a folder): each holds a text field and a label field (``--data.text_field``,
+``--data.label_field``). A label is an integer class id or a class name; names get ids in sorted order, unless
+``--data.label_names`` fixes the order. Every error is one line naming the row as its format counts it
+(:meth:`Source.where`) and the flag to set.
+
+The checks run on the columns (Arrow) to find the first faulty row, then that row alone is looked at in Python, so
+a large file costs one pass over its label column, and the message is the one a record-by-record reader would give
+for the first bad record.
 """
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from zerotrain.data.io import open_text, read_json, read_jsonl
+from zerotrain.data import source
 from zerotrain.errors import DataError
 
 
-def _rows(path: Path) -> list[tuple[str, Any]]:
-    name = path.name.lower()
-    if name.endswith(".parquet"):
-        import pyarrow.parquet as pq
+def normalise_label(label: Any) -> Any:
+    """A label as the classes are counted: digit strings (CSV cells of a mixed column) become ints."""
+    if isinstance(label, str) and label.strip().lstrip("-").isdigit():
+        return int(label)
+    return label
 
-        try:
-            table = pq.read_table(path)
-        except Exception as exc:  # pyarrow's own error kinds for a damaged file
-            raise DataError(f"{path}: not a readable Parquet file ({type(exc).__name__})") from None
-        return [(f"{path}: row {i + 1}", r) for i, r in enumerate(table.to_pylist())]
-    for compression in (".gz", ".xz", ".bz2"):
-        name = name.removesuffix(compression)
-    if name.endswith((".jsonl", ".ndjson")):
-        return [(f"{path}:{line}", r) for line, r in read_jsonl(path)]
-    if name.endswith(".json"):
-        data = read_json(path, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
-        if not isinstance(data, list):
-            raise DataError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
-        return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
-    if name.endswith(".csv"):
-        with open_text(path) as f:
-            reader = csv.DictReader(f)
-            try:
-                return [(f"{path}:{reader.line_num}", row) for row in reader]
-            except csv.Error as exc:
-                raise DataError(f"{path}:{reader.line_num}: not valid CSV ({exc})") from None
-    raise DataError(f"{path}: unknown format; use .jsonl, .jsonl.gz, .json, .csv or .parquet")
+
+def _label_ok(label: Any) -> bool:
+    label = normalise_label(label)
+    if label is None or label == "":
+        return False
+    return not (isinstance(label, bool) or not isinstance(label, (int, str)) or (isinstance(label, int) and label < 0))
+
+
+def check_record(where: str, record: Any, text_field: str, label_field: str) -> tuple[str, Any]:
+    """(text, label) of one record, or the one-line :class:`DataError` for it, prefixed with ``where``."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected an object, got {type(record).__name__}")
+    keys = sorted(k for k, v in record.items() if v is not None)
+    for field_name, flag in ((text_field, "--data.text_field"), (label_field, "--data.label_field")):
+        if record.get(field_name) in (None, ""):
+            raise DataError(f"{where}: missing field {field_name!r} (keys: {keys}). Rename the field or set {flag}")
+    text, label = record[text_field], normalise_label(record[label_field])
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field {text_field!r} must be a string, got {type(text).__name__}")
+    if not _label_ok(label):
+        raise DataError(f"{where}: label {label!r} must be a class name or an integer >= 0 (--data.label_field)")
+    return text, label
+
+
+def checked_labels(src: source.Source, dataset: Any, text_field: str = "text", label_field: str = "label") -> list:
+    """The labels of ``dataset`` (rows of ``src``), every row checked: a text and a label present, the text a
+    string, the label a class name or an integer >= 0. The first faulty row is one error naming it."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    columns = dataset.column_names
+    src.require_columns(columns, {text_field: "--data.text_field", label_field: "--data.label_field"})
+    texts = dataset.with_format("arrow")[text_field]
+    if pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type):
+        first_text = pc.index(pc.fill_null(pc.equal(texts, ""), True), True).as_py()  # null or empty: missing
+    else:
+        first_text = 0 if len(texts) else -1  # a column of one type: no row holds a string
+    labels = dataset[label_field]
+    first_label = next((i for i, label in enumerate(labels) if not _label_ok(label)), -1)
+    bad = [i for i in (first_text, first_label) if i >= 0]
+    if bad:
+        row = min(bad)
+        check_record(src.where(row), dataset[row], text_field, label_field)
+    return [normalise_label(label) for label in labels]
 
 
 def read_labelled(path: str | Path, text_field: str = "text", label_field: str = "label",
-                  max_records: Optional[int] = None) -> tuple[list[str], list[Any]]:
-    """(texts, raw labels) of a file; labels are ints or strings as the file has them (CSV digits become ints)."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found. Check --data.train_path / --data.val_path")
-    rows = _rows(path)
-    if not rows:
-        raise DataError(f"{path}: no records (the file is empty)")
-    texts, labels = [], []
-    for where, record in rows[:max_records] if max_records else rows:
-        if not isinstance(record, dict):
-            raise DataError(f"{where}: expected an object, got {type(record).__name__}")
-        for field_name, flag in ((text_field, "--data.text_field"), (label_field, "--data.label_field")):
-            if record.get(field_name) in (None, ""):
-                raise DataError(f"{where}: missing field {field_name!r} (keys: {sorted(record)}). "
-                                f"Rename the field or set {flag}")
-        text, label = record[text_field], record[label_field]
-        if not isinstance(text, str):
-            raise DataError(f"{where}: field {text_field!r} must be a string, got {type(text).__name__}")
-        if isinstance(label, str) and label.strip().lstrip("-").isdigit():
-            label = int(label)  # CSV cells are strings
-        if isinstance(label, bool) or not isinstance(label, (int, str)) or (isinstance(label, int) and label < 0):
-            raise DataError(f"{where}: label {label!r} must be a class name or an integer >= 0 (--data.label_field)")
-        texts.append(text)
-        labels.append(label)
-    return texts, labels
+                  max_records: Optional[int] = None, flag: str = "--data.train_path",
+                  cache_dir: Optional[str] = None) -> tuple[list[str], list[Any]]:
+    """(texts, labels) of a split (any form :func:`zerotrain.data.source.resolve` reads); labels are ints or
+    strings as the data has them (digit strings become ints)."""
+    src = source.resolve(str(path), flag)
+    if src.builder == "text":
+        raise no_labels_in_text(src)
+    dataset = src.load(cache_dir)
+    if max_records:
+        dataset = dataset.select(range(min(max_records, len(dataset))))
+    labels = checked_labels(src, dataset, text_field, label_field)
+    return dataset[text_field], labels
+
+
+def no_labels_in_text(src: source.Source) -> DataError:
+    return DataError(f"{src.flag}: {src.path}: text files hold no labels; pass records with a text and a label "
+                     "field (.jsonl, .json, .csv, .tsv, .parquet) or a saved dataset")
 
 
 def label_names(labels: Sequence[Any], given: Optional[Sequence[str]] = None) -> list[str]:

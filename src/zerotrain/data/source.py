@@ -103,16 +103,16 @@ class Source:
                                 "data files themselves")
             return self._load_saved()
         builder_cache = None if cache_dir is None else str(Path(cache_dir).expanduser() / "datasets")
-        kwargs = dict(self._builder_options(), cache_dir=builder_cache)
         with _quiet_datasets():
             if streaming:
                 return datasets.load_dataset(self.builder, data_files=[str(f) for f in self.files], split="train",
-                                             streaming=True, **kwargs)
+                                             streaming=True, cache_dir=builder_cache, **self._builder_options())
             parts, self.rows_per_file = [], []
             for file in self.files:
                 self._check_not_empty(file)
                 try:
-                    part = datasets.load_dataset(self.builder, data_files=[str(file)], split="train", **kwargs)
+                    part = datasets.load_dataset(self.builder, data_files=[str(file)], split="train",
+                                                 cache_dir=builder_cache, **self._builder_options(file))
                 except Exception as exc:  # the builders raise pyarrow/pandas/json errors wrapped in their own
                     raise self._read_error(file, exc) from None
                 if len(part) == 0:
@@ -121,10 +121,20 @@ class Source:
                 self.rows_per_file.append(len(part))
             return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
-    def _builder_options(self) -> dict[str, Any]:
-        if self.builder == "csv" and self.files and _plain_suffix(self.files[0]) == ".tsv":
-            return {"sep": "\t"}
-        return {}
+    def _builder_options(self, file: Optional[Path] = None) -> dict[str, Any]:
+        """CSV/TSV: every cell a string as written (an empty cell missing), as Python's csv module reads it, so a
+        column's type does not depend on what pandas guesses from a chunk, and "NA" or "1" stay text."""
+        if self.builder != "csv" or not self.files:
+            return {}
+        file = file or self.files[0]
+        sep = "\t" if _plain_suffix(file) == ".tsv" else ","
+        options: dict[str, Any] = {"sep": sep, "keep_default_na": False, "na_values": [""]}
+        header = _csv_header(file, sep)
+        if header and len(set(header)) == len(header):
+            import datasets
+
+            options["features"] = datasets.Features({name: datasets.Value("string") for name in header})
+        return options
 
     def _load_saved(self):
         import datasets
@@ -155,14 +165,16 @@ class Source:
         suffix = _plain_suffix(file)
         try:
             if suffix in (".jsonl", ".ndjson"):
-                for _ in read_jsonl(file):
-                    pass
+                for line, value in read_jsonl(file):
+                    if not isinstance(value, dict):
+                        raise DataError(f"{file}:{line}: expected a JSON object, got {type(value).__name__}. "
+                                        "Each line must hold one record")
             elif suffix == ".json":
                 from zerotrain.data.io import read_json
 
                 read_json(file, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
             elif self.builder == "csv":
-                _scan_csv(file, self._builder_options().get("sep", ","))
+                _scan_csv(file, self._builder_options(file)["sep"])
             elif self.builder == "text":
                 for _ in read_lines(file):
                     pass
@@ -197,7 +209,7 @@ class Source:
                         return f"{file}:{line}"
         if self.builder == "csv":
             with open_text(file) as f:
-                reader = csv.reader(f, delimiter=self._builder_options().get("sep", ","))
+                reader = csv.reader(f, delimiter=self._builder_options(file)["sep"])
                 next(reader, None)  # the header
                 data_rows = (r for r in reader if r)  # blank lines are no rows, for pandas as for csv.DictReader
                 for i, _ in enumerate(data_rows):
@@ -225,14 +237,25 @@ class Source:
                                 f"Rename the field or set {flag}")
 
 
+def _csv_header(file: Path, sep: str) -> list[str]:
+    try:
+        with open_text(file) as f:
+            return next(csv.reader(f, delimiter=sep), [])
+    except (csv.Error, DataError):
+        return []  # the read that follows names the fault
+
+
 def _scan_csv(file: Path, sep: str) -> None:
+    rows = 0
     with open_text(file) as f:
         reader = csv.reader(f, delimiter=sep)
         try:
-            for _ in reader:
-                pass
+            for row in reader:
+                rows += bool(row)
         except csv.Error as exc:
             raise DataError(f"{file}:{reader.line_num}: not valid CSV ({exc})") from None
+    if rows <= 1:
+        raise DataError(f"{file}: no records (the file holds a header line only)")
 
 
 def resolve(path: str, flag: str, saved_ok: bool = True) -> Source:

@@ -6,8 +6,11 @@ Design decisions:
 * The classes come from the training file (integer ids, or names in sorted order) or ``--data.label_names``;
   the mapping is set on the model's config (``id2label``, ``label2id``, ``num_labels``) before the model is
   built, so a pretrained encoder gets a fresh head of the right size, and the exported folder carries it.
-* Texts are tokenised once (with the tokenizer's special tokens), truncated to ``--data.max_length``, and
-  padded per batch; ``--data.bucket_by_length`` groups similar lengths.
+* Records come through :mod:`zerotrain.data.source` (a file, glob, folder or saved dataset of JSON lines, JSON,
+  CSV/TSV or Parquet). Texts are tokenised once (with the tokenizer's special tokens), truncated to
+  ``--data.max_length``, by ``Dataset.map`` into ``--data.cache_dir`` under a fingerprint of the files, the
+  tokenizer, the fields, the classes and the length, so a later run (or another rank) reads the tokens back.
+  Batches are padded per batch; ``--data.bucket_by_length`` groups similar lengths.
 * FLOPs per token are reported per batch at its padded length (weights + attention, see
   :func:`zerotrain.models.hf.transformer_flops_per_token`).
 * Export writes a Hugging Face folder (config with the label mapping, weights, tokenizer) that
@@ -27,7 +30,8 @@ from torch import nn
 
 from zerotrain.config import RunConfig
 from zerotrain.data.collate import PadCollator
-from zerotrain.data.labelled import label_ids, label_names, read_labelled
+from zerotrain.data import source
+from zerotrain.data.labelled import checked_labels, label_ids, label_names, no_labels_in_text
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError
 from zerotrain.models import hf
@@ -45,9 +49,11 @@ class ClassifyModelConfig(hf.ModelSection):
 @dataclass
 class ClassifyDataConfig:
     train_path: str = ""
-    """Training records: .jsonl/.jsonl.gz/.json/.csv/.parquet with a text and a label field (IMDB's train.jsonl.gz)."""
+    """Training records with a text and a label field: a file, a glob, a folder of data files or a saved dataset
+    (save_to_disk). Files: .jsonl/.json, .csv/.tsv (with a header), .parquet, optionally .gz/.xz/.bz2 (IMDB's
+    train.jsonl.gz)."""
     val_path: Optional[str] = None
-    """Validation records in the same form (None: no evaluation)."""
+    """Validation records in the same forms (None: no evaluation)."""
     text_field: str = "text"
     """Record field holding the text."""
     label_field: str = "label"
@@ -64,10 +70,15 @@ class ClassifyDataConfig:
     """Group texts of similar length into the same batches to cut padding (batches stay shuffled)."""
     pad_to_multiple_of: int = 8
     """Pad each batch to a multiple of this many tokens."""
+    cache_dir: Optional[str] = "~/.cache/zerotrain"
+    """Folder for tokenized rows (and datasets' Arrow copies of the files, in datasets/), reused by every run and
+    process while the files (size, time), tokenizer and settings are unchanged (None: no cache). Shared by all
+    runs rather than kept in a run's folder, so a second run on the same data starts at once."""
 
     def validate(self) -> None:
         if not self.train_path:
-            raise ConfigError("--data.train_path", "is required: a .jsonl, .csv or .parquet file of text/label records")
+            raise ConfigError("--data.train_path", "is required: .jsonl, .csv, .parquet (or a folder, a glob, a saved "
+                                                   "dataset) of text/label records")
         if self.max_length < 2:
             raise ConfigError("--data.max_length", f"must be >= 2, got {self.max_length}")
         if self.pad_to_multiple_of < 1:
@@ -99,6 +110,8 @@ class ClassifyTask(Task[ClassifyConfig]):
         super().__init__(cfg)
         self._tokenizer = None
         self._names: Optional[list[str]] = None
+        self._sources: dict[str, source.Source] = {}
+        self._loaded: dict[str, Any] = {}
 
     @property
     def tokenizer(self):
@@ -113,10 +126,25 @@ class ClassifyTask(Task[ClassifyConfig]):
     def run_tokenizer(self):
         return self.tokenizer
 
-    def _read(self, path: str, limit: Optional[int]):
+    def _source(self, path: str, flag: str) -> source.Source:
+        if path not in self._sources:
+            src = source.resolve(path, flag)
+            if src.builder == "text":
+                raise no_labels_in_text(src)
+            self._sources[path] = src
+        return self._sources[path]
 
-        d = self.cfg.data
-        return read_labelled(path, d.text_field, d.label_field, limit)
+    def _records(self, path: str, flag: str, limit: Optional[int]):
+        """(the split's first ``limit`` rows, their checked labels), read once per path."""
+        if path not in self._loaded:
+            d = self.cfg.data
+            src = self._source(path, flag)
+            cache = source.check_cache_dir(d.cache_dir)
+            rows = src.load(None if cache is None else str(cache))
+            if limit is not None:
+                rows = rows.select(range(min(limit, len(rows))))
+            self._loaded[path] = rows, checked_labels(src, rows, d.text_field, d.label_field)
+        return self._loaded[path]
 
     def label_names(self) -> list[str]:
         """The class names in id order: ``--data.label_names``, else the training file's labels.
@@ -127,7 +155,7 @@ class ClassifyTask(Task[ClassifyConfig]):
 
             d = self.cfg.data
             given = d.label_names
-            labels = [] if given else self._read(d.train_path, d.max_train_samples)[1]
+            labels = [] if given else self._records(d.train_path, "--data.train_path", d.max_train_samples)[1]
             self._names = label_names(labels, given)
             if len(self._names) < 2:
                 raise DataError(f"--data.train_path {d.train_path}: only the class {self._names} is present; a "
@@ -153,18 +181,32 @@ class ClassifyTask(Task[ClassifyConfig]):
         logger.info("classes: %s", ", ".join(f"{i}={n}" for i, n in enumerate(names)))
         return model
 
-    def _dataset(self, path: str, limit: Optional[int]) -> list[dict[str, Any]]:
+    def _split(self, path: str, flag: str, limit: Optional[int]) -> source.Rows:
+        """A split as ``{input_ids, labels}`` rows: tokenized by ``Dataset.map`` into the cache, or read back from it
+        when the files, tokenizer, fields, classes and length are unchanged."""
+        d, names = self.cfg.data, self.label_names()
+        src = self._source(path, flag)
+        cache = source.check_cache_dir(d.cache_dir)
+        key = source.cache_key(src.identity(), self.tokenizer, d.text_field, d.label_field, names, d.max_length, limit)
+        rows = source.cached_dataset(cache, "classify", key)
+        if rows is None:
+            records, labels = self._records(path, flag, limit)
+            ids = label_ids(labels, names, path)
+            tok, text_field, max_length = self.tokenizer, d.text_field, d.max_length
 
-        texts, labels = self._read(path, limit)
-        ids = label_ids(labels, self.label_names(), path)
-        tokens = self.tokenizer(texts, truncation=True, max_length=self.cfg.data.max_length,
-                                return_attention_mask=False)["input_ids"]
-        return [{"input_ids": t, "labels": y} for t, y in zip(tokens, ids)]
+            def tokenize(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+                tokens = tok(batch[text_field], truncation=True, max_length=max_length,
+                             return_attention_mask=False)["input_ids"]
+                return {"input_ids": tokens, "labels": [ids[i] for i in indices]}
+
+            rows = source.cached_map(records.select_columns([text_field]), tokenize, key, cache, "classify",
+                                     with_indices=True)
+        return source.Rows(rows)
 
     def build_datasets(self) -> Splits:
         d = self.cfg.data
-        train = self._dataset(d.train_path, d.max_train_samples)
-        val = self._dataset(d.val_path, d.max_eval_samples) if d.val_path else None
+        train = self._split(d.train_path, "--data.train_path", d.max_train_samples)
+        val = self._split(d.val_path, "--data.val_path", d.max_eval_samples) if d.val_path else None
         return Splits(train=train, val=val)
 
     def collator(self):
@@ -172,7 +214,11 @@ class ClassifyTask(Task[ClassifyConfig]):
                            max_len=self.cfg.data.max_length)
 
     def train_lengths(self, train) -> Optional[list[int]]:
-        return [len(x["input_ids"]) for x in train] if self.cfg.data.bucket_by_length else None
+        if not self.cfg.data.bucket_by_length:
+            return None
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(train.table.data.column("input_ids")).to_pylist()
 
     def training_step(self, model: nn.Module, batch: Batch) -> StepOutput:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])

@@ -1,6 +1,7 @@
 """The RoBERTa masked-language-model recipe (HelloDeepSpeed's train_bert, on the one zerotrain loop).
 
-Text is packed into full ``<s> ... </s>`` blocks (see :mod:`zerotrain.data.text`), and the data
+Text (local files through ``datasets``, or a hub dataset) is tokenized once into ``--data.cache_dir`` and packed
+into full ``<s> ... </s>`` blocks (see :mod:`zerotrain.data.text`), and the data
 pipeline masks each block as it reads it (:class:`~zerotrain.data.masking.MaskedBlocks`): every epoch
 sees fresh masks, as RoBERTa's dynamic masking does, a resumed run sees the same ones, and validation
 masks depend only on a block's content, so validation numbers are the same on every evaluation, every
@@ -89,11 +90,13 @@ class MLMDataConfig:
     resume_safe = frozenset({"cache_dir"})  # where the packed blocks are kept, not what they hold
 
     train_path: str = "wikitext:wikitext-2-raw-v1"
-    """Training text: a .txt/.txt.xz/.txt.gz/.raw/.jsonl/.jsonl.gz file, a folder of them, or a hub dataset name[:config]."""
+    """Training text: a file, a glob, a folder of data files, a saved dataset (save_to_disk), or a hub dataset
+    name[:config]. Files: .txt/.raw (a document per line), .jsonl/.json, .csv/.tsv, .parquet (records),
+    optionally .gz/.xz/.bz2."""
     val_path: Optional[str] = None
     """Validation text, same forms. Default: the hub dataset's validation split, or the last 1% of the training blocks for local files."""
     text_field: str = "text"
-    """Field (column) that holds the text in .jsonl files and hub datasets."""
+    """Field (column) that holds the text in records (.jsonl, .json, .csv, .parquet, saved and hub datasets)."""
     tokenizer: str = "roberta-base"
     """Tokenizer: a hub name or a local folder with tokenizer.json (offline: the repository's examples/data/roberta-tokenizer)."""
     mask_prob: float = 0.15
@@ -107,7 +110,9 @@ class MLMDataConfig:
     max_val_lines: Optional[int] = None
     """Read only the first N non-blank validation lines (None: all)."""
     cache_dir: Optional[str] = "~/.cache/zerotrain"
-    """Folder for packed token blocks, reused while the files, tokenizer and max_seq_length are unchanged (None: no cache)."""
+    """Folder for tokenized rows (and datasets' Arrow copies of the files, in datasets/), reused by every run and
+    process while the files (size, time), tokenizer and settings are unchanged (None: no cache). Shared by all
+    runs rather than kept in a run's folder, so a second run on the same data starts at once."""
 
     def validate(self) -> None:
         if not self.train_path:
