@@ -130,6 +130,12 @@ CASES = [
     Case("yaml-syntax", "yaml", "fit toy $FIT --config {tmp}/broken.yaml"),
     Case("yaml-wrong-type", "yaml", "fit toy $FIT --config {tmp}/wrong_type.yaml"),
     Case("yaml-old-layout", "yaml", "fit toy $FIT --config {tmp}/old_layout.yaml"),
+    Case("yaml-section-scalar", "yaml", "fit toy $FIT --config {tmp}/section_scalar.yaml"),
+    Case("yaml-section-null", "yaml", "fit toy $FIT --config {tmp}/section_null.yaml"),
+    Case("yaml-not-a-mapping", "yaml", "fit toy $FIT --config {tmp}/list.yaml"),
+    Case("yaml-empty", "yaml", "fit toy $FIT --config {tmp}/empty.yaml"),
+    Case("yaml-binary", "yaml", "fit toy $FIT --config {tmp}/binary.yaml"),
+    Case("yaml-alias-bomb", "yaml", "fit toy $FIT --config {tmp}/bomb.yaml"),
     # ---- DeepSpeed JSON ----
     Case("json-missing", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/missing.json"),
     Case("json-syntax", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/broken.json"),
@@ -311,6 +317,14 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     (tmp / "broken.yaml").write_text("trainer: [\n")
     (tmp / "wrong_type.yaml").write_text("trainer:\n  max_steps: lots\n")
     (tmp / "old_layout.yaml").write_text("strategy:\n  zero_stage: 1\n  activation_checkpointing: true\n")
+    (tmp / "section_scalar.yaml").write_text("trainer: 5\n")
+    (tmp / "section_null.yaml").write_text("trainer:\n  max_steps: 1\nmodel: ~\n")
+    (tmp / "list.yaml").write_text("- trainer\n- model\n")
+    (tmp / "empty.yaml").write_text("# nothing yet\n")
+    (tmp / "binary.yaml").write_bytes(b"trainer:\n  max_steps: \xff\xfe\x00\x01\n")
+    bomb = ["a: &a [x, x, x, x, x, x, x, x, x]"]  # nine levels of nine aliases each: 9**9 values once expanded
+    bomb += [f"{c}: &{c} [{', '.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+    (tmp / "bomb.yaml").write_text("\n".join(bomb) + "\n")
     one = [{"text": f"{WORDS[i % 20]} {WORDS[(i + 3) % 20]}", "label": 1} for i in range(16)]
     for folder, write in (("imdb_oneclass", lambda p, rows: p.write_text("\n".join(map(json.dumps, rows)) + "\n")),):
         (tmp / folder).mkdir()

@@ -189,3 +189,28 @@ def test_run_config_has_docstring_on_every_field():
             lines = source.splitlines()
             idx = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
             assert lines[idx + 1].strip().startswith('"""'), f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_config_file_with_a_few_aliases_still_parses(tmp_path):
+    """The alias limit refuses exponential expansion only: an anchor reused a few times is a valid config."""
+    from zerotrain.config.flags import parse_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  max_steps: &n 7\n  log_every_steps: *n\noptimizer: &opt\n  lr: 0.002\n")
+    cfg = parse_config("toy", ["--config", str(path)])
+    assert (cfg.trainer.max_steps, cfg.trainer.log_every_steps, cfg.optimizer.lr) == (7, 7, 0.002)
+
+
+def test_config_file_alias_count_is_the_expanded_size(tmp_path):
+    """The size counted is what the aliases expand to: one level past the limit is refused, one below is not."""
+    import yaml
+
+    from zerotrain.config.flags import MAX_CONFIG_NODES, _expanded_size
+
+    def nested(levels: int) -> str:  # level k holds 10 uses of level k-1: about 10**levels values
+        lines = ["l0: &l0 [x, x, x, x, x, x, x, x, x, x]"]
+        lines += [f"l{k}: &l{k} [{', '.join([f'*l{k - 1}'] * 10)}]" for k in range(1, levels)]
+        return "\n".join(lines) + "\n"
+
+    assert _expanded_size(yaml.compose(nested(4), Loader=yaml.SafeLoader)) < MAX_CONFIG_NODES
+    assert _expanded_size(yaml.compose(nested(6), Loader=yaml.SafeLoader)) > MAX_CONFIG_NODES

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from argparse import ArgumentError
+from typing import Optional
 
 from zerotrain.config import MOVED, RunConfig, moved_setting
 from zerotrain.errors import UserError
@@ -36,7 +37,7 @@ def build_parser(recipe: str):
 def parse_config(recipe: str, argv: list[str]) -> RunConfig:
     """The typed config of ``recipe`` from defaults < ``--config`` file < flags."""
     cfg_cls = recipes.get(recipe).config_class
-    refuse_moved(argv)
+    refuse_moved(argv, cfg_cls)
     parser = build_parser(recipe)
     try:
         parsed = parser.parse_args(argv)
@@ -47,7 +48,7 @@ def parse_config(recipe: str, argv: list[str]) -> RunConfig:
     return cfg_cls(**{f.name: ns[f.name] for f in dataclasses.fields(cfg_cls)})
 
 
-def refuse_moved(argv: list[str]) -> None:
+def refuse_moved(argv: list[str], cfg_cls: Optional[type] = None) -> None:
     """One line for a setting of the old layout (see :data:`zerotrain.config.MOVED`), as a flag or as a key of a
     ``--config`` file, naming where it is now; checked before parsing, so the line is the same from any command
     and before any process starts."""
@@ -60,17 +61,105 @@ def refuse_moved(argv: list[str]) -> None:
     configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
     configs += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     for path in configs:
-        try:
-            import yaml
-
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
-        except (OSError, ValueError, yaml.YAMLError):
-            continue  # the parser says what is wrong with the file
+        data = read_config_file(path, cfg_cls)
         strategy = data.get("strategy") if isinstance(data, dict) else None
         for key, value in (strategy.items() if isinstance(strategy, dict) else ()):
             if f"strategy.{key}" in MOVED:
                 raise UserError(f"--config {path}: {moved_setting(f'strategy.{key}', value, flag=False)}")
+
+
+MAX_CONFIG_NODES = 100_000
+"""Most values a ``--config`` file may hold once its YAML aliases are expanded. A real config holds a few
+hundred; nested aliases (``&a [*b, *b, ...]``) grow exponentially, and the parser that walks them would run
+until the machine runs out of memory."""
+
+
+def read_config_file(path: str, cfg_cls: Optional[type] = None) -> object:
+    """The contents of a ``--config`` file, or one line naming it when it cannot be a config: not UTF-8 text,
+    more than :data:`MAX_CONFIG_NODES` values once its aliases are expanded, empty, not a mapping of sections, or a
+    section (``trainer:``) given as a scalar or ``null`` where ``cfg_cls`` has a group of options.
+
+    A file that cannot be read or is not valid YAML returns None: the parser names what is wrong with it."""
+    import yaml
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--config {path}: not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}): "
+                        "give a YAML file of options (see --help)") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    if _expanded_size(node) > MAX_CONFIG_NODES:
+        raise UserError(f"--config {path}: its YAML aliases (*name) expand past {MAX_CONFIG_NODES:,} values: "
+                        "write the options out without nested aliases")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    if data is None:
+        raise UserError(f"--config {path}: holds no options: give a YAML file of options (see --help), or drop "
+                        "--config")
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path}: holds {_yaml_kind(data)}, not a mapping of sections "
+                        "(e.g. 'trainer:' with 'max_steps: 100' indented below it)")
+    _check_sections(path, data, cfg_cls, "")
+    return data
+
+
+def _expanded_size(root) -> int:
+    """How many values the YAML node graph holds when every alias is expanded (shared nodes counted per use)."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    order, stack, seen = [], [root], set()
+    while stack:  # children before parents, without recursion (the nesting may be deep)
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        order.append(node)
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            stack.extend(v for pair in node.value for v in pair)
+    for node in reversed(order):
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [v for pair in node.value for v in pair]
+        else:
+            children = []
+        sizes[id(node)] = min(1 + sum(sizes.get(id(c), 1) for c in children), MAX_CONFIG_NODES + 1)
+    return sizes.get(id(root), 0)
+
+
+def _yaml_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list"}.get(
+        type(value), type(value).__name__) + f" ({value!r:.40})"
+
+
+def _check_sections(path: str, data: dict, cls: Optional[type], prefix: str) -> None:
+    """Each key of ``data`` that names a group of options of ``cls`` (a dataclass) holds a mapping."""
+    if cls is None or not dataclasses.is_dataclass(cls):
+        return
+    groups = {f.name: f.default_factory for f in dataclasses.fields(cls)
+              if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+    for key, value in data.items():
+        if key not in groups:
+            continue
+        if not isinstance(value, dict):
+            raise UserError(f"--config {path}: '{prefix}{key}' holds {_yaml_kind(value)}, not a group of options: "
+                            f"list its options indented below '{key}:' (see --help), or leave it out")
+        _check_sections(path, value, groups[key], f"{prefix}{key}.")
 
 
 def one_line(message: str) -> str:
