@@ -45,7 +45,8 @@ class Case:
     where: str
     """What kind of input: flag, yaml, ds-json, data, tokenizer, output, checkpoint, launch, command."""
     command: str
-    """After ``zerotrain``; ``$FIT`` etc. expand to BASES, ``{tmp}``/``{tok}`` to the fixture's folders."""
+    """After ``zerotrain``; ``$FIT`` etc. expand to BASES, ``{tmp}``/``{tok}`` to the fixture's folders, ``{port}`` to
+    a free port; leading ``NAME=value`` words are set in the environment for the command only."""
     code: int = 2
 
 
@@ -124,6 +125,18 @@ CASES = [
     Case("timeout-too-short", "launch", "fit toy $FIT --launch.timeout_minutes 0.01"),
     Case("rdzv-timeout-zero", "launch", "fit toy $FIT --launch.rdzv_timeout_minutes 0"),
     Case("nccl-on-cpu", "launch", "fit toy $FIT --launch.comm_backend nccl"),
+    Case("endpoint-port-out-of-range", "launch", "fit toy $FIT --launch.rdzv_endpoint localhost:70000"),
+    Case("env-rank-without-world-size", "launch", "RANK=0 fit toy $FIT"),
+    Case("env-world-size-not-a-number", "launch", "RANK=0 WORLD_SIZE=two fit toy $FIT"),
+    Case("env-rank-outside-world", "launch", "RANK=2 WORLD_SIZE=2 fit toy $FIT"),
+    Case("env-master-port-out-of-range", "launch",
+         "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=70000 fit toy $FIT"),
+    Case("env-slurm-ntasks-not-a-number", "launch", "SLURM_PROCID=0 SLURM_NTASKS=2x fit toy $FIT"),
+    Case("env-world-size-no-peer", "launch",
+         "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port} fit toy $FIT --launch.timeout_minutes 0.05"),
+    Case("env-slurm-ntasks-no-peer", "launch",
+         "SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_NNODES=1 fit toy $FIT --launch.rdzv_endpoint 127.0.0.1:{port} "
+         "--launch.timeout_minutes 0.05"),
     # ---- YAML ----
     Case("yaml-missing", "yaml", "fit toy $FIT --config {tmp}/missing.yaml"),
     Case("yaml-unknown-key", "yaml", "fit toy $FIT --config {tmp}/unknown_key.yaml"),
@@ -259,14 +272,37 @@ CASES = [
 ]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = str(_free_port())
+"""``{port}``: a port nothing listens on (one per test session)."""
+
+
+def split_env(command: str) -> tuple[dict[str, str], str]:
+    """The leading ``NAME=value`` words of ``command`` (set in the environment) and the rest."""
+    words = command.split(" ")
+    env = {}
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value.replace("{port}", PORT)
+    return env, " ".join(words)
+
+
 def expand(command: str, tmp: Path, tok: Path) -> list[str]:
     for name, base in BASES.items():
         command = command.replace(name, base)
-    return [a.replace("{tmp}", str(tmp)).replace("{tok}", str(tok)) for a in shlex.split(command)]
+    return [a.replace("{tmp}", str(tmp)).replace("{tok}", str(tok)).replace("{port}", PORT)
+            for a in shlex.split(command)]
 
 
 def normalise(text: str, tmp: Path, tok: Path) -> str:
-    return text.replace(str(tok), "{tok}").replace(str(tmp), "{tmp}")
+    return text.replace(str(tok), "{tok}").replace(str(tmp), "{tmp}").replace(f":{PORT} ", ":{port} ")
 
 
 def make_inputs(tmp: Path) -> tuple[Path, Path]:
@@ -436,8 +472,20 @@ def make_untrusted(tmp: Path) -> None:
 def run_in_process(case: Case, tmp: Path, tok: Path, capsys) -> tuple[int, list[str]]:
     from zerotrain.cli import main
 
+    import os
+
+    env, command = split_env(case.command)
+    saved = {name: os.environ.get(name) for name in env}
     capsys.readouterr()
-    code = main(expand(case.command, tmp, tok))
+    try:
+        os.environ.update(env)
+        code = main(expand(command, tmp, tok))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     err = capsys.readouterr().err
     return code, [normalise(line, tmp, tok) for line in err.splitlines() if line.strip()]
 

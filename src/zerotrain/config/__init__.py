@@ -373,6 +373,9 @@ class LaunchConfig:
         host, _, port = self.rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError("--launch.rdzv_endpoint", f"must be host:port, got {self.rdzv_endpoint!r}")
+        if not 1 <= int(port) <= 65535:
+            raise ConfigError("--launch.rdzv_endpoint", f"port {port} is outside 1-65535: give host:port with a free "
+                              "port of the node of rank 0 (e.g. 29500)")
 
 
 @dataclass

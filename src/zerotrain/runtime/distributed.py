@@ -188,8 +188,11 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         restore_logging = setup_logging(rank == 0)
         if "RANK" in os.environ and not torch.distributed.is_initialized():
             wait_for_rendezvous(cfg.launch.rdzv_timeout_minutes)
-        init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
-                           timeout_minutes=cfg.launch.timeout_minutes)
+        try:
+            init_process_group(backend, use_deepspeed=cfg.strategy.backend == "deepspeed", device=device_type,
+                               timeout_minutes=cfg.launch.timeout_minutes)
+        except torch.distributed.DistStoreError as exc:
+            raise _ranks_missing(exc, before, cfg.launch.timeout_minutes) from None
         if cfg.strategy.backend == "deepspeed":
             undo_group_timeout = groups_time_out_after(cfg.launch.timeout_minutes)
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -228,6 +231,22 @@ def setup(cfg: RunConfig) -> Iterator[Runtime]:
         if restore_logging is not None:
             restore_logging()
         quiet.__exit__(None, None, None)
+
+
+def _ranks_missing(exc: Exception, env: dict[str, str], timeout_minutes: float) -> Exception:
+    """Rank 0's store timed out waiting for the other ranks: one line naming the variable that promised them
+    (WORLD_SIZE, or SLURM_NTASKS when srun's variables were adopted) and the flag that bounded the wait."""
+    import re
+
+    joined = re.search(r"(\d+)/(\d+) clients joined", str(exc))
+    if not joined:
+        return exc
+    source = "WORLD_SIZE" if "WORLD_SIZE" in env else "SLURM_NTASKS"
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return UserError(f"rank 0: only {joined.group(1)} of the {joined.group(2)} processes that {source}="
+                     f"{os.environ.get('WORLD_SIZE')} promises joined the rendezvous at {where} within "
+                     f"{timeout_minutes:g} minutes (--launch.timeout_minutes): start the other ranks, or set "
+                     f"{source} to the number of processes started")
 
 
 def _changed_since(before: dict[str, str]) -> dict[str, Optional[str]]:

@@ -35,6 +35,7 @@ from zerotrain.errors import (
     USER_ERROR_EXIT,
     RankLost,
     RunStopped,
+    UserError,
 )
 from zerotrain.runtime.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
 
@@ -50,6 +51,51 @@ def environment_alone() -> dict[str, str]:
             if k not in TORCHRUN_VARIABLES and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
 
 
+class RankOutsideJob(UserError):
+    """This process's RANK is not a rank of the job: only it is wrong (the others may be fine), so it says so."""
+
+    said_by_each_rank = True
+
+
+def check_launcher_env() -> None:
+    """One line naming the variable when the launcher's environment cannot describe a job: ``RANK`` without
+    ``WORLD_SIZE``, a value that is not a whole number (``WORLD_SIZE=two``), a rank outside the job, a
+    ``MASTER_PORT`` outside 1-65535, or SLURM's task variables that are not numbers.
+
+    torch reads these variables deep inside its rendezvous and fails there with a traceback (or, for a port, an
+    overflow in C++); checked first, a job whose ranks share one environment ends every rank with the same line."""
+    env = os.environ
+
+    def whole(name: str, low: int, high: Optional[int] = None,
+              fix: str = "set it as a launcher (torchrun, srun) would, or unset it to run one process") -> Optional[int]:
+        if name not in env:
+            return None
+        text = env[name].strip()
+        value = int(text) if re.fullmatch(r"[0-9]+", text) else None
+        if value is None or value < low or (high is not None and value > high):
+            span = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise UserError(f"{name}={env[name]!r} in the environment must be a whole number {span}: {fix}")
+        return value
+
+    for name in ("SLURM_PROCID", "SLURM_LOCALID"):
+        whole(name, 0)
+    for name in ("SLURM_NTASKS", "SLURM_NNODES"):
+        whole(name, 1)
+    if "RANK" not in env:
+        return
+    rank = whole("RANK", 0)
+    if "WORLD_SIZE" not in env:
+        raise UserError(f"RANK={env['RANK']} is set in the environment but WORLD_SIZE is not: set WORLD_SIZE to the "
+                        "number of processes in the job (a launcher such as torchrun sets both), or unset RANK to run "
+                        "one process")
+    world_size = whole("WORLD_SIZE", 1)
+    if rank >= world_size:
+        raise RankOutsideJob(f"RANK={rank} is outside a job of WORLD_SIZE={world_size} processes (ranks 0 to "
+                        f"{world_size - 1}): set RANK and WORLD_SIZE for the same job")
+    whole("LOCAL_RANK", 0)
+    whole("MASTER_PORT", 1, 65535, fix="set it to a free port of the node of rank 0 (e.g. 29500)")
+
+
 def slurm_task_per_gpu(launch: LaunchConfig) -> bool:
     """Whether ``srun`` started one task per GPU (each task is a rank), rather than one launcher task per node.
 
@@ -58,12 +104,14 @@ def slurm_task_per_gpu(launch: LaunchConfig) -> bool:
     """
     if "SLURM_PROCID" not in os.environ:
         return False
+    check_launcher_env()
     ntasks, nnodes = int(os.environ.get("SLURM_NTASKS", "1")), int(os.environ.get("SLURM_NNODES", "1"))
     return ntasks > 1 and (ntasks > nnodes or launch.nproc_per_node == 1)
 
 
 def launched_by_a_launcher(launch: LaunchConfig) -> bool:
     """True inside a process started by torchrun/deepspeed (RANK set) or by srun as one task per GPU."""
+    check_launcher_env()
     return "RANK" in os.environ or slurm_task_per_gpu(launch)
 
 
@@ -73,6 +121,7 @@ def adopt_slurm_env(launch: LaunchConfig) -> None:
     Used when ``srun`` starts one task per GPU. The rendezvous address comes from
     ``--launch.rdzv_endpoint`` (set it to the first node of the allocation).
     """
+    check_launcher_env()
     if "RANK" in os.environ or not slurm_task_per_gpu(launch):
         return
     host, _, port = launch.rdzv_endpoint.rpartition(":")
