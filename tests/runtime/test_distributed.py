@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -31,6 +32,7 @@ def env(monkeypatch):
 
 def test_torchrun_worker_is_launched(env):
     env.setenv("RANK", "3")
+    env.setenv("WORLD_SIZE", "8")  # torchrun sets both; RANK alone is refused (check_launcher_env)
     assert launched_by_a_launcher(LaunchConfig(nproc_per_node=8))
 
 
@@ -67,3 +69,31 @@ def test_arch_list_suffixes_are_removed(env, given, fixed):
 def test_plain_arch_list_is_left_alone(env):
     env.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     assert sanitize_cuda_arch_list() is None and os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0"
+
+
+@pytest.mark.parametrize("variables, words", [
+    ({"RANK": "0"}, "WORLD_SIZE is not"),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+    ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1'"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is outside"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}, "LOCAL_RANK='x'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "0"}, "MASTER_PORT='0'"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "0"}, "SLURM_NTASKS='0'"),
+])
+def test_launcher_env_that_describes_no_job_is_refused(env, variables, words):
+    from zerotrain.errors import UserError
+    from zerotrain.runtime.launcher import check_launcher_env
+
+    for name, value in variables.items():
+        env.setenv(name, value)
+    with pytest.raises(UserError, match=re.escape(words)):
+        check_launcher_env()
+
+
+def test_launcher_env_of_a_real_job_passes(env):
+    from zerotrain.runtime.launcher import check_launcher_env
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_PORT": "65535"}.items():
+        env.setenv(name, value)
+    check_launcher_env()  # raises nothing
+    assert launched_by_a_launcher(LaunchConfig())
