@@ -72,6 +72,8 @@ CASES = [
     Case("num-workers-negative", "flag", "fit toy $FIT --trainer.num_workers -1"),
     Case("eval-max-batches-zero", "flag", "fit toy $FIT --trainer.eval_max_batches 0"),
     Case("warmup-excluded-negative", "flag", "fit toy $FIT --trainer.warmup_steps_excluded -1"),
+    Case("seed-huge", "flag", "fit toy $FIT --trainer.seed 99999999999999999999"),
+    Case("seed-negative", "flag", "fit toy $FIT --trainer.seed -1"),
     Case("lr-zero", "flag", "fit toy $FIT --optimizer.lr 0"),
     Case("eps-negative", "flag", "fit toy $FIT --optimizer.eps -1"),
     Case("betas-out-of-range", "flag", "fit toy $FIT --optimizer.betas [0.9,1.5]"),
@@ -211,6 +213,12 @@ CASES = [
     Case("causal-lm-cache-dir-is-file", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/train.txt --data.cache_dir {tmp}/train.txt"),
+    Case("mlm-cache-dir-is-file", "data",
+         "fit mlm $FIT $MLM --data.train_path {tmp}/train.txt --data.tokenizer {tok} --data.cache_dir {tmp}/train.txt"),
+    Case("imdb-cache-dir-under-a-file", "data", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_ok "
+         "--data.cache_dir {tmp}/train.txt/cache"),
+    Case("classify-cache-dir-is-file", "data",
+         "fit classify $FIT $CLS --data.train_path {tmp}/cls.jsonl --data.cache_dir {tmp}/train.txt"),
     Case("causal-lm-csv-missing-field", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/sft_nofield.csv --data.format sft"),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from zerotrain.engines import optimizers
-from zerotrain.errors import ConfigError
+from zerotrain.errors import ConfigError, UserError
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -231,7 +231,7 @@ class TrainerConfig:
     eval_max_batches: Optional[int] = None
     """Cap the number of validation batches per evaluation (None: the whole split)."""
     seed: int = 42
-    """Seed for Python, NumPy and torch (and the data order)."""
+    """Seed for Python, NumPy and torch (and the data order): 0 to 2**32 - 1, NumPy's range."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where to train: auto picks cuda when a GPU is visible."""
     num_workers: int = 2
@@ -257,6 +257,8 @@ class TrainerConfig:
     """Write the trained model to <run>/model at the end; false skips it (short trials, benchmarks)."""
 
     def validate(self) -> None:
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError("--trainer.seed", f"must be in [0, {2**32 - 1}] (NumPy's seed range), got {self.seed}")
         if self.micro_batch_size < 1:
             raise ConfigError("--trainer.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
@@ -410,10 +412,29 @@ class RunConfig:
             if hasattr(section, "validate"):
                 section.validate()
         check_across_sections(self)
+        check_cache_dir_setting(getattr(getattr(self, "data", None), "cache_dir", None))
         return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_cache_dir_setting(cache_dir: Any, flag: str = "--data.cache_dir") -> None:
+    """Any recipe's ``--data.cache_dir``: a folder, or a path where one can be made. A file there, or a file where a
+    parent folder should be, is one line before any process starts (the tokenizer would fail deep in ``datasets``)."""
+    if not isinstance(cache_dir, str) or not cache_dir:
+        return
+    import os
+
+    path = os.path.abspath(os.path.expanduser(cache_dir))
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+    if not os.path.isdir(path):
+        where = "is a file" if path == os.path.abspath(os.path.expanduser(cache_dir)) else f"is under a file ({path})"
+        raise UserError(f"{flag}: {cache_dir} {where}; pass a folder (created if missing) for the tokenized data")
 
 
 def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = frozenset()
