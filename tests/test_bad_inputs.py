@@ -134,6 +134,7 @@ CASES = [
     Case("env-master-port-out-of-range", "launch",
          "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=70000 fit toy $FIT"),
     Case("env-slurm-ntasks-not-a-number", "launch", "SLURM_PROCID=0 SLURM_NTASKS=2x fit toy $FIT"),
+    Case("env-torch-extensions-dir-under-a-file", "launch", "TORCH_EXTENSIONS_DIR={tmp}/train.txt/ext fit toy $FIT"),
     Case("env-world-size-no-peer", "launch",
          "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port} fit toy $FIT --launch.timeout_minutes 0.05"),
     Case("env-slurm-ntasks-no-peer", "launch",
@@ -486,7 +487,7 @@ def run_in_process(case: Case, tmp: Path, tok: Path, capsys) -> tuple[int, list[
     saved = {name: os.environ.get(name) for name in env}
     capsys.readouterr()
     try:
-        os.environ.update(env)
+        os.environ.update({k: v.replace("{tmp}", str(tmp)).replace("{tok}", str(tok)) for k, v in env.items()})
         code = main(expand(command, tmp, tok))
     finally:
         for name, value in saved.items():

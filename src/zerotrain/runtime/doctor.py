@@ -167,6 +167,25 @@ def extensions_root() -> Path:
     return Path(get_default_build_root()) / f"{py}_{accelerator}"
 
 
+def check_writable_root(root: Path, what: str) -> None:
+    """One line naming the folder (and TORCH_EXTENSIONS_DIR) when an op must be built under ``root`` and that
+    folder cannot be made or written: torch's build would fail after its compiler started, with a traceback."""
+    named = "TORCH_EXTENSIONS_DIR" if os.environ.get("TORCH_EXTENSIONS_DIR") else "the default TORCH_EXTENSIONS_DIR"
+    problem = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        problem = f"cannot be created ({exc.strerror or exc})"
+    else:
+        if not root.is_dir():
+            problem = "is a file"
+        elif not os.access(root, os.W_OK | os.X_OK):
+            problem = "is not writable"
+    if problem:
+        raise UserError(f"{named} {root} {problem}, and {what} must be built there: set TORCH_EXTENSIONS_DIR to a "
+                        "writable folder")
+
+
 def _builder(op: str) -> Any:
     """DeepSpeed's builder of ``op`` for this machine's accelerator; None when it has none or cannot build it."""
     from deepspeed.accelerator import get_accelerator
@@ -260,6 +279,8 @@ def prepare_ops(ops: Iterable[str], say: Callable[[str], None] = log.info) -> li
             continue
         what, how_long = JIT_OPS.get(op, (op, "minutes"))
         build_dir = extensions_root() / builder.name
+        if not is_built(build_dir, builder.name):
+            check_writable_root(extensions_root(), what)
         line = clear_stale_lock(build_dir, what)
         if line:
             say(line)
