@@ -118,6 +118,9 @@ CASES = [
     Case("predict-no-texts", "command", "predict {tmp}/runs/toyrun"),
     Case("predict-missing-run", "command", "predict {tmp}/nope hello"),
     Case("predict-toy", "command", "predict {tmp}/runs/toyrun hello"),
+    Case("plan-out-is-file", "command", "plan toy $FIT --out {tmp}/train.txt"),
+    Case("benchmark-out-under-a-file", "command", "benchmark toy --out {tmp}/train.txt/bench $FIT"),
+    Case("predict-file-binary", "command", "predict {tmp}/runs/toyrun --file {tmp}/binary.yaml"),
     # ---- launch ----
     Case("nproc-zero", "launch", "fit toy $FIT --launch.nproc_per_node 0"),
     Case("nnodes-zero", "launch", "fit toy $FIT --launch.nnodes 0"),

@@ -15,6 +15,7 @@ from pathlib import Path
 from zerotrain.errors import UserError
 from zerotrain.plan.benchmark import run_sweep
 from zerotrain.plan.strategies import STRATEGIES
+from zerotrain.runtime.rundir import check_out_folder
 
 
 def run(argv: list[str]) -> int:
@@ -43,6 +44,7 @@ def run(argv: list[str]) -> int:
         raise UserError(f"--rounds must be >= 1 (fits per strategy), got {args.rounds}")
     if args.profile < 0:
         raise UserError(f"--profile must be >= 0 (steps to profile), got {args.profile}")
+    check_out_folder(Path(args.out), "--out")
     result = run_sweep(args.recipe, args.strategies.split(","), nprocs, Path(args.out), fit_args,
                        profile_steps=args.profile, predict=args.predict == "true",
                        probe_file=Path(args.probe) if args.probe else None, rounds=args.rounds)

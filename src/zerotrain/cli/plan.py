@@ -16,6 +16,7 @@ from pathlib import Path
 from zerotrain.config.flags import parse_config
 from zerotrain.errors import UserError
 from zerotrain.plan.planner import plan
+from zerotrain.runtime.rundir import check_out_folder
 from zerotrain.tasks import registry as recipes
 
 
@@ -43,6 +44,7 @@ def run(argv: list[str]) -> int:
     cfg = parse_config(args.recipe, fit_args)
     short = recipes.name_of(recipes.get(args.recipe))  # a module:Class spec holds a colon
     out = Path(args.out) if args.out else Path(cfg.trainer.output_dir) / "plans" / short
+    check_out_folder(out, "--out" if args.out else "--trainer.output_dir")
 
 
     plan(args.recipe, cfg, fit_args, out, trials=args.trials, trial_steps=args.trial_steps,

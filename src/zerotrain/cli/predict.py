@@ -40,7 +40,13 @@ def run(argv: list[str]) -> int:
     if args.file is not None:
         if not args.file.is_file():
             raise UserError(f"--file: {args.file} not found")
-        texts += [line for line in args.file.read_text(encoding="utf-8").split("\n") if line.strip()]
+        raw = args.file.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise UserError(f"--file: {args.file} is not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}): "
+                            "give a text file with one text per line") from None
+        texts += [line for line in text.split("\n") if line.strip()]
     if not texts:
         raise UserError("give texts as arguments or --file TEXTS.txt (one per line)")
 

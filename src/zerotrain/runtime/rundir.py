@@ -50,6 +50,16 @@ def new_run_name(recipe: str) -> str:
     return f"{recipe}.{now:%Y.%m.%d.%H.%M.%S}.{secrets.token_hex(3)}"
 
 
+def check_out_folder(folder: Path, flag: str) -> Path:
+    """A command's output folder (``plan --out``, ``benchmark --out``): a file in its place, or a file where a parent
+    folder should be, is one line naming ``flag`` before any work (the folder itself is made when written)."""
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        what = "is a file" if blocker == folder else f"is under a file ({blocker})"
+        raise UserError(f"{flag}: {folder} {what}; pass a folder (created if missing)")
+    return folder
+
+
 def check_writable(output_dir: str) -> Path:
     """Fail early, before minutes of data loading, if runs cannot be written under ``output_dir``."""
     root = Path(output_dir).expanduser()
