@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -251,3 +252,46 @@ def test_shipped_config_parses_and_validates(path, monkeypatch):
         for key, value in values.items():
             got = getattr(getattr(cfg, section), key)
             assert (list(got) if isinstance(got, tuple) else got) == value, f"{section}.{key}"
+
+
+def test_permission_denied_anywhere_is_one_line_naming_the_path(tmp_path):
+    """A PermissionError that names its path, raised directly or as the cause of a library's own error (datasets,
+    transformers), ends the command as a user error naming the path; one without a path stays a bug."""
+    from zerotrain.cli import _collective_failures_as_rank_lost
+
+    def wrapped(error: Exception):
+        def run(argv):
+            raise error
+        return _collective_failures_as_rank_lost(run)
+
+    denied = PermissionError(13, "Permission denied", str(tmp_path / "data"))
+    with pytest.raises(UserError, match=r"data: permission denied: give this user access to it"):
+        wrapped(denied)([])
+    try:
+        raise ValueError("could not list the files") from denied
+    except ValueError as library_error:
+        with pytest.raises(UserError, match=re.escape(str(tmp_path / "data"))):
+            wrapped(library_error)([])
+    with pytest.raises(PermissionError):
+        wrapped(PermissionError("no path"))([])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="runs as root, and root reads every file and folder: a folder without "
+                    "read permission cannot be made")
+def test_data_folder_without_read_permission(tmp_path, capsys):
+    from zerotrain.cli import main
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the movie was good\n")
+    folder.chmod(0)
+    try:
+        code = main(["fit", "mlm", "--trainer.max_steps", "1", "--trainer.device", "cpu", "--trainer.num_workers", "0",
+                     "--trainer.output_dir", str(tmp_path / "runs"), "--data.train_path", str(folder),
+                     "--data.cache_dir", str(tmp_path / "c"), "--data.tokenizer",
+                     str(REPO / "examples" / "data" / "roberta-tokenizer"), "--model.num_layers", "1", "--model.h_dim",
+                     "16", "--model.num_heads", "2", "--model.ff_dim", "16", "--model.max_seq_length", "8"])
+    finally:
+        folder.chmod(0o755)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(err) == 1 and str(folder) in err[0] and "permission denied" in err[0], err

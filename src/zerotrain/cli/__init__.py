@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional
 
-from zerotrain.errors import RankLost, RunStopped
+from zerotrain.errors import RankLost, RunStopped, UserError
 
 SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
@@ -105,8 +105,26 @@ def _collective_failures_as_rank_lost(run):
             if lost is None:
                 raise
             raise lost from None
+        except Exception as exc:
+            denied = permission_denied(exc)
+            if denied is None:
+                raise
+            raise denied from None
 
     return run_or_rank_lost
+
+
+def permission_denied(exc: BaseException) -> Optional[UserError]:
+    """One line for a file or folder this user may not read or write, wherever it was met (a data folder, a
+    tokenizer, a checkpoint), when ``exc`` is, or was raised from, a PermissionError that names it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, PermissionError) and exc.filename:
+            return UserError(f"{exc.filename}: permission denied: give this user access to it (chmod), or pass "
+                             "another path")
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _rank() -> int:
