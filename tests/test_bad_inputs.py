@@ -253,6 +253,12 @@ CASES = [
          "fit imdb $FIT $IMDB --data.path {tmp}/imdb_ok --data.tokenizer {tmp}/cfgonly"),
     Case("tokenizer-hub-offline", "tokenizer",
          "fit mlm $FIT $MLM --data.train_path {tmp}/train.txt --data.tokenizer someone/no-such-tokenizer"),
+    Case("tokenizer-no-pad-classify", "tokenizer",
+         "fit classify $FIT $CLS --model.tokenizer {tmp}/nopad --data.train_path {tmp}/cls.jsonl"),
+    Case("tokenizer-no-pad-imdb", "tokenizer", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_ok --data.tokenizer {tmp}/nopad"),
+    Case("tokenizer-no-pad-causal-lm", "tokenizer",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json --model.tokenizer {tmp}/nopad "
+         "--data.train_path {tmp}/train.txt"),
     # ---- output folder ----
     Case("output-under-a-file", "output", "fit toy $FIT --trainer.output_dir {tmp}/train.txt/runs"),
     Case("export-out-not-empty", "output", "export {tmp}/runs/toyrun --out {tmp}/imdb_oneclass"),
@@ -324,6 +330,12 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     tok = tmp / "tok"
     make_tokenizer(tok)
     (tmp / "cfgonly").mkdir()
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bare = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(["<unk>", *WORDS])}, unk_token="<unk>"))
+    bare.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=bare, unk_token="<unk>").save_pretrained(tmp / "nopad")  # no pad, no EOS
     (tmp / "cfgonly" / "config.json").write_text('{"model_type": "roberta"}')
     (tmp / "train.txt").write_text(" ".join(WORDS) + "\n" * 1 + " ".join(reversed(WORDS)) + "\n")
     (tmp / "empty.txt").write_text("\n\n")

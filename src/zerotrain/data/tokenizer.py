@@ -67,3 +67,15 @@ def check_encodes_text(tok, name_or_path: str, flag: str) -> None:
             f"{flag}: the tokenizer in {name_or_path!r} cannot encode text: {PROBE!r} becomes "
             f"{len(ordinary)} ordinary token(s){detail} (vocabulary of {len(tok)}). Pass {LOCAL_TOKENIZER}"
         )
+
+
+def with_pad_token(tok, name_or_path: str, flag: str):
+    """``tok`` with a pad token: its own, else its EOS token (GPT-style tokenizers have none; padded positions are
+    masked, so EOS there changes nothing learnt and needs no new embedding row). A tokenizer with neither is one
+    line naming ``flag``: batches of texts of different lengths cannot be padded."""
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise UserError(f"{flag}: {name_or_path!r} has no pad token and no EOS token to pad with: use a tokenizer "
+                            "that has one (pad_token in its tokenizer_config.json)")
+        tok.pad_token = tok.eos_token
+    return tok

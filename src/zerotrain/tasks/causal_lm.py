@@ -39,7 +39,7 @@ from zerotrain.data import source
 from zerotrain.data.lm import PACK_CHUNK, chat_rows, collate_packed, sft_rows, text_rows
 from zerotrain.data.sft import _adds_bos, split_template
 from zerotrain.data.streaming import StreamedRows
-from zerotrain.data.tokenizer import load_tokenizer
+from zerotrain.data.tokenizer import load_tokenizer, with_pad_token
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models import hf
 from zerotrain.models.shape import TransformerShape, transformer_shape
@@ -220,12 +220,10 @@ class CausalLMTask(Task[CausalLMConfig]):
     def tokenizer(self):
         if self._tokenizer is None:
             m = self.cfg.model
-            tok = load_tokenizer(m.tokenizer or m.name_or_path, flag="--model.tokenizer")
-            if tok.pad_token is None:
-                # Padding positions are masked (label -100, and attention or their own packed sequence), so
-                # reusing EOS as pad changes nothing the model learns, and it needs no new embedding row.
-                tok.pad_token = tok.eos_token
-            self._tokenizer = tok
+            # Padding positions are masked (label -100, and attention or their own packed sequence), so
+            # reusing EOS as pad changes nothing the model learns, and it needs no new embedding row.
+            name = m.tokenizer or m.name_or_path
+            self._tokenizer = with_pad_token(load_tokenizer(name, flag="--model.tokenizer"), name, "--model.tokenizer")
         return self._tokenizer
 
     def run_tokenizer(self):

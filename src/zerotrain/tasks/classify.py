@@ -32,7 +32,7 @@ from zerotrain.config import RunConfig
 from zerotrain.data.collate import PadCollator
 from zerotrain.data import source
 from zerotrain.data.labelled import checked_labels, label_ids, label_names, no_labels_in_text
-from zerotrain.data.tokenizer import load_tokenizer
+from zerotrain.data.tokenizer import load_tokenizer, with_pad_token
 from zerotrain.errors import ConfigError, DataError
 from zerotrain.models import hf
 from zerotrain.models.shape import TransformerShape, transformer_shape
@@ -117,10 +117,8 @@ class ClassifyTask(Task[ClassifyConfig]):
     def tokenizer(self):
         if self._tokenizer is None:
             m = self.cfg.model
-            tok = load_tokenizer(m.tokenizer or m.name_or_path, flag="--model.tokenizer")
-            if tok.pad_token is None:  # GPT-style tokenizers: padding is masked, EOS serves
-                tok.pad_token = tok.eos_token
-            self._tokenizer = tok
+            name = m.tokenizer or m.name_or_path  # GPT-style tokenizers: padding is masked, EOS serves
+            self._tokenizer = with_pad_token(load_tokenizer(name, flag="--model.tokenizer"), name, "--model.tokenizer")
         return self._tokenizer
 
     def run_tokenizer(self):

@@ -35,7 +35,7 @@ from zerotrain.data.imdb import (
     split_test_in_halves,
     tokenize_reviews,
 )
-from zerotrain.data.tokenizer import load_tokenizer
+from zerotrain.data.tokenizer import load_tokenizer, with_pad_token
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models.sentiment import SentimentClassifier
 from zerotrain.runtime.rundir import load_run
@@ -199,7 +199,7 @@ class IMDBTask(Task[IMDBConfig]):
 
     @cached_property
     def tokenizer(self):
-        return load_tokenizer(self.cfg.data.tokenizer)
+        return with_pad_token(load_tokenizer(self.cfg.data.tokenizer), self.cfg.data.tokenizer, "--data.tokenizer")
 
     def run_tokenizer(self):
         return self.tokenizer
