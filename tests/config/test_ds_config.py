@@ -25,6 +25,7 @@ from zerotrain.config.ds_config import (
     validate_ds_config,
 )
 from zerotrain.errors import ConfigError, UserError
+from zerotrain.runtime.doctor import LIBAIO_INSTALL
 from zerotrain.tasks.toy import ToyConfig
 
 PRESETS = sorted((Path(zerotrain.__file__).parent / "presets").glob("*.json"))
@@ -139,6 +140,7 @@ def test_nvme_offload_is_refused_in_one_line_where_its_io_op_cannot_be_built(tmp
             with pytest.raises(ConfigError) as refused:
                 check_nvme_io(cfg)
             assert str(refused.value).startswith(start + ": DeepSpeed's async I/O op") and "libaio" in str(refused.value)
+            assert LIBAIO_INSTALL in str(refused.value) and "offload to cpu" in str(refused.value)
     assert accelerator.asked == ["AsyncIOBuilder"] * 3
     for cfg in (make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
                 make_cfg(backend="ddp", offload_optimizer="nvme")):

@@ -30,7 +30,7 @@ from zerotrain.engines.ds_private.config import (
     zero_optimization_keys,
 )
 from zerotrain.errors import ConfigError, UserError
-from zerotrain.runtime.doctor import op_buildable
+from zerotrain.runtime.doctor import nvme_offload_status
 
 ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
 
@@ -438,14 +438,14 @@ def check_nvme_io(cfg: RunConfig) -> None:
     if not nvme:
         return
 
-    if op_buildable("AsyncIOBuilder"):
+    status = nvme_offload_status()
+    if status == "ready":
         return
     flag, what = ((f"--strategy.deepspeed_config {s.deepspeed_config}", f"(zero_optimization.{nvme[0]}.device nvme)")
                   if s.deepspeed_config else (f"--strategy.{nvme[0]}", "nvme"))
-    raise ConfigError(flag, f"{what}: DeepSpeed's async I/O op, which NVMe offload needs, cannot be built here "
-                            "(libaio not found). Install libaio with its headers (apt install libaio-dev, dnf install "
-                            "libaio-devel, or conda install -c conda-forge libaio with CFLAGS=-I$CONDA_PREFIX/include "
-                            "LDFLAGS=-L$CONDA_PREFIX/lib), or offload to cpu; `zerotrain doctor` shows the op's state")
+    raise ConfigError(flag, f"{what}: DeepSpeed's async I/O op, which NVMe offload needs, cannot be built here: "
+                            f"NVMe offload {status}. Or offload to cpu; `zerotrain doctor` shows the "
+                            "op's state")
 
 
 def _offload_device(block: Any) -> str | None:
