@@ -410,12 +410,11 @@ def check_state_precision(cfg: "RunConfig") -> None:
     decides (``zerotrain.config.ds_config`` refuses flags that say otherwise)."""
     p, st = cfg.precision, cfg.strategy
     if p.optimizer_states == "bf16" and p.master_weights != "bf16":
-        raise ConfigError("--precision.optimizer_states", "bf16 needs --precision.master_weights bf16 (DeepSpeed "
+        raise ConfigError("--precision.optimizer_states bf16", "needs --precision.master_weights bf16 (DeepSpeed "
                           "keeps the moments in bf16 only beside bf16 master weights)")
     if p.master_weights != "bf16":
         return
-    flag = "--precision.master_weights bf16" + (" with --precision.optimizer_states bf16"
-                                                 if p.optimizer_states == "bf16" else "")
+    flag = "--precision.master_weights bf16"
     if st.backend != "deepspeed":
         raise ConfigError(flag, "needs --strategy.backend deepspeed (a DeepSpeed ZeRO 1-3 option)")
     if st.deepspeed_config:  # the file's bf16 block decides; the flags must agree with it (ds_config checks)

@@ -172,7 +172,8 @@ class Buckets:
         # DeepSpeed 0.19's ZeRO-1/2 turn contiguous gradients back on under optimizer offload.
         offloaded = offload.get("device", "none") not in ("none", None)
         bf16 = ds.get("bf16") if isinstance(ds.get("bf16"), dict) and ds["bf16"].get("enabled") is True else {}
-        master = 2 if bf16.get("bf16_master_weights_and_grads") is True else 4
+        # DeepSpeed's ZeRO stages 1-3 keep bf16 master weights; stage 0 has none of its own
+        master = 2 if bf16.get("bf16_master_weights_and_grads") is True and zero.get("stage", 0) in (1, 2, 3) else 4
         state = 2 if master == 2 and bf16.get("bf16_optimizer_states") is True else 4
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
                    bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)),
