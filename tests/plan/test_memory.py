@@ -410,3 +410,17 @@ def test_estimate_sizes_bf16_states():
     for name in ("zero1", "zero2", "zero3"):
         assert rows[0][name].gpu_bytes - rows[1][name].gpu_bytes == 8 * trainable, name
     assert rows[0]["zero0"].gpu_bytes == rows[1]["zero0"].gpu_bytes
+
+
+def test_estimate_names_the_nvme_disk_when_nothing_else_fits(tmp_path, capsys):
+    """Without --strategy.nvme_path, a model that fits neither GPU nor host is pointed at a disk; with it, the
+    zero3_nvme row shows what it puts there and the report the free space beside it."""
+    tight = ["estimate", "toy", "--gpu_memory_gib", "1e-7", "--host_memory_gib", "1e-7"]
+    assert main(tight) == 1
+    assert "Nothing fits: put the weights and optimizer states on a fast local disk (--strategy.nvme_path DIR" \
+        in capsys.readouterr().out
+    main(tight + ["--strategy.nvme_path", str(tmp_path / "swap")])
+    out = capsys.readouterr().out
+    assert "| zero3_nvme |" in out and "on NVMe per process (GiB)" in out
+    assert f"GiB free on the disk of {tmp_path / 'swap'} (--strategy.nvme_path)" in out
+    assert "--strategy.nvme_path DIR" not in out
