@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -338,9 +339,13 @@ def test_a_single_nonfinite_window_is_a_transient(tmp_path, monkeypatch):
 
 def test_a_loss_nonfinite_in_consecutive_windows_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr("zerotrain.metrics.tracking.memory_snapshot", lambda device: {})
+    from zerotrain.checkpoint.layout import seal
+
     for step in (4, 8, 12):  # 12 was saved after the loss went bad: not a good checkpoint
-        (tmp_path / "checkpoints" / f"step{step:08d}").mkdir(parents=True)
-        (tmp_path / "checkpoints" / f"step{step:08d}" / "COMPLETE.json").write_text("{}")
+        folder = tmp_path / "checkpoints" / f"step{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "state.pt").write_bytes(b"weights")
+        (folder / "COMPLETE.json").write_text(json.dumps({"files": seal(folder, 0, 1, checksums=True)}))
     engine = _Engine()
     logger = _logger(tmp_path, engine, every=4)
     with pytest.raises(TrainingDiverged) as caught:

@@ -417,6 +417,18 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+UNRESOLVED: tuple[Any, ...] = ("auto", None)
+"""Values that leave a setting to the run, which writes back what it resolved them to."""
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
 def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = frozenset()
                    ) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     """(safe, unsafe) differences between a run's recorded config (its ``hparams.json``) and ``cfg``, each as
@@ -426,7 +438,8 @@ def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = froze
     ``resume_safe`` the settings a resume may change (:data:`ALL_SAFE`: all of them); every other setting
     shapes the model, the data stream or the numerics, and a change of it is unsafe. A setting absent on
     either side (a run recorded by another zerotrain version) is not compared, nor are the flags in ``skip``
-    (``section.field``: settings not resolved yet). Values are compared as JSON holds them (tuples as lists).
+    (``section.field``: settings not resolved yet), nor a setting left at its default "auto" or None, which
+    the run resolves (from the same files) and records. Values are compared as JSON holds them (tuples as lists).
     """
     safe: list[tuple[str, Any, Any]] = []
     unsafe: list[tuple[str, Any, Any]] = []
@@ -443,6 +456,10 @@ def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = froze
             if name in skip:
                 continue
             now = json.loads(json.dumps(value, default=str))
+            if now in UNRESOLVED and now == _default(f):
+                # Left to the run (auto, or unset): it resolves it from the same files as it did before, and
+                # records what it found (a recipe's detected --data.format, classify's label names).
+                continue
             if now != old[f.name]:
                 ok = f.name in allowed or "*" in allowed
                 (safe if ok else unsafe).append((f"--{name}", old[f.name], now))
