@@ -232,6 +232,15 @@ def test_a_stopped_rank_is_named_with_its_step_and_the_last_checkpoint(run_with_
         "--trainer.run_name toy.run1)", RANK_LOST_EXIT)
 
 
+def test_a_stopped_rank_that_left_on_torchelastics_sigterm_outside_the_loop_is_still_the_one_named():
+    """Rank 0 was stopped outside the training loop (SIGTERM there exits 128 + 15, no record); rank 1 timed out."""
+    failures = {0: _failure(128 + signal.SIGTERM, 0, 101, pid=100), 1: _failure(RANK_LOST_EXIT, 1, 100, _lost(True))}
+    line, code = describe_failure(failures, {r: {"step": 7, "run_dir": None} for r in (0, 1)}, 0.2, {100})
+    assert code == RANK_LOST_EXIT
+    assert line.startswith("zerotrain: rank 0 stopped responding after step 7; the job stopped after "
+                           "--launch.timeout_minutes 0.2. No checkpoint")
+
+
 def test_a_hung_rank_that_said_nothing_is_named_before_one_that_lost_its_connection():
     """Four ranks: 0 and 2 timed out, 3 lost its connection when they left, 1 never answered (killed at the end)."""
     progress = {r: {"step": 7, "run_dir": None} for r in range(4)}
