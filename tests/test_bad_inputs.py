@@ -91,6 +91,12 @@ CASES = [
     Case("offload-param-stage-2", "flag", "fit toy $FIT --strategy.offload_param cpu --strategy.zero_stage 2"),
     Case("offload-optimizer-stage-0", "flag", "fit toy $FIT --strategy.offload_optimizer cpu"),
     Case("nvme-without-path", "flag", "fit toy $FIT --strategy.zero_stage 3 --strategy.offload_optimizer nvme"),
+    Case("bf16-states-without-bf16-master", "flag", "fit toy $FIT --strategy.zero_stage 2 --precision.dtype bf16 "
+         "--precision.optimizer_states bf16"),
+    Case("bf16-master-at-stage-0", "flag", "fit toy $FIT --precision.dtype bf16 --precision.master_weights bf16 "
+         "--precision.optimizer_states bf16"),
+    Case("bf16-master-fp32-states-on-gpu", "flag", "fit toy $FIT --strategy.zero_stage 2 --precision.dtype bf16 "
+         "--precision.master_weights bf16"),
     Case("ddp-with-zero", "flag", "fit toy $FIT --strategy.backend ddp --strategy.zero_stage 2"),
     Case("ddp-with-json", "flag", "fit toy $FIT --strategy.backend ddp --strategy.deepspeed_config {tmp}/ok.json"),
     Case("accumulation-zero", "flag", "fit toy $FIT --strategy.gradient_accumulation_steps 0"),

@@ -25,6 +25,7 @@ from zerotrain.config.ds_config import (
     validate_ds_config,
 )
 from zerotrain.errors import ConfigError, UserError
+from zerotrain.runtime.doctor import LIBAIO_INSTALL
 from zerotrain.tasks.toy import ToyConfig
 
 PRESETS = sorted((Path(zerotrain.__file__).parent / "presets").glob("*.json"))
@@ -139,6 +140,7 @@ def test_nvme_offload_is_refused_in_one_line_where_its_io_op_cannot_be_built(tmp
             with pytest.raises(ConfigError) as refused:
                 check_nvme_io(cfg)
             assert str(refused.value).startswith(start + ": DeepSpeed's async I/O op") and "libaio" in str(refused.value)
+            assert LIBAIO_INSTALL in str(refused.value) and "offload to cpu" in str(refused.value)
     assert accelerator.asked == ["AsyncIOBuilder"] * 3
     for cfg in (make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
                 make_cfg(backend="ddp", offload_optimizer="nvme")):
@@ -597,3 +599,73 @@ def test_an_auto_warmup_of_warmup_cosine_is_one_deepspeed_accepts(tmp_path):
     fit(ToyTask(cfg))
     params = json.loads((tmp_path / "r" / "ds_config.json").read_text())["scheduler"]["params"]
     assert params["warmup_num_steps"] == 1 and params["total_num_steps"] == 3
+
+
+def _states_cfg(master: str = "bf16", states: str = "bf16", dtype: str = "bf16", **strategy: Any) -> ToyConfig:
+    cfg = make_cfg(**{"zero_stage": 2, **strategy})
+    cfg.precision = PrecisionConfig(dtype=dtype, master_weights=master, optimizer_states=states)
+    return cfg
+
+
+@pytest.mark.parametrize("master, states, offload", [("bf16", "bf16", "none"), ("bf16", "fp32", "cpu"),
+                                                     ("bf16", "bf16", "cpu"), ("fp32", "fp32", "none")])
+def test_state_precision_maps_to_deepspeeds_bf16_keys(master, states, offload):
+    cfg = _states_cfg(master, states, offload_optimizer=offload)
+    cfg.validate()
+    ds = make_ds_config(cfg, 1, "cuda", "bf16")
+    bf16 = ds["bf16"]
+    assert bf16["enabled"] is True
+    assert bf16.get("bf16_master_weights_and_grads", False) is (master == "bf16")
+    assert bf16.get("bf16_optimizer_states", False) is (states == "bf16")
+    assert ("bf16_master_weights_and_grads" in bf16) is (master == "bf16")  # the default writes nothing new
+
+
+@pytest.mark.parametrize("change, start", [
+    (dict(master="fp32"), "--precision.optimizer_states bf16 needs --precision.master_weights bf16"),
+    (dict(backend="ddp", zero_stage=0), "--precision.master_weights bf16 needs --strategy.backend deepspeed"),
+    (dict(zero_stage=0), "--precision.master_weights bf16 needs --strategy.zero_stage 1, 2 or 3"),
+    (dict(dtype="fp16"), "--precision.master_weights bf16 needs --precision.dtype bf16, got fp16"),
+    (dict(states="fp32"), "--precision.master_weights bf16 and fp32 optimizer states needs the optimizer on the host"),
+    (dict(states="fp32", zero_stage=3, offload_optimizer="nvme", nvme_path="/n"),
+     "--precision.master_weights bf16 and fp32 optimizer states cannot go to NVMe"),
+    (dict(offload_optimizer="cpu", name="sgd"), "--precision.master_weights bf16 under --strategy.offload_optimizer cpu needs --optimizer.name "
+                                                "adamw or adam (DeepSpeedCPUAdam), got sgd"),
+])
+def test_state_precision_is_refused_in_one_line_where_deepspeed_does_not_run_it(change, start):
+    name = change.pop("name", None)
+    cfg = _states_cfg(change.pop("master", "bf16"), change.pop("states", "bf16"), change.pop("dtype", "bf16"), **change)
+    if name:
+        cfg.optimizer.name = name
+    with pytest.raises(ConfigError) as refused:
+        cfg.validate()
+    assert str(refused.value).startswith(start), str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_state_precision_with_auto_is_refused_where_auto_is_not_bf16():
+    cfg = _states_cfg(dtype="auto")
+    cfg.validate()
+    with pytest.raises(ConfigError, match=r"^--precision.master_weights bf16 needs bf16 training, and "
+                                          r"--precision.dtype auto is fp32 on cpu: pass --precision.dtype bf16$"):
+        make_ds_config(cfg, 1, "cpu", "fp32")
+
+
+def test_a_users_file_decides_the_state_precision(tmp_path):
+    """A flag the file does not say too is refused; the file's keys are what the run records."""
+    from zerotrain.config.ds_config import reflect_ds_config
+
+    plain, low = tmp_path / "plain.json", tmp_path / "low.json"
+    plain.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}))
+    low.write_text(json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                        "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}}))
+    cfg = _states_cfg(deepspeed_config=str(plain))
+    cfg.validate()
+    with pytest.raises(ConfigError, match=r"^--precision.master_weights is bf16, but .*plain.json "
+                                          r"\(--strategy.deepspeed_config\) decides and does not set "
+                                          r"bf16.bf16_master_weights_and_grads"):
+        make_ds_config(cfg, 1, "cuda", "bf16")
+    recorded = _states_cfg("fp32", "fp32", deepspeed_config=str(low))
+    ds = make_ds_config(recorded, 1, "cuda", "bf16")
+    reflect_ds_config(recorded, ds, "bf16")
+    assert (recorded.precision.master_weights, recorded.precision.optimizer_states) == ("bf16", "bf16")
+    make_ds_config(_states_cfg(deepspeed_config=str(low)), 1, "cuda", "bf16")  # flags that agree pass

@@ -372,3 +372,55 @@ def test_the_unpinned_alternative_can_be_a_configured_nvme_offload(tmp_path, mon
     assert report.pick is None and report.unpinned is not None and report.unpinned.name == "zero3_nvme"
     line = estimate_mod.format_report(report).splitlines()[-1]
     assert "--strategy.offload_optimizer nvme" in line and line.endswith("--strategy.offload_pin_memory false")
+
+
+@pytest.mark.parametrize("bf16, optimizer, host", [({}, 16, 18), ({"bf16_master_weights_and_grads": True}, 12, 14),
+                                                   ({"bf16_master_weights_and_grads": True,
+                                                     "bf16_optimizer_states": True}, 8, 10)])
+def test_bf16_master_weights_and_optimizer_states_in_bytes_per_parameter(bf16, optimizer, host):
+    """Adam in bf16: fp32 master weights, gradients and moments are 16 bytes a parameter; bf16 master weights (and
+    their gradients) 12; bf16 moments too 8. Offloaded under ZeRO-2 the host holds those plus a bf16 copy."""
+    psi = 10**6
+    c = ParamCounts(total=psi, trainable=psi, largest_layer=psi, total_bytes=2 * psi, trainable_bytes=2 * psi,
+                    largest_trainable=psi)
+    ds = {"bf16": {"enabled": True, **bf16}, "zero_optimization": {"stage": 1, "reduce_bucket_size": 10}}
+    buckets = Buckets.from_ds_config(ds)
+    zero1 = model_state_memory(c, STRATEGIES["zero1"], 1, "bf16", buckets)
+    assert zero1.gpu_bytes == (2 + 2 + optimizer) * psi + 2 * 10
+    ds["zero_optimization"].update(stage=2, offload_optimizer={"device": "cpu", "pin_memory": False})
+    offload = model_state_memory(c, STRATEGIES["zero2_offload"], 1, "bf16", Buckets.from_ds_config(ds))
+    assert offload.cpu_bytes == host * psi
+    ds["zero_optimization"]["stage"] = 0  # no ZeRO optimizer: DeepSpeed keeps no master weights of its own
+    assert Buckets.from_ds_config(ds).master_element == 4
+
+
+def test_estimate_sizes_bf16_states():
+    """`zerotrain estimate` with bf16 master weights and moments: its ZeRO rows hold 8 bytes a trainable parameter
+    fewer than with fp32 ones (the toy model here; the same arithmetic lets a larger model fit)."""
+    from zerotrain.config import PrecisionConfig, StrategyConfig
+    from zerotrain.plan.estimate import estimate
+    from zerotrain.tasks.toy import ToyConfig
+
+    reports = [estimate("toy", ToyConfig(strategy=StrategyConfig(zero_stage=1),
+                                         precision=PrecisionConfig(dtype="bf16", master_weights=low,
+                                                                   optimizer_states=low)), 16, 64)
+               for low in ("fp32", "bf16")]
+    rows = [{row.name: row.memory for row in report.rows} for report in reports]
+    trainable = reports[0].counts.trainable
+    for name in ("zero1", "zero2", "zero3"):
+        assert rows[0][name].gpu_bytes - rows[1][name].gpu_bytes == 8 * trainable, name
+    assert rows[0]["zero0"].gpu_bytes == rows[1]["zero0"].gpu_bytes
+
+
+def test_estimate_names_the_nvme_disk_when_nothing_else_fits(tmp_path, capsys):
+    """Without --strategy.nvme_path, a model that fits neither GPU nor host is pointed at a disk; with it, the
+    zero3_nvme row shows what it puts there and the report the free space beside it."""
+    tight = ["estimate", "toy", "--gpu_memory_gib", "1e-7", "--host_memory_gib", "1e-7"]
+    assert main(tight) == 1
+    assert "Nothing fits: put the weights and optimizer states on a fast local disk (--strategy.nvme_path DIR" \
+        in capsys.readouterr().out
+    main(tight + ["--strategy.nvme_path", str(tmp_path / "swap")])
+    out = capsys.readouterr().out
+    assert "| zero3_nvme |" in out and "on NVMe per process (GiB)" in out
+    assert f"GiB free on the disk of {tmp_path / 'swap'} (--strategy.nvme_path)" in out
+    assert "--strategy.nvme_path DIR" not in out

@@ -536,3 +536,13 @@ def test_when_no_pinned_offload_fits_the_plan_tries_the_offloads_unpinned(tmp_pa
     pinned = parse_config("toy", [*args, "--strategy.offload_pin_memory", "true"])
     with pytest.raises(UserError, match="nothing fits"):
         planner.plan("toy", pinned, args, tmp_path / "plan2", trials=2, host_memory_gib=24)
+
+
+def test_with_bf16_master_weights_and_states_the_candidates_are_the_stages_deepspeed_runs_them_under():
+    """bf16 master weights and optimizer states run under ZeRO 1-3 only (without an offload's CPU Adam question):
+    the planner leaves out the plain engine and ZeRO-0 instead of failing the whole plan on them."""
+    cfg = parse_config("toy", ["--precision.dtype", "bf16", "--precision.master_weights", "bf16",
+                               "--precision.optimizer_states", "bf16", "--trainer.max_steps", "1"])
+    names = {c.strategy for c in candidates(cfg, "cuda")}
+    assert names and not names & {"ddp", "zero0"}
+    assert {"zero1", "zero2", "zero3"} <= names

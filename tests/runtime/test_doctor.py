@@ -135,3 +135,25 @@ def test_an_interrupted_build_does_not_hang_the_next_load(ext_root):
 ])
 def test_ops_a_deepspeed_config_builds(ds, ops):
     assert ops_for(ds) == ops
+
+
+def test_the_nvme_offload_verdict_is_deepspeeds_own_check():
+    """Ready where DeepSpeed's async I/O builder can build its op here (its check compiles and links a call of libaio's
+    io_submit), else what is missing and how to install it; which of the two depends on this machine."""
+    from zerotrain.runtime.doctor import LIBAIO_INSTALL, nvme_offload_status, op_buildable
+
+    line = nvme_offload_status()
+    if op_buildable("AsyncIOBuilder"):
+        assert line == "ready"
+    else:
+        assert line.startswith("needs libaio") and f"{LIBAIO_INSTALL})" in line
+        assert "apt install libaio-dev" in line and "yum install libaio-devel" in line
+
+
+def test_doctor_prints_the_nvme_offload_verdict_in_one_line(capsys):
+    from zerotrain.cli.doctor import run
+    from zerotrain.runtime.doctor import nvme_offload_status
+
+    assert run([]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "NVMe offload:" in line]
+    assert lines == [f"NVMe offload: {nvme_offload_status()}"]

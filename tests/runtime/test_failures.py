@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -232,6 +233,15 @@ def test_a_stopped_rank_is_named_with_its_step_and_the_last_checkpoint(run_with_
         "--trainer.run_name toy.run1)", RANK_LOST_EXIT)
 
 
+def test_a_stopped_rank_that_left_on_torchelastics_sigterm_outside_the_loop_is_still_the_one_named():
+    """Rank 0 was stopped outside the training loop (SIGTERM there exits 128 + 15, no record); rank 1 timed out."""
+    failures = {0: _failure(128 + signal.SIGTERM, 0, 101, pid=100), 1: _failure(RANK_LOST_EXIT, 1, 100, _lost(True))}
+    line, code = describe_failure(failures, {r: {"step": 7, "run_dir": None} for r in (0, 1)}, 0.2, {100})
+    assert code == RANK_LOST_EXIT
+    assert line.startswith("zerotrain: rank 0 stopped responding after step 7; the job stopped after "
+                           "--launch.timeout_minutes 0.2. No checkpoint")
+
+
 def test_a_hung_rank_that_said_nothing_is_named_before_one_that_lost_its_connection():
     """Four ranks: 0 and 2 timed out, 3 lost its connection when they left, 1 never answered (killed at the end)."""
     progress = {r: {"step": 7, "run_dir": None} for r in range(4)}
@@ -338,9 +348,13 @@ def test_a_single_nonfinite_window_is_a_transient(tmp_path, monkeypatch):
 
 def test_a_loss_nonfinite_in_consecutive_windows_stops_with_the_last_good_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr("zerotrain.metrics.tracking.memory_snapshot", lambda device: {})
+    from zerotrain.checkpoint.layout import seal
+
     for step in (4, 8, 12):  # 12 was saved after the loss went bad: not a good checkpoint
-        (tmp_path / "checkpoints" / f"step{step:08d}").mkdir(parents=True)
-        (tmp_path / "checkpoints" / f"step{step:08d}" / "COMPLETE.json").write_text("{}")
+        folder = tmp_path / "checkpoints" / f"step{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "state.pt").write_bytes(b"weights")
+        (folder / "COMPLETE.json").write_text(json.dumps({"files": seal(folder, 0, 1, checksums=True)}))
     engine = _Engine()
     logger = _logger(tmp_path, engine, every=4)
     with pytest.raises(TrainingDiverged) as caught:
@@ -475,23 +489,78 @@ def test_a_worker_killed_mid_training_ends_the_job_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_worker_ends_the_job_after_the_timeout_with_one_line(tmp_path):
-    """SIGSTOP: rank 0 waits in a collective (ZeRO-2: of DeepSpeed's own group) for 0.2 min (12 s), then stops.
+    """SIGSTOP of rank 0: rank 1 waits in a collective (ZeRO-2: of DeepSpeed's own group) for 0.2 min (12 s),
+    then stops; torchelastic's SIGTERM to the stopped rank (continued at once) promises no save it cannot make.
 
     The subprocess timeout below is what asserts that the job does not hang: 12 s, the stopped worker's
     stop signal and the teardown fit in 90 s; Gloo's default timeout for DeepSpeed's groups (30 min) does not.
     """
     proc, workers = _start_and_wait_for_step(tmp_path, 12, "0.2")
-    os.kill(workers[1], signal.SIGSTOP)
+    os.kill(workers[0], signal.SIGSTOP)
     err = _finish(proc, tmp_path, timeout=90)
     assert proc.returncode == RANK_LOST_EXIT, err[-3000:]
     assert "Traceback" not in err
+    assert "saving a checkpoint" not in err, err[-3000:]
     lines = _job_lines(err)
     assert len(lines) == 1, err[-3000:]
-    m = re.fullmatch(r"zerotrain: rank 1 stopped responding after step (?P<step>\d+); the job stopped after "
+    m = re.fullmatch(r"zerotrain: rank 0 stopped responding after step (?P<step>\d+); the job stopped after "
                      r"--launch.timeout_minutes 0.2\. " + LINE, lines[0])
     assert m, lines[0]
     assert int(m["step"]) >= 12
     assert is_complete(Path(m["ckpt"]))
+
+
+@pytest.mark.slow
+def test_the_progress_folder_of_a_killed_launcher_is_removed_by_its_workers(tmp_path):
+    """SIGKILL of the launcher: the workers it leaves finish, and the last to exit removes its progress folder
+    (the launcher removes it itself on any other way out)."""
+    import psutil
+
+    proc = start_zerotrain([*TWO, "--trainer.max_steps", "25", "--trainer.log_every_steps", "1",
+                            "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "job"], tmp_path)
+    workers: list = []
+    try:
+        metrics = tmp_path / "job" / "metrics.jsonl"
+        deadline = time.monotonic() + 240  # start-up on 2 shared cores
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()[-3000:]
+            time.sleep(0.1)
+        workers = psutil.Process(proc.pid).children()
+        folders = {w.environ()[PROGRESS_ENV] for w in workers}
+        assert len(workers) == 2 and len(folders) == 1
+        (folder,) = folders
+        assert os.path.isdir(folder)
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(workers, timeout=240)  # they run to the last step without their launcher
+        assert not alive, (tmp_path / "stderr.txt").read_text()[-3000:]
+    finally:
+        proc.kill()
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.Error:
+                pass
+    assert not os.path.exists(folder), (tmp_path / "stderr.txt").read_text()[-3000:]
+
+
+def test_progress_folders_whose_launcher_is_gone_are_removed(tmp_path):
+    """What the next launcher does for a launcher killed with its workers: only the folders of pids gone."""
+    import subprocess
+    import sys
+
+    from zerotrain.runtime.launcher import remove_stale_progress_dirs
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale = tmp_path / f"zerotrain-progress-{ended.pid}-abc"
+    live = tmp_path / f"zerotrain-progress-{os.getpid()}-def"
+    given = tmp_path / "zerotrain-progress-xyz"  # not a name a launcher makes: a folder someone gave
+    for folder in (stale, live, given):
+        folder.mkdir()
+        (folder / "rank0").write_text("3\n")
+    assert remove_stale_progress_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.is_dir() and given.is_dir()
 
 
 @pytest.mark.slow

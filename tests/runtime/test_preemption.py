@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,40 @@ def test_sigterm_to_the_command_saves_and_exits_75(tmp_path, nproc):
     assert resumed.returncode == 0, err[-3000:]
     steps = sorted(train_log(tmp_path / "run"))
     assert steps == list(range(1, meta["step"] + 3))  # nothing logged twice, nothing missing
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_workers_saved_does_not_change_the_exit_status(tmp_path):
+    """A scheduler signalling again while the launcher tears down, after its workers saved and exited with 75:
+    the launcher still exits 75 (not by SIGTERM, which a job script would not requeue)."""
+    import psutil
+
+    args = ["fit", "toy", "--trainer.max_steps", "100000", "--trainer.log_every_steps", "1", "--trainer.num_workers",
+            "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "run", "--logging.progress_bar", "false",
+            "--trainer.eval_every_steps", "100000", "--launch.nproc_per_node", "2"]
+    proc = popen_zerotrain(args, tmp_path)
+    launcher = psutil.Process(proc.pid)
+    try:
+        wait_for_rows(tmp_path / "run" / "metrics.jsonl", proc)
+        workers = launcher.children()
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(workers, timeout=120)
+        assert not alive
+        delivered = 0  # to the launcher still running (not a zombie), after its workers had exited
+        while proc.poll() is None:
+            try:
+                if launcher.status() != psutil.STATUS_ZOMBIE:
+                    launcher.send_signal(signal.SIGTERM)
+                    delivered += 1
+            except psutil.Error:
+                pass
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert delivered > 0  # the launcher's teardown outlasts the workers, long enough to be signalled again
+    assert proc.returncode == PREEMPTED_EXIT, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    (folder,) = complete_checkpoints(tmp_path / "run" / "checkpoints")
+    assert json.loads((folder / MARKER).read_text())["world_size"] == 2

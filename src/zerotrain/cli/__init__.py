@@ -48,10 +48,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     module = importlib.import_module(f"zerotrain.cli.{name}")
     # Deferred here and below: the launcher imports torch's elastic package (3 s), and `zerotrain --help` or a
     # mistyped subcommand answers without it.
-    from zerotrain.runtime.launcher import ErrorFile, under_own_launcher
+    from zerotrain.runtime.launcher import ErrorFile, remove_orphaned_progress_dir, under_own_launcher
 
     run = _collective_failures_as_rank_lost(module.run)
-    if under_own_launcher():
+    worker = under_own_launcher()
+    if worker:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         run = record(run, error_handler=ErrorFile(name))
@@ -61,10 +62,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("zerotrain: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        code = _stopped(name, exc, said_by_launcher=under_own_launcher())
+        code = _stopped(name, exc, said_by_launcher=worker)
         if code is None:
             raise
         return code
+    finally:
+        if worker:  # a launcher killed (SIGKILL) could not remove its progress folder: the workers that outlive it do
+            remove_orphaned_progress_dir()
 
 
 def _stopped(name: str, exc: Exception, said_by_launcher: bool) -> Optional[int]:

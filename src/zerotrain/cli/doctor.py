@@ -37,6 +37,9 @@ def run(argv: list[str]) -> int:
         return 0
     info = report()
     for section, values in info.items():
+        if isinstance(values, str):  # a verdict: one line
+            print(f"{section}: {values}")
+            continue
         print(f"{section}:")
         if isinstance(values, dict):
             width = max(map(len, values), default=0)

@@ -184,6 +184,10 @@ class PrecisionConfig:
     """fp16: overflows tolerated before the loss scale is lowered."""
     min_loss_scale: float = 1.0
     """fp16: the loss scale never drops below this."""
+    master_weights: Literal["fp32", "bf16"] = "fp32"
+    """The optimizer's copy of the weights and their gradients (DeepSpeed ZeRO 1-3 with --precision.dtype bf16): fp32, 8 bytes a parameter; bf16, 4 bytes, but an update smaller than bf16's resolution of a weight is lost. bf16 with fp32 optimizer states needs the optimizer on the host (--strategy.offload_optimizer cpu, Adam)."""
+    optimizer_states: Literal["fp32", "bf16"] = "fp32"
+    """The optimizer's states (Adam's two moments): fp32, 8 bytes a parameter, or bf16, 4 bytes. bf16 needs --precision.master_weights bf16."""
 
 
 @dataclass
@@ -419,6 +423,18 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
+UNRESOLVED: tuple[Any, ...] = ("auto", None)
+"""Values that leave a setting to the run, which writes back what it resolved them to."""
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
 def check_cache_dir_setting(cache_dir: Any, flag: str = "--data.cache_dir") -> None:
     """Any recipe's ``--data.cache_dir``: a folder, or a path where one can be made. A file there, or a file where a
     parent folder should be, is one line before any process starts (the tokenizer would fail deep in ``datasets``)."""
@@ -446,7 +462,8 @@ def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = froze
     ``resume_safe`` the settings a resume may change (:data:`ALL_SAFE`: all of them); every other setting
     shapes the model, the data stream or the numerics, and a change of it is unsafe. A setting absent on
     either side (a run recorded by another zerotrain version) is not compared, nor are the flags in ``skip``
-    (``section.field``: settings not resolved yet). Values are compared as JSON holds them (tuples as lists).
+    (``section.field``: settings not resolved yet), nor a setting left at its default "auto" or None, which
+    the run resolves (from the same files) and records. Values are compared as JSON holds them (tuples as lists).
     """
     safe: list[tuple[str, Any, Any]] = []
     unsafe: list[tuple[str, Any, Any]] = []
@@ -463,6 +480,10 @@ def resume_changes(saved: dict[str, Any], cfg: Any, skip: frozenset[str] = froze
             if name in skip:
                 continue
             now = json.loads(json.dumps(value, default=str))
+            if now in UNRESOLVED and now == _default(f):
+                # Left to the run (auto, or unset): it resolves it from the same files as it did before, and
+                # records what it found (a recipe's detected --data.format, classify's label names).
+                continue
             if now != old[f.name]:
                 ok = f.name in allowed or "*" in allowed
                 (safe if ok else unsafe).append((f"--{name}", old[f.name], now))
@@ -482,11 +503,49 @@ def check_across_sections(cfg: "RunConfig") -> None:
                           "--compile.mode default")
     if cfg.precision.dtype == "fp16" and st.backend == "deepspeed" and cfg.precision.initial_scale_power < 0:
         raise ConfigError("--precision.initial_scale_power", "must be >= 0")
+    check_state_precision(cfg)
     if ck.resume == "auto" and not tr.run_name:
         raise ConfigError("--checkpoint.resume", "auto continues the run named by --trainer.run_name, and none is "
                           "given: pass --trainer.run_name NAME (the folder name under --trainer.output_dir)")
     if tr.max_steps is not None:
         check_warmup(sched.warmup_steps, tr.max_steps)
+
+
+def check_state_precision(cfg: "RunConfig") -> None:
+    """Refuse bf16 master weights or optimizer states where DeepSpeed 0.19 does not run them, in one line.
+
+    DeepSpeed's rules (its ``bf16.bf16_master_weights_and_grads`` and ``bf16.bf16_optimizer_states``): ZeRO stage
+    1-3 only; bf16 states only beside bf16 master weights; bf16 master weights with fp32 states only with the
+    optimizer offloaded as DeepSpeedCPUAdam; under optimizer offload, DeepSpeedCPUAdam (it stores the moments in
+    bf16 itself). NVMe optimizer offload swaps every optimizer tensor in the master weights' dtype, so there fp32
+    states beside bf16 master weights are refused too. The 16-bit weights must be bf16: fp16 has its own master
+    weights scheme, and fp32 training has no 16-bit copy to keep. With a user's DeepSpeed file, its ``bf16`` block
+    decides (``zerotrain.config.ds_config`` refuses flags that say otherwise)."""
+    p, st = cfg.precision, cfg.strategy
+    if p.optimizer_states == "bf16" and p.master_weights != "bf16":
+        raise ConfigError("--precision.optimizer_states bf16", "needs --precision.master_weights bf16 (DeepSpeed "
+                          "keeps the moments in bf16 only beside bf16 master weights)")
+    if p.master_weights != "bf16":
+        return
+    flag = "--precision.master_weights bf16"
+    if st.backend != "deepspeed":
+        raise ConfigError(flag, "needs --strategy.backend deepspeed (a DeepSpeed ZeRO 1-3 option)")
+    if st.deepspeed_config:  # the file's bf16 block decides; the flags must agree with it (ds_config checks)
+        return
+    if st.zero_stage == 0:
+        raise ConfigError(flag, "needs --strategy.zero_stage 1, 2 or 3")
+    if p.dtype in ("fp32", "fp16"):
+        raise ConfigError(flag, f"needs --precision.dtype bf16, got {p.dtype}")
+    offloaded = st.offload_optimizer != "none"
+    if p.optimizer_states == "fp32" and not offloaded:
+        raise ConfigError(flag, "and fp32 optimizer states needs the optimizer on the host (DeepSpeedCPUAdam): add "
+                          "--strategy.offload_optimizer cpu, or --precision.optimizer_states bf16")
+    if p.optimizer_states == "fp32" and st.offload_optimizer == "nvme":
+        raise ConfigError(flag, "and fp32 optimizer states cannot go to NVMe (DeepSpeed swaps every optimizer tensor "
+                          "in the master weights' dtype): add --precision.optimizer_states bf16, or offload to cpu")
+    if offloaded and cfg.optimizer.name not in ("adam", "adamw"):
+        raise ConfigError(flag, f"under --strategy.offload_optimizer {st.offload_optimizer} needs --optimizer.name "
+                          f"adamw or adam (DeepSpeedCPUAdam), got {cfg.optimizer.name}")
 
 
 def run_name_problem(name: str) -> Optional[str]:

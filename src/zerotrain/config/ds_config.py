@@ -32,7 +32,7 @@ from zerotrain.engines.ds_private.config import (
     zero_optimization_keys,
 )
 from zerotrain.errors import ConfigError, UserError
-from zerotrain.runtime.doctor import op_buildable
+from zerotrain.runtime.doctor import nvme_offload_status
 
 ResolvedPrecision = Literal["fp32", "fp16", "bf16"]
 
@@ -92,6 +92,12 @@ def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Res
     if block is None:
         # The client optimizer steps the offloaded partition on the host, as the table's torch optimizers do
         ds["zero_force_ds_cpu_optimizer"] = False
+    if cfg.precision.master_weights == "bf16":
+        if precision != "bf16":  # --precision.dtype auto, resolved on this device
+            raise ConfigError("--precision.master_weights bf16", f"needs bf16 training, and --precision.dtype "
+                              f"{cfg.precision.dtype} is {precision} on {device}: pass --precision.dtype bf16")
+        ds["bf16"]["bf16_master_weights_and_grads"] = True
+        ds["bf16"]["bf16_optimizer_states"] = cfg.precision.optimizer_states == "bf16"
     if precision == "fp16":
         ds["fp16"] = {
             "enabled": True,
@@ -516,6 +522,7 @@ def reflect_ds_config(cfg: RunConfig, ds: dict[str, Any], precision: str) -> Non
     records the settings the run used rather than the typed config the file overrode."""
     s, zero = cfg.strategy, ds.get("zero_optimization") or {}
     cfg.precision.dtype = precision
+    cfg.precision.master_weights, cfg.precision.optimizer_states = state_precision(ds)  # type: ignore[assignment]
     s.zero_stage = zero.get("stage", 0)
     for name in ("offload_optimizer", "offload_param"):
         device = _offload_device(zero.get(name))
@@ -568,14 +575,14 @@ def check_nvme_io(cfg: RunConfig) -> None:
     if not nvme:
         return
 
-    if op_buildable("AsyncIOBuilder"):
+    status = nvme_offload_status()
+    if status == "ready":
         return
     flag, what = ((f"--strategy.deepspeed_config {s.deepspeed_config}", f"(zero_optimization.{nvme[0]}.device nvme)")
                   if s.deepspeed_config else (f"--strategy.{nvme[0]}", "nvme"))
-    raise ConfigError(flag, f"{what}: DeepSpeed's async I/O op, which NVMe offload needs, cannot be built here "
-                            "(libaio not found). Install libaio with its headers (apt install libaio-dev, dnf install "
-                            "libaio-devel, or conda install -c conda-forge libaio with CFLAGS=-I$CONDA_PREFIX/include "
-                            "LDFLAGS=-L$CONDA_PREFIX/lib), or offload to cpu; `zerotrain doctor` shows the op's state")
+    raise ConfigError(flag, f"{what}: DeepSpeed's async I/O op, which NVMe offload needs, cannot be built here: "
+                            f"NVMe offload {status}. Or offload to cpu; `zerotrain doctor` shows the "
+                            "op's state")
 
 
 def _offload_device(block: Any) -> str | None:
@@ -618,6 +625,8 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
+        _check_state_precision_agrees(ds, cfg.precision.master_weights, cfg.precision.optimizer_states,
+                                      cfg.strategy.deepspeed_config)
         if "optimizer" in user and "optimizer" not in generated:
             raise ConfigError("--optimizer.name", f"{cfg.optimizer.name} and the optimizer block of "
                               f"{cfg.strategy.deepspeed_config} (--strategy.deepspeed_config) both name an optimizer: "
@@ -634,6 +643,26 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
                           f"{s.deepspeed_config}, but CUDA graphs (--compile.mode reduce-overhead) would "
                           "overwrite the gradients accumulated so far: set it to 1 or --compile.mode default")
     return ds
+
+
+def state_precision(ds: dict[str, Any]) -> tuple[str, str]:
+    """(master weights, optimizer states) precision of a DeepSpeed config: bf16 where its enabled ``bf16`` block
+    sets ``bf16_master_weights_and_grads`` / ``bf16_optimizer_states``, else fp32."""
+    bf16 = ds.get("bf16") if _enabled(ds.get("bf16")) else {}
+    master = "bf16" if bf16.get("bf16_master_weights_and_grads") is True else "fp32"
+    states = "bf16" if master == "bf16" and bf16.get("bf16_optimizer_states") is True else "fp32"
+    return master, states
+
+
+def _check_state_precision_agrees(ds: dict[str, Any], master: str, states: str, path: str) -> None:
+    """A user's file decides the precision of its master weights and optimizer states; a bf16 flag that the file
+    does not say too would be dropped without a word, so it is refused instead (fp32, the default, is no request)."""
+    ran = state_precision(ds)
+    for flag, asked, key, got in (("--precision.master_weights", master, "bf16_master_weights_and_grads", ran[0]),
+                                  ("--precision.optimizer_states", states, "bf16_optimizer_states", ran[1])):
+        if asked == "bf16" and got != "bf16":
+            raise ConfigError(flag, f"is bf16, but {path} (--strategy.deepspeed_config) decides and does not set "
+                              f"bf16.{key}: set it to true there (with bf16.enabled), or leave {flag} unset")
 
 
 def _check_pinning_agrees(ds: dict[str, Any], pin: bool | None, path: str) -> None:

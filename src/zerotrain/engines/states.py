@@ -20,6 +20,11 @@ DeepSpeed ZeRO-0's fast path                          several GPUs (its
 (DeepSpeed's bf16/fp16 blocks cast the model to 16 bits; autocast keeps the dtypes the recipe
 built, e.g. a LoRA base model loaded in bf16 with fp32 adapters.)
 
+In bf16, DeepSpeed's ``bf16_master_weights_and_grads`` (``--precision.master_weights bf16``) keeps the master
+weights and their gradient partition in bf16 and ``bf16_optimizer_states`` the states too: the optimizer's
+8 + 4k becomes 4 + 4k, then 4 + 2k (Adam: 16, 12, 8 bytes a parameter; with the weights and gradients,
+20, 16, 12), wherever they live (GPU, host or disk). :class:`Buckets` carries the two element sizes.
+
 ZeRO partitions them over the N GPUs: stage 1 the optimizer state, stage 2 also the gradients,
 stage 3 also the weights (plus the largest layer gathered twice over: the one computing and the one
 prefetched). Offloading moves the optimizer state (and with ``offload_param`` the weights) to host
@@ -137,8 +142,9 @@ def count_params(model: nn.Module) -> ParamCounts:
 
 @dataclass(frozen=True)
 class Buckets:
-    """DeepSpeed's ``zero_optimization`` settings that size what the ZeRO stages allocate: the gradient
-    buckets, and whether the offloaded states are pinned."""
+    """DeepSpeed's settings that size what the ZeRO stages allocate beyond the stage and the precision: the gradient
+    buckets, whether the offloaded states are pinned, the NVMe swap buffers (``zero_optimization``), and the
+    precision of the master weights and optimizer states (the ``bf16`` block)."""
 
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = False
@@ -152,6 +158,11 @@ class Buckets:
     param_swap_buffers: int = 5
     """``offload_param.buffer_count``: pinned host buffers of ``param_swap_buffer_size`` elements each."""
     param_swap_buffer_size: int = 100_000_000
+    master_element: int = 4
+    """Bytes of an element of the optimizer's master weights and of their gradients: 4 (fp32), 2 under
+    ``bf16.bf16_master_weights_and_grads`` (``--precision.master_weights bf16``)."""
+    state_element: int = 4
+    """Bytes of an element of the optimizer's states: 4 (fp32), 2 under ``bf16.bf16_optimizer_states``."""
 
     @classmethod
     def from_ds_config(cls, ds: dict) -> "Buckets":
@@ -160,12 +171,16 @@ class Buckets:
         params = zero.get("offload_param") or {}
         # DeepSpeed 0.19's ZeRO-1/2 turn contiguous gradients back on under optimizer offload.
         offloaded = offload.get("device", "none") not in ("none", None)
+        bf16 = ds.get("bf16") if isinstance(ds.get("bf16"), dict) and ds["bf16"].get("enabled") is True else {}
+        # DeepSpeed's ZeRO stages 1-3 keep bf16 master weights; stage 0 has none of its own
+        master = 2 if bf16.get("bf16_master_weights_and_grads") is True and zero.get("stage", 0) in (1, 2, 3) else 4
+        state = 2 if master == 2 and bf16.get("bf16_optimizer_states") is True else 4
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
                    bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)),
                    int(zero.get("sub_group_size", cls.sub_group_size)),
                    int(offload.get("buffer_count", cls.optimizer_swap_buffers)),
                    int(params.get("buffer_count", cls.param_swap_buffers)),
-                   int(params.get("buffer_size", cls.param_swap_buffer_size)))
+                   int(params.get("buffer_size", cls.param_swap_buffer_size)), master, state)
 
 
 def pinned(nbytes: float) -> float:
@@ -202,7 +217,7 @@ class StateMemory:
 
 
 def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_size: int,
-                 autocast: bool, states: int) -> tuple[float, float, float]:
+                 autocast: bool, states: int, buckets: Buckets) -> tuple[float, float, float]:
     """Unpartitioned (weights, gradients, optimizer state) bytes: the module docstring's table."""
     psi, t = counts.total, counts.trainable
     if strategy.backend == "ddp" or autocast:
@@ -210,7 +225,7 @@ def _state_bytes(counts: ParamCounts, strategy: Strategy, precision: str, world_
         return counts.total_bytes, ddp_copy * counts.trainable_bytes, states * counts.trainable_bytes
     if precision == "fp32":
         return 4 * psi, 4 * t, 4 * states * t
-    return 2 * psi, 2 * t, (8 + 4 * states) * t
+    return 2 * psi, 2 * t, (2 * buckets.master_element + buckets.state_element * states) * t
 
 
 def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,
@@ -223,7 +238,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     ``grad_accum``: micro-batches a step; under ZeRO-1/2 optimizer offload more than one costs host memory.
     ``optimizer_states``: state tensors per trainable parameter (:func:`optimizer_states`; Adam: 2)."""
     n = world_size
-    weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast, optimizer_states)
+    weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast, optimizer_states, buckets)
+    master = buckets.master_element if precision != "fp32" else 4
     stage = strategy.zero_stage if strategy.backend == "deepspeed" else 0
     element = 4 if precision == "fp32" else 2  # bytes of a weight/gradient element inside DeepSpeed
     if stage >= 1:
@@ -252,11 +268,12 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         # (stage3.py, grad_partitions_flat_buffer), pinned with the offload's pin_memory.
         held = pinned if buckets.pin_memory else float
         nvme += optim
-        cpu += buckets.optimizer_swap_buffers * 4 * min(buckets.sub_group_size, counts.trainable / n)
-        cpu += held(4 * counts.trainable / n)
+        cpu += buckets.optimizer_swap_buffers * master * min(buckets.sub_group_size, counts.trainable / n)
+        cpu += held(master * counts.trainable / n)
         optim = 0
     elif strategy.offload_optimizer != "none":
-        cpu += (_offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states)
+        cpu += (_offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states,
+                                     master, buckets.state_element)
                 if stage in (1, 2) else optim)
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
@@ -281,7 +298,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     elif stage in (1, 2):
         # The 16-bit gradients, the fp32 gradient partition inside the optimizer's 16 bytes (unless
         # offloaded with it) and the bucket: allocated in the backward pass, freed by the step's end.
-        fp32_grad = 4 * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
+        fp32_grad = master * counts.trainable / n if precision != "fp32" and strategy.offload_optimizer == "none" else 0
         late_bucket = bucket
         transient = grads + fp32_grad + bucket
     # At start-up ZeRO-1/2 copy the trainable weights (in their dtype) into one flat buffer while the parameters
@@ -293,12 +310,14 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
                        cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none", nvme_bytes=int(nvme))
 
 
-def _offloaded_partition(partition: float, element: int, pin: bool, states: int = ADAM_STATES) -> float:
+def _offloaded_partition(partition: float, element: int, pin: bool, states: int = ADAM_STATES, master: int = 4,
+                         state: int = 4) -> float:
     """Host bytes of one ZeRO-1/2 optimizer-offload partition of ``partition`` parameters (one param group):
     the fp32 master weights, their fp32 gradients and a weights-dtype copy that the updated weights go back
     to the GPU through, each pinned when ``pin``, and the optimizer's ``states`` fp32 states (Adam's two moments:
     DeepSpeedCPUAdam allocates them, not pinned). DeepSpeed 0.19's ``stage_1_and_2.py``: ``single_partition_of_fp32_groups`` and its
     ``.grad``, ``param_buffer_of_bit16_for_cpu_offload_groups``. Measured on one H100 host: 5.06B parameters
-    at 120.3 GiB (this model: 119.8), 0.93B at 19.2 GiB (18.5)."""
+    at 120.3 GiB (this model: 119.8), 0.93B at 19.2 GiB (18.5). ``master``/``state``: bytes of an element of the
+    master weights (and their gradients) and of the states, 2 where they are bf16 (:class:`Buckets`)."""
     held = pinned if pin else float
-    return held(4 * partition) + held(4 * partition) + held(element * partition) + 4 * states * partition
+    return held(master * partition) + held(master * partition) + held(element * partition) + state * states * partition

@@ -183,13 +183,15 @@ _event_files = itertools.count()
 
 
 def _framed(data: bytes) -> bytes:
-    """One TFRecord: the length, its masked crc32c, the data, its masked crc32c."""
-    import struct
+    """One TFRecord (the length, its masked crc32c, the data, its masked crc32c), framed by TensorBoard's own
+    record writer into memory, so that several records can go to the file in one write."""
+    import io
 
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.summary.writer.record_writer import RecordWriter
 
-    header = struct.pack("<Q", len(data))
-    return header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+    buffer = io.BytesIO()
+    RecordWriter(buffer).write(data)
+    return buffer.getvalue()
 
 
 def _records(raw: bytes) -> Iterator[bytes]:

@@ -68,6 +68,10 @@ class EstimateReport:
     """Without a probe, for a recipe that reports its transformer's shape: the activations its config implies."""
     modelled_gpu_bytes: Optional[dict[str, float]] = None
     """With ``modelled``: each strategy's peak GPU bytes, its states and those activations (judged to fit with them)."""
+    nvme_path: Optional[str] = None
+    """``--strategy.nvme_path``: the disk NVMe offload puts the states on; None when not given."""
+    disk_free_bytes: float = math.inf
+    """Free bytes on the disk of ``nvme_path``."""
 
     @property
     def pick(self) -> Optional[str]:
@@ -196,7 +200,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
                           micro_batch_size=cfg.trainer.micro_batch_size,
                           activation_checkpointing=cfg.activation_checkpointing.enabled,
                           configured={k: v for k, v in strategies.items() if k not in STRATEGIES},
-                          unpinned=alternative, modelled=modelled, modelled_gpu_bytes=modelled_gpu)
+                          unpinned=alternative, modelled=modelled, modelled_gpu_bytes=modelled_gpu,
+                          nvme_path=s.nvme_path, disk_free_bytes=disk)
 
 
 def _free_disk(folder: Optional[str]) -> float:
@@ -251,6 +256,10 @@ def format_report(report: EstimateReport) -> str:
     else:
         lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket); activations come "
                   "on top (--measure measures them on this machine)."]
+    if nvme:
+        lines.append(f"NVMe: {report.disk_free_bytes / GIB:.1f} GiB free on the disk of {report.nvme_path} "
+                     "(--strategy.nvme_path); a row fits only where its NVMe column times the processes of a host "
+                     "fits there.")
     if gpu is None:
         return "\n".join(lines)
     pick = report.pick
@@ -260,7 +269,9 @@ def format_report(report: EstimateReport) -> str:
                      f"per process, slower host-GPU copies)   ->   zerotrain fit {report.recipe} ... "
                      f"{' '.join({**STRATEGIES, **report.configured}[alt.name].flags())} --strategy.offload_pin_memory false")
     elif pick is None:
-        lines.append("Nothing fits: add GPUs (--launch.nproc_per_node, --launch.nnodes), train fewer parameters "
+        disk = ("" if report.nvme_path else "put the weights and optimizer states on a fast local disk "
+                "(--strategy.nvme_path DIR adds the zero3_nvme row), ")
+        lines.append(f"Nothing fits: {disk}add GPUs (--launch.nproc_per_node, --launch.nnodes), train fewer parameters "
                      "(the lora recipe), or lower --reserve_gib.")
     else:
         lines.append(f"Pick: {pick}   ->   zerotrain fit {report.recipe} ... {' '.join({**STRATEGIES, **report.configured}[pick].flags())}")

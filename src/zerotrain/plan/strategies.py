@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from zerotrain.config import check_state_precision
 from zerotrain.engines.states import Strategy
+from zerotrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from zerotrain.config import RunConfig
@@ -43,7 +45,19 @@ def offloads(strategy: Strategy) -> bool:
 
 def available(cfg: "RunConfig", device: str = "cuda") -> dict[str, Strategy]:
     """The strategies a run of ``cfg`` can take on ``device``, in :data:`STRATEGIES` order: no offload on the
-    CPU, NVMe offload only with ``--strategy.nvme_path``."""
+    CPU, NVMe offload only with ``--strategy.nvme_path``, and with bf16 master weights or optimizer states only
+    those DeepSpeed runs them under (ZeRO 1-3, :func:`zerotrain.config.check_state_precision`)."""
     return {name: s for name, s in STRATEGIES.items()
             if (device == "cuda" or not offloads(s))
-            and (cfg.strategy.nvme_path or "nvme" not in (s.offload_optimizer, s.offload_param))}
+            and (cfg.strategy.nvme_path or "nvme" not in (s.offload_optimizer, s.offload_param))
+            and _state_precision_runs(cfg, s)}
+
+
+def _state_precision_runs(cfg: "RunConfig", strategy: Strategy) -> bool:
+    if cfg.precision.master_weights == "fp32" and cfg.precision.optimizer_states == "fp32":
+        return True
+    try:
+        check_state_precision(strategy.apply(cfg))
+    except ConfigError:
+        return False
+    return True

@@ -12,6 +12,8 @@ roughly how long it takes.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.metadata as md
 import logging
 import os
@@ -97,7 +99,7 @@ def report() -> dict[str, Any]:
     compilers = {"gcc": _tool(["gcc", "--version"]), "nvcc": _tool(["nvcc", "--version"]),
                  "ninja": _tool(["ninja", "--version"])}
     return {"versions": versions, "gpus": gpus, "cuda": cuda, "compilers": compilers, "deepspeed ops": _ops(),
-            "deepspeed patches": deepspeed_patches()}
+            "deepspeed patches": deepspeed_patches(), "NVMe offload": nvme_offload_status()}
 
 
 def deepspeed_patches() -> dict[str, str]:
@@ -120,6 +122,45 @@ def op_buildable(op: str) -> bool:
 
     builder = get_accelerator().create_op_builder(op)
     return builder is not None and bool(builder.is_compatible(verbose=False))
+
+
+LIBAIO_INSTALL = ("Debian/Ubuntu: apt install libaio-dev; RHEL: yum install libaio-devel; "
+                  "or conda install -c conda-forge libaio")
+"""How to get libaio and its headers, which DeepSpeed's async I/O op (NVMe offload) is compiled against."""
+
+LIBAIO_PREFIX = ("libaio under another prefix P (conda: $CONDA_PREFIX): export CPATH=P/include LIBRARY_PATH=P/lib "
+                 "LD_LIBRARY_PATH=P/lib")
+"""What the compiler and the loader need to find a libaio outside the system folders: the op is compiled by the
+system compiler, which reads CPATH and LIBRARY_PATH, and loaded by the dynamic loader, which reads LD_LIBRARY_PATH."""
+
+
+def libaio_loadable() -> bool:
+    """Whether the dynamic loader finds libaio's shared library (``libaio.so.1``): the runtime half of what the
+    async I/O op needs; the headers, the other half, only the op's own check sees."""
+    for name in (ctypes.util.find_library("aio"), "libaio.so.1"):
+        if not name:
+            continue
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            continue
+        return True
+    return False
+
+
+def nvme_offload_status() -> str:
+    """``ready`` where DeepSpeed's async I/O op can be built here (its own check: it compiles and links a
+    program calling libaio's ``io_submit``), else what is missing and how to install it, in one line."""
+    try:
+        ready = op_buildable("AsyncIOBuilder")
+    except Exception as exc:  # deepspeed missing or broken: the report says so in its own section
+        return f"unknown (DeepSpeed's async I/O op cannot be checked: {type(exc).__name__}: {exc})"
+    if ready:
+        return "ready"
+    if libaio_loadable():
+        return (f"needs libaio's headers (libaio.so.1 is installed, libaio.h is not found; {LIBAIO_INSTALL}; "
+                f"{LIBAIO_PREFIX})")
+    return f"needs libaio ({LIBAIO_INSTALL})"
 
 
 def _ops() -> dict[str, str]:

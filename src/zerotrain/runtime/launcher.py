@@ -137,9 +137,21 @@ def adopt_slurm_env(launch: LaunchConfig) -> None:
 PREEMPTION_SAVE_TIMEOUT_S = 600
 """How long the launcher waits, after forwarding a stop signal, for its workers to save and exit."""
 
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
+"""The signals torchelastic forwards to the workers for this launcher (``--signals-to-handle``)."""
+
+
 PROGRESS_ENV = "ZEROTRAIN_PROGRESS_DIR"
 """Folder of the per-rank progress files; set by :func:`spawn_local_workers` for its workers, which also
 tells a worker that this launcher, not the worker, says how the job ended."""
+
+
+PROGRESS_OWNER_ENV = "ZEROTRAIN_PROGRESS_OWNER"
+"""The pid of the launcher that made the progress folder (unset when the folder was given): the folder is removed
+by whoever outlives that launcher (see :func:`remove_orphaned_progress_dir`, :func:`remove_stale_progress_dirs`)."""
+
+_OWN_FOLDER = re.compile(r"zerotrain-progress-(\d+)-[^/]*")
+"""The name of a progress folder a launcher made: ``zerotrain-progress-<its pid>-<random>``."""
 
 
 def under_own_launcher() -> bool:
@@ -147,14 +159,15 @@ def under_own_launcher() -> bool:
     return bool(os.environ.get(PROGRESS_ENV)) and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
 
 
-def torchrun_arguments(launch: LaunchConfig, argv: list[str]):
+def torchrun_arguments(launch: LaunchConfig, argv: list[str], log_dir: Optional[str] = None):
     """torchrun's parsed arguments for ``python -m zerotrain ARGV`` in ``nproc_per_node`` processes.
 
     Single node: torchrun's standalone mode picks a free port. Several nodes: a static rendezvous at
     ``rdzv_endpoint`` with this node's ``node_rank``, exactly as ``torchrun --nnodes --node-rank
     --master-addr --master-port`` would do. Parsed by torchrun's own parser; a flag this torch's
     torchrun does not have yet is left out (torch 2.11 has ``--signals-to-handle``, not
-    ``--shutdown-timeout``): both only help, neither is needed to run.
+    ``--shutdown-timeout``): both only help, neither is needed to run. ``log_dir``: where torchelastic keeps its
+    per-worker files (error files, redirected output); by default a temporary folder it never removes.
     """
     from torch.distributed.run import get_args_parser
 
@@ -167,9 +180,11 @@ def torchrun_arguments(launch: LaunchConfig, argv: list[str]):
                  f"--master-addr={host}", f"--master-port={port}",
                  # The static rendezvous' TCPStore waits this long for every node (torchrun's default: 600 s).
                  f"--rdzv-conf=timeout={max(1, round(launch.rdzv_timeout_minutes * 60))}"]
+    if log_dir is not None:
+        args.append(f"--log-dir={log_dir}")
     # Forward SLURM's --signal=USR1 too (by default it would kill this launcher and orphan the workers), and
     # give the workers time to save their pre-emption checkpoint before torchelastic's SIGKILL.
-    optional = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+    optional = [f"--signals-to-handle={','.join(FORWARDED_SIGNALS)}",
                 f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}"]
     parsed, _lacking = get_args_parser().parse_known_args([*args, *optional, "-m", "zerotrain", *argv])
     return parsed
@@ -180,27 +195,37 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
 
     Returns 0, or the job's exit status after one line on stderr (see :func:`describe_failure`).
     torchelastic's own warnings and failure banner are muted for this call.
+
+    The status is decided once the workers have exited, and a scheduler's later signal must not change it (a
+    second SIGTERM during the teardown would otherwise end this process by that signal, not with the 75 that
+    asks for a requeue): from then on this process ignores the stop signals (SIGTERM, SIGINT, SIGHUP, SIGQUIT,
+    SIGUSR1), and leaves them ignored on return, for the process to exit with that status. Ignored, not
+    handled: Python puts its own handlers back to the default while the interpreter shuts down.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    args = torchrun_arguments(launch, argv)
     # Until the workers start, the launcher sits in TCPStore's C++ wait, where Python's KeyboardInterrupt is
     # never delivered: Ctrl-C must end the process at once. torchelastic installs its own SIGINT handler
     # (stop the workers, then raise) when it starts them. Set before the line that promises "Ctrl-C stops":
     # a process started with SIGINT ignored (inherited from its parent) would otherwise lose an early Ctrl-C.
-    saved_sigint = _default_sigint()
+    _default_sigint()
     if launch.nnodes > 1:
         print(f"zerotrain: node {launch.node_rank} of {launch.nnodes}: waiting up to {launch.rdzv_timeout_minutes:g} min "
               f"(--launch.rdzv_timeout_minutes) for all {launch.nnodes} nodes to join at {launch.rdzv_endpoint} "
               "(Ctrl-C stops)", file=sys.stderr, flush=True)
     saved_levels = _silence_torchelastic()
     folder, own_folder = _progress_dir()
+    # torchelastic's own files go into the same folder, removed with it (by default they stay in the temp folder).
+    args = torchrun_arguments(launch, argv, log_dir=os.path.join(folder, "torchelastic") if own_folder else None)
     watcher = StoppedWorkers().start()
     code = 0
     try:
-        run(args)
+        try:
+            run(args)
+        finally:
+            _ignore_stop_signals()  # the workers have exited: what they did decides the status
     except ChildFailedError as exc:  # lists every failed rank of this node, the ones torchelastic stopped too
         line, code = describe_failure(exc.failures, read_progress(folder), launch.timeout_minutes, watcher.stopped)
         if line:
@@ -220,12 +245,12 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
         code = 1
     finally:
         watcher.stop()
-        _restore_sigint(saved_sigint)
         _restore_levels(saved_levels)
         if own_folder:
             import shutil
 
             os.environ.pop(PROGRESS_ENV, None)
+            os.environ.pop(PROGRESS_OWNER_ENV, None)
             shutil.rmtree(folder, ignore_errors=True)
     return code
 
@@ -250,9 +275,12 @@ def _default_sigint():
     return signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _restore_sigint(saved) -> None:
-    if saved is not None:
-        signal.signal(signal.SIGINT, saved)
+def _ignore_stop_signals() -> None:
+    """Ignore the stop signals from now on (main thread only: elsewhere Python cannot set a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in FORWARDED_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 _ARCH = re.compile(r"^(\d+\.\d+)[a-z]?(\+PTX)?$")
@@ -420,13 +448,16 @@ def describe_failure(failures: dict, progress: Optional[dict[int, dict]] = None,
         return "before its first step" if step is None else f"after step {step}"
 
     lost = {r: rec for r, rec in said.items() if rec["status"] == RANK_LOST_EXIT}
-    crashed = {r: f for r, f in failures.items() if f.exitcode > 0 and r not in lost}
+    stopped_ranks = sorted(r for r, f in failures.items() if f.pid in stopped)
+    # A worker that left on torchelastic's SIGTERM outside the training loop (status 128 + 15) once another had
+    # failed, or after being found stopped, is no cause either.
+    crashed = {r: f for r, f in failures.items() if f.exitcode > 0 and r not in lost
+               and not (f.exitcode - 128 in _STOP_SIGNALS and (lost or r in stopped_ranks))}
     if crashed:
         rank, failure = min(crashed.items(), key=lambda item: (item[1].timestamp, item[0]))
         return (f"zerotrain: rank {rank} (local rank {failure.local_rank}) failed with exit status {failure.exitcode} "
                 f"{after(rank)}; its traceback, if any, is above", failure.exitcode)
     checkpoint = last_checkpoint_hint(progress)
-    stopped_ranks = sorted(r for r, f in failures.items() if f.pid in stopped)
     killed = {r: f for r, f in failures.items() if f.exitcode < 0 and -f.exitcode not in _STOP_SIGNALS}
     if lost:
         # A kill that came after a rank had reported a failed collective is torchelastic's own SIGKILL of a
@@ -555,16 +586,95 @@ def read_progress(folder: Optional[str]) -> dict[int, dict]:
 
 
 def _progress_dir() -> tuple[str, bool]:
-    """The folder the workers write their progress into (inherited through the environment); whether we made it."""
+    """The folder the workers write their progress into (inherited through the environment); whether we made it.
+
+    A folder this launcher makes is named after its pid (``zerotrain-progress-<pid>-*``) and removed when it
+    returns; a launcher killed (SIGKILL) cannot, so its workers remove it when they exit
+    (:func:`remove_orphaned_progress_dir`), and the next launcher removes any whose launcher is gone.
+    """
     folder = os.environ.get(PROGRESS_ENV)
     if folder:
         os.makedirs(folder, exist_ok=True)
         return folder, False
     import tempfile
 
-    folder = tempfile.mkdtemp(prefix="zerotrain-progress-")
-    os.environ[PROGRESS_ENV] = folder
+    remove_stale_progress_dirs(tempfile.gettempdir())
+    folder = tempfile.mkdtemp(prefix=f"zerotrain-progress-{os.getpid()}-")
+    os.environ.update({PROGRESS_ENV: folder, PROGRESS_OWNER_ENV: str(os.getpid())})
     return folder, True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_progress_dirs(parent: str) -> list[str]:
+    """Remove the progress folders in ``parent`` whose launcher is gone (no process with its pid); return them.
+
+    Only this user's folders, named as :func:`_progress_dir` names them. A pid reused since by another process
+    keeps its folder (a few bytes) until that process is gone too: never a live launcher's folder.
+    """
+    import shutil
+
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _OWN_FOLDER.fullmatch(entry.name)
+        try:
+            if not m or not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if not _alive(int(m.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _exiting(pid: int) -> bool:
+    """Whether process ``pid`` is on its way out: a zombie, or a SIGKILL delivered (Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return False
+    if fields.get("State", "").strip().startswith(("Z", "X")):
+        return True
+    pending = int(fields.get("ShdPnd", "0").strip() or "0", 16) | int(fields.get("SigPnd", "0").strip() or "0", 16)
+    return bool(pending & (1 << (signal.SIGKILL - 1)))
+
+
+def remove_orphaned_progress_dir() -> bool:
+    """In a worker about to exit: remove its launcher's progress folder when that launcher is gone (killed), as
+    the launcher would have on its way out. True when it was removed. The launcher is gone once this process is
+    no longer its child (re-parented), not when its pid is free, which another process may have taken since."""
+    folder, owner = os.environ.get(PROGRESS_ENV), os.environ.get(PROGRESS_OWNER_ENV)
+    if not folder or not owner or not owner.isdigit():
+        return False
+    m = _OWN_FOLDER.fullmatch(os.path.basename(folder.rstrip(os.sep)))
+    if not m or m.group(1) != owner:
+        return False
+    if os.getppid() == int(owner):
+        # A launcher being killed is this process's parent until its last thread has exited, which can take
+        # longer than this worker's checkpoint (freeing a large address space): wait for that, not longer.
+        deadline = time.monotonic() + 10
+        while _exiting(int(owner)) and os.getppid() == int(owner) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if os.getppid() == int(owner):
+            return False
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    return not os.path.exists(folder)
 
 
 # --- a stopped worker -------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ SIGUSR1 earlier); Ctrl-C sends SIGINT. :class:`Preemption` turns the first of th
 nothing else: a signal handler cannot safely save a checkpoint (it runs between two bytecodes,
 maybe inside a collective). The loop asks :meth:`Preemption.should_stop` at every step boundary;
 all ranks agree through one all-reduce (a signal may reach one rank only, or the ranks one step
-apart), save a checkpoint, and the process exits with :data:`PREEMPTED_EXIT`.
+apart), save a checkpoint, and the process exits with :data:`PREEMPTED_EXIT`. Alone, the process
+says at once that it will save; in a job of several processes rank 0 says so once every rank has
+agreed, since the signal may be a launcher stopping the survivors of a failed rank (no save then).
 
 A second signal exits at once (status 128 + signal), for a user who does not want to wait for the
 save. Signals within :data:`SAME_EVENT_S` of the first count as the same request: a launcher
@@ -75,6 +77,7 @@ class Preemption:
         self._pending: Optional[tuple[Any, Any]] = None  # NCCL: (pinned host copy, event) of the last step's flag
         self._host: Any = None
         self._armed = False
+        self._announced = False
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -114,9 +117,8 @@ class Preemption:
         now = time.monotonic()
         if self.signum is None:
             self.signum, self._first_at = signum, now
-            if os.environ.get("RANK", "0") == "0":  # one line per job, not one per rank
-                os.write(2, f"[zerotrain] {signal.Signals(signum).name}: saving a checkpoint at the next step, "
-                         f"then exiting with status {PREEMPTED_EXIT} (signal again to exit at once)\n".encode())
+            if _world_size() == 1:  # alone the save is sure; in a job it is said once every rank agreed (should_stop)
+                self._announce()
             return
         if now - self._first_at < SAME_EVENT_S:
             return  # the same request, forwarded by the launcher or sent to every process
@@ -124,13 +126,32 @@ class Preemption:
         sys.stderr.flush()
         os._exit(128 + signum)
 
+    def _announce(self) -> None:
+        """The one line that promises the checkpoint (rank 0's: one line per job, not one per rank).
+
+        In a job of several processes it waits for the agreement at the step boundary: a stop signal may come
+        from the launcher tearing the job down after another rank failed (torchelastic stops the survivors with
+        SIGTERM; a rank that was stopped, SIGSTOP, gets it when continued), and then no rank saves."""
+        if self._announced or os.environ.get("RANK", "0") != "0":
+            return
+        self._announced = True
+        os.write(2, f"[zerotrain] {self.name()}: saving a checkpoint at the next step, then exiting with status "
+                 f"{PREEMPTED_EXIT} (signal again to exit at once)\n".encode())
+
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
     # ---- the agreement --------------------------------------------------------------------------
     def should_stop(self, device: Any) -> bool:
-        """Whether every rank stops now (collective: call it on every rank at every step boundary)."""
+        """Whether every rank stops now (collective: call it on every rank at every step boundary). When they
+        do, rank 0 says so (the save follows)."""
+        stop = self._agreed(device)
+        if stop:
+            self._announce()
+        return stop
+
+    def _agreed(self, device: Any) -> bool:
         import torch
 
         dist = torch.distributed
@@ -160,3 +181,11 @@ class Preemption:
 
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else "a signal on another rank"
+
+
+def _world_size() -> int:
+    """The job's process count from the launcher's ``WORLD_SIZE`` (1 when started alone or unreadable)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE") or 1))
+    except ValueError:
+        return 1
