@@ -513,7 +513,8 @@ REFLECTED = frozenset({"precision.dtype", "strategy.zero_stage", "strategy.offlo
                        "strategy.offload_pin_memory", "strategy.overlap_comm", "strategy.contiguous_gradients",
                        "strategy.reduce_bucket_size", "strategy.allgather_bucket_size", "trainer.micro_batch_size",
                        "strategy.gradient_accumulation_steps", "strategy.gradient_clipping", "optimizer.lr",
-                       "optimizer.eps", "optimizer.weight_decay", "optimizer.betas"})
+                       "optimizer.eps", "optimizer.weight_decay", "optimizer.betas", "optimizer.name",
+                       "optimizer.momentum", "precision.master_weights", "precision.optimizer_states"})
 """The settings :func:`reflect_ds_config` writes: with a user's DeepSpeed file, known only once it is resolved."""
 
 

@@ -46,7 +46,9 @@ def _freed_blocks_returned(threshold: int = 2**20) -> Iterator[None]:
     raises that threshold to the largest block freed so far: measured on a 47M-parameter Llama built on one rank,
     the freed tensors stayed in the process, 0.9x the model on top of its partition. With a fixed threshold of 1
     MiB they are unmapped as they are freed. Afterwards the threshold is glibc's own ceiling, where its dynamic
-    rule ends once a block that large was freed. Elsewhere than glibc, nothing changes.
+    rule ends once a block that large was freed; glibc has no way back to the dynamic rule itself, so this stays
+    for the rest of the process (blocks under 32 MiB then come from the heap). Elsewhere than glibc, nothing
+    changes.
     """
     import ctypes
     import ctypes.util

@@ -280,8 +280,8 @@ class _WeightsFile:
     """One weights file, read a tensor at a time: safetensors memory-mapped (closing it unmaps it), a ``.bin``
     through ``torch.load(mmap=True, weights_only=True)``. Shapes come from the header alone."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, flag: str = "--model"):
+        self.path, self.flag = path, flag
         self._safe = path.name.endswith(".safetensors")
         self._handle: Any = None
 
@@ -294,7 +294,7 @@ class _WeightsFile:
             try:
                 self._handle = torch.load(str(self.path), map_location="cpu", mmap=True, weights_only=True)
             except (RuntimeError, OSError, ValueError) as exc:  # mmap needs the zip format torch has saved since 1.6
-                raise UserError(f"--model.name_or_path: {self.path} cannot be read a tensor at a time "
+                raise UserError(f"{self.flag}.name_or_path: {self.path} cannot be read a tensor at a time "
                                 f"({_first_line(exc)}): save the model again with save_pretrained (safetensors)") from None
         return self
 
@@ -335,7 +335,7 @@ def load_partitioned(model: nn.Module, files: list[Path], flag: str = "--model")
     loaded: set[int] = set()
     unexpected: list[str] = []
     for path in files:
-        with _WeightsFile(path) as weights, torch.no_grad():
+        with _WeightsFile(path, flag) as weights, torch.no_grad():
             for key in weights.keys():
                 name = _model_name(key, params, buffers, prefix)
                 if name is None:

@@ -425,7 +425,10 @@ class CausalLMTask(Task[CausalLMConfig]):
     def train_lengths(self, train) -> Optional[list[int]]:
         if self.packed() or not self.cfg.data.bucket_by_length:
             return None
-        return [len(ids) for ids in train.table["input_ids"]]
+        import pyarrow.compute as pc
+
+        # The lengths from Arrow's offsets, without turning the token column into Python lists
+        return pc.list_value_length(train.table.data.column("input_ids")).to_pylist()
 
     def real_tokens(self, batch: Batch) -> int:
         if "tokens" in batch:

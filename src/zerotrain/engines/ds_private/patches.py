@@ -125,9 +125,9 @@ PATCHES: tuple[Patch, ...] = (
              "once, where DeepSpeed walks module.named_parameters() every step",
         target="engine", verified_versions=VERIFIED,
         applies=zero_host.is_zero0, apply=zero_host.zero_grad_from_list,
-        gain="with the idle forward hooks below: 0.13 ms less host time an IMDB (b) step on a 2-core CPU (about 2% of "
-             "its 7.1 ms H200 step); on the GPU their share is not isolated: with both restored the restructured "
-             "code is still 2-8% slower than the old (docs/benchmarks/restructure_ab_h200_202611.md)",
+        gain="with the idle forward hooks below: 0.13 ms less host time an IMDB (b) step on a 2-core CPU (about 2% "
+             "of its 7.1 ms step on an H200); the two are not measured apart on a GPU "
+             "(docs/benchmarks/restructure_ab_h200_202611.md)",
         upstream="DeepSpeed's engine caching its parameter list for zero_grad"),
     Patch(
         name="zero0_drop_idle_forward_hooks",
