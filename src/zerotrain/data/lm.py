@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from zerotrain.data.collate import IGNORE_INDEX
 from zerotrain.data.io import atomic_file, fingerprint
-from zerotrain.data.sft import read_records
+from zerotrain.data.sft import build_example, read_records
 from zerotrain.data.streaming import RowMaker
 from zerotrain.errors import DataError
 
@@ -231,8 +231,6 @@ def text_rows(column: str, tokenizer, seq_len: int, pad_token_id: int, where) ->
 def sft_rows(tokenizer, template: str, seq_len: int, train_on_inputs: bool, input_field: str, target_field: str,
              pad_token_id: int, packed: bool, where, length_flag: str) -> RowMaker:
     """Prompt/response records -> rows (the prompt masked), as :func:`zerotrain.data.sft.build_example` makes them."""
-    from zerotrain.data.sft import build_example
-
     def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         examples = []
         for k, i in enumerate(indices):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from zerotrain.data.io import fingerprint, open_text, read_jsonl, read_lines
+from zerotrain.data.io import fingerprint, open_text, read_json, read_jsonl, read_lines
 from zerotrain.errors import DataError, UserError
 
 _COMPRESSIONS = (".gz", ".xz", ".bz2")
@@ -170,8 +170,6 @@ class Source:
                         raise DataError(f"{file}:{line}: expected a JSON object, got {type(value).__name__}. "
                                         "Each line must hold one record")
             elif suffix == ".json":
-                from zerotrain.data.io import read_json
-
                 read_json(file, hint="A .json file must hold one list of objects; use .jsonl for one object per line")
             elif self.builder == "csv":
                 _scan_csv(file, self._builder_options(file)["sep"])
