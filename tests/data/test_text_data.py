@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerotrain.data import source
-from zerotrain.data.text import load_packed, read_text_lines, tokenize_and_pack
+from zerotrain.data.text import load_packed, read_text_lines
 from zerotrain.errors import DataError, UserError
 from zerotrain.data.tokenizer import load_tokenizer
 
@@ -72,10 +72,11 @@ def test_hub_name_offline_is_a_user_error_naming_the_flag(monkeypatch):
         read_text_lines("wikitext:wikitext-2-raw-v1", split="validation", flag="--data.val_path")
 
 
-def test_pack_makes_full_wrapped_blocks(tok):
+def test_pack_makes_full_wrapped_blocks(tmp_path, tok):
     lines = ["the movie was great", "i loved the plot", "it was boring and bad"] * 5
     T = 8
-    blocks = tokenize_and_pack(lines, tok, T)
+    (tmp_path / "train.txt").write_text("\n".join(lines) + "\n")
+    blocks = load_packed(str(tmp_path / "train.txt"), tok, T)
     n_tokens = sum(len(tok(x, add_special_tokens=False)["input_ids"]) + 1 for x in lines)
     assert blocks.dtype == torch.int32
     assert blocks.shape == (n_tokens // (T - 2), T)
@@ -99,15 +100,6 @@ def test_cache_is_reused_without_tokenizing(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(type(tok), "__call__", boom)
     again = load_packed(str(path), tok, 8, cache_dir=str(tmp_path / "cache"))
     assert torch.equal(first, again)
-    # tokenize_and_pack's own content-keyed cache.
-    monkeypatch.undo()
-    lines = read_text_lines(str(path))
-    a = tokenize_and_pack(lines, tok, 8, cache_dir=str(tmp_path / "c2"))
-    monkeypatch.setattr(type(tok), "__call__", boom)
-    assert torch.equal(tokenize_and_pack(lines, tok, 8, cache_dir=str(tmp_path / "c2")), a)
-    # A different block length is a different cache entry.
-    with pytest.raises(AssertionError, match="cache"):
-        tokenize_and_pack(lines, tok, 10, cache_dir=str(tmp_path / "c2"))
 
 
 def test_text_shorter_than_a_block_is_a_data_error(tmp_path, tok):

@@ -18,20 +18,17 @@ row-long pieces, each its own sequence.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from zerotrain.data.collate import IGNORE_INDEX
-from zerotrain.data.io import atomic_file, fingerprint
-from zerotrain.data.sft import build_example, read_records
+from zerotrain.data.sft import build_example
 from zerotrain.data.streaming import RowMaker
 from zerotrain.errors import DataError
 
-_CACHE_FORMAT = 1
 
 
 class PackedRows(Dataset):
@@ -47,16 +44,6 @@ class PackedRows(Dataset):
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return {"input_ids": self.input_ids[i], "labels": self.labels[i], "position_ids": self.position_ids[i],
                 "tokens": self.tokens[i]}
-
-    def save(self, path: Path) -> None:
-        with atomic_file(path) as f:  # ranks or runs sharing the cache never read half a file
-            np.savez(f, input_ids=self.input_ids, labels=self.labels, position_ids=self.position_ids,
-                     tokens=self.tokens)
-
-    @classmethod
-    def load(cls, path: Path) -> "PackedRows":
-        with np.load(path) as z:
-            return cls(z["input_ids"], z["labels"], z["position_ids"], z["tokens"])
 
 
 def collate_packed(rows: Sequence[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
@@ -125,27 +112,6 @@ def text_examples(docs: Sequence[str], tokenizer, batch: int = 1000) -> list[dic
 
 
 # ---- chat records ----------------------------------------------------------------------------------
-def load_chat_records(path: str | Path, field: str = "messages") -> list[list[dict[str, str]]]:
-    """The conversations of a ``.jsonl`` (one object per line) or ``.json`` (a list of objects) file: each
-    record's ``field``, a list of ``{"role": ..., "content": ...}`` with at least one assistant turn.
-    Errors are one :class:`DataError` line naming the file and line (or record)."""
-    out = []
-    for where, record in read_records(path):
-        messages = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(messages, list) or not messages:
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise DataError(f"{where}: no list of messages in field {field!r} (keys: {keys}). "
-                            "Rename the field or set --data.messages_field")
-        for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise DataError(f"{where}: each message must be an object with string 'role' and 'content', "
-                                f"got {str(m)[:80]!r}")
-        if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where}: the conversation has no 'assistant' message, so nothing to learn")
-        out.append(messages)
-    return out
-
-
 def chat_example(messages: list[dict[str, str]], tokenizer, max_length: int, train_on_inputs: bool,
                  where: str) -> dict[str, list[int]]:
     """One conversation through the chat template; labels only on the assistant turns (all with
@@ -179,20 +145,6 @@ def chat_example(messages: list[dict[str, str]], tokenizer, max_length: int, tra
         raise DataError(f"{where}: no assistant token is left after truncating to {max_length} tokens. Raise "
                         "--data.seq_len or shorten the conversation")
     return {"input_ids": ids, "labels": labels}
-
-
-def cache_file(cache_dir: Optional[str], *parts: Any) -> Optional[Path]:
-    """Where examples made from ``parts`` (the source's identity, tokenizer, settings) are cached; None: no cache."""
-    if cache_dir is None:
-        return None
-    return Path(cache_dir).expanduser() / f"lm-{fingerprint('lm', _CACHE_FORMAT, *parts)}.npz"
-
-
-def file_identity(path: str) -> str:
-    """Path, size and modification time of a file or of each file of a folder: a cache key that needs no read."""
-    p = Path(path).expanduser()
-    files = sorted(q for q in p.iterdir() if q.is_file()) if p.is_dir() else [p]
-    return "|".join(f"{q.resolve()}:{q.stat().st_size}:{q.stat().st_mtime_ns}" for q in files if q.exists())
 
 
 # ---- rows from a chunk of records (the datasets path: Dataset.map and the streamed split) -------------------------

@@ -21,11 +21,10 @@ import numpy as np
 import torch
 
 from zerotrain.data import source
-from zerotrain.data.io import atomic_file, fingerprint, load_hub_dataset, looks_local
+from zerotrain.data.io import load_hub_dataset, looks_local
 from zerotrain.errors import DataError, UserError
 
 TOKENIZE_CHUNK_LINES = 1000
-_CACHE_FORMAT = 1  # bump when the packing changes, so old caches are not reused
 LOCAL_TEXT = ("a text file (.txt, .txt.xz, or .jsonl/.parquet with a 'text' field), such as "
               "examples/data/imdb-sample/train.jsonl.gz in the zerotrain repository")
 
@@ -144,41 +143,6 @@ def _special_ids(tokenizer, max_seq_length: int) -> tuple[int, int]:
     if bos is None or eos is None:
         raise UserError("--data.tokenizer: the tokenizer needs bos (<s>) and eos (</s>) tokens for MLM packing")
     return bos, eos
-
-
-def tokenize_and_pack(
-    lines: list[str],
-    tokenizer,
-    max_seq_length: int,
-    cache_dir: Optional[str] = None,
-    cache_key: Optional[str] = None,
-) -> torch.Tensor:
-    """Tokenize ``lines`` and pack them into full blocks: returns an int32 tensor (N, max_seq_length).
-
-    Each block is ``<s>`` + ``max_seq_length - 2`` tokens of the ``</s>``-joined documents + ``</s>``.
-    With ``cache_dir``, the result is saved there under a key made of ``cache_key`` (default: the
-    lines' content), the tokenizer's vocabulary and ``max_seq_length``, and loaded instead of re-tokenizing.
-    """
-    bos, eos = _special_ids(tokenizer, max_seq_length)
-    cache_file = None
-    if cache_dir is not None:
-        key = fingerprint("packed", _CACHE_FORMAT, list(lines) if cache_key is None else cache_key, tokenizer,
-                          max_seq_length)
-        cache_file = Path(cache_dir).expanduser() / f"packed-{key}-T{max_seq_length}.npy"
-        if cache_file.is_file():
-            return torch.from_numpy(np.load(cache_file))
-    pieces: list[np.ndarray] = []
-    for start in range(0, len(lines), TOKENIZE_CHUNK_LINES):
-        ids = tokenizer(lines[start:start + TOKENIZE_CHUNK_LINES], add_special_tokens=False,
-                        return_attention_mask=False)["input_ids"]
-        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
-        flat_ids = np.fromiter((t for x in ids for t in x), dtype=np.int32, count=int(lengths.sum()))
-        pieces.append(_joined(flat_ids, lengths, eos))
-    blocks = _blocks(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32), bos, eos, max_seq_length)
-    if cache_file is not None:
-        with atomic_file(cache_file) as f:  # ranks or runs sharing the cache never read half a file
-            np.save(f, blocks)
-    return torch.from_numpy(blocks)
 
 
 def _pack_column(tokens: Any, bos: int, eos: int, max_seq_length: int) -> torch.Tensor:
