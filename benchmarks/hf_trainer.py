@@ -2,6 +2,7 @@
 Face Trainer, measured the way zerotrain measures (synchronised clock, warm-up steps excluded).
 
     python benchmarks/hf_trainer.py --recipe causal-lm --out ROW.json [--trainer_args JSON] -- <zerotrain fit flags>
+    torchrun --nproc-per-node N benchmarks/hf_trainer.py ...     (several GPUs; rank 0 writes the row)
 
 The model and the tokenised data come from zerotrain's task, so the rows differ only in the training loop and
 engine set-up around them. The Trainer gets the DeepSpeed JSON of ``--strategy.deepspeed_config`` when the flags
@@ -55,10 +56,9 @@ def main() -> None:
     task = registry.get(args.recipe)(cfg)
     seed_everything(cfg.trainer.seed)
     splits = task.build_datasets()
-    model = task.build_model()
-    flops_per_token = task.flops_per_token(model)
     tr, st = cfg.trainer, cfg.strategy
     precision = "bf16" if cfg.precision.dtype in ("auto", "bf16") else cfg.precision.dtype
+    world = int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available()
 
     def sync() -> None:
@@ -95,6 +95,8 @@ def main() -> None:
             return super().training_step(model, inputs, *rest, **kw)
 
     extra = json.loads(args.trainer_args)
+    # TrainingArguments first, as the Trainer's DeepSpeed guide has it: under a ZeRO-3 JSON, a model built after
+    # them is built partitioned (zero.Init), as a user of the Trainer gets it.
     targs = TrainingArguments(
         output_dir="/tmp/hf_trainer_bench", per_device_train_batch_size=tr.micro_batch_size,
         gradient_accumulation_steps=st.gradient_accumulation_steps, learning_rate=cfg.optimizer.lr,
@@ -105,6 +107,8 @@ def main() -> None:
         deepspeed=load_user_config(st.deepspeed_config) if st.deepspeed_config else None,
         dataloader_num_workers=tr.num_workers, remove_unused_columns=False, disable_tqdm=True, **extra,
     )
+    model = task.build_model()
+    flops_per_token = task.flops_per_token(model)
     trainer = CountingTrainer(model=model, args=targs, train_dataset=splits.train, data_collator=task.collator(),
                       callbacks=[meter])
     if cuda:
@@ -121,17 +125,20 @@ def main() -> None:
     peak = peak_tflops(name, precision)
     row = {
         "strategy": "hf_trainer" + ("+deepspeed" if st.deepspeed_config else ""), "trainer_args": extra,
-        "nproc": 1, "world_size": 1, "device": name, "deepspeed_config": st.deepspeed_config,
+        "nproc": world, "world_size": world, "device": name, "deepspeed_config": st.deepspeed_config,
         "command": " ".join(["python", *sys.argv]),
-        "throughput_sec_per_step": seconds / meter.steps, "throughput_tokens_per_s": measured_tokens / seconds,
-        "throughput_real_tokens_per_s": real_tokens / seconds, "tokens_per_s": real_tokens / seconds,
+        # Counted on this rank; every rank trains as many tokens a step, so the job's rate is world x these.
+        "throughput_sec_per_step": seconds / meter.steps, "throughput_tokens_per_s": world * measured_tokens / seconds,
+        "throughput_real_tokens_per_s": world * real_tokens / seconds, "tokens_per_s": world * real_tokens / seconds,
+        "tokens_per_s_per_gpu": real_tokens / seconds,
         "throughput_tflops_per_gpu": tflops, "throughput_mfu": tflops / peak if peak else None,
         "gpu_mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "measured_steps": meter.steps, "measured_tokens": measured_tokens,
     }
-    with open(args.out, "w") as f:
-        json.dump(row, f, indent=2)
-    print(json.dumps(row, indent=2))
+    if int(os.environ["RANK"]) == 0:
+        with open(args.out, "w") as f:
+            json.dump(row, f, indent=2)
+        print(json.dumps(row, indent=2))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@
 # causal_lm_1b also needs DATA/tok32k, a 32,000-token tokenizer: python3 benchmarks/make_tokenizer.py
 # DATA/gutenberg/train.txt.xz DATA/tok32k.
 #
-# Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | offload_large_model | offload_5b | planner |
+# Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | causal_lm_8b (4 GPUs) | multinode (2 or 4
+#        GPUs) | offload_large_model | offload_5b | planner |
 #        kill_test (CPU) | gpu_tests
 set -uo pipefail
 OUT=${OUT:-/tmp/zerotrain-bench}
@@ -116,6 +117,32 @@ for part in "$@"; do
         --peer "HF Trainer + ZeRO-2 JSON=$C/hf_zero2.json" --peer "HF Trainer + ZeRO-2 JSON, torch_compile=$C/hf_zero2_compile.json" \
         --peer "HF Trainer alone, torch_compile, fused AdamW=$C/hf_alone_compile.json" \
         --peer "HF Trainer alone, Liger kernels, fused AdamW=$C/hf_alone_liger.json" | tail -n 16 ;;
+    causal_lm_8b)  # four GPUs: Llama-shaped 8B (configs/llama_8b_config.json), seq 4096, ZeRO-3, bf16, AdamW, micro-batch
+      # MB (default 2); zerotrain compiled block by block, then the Hugging Face Trainer with the ZeRO-3 JSON a user
+      # writes (ds_zero3_auto.json) through torchrun, on the same model and data
+      C=$OUT/causal_lm_8b
+      L8=("${LLAMA[@]}" --model.config configs/llama_8b_config.json --data.seq_len 4096 --trainer.micro_batch_size
+          "${MB:-2}" --trainer.max_steps 25 --trainer.warmup_steps_excluded 10)
+      z benchmark causal-lm --strategies zero3 --nproc 4 --predict false --out "$C/zero3_compiled" "${L8[@]}" \
+        --compile.enabled true > "$C/zero3_compiled.log" 2>&1; echo "zero3_compiled rc=$?"
+      python3 -m torch.distributed.run --nproc-per-node 4 benchmarks/hf_trainer.py --recipe causal-lm \
+        --out "$C/hf_zero3.json" --warmup 10 -- "${L8[@]}" --strategy.deepspeed_config benchmarks/ds_zero3_auto.json \
+        --data.cache_dir "$OUT/cache_hf" > "$C/hf_zero3.log" 2>&1; echo "hf_zero3 rc=$?"
+      python3 benchmarks/compare_rows.py --out "$C/causal_lm_8b" \
+        --title "Llama-shaped 8B, seq 4096, bf16, AdamW, ZeRO-3, micro-batch ${MB:-2}, four GPUs" \
+        --zerotrain "zerotrain ZeRO-3, compiled=$C/zero3_compiled/benchmark.json" \
+        --peer "HF Trainer + ZeRO-3 JSON=$C/hf_zero3.json" | tail -n 6 ;;
+    multinode)  # two launchers of half the GPUs each (two nodes) against one launcher with all of them, over NCCL:
+      # BERT-base MLM in bf16 and fp32, then the 1.1B causal LM under ZeRO-3 checkpointed on two nodes and resumed on one
+      M=$OUT/multinode
+      python3 benchmarks/multinode.py --out "$M/bert_base_bf16" --title "BERT-base MLM, bf16, ZeRO-1: two nodes \
+against one" -- mlm "${BERT[@]}" --strategy.zero_stage 1 --trainer.max_steps 60 --trainer.export false | tail -n 4
+      python3 benchmarks/multinode.py --out "$M/bert_base_fp32" --title "BERT-base MLM, fp32, ZeRO-1: two nodes \
+against one" -- mlm "${BERT[@]}" --strategy.zero_stage 1 --precision.dtype fp32 --trainer.max_steps 20 \
+        --trainer.warmup_steps_excluded 5 --trainer.export false | tail -n 4
+      python3 benchmarks/multinode.py --resume --out "$M/llama_1b_zero3" --title "Llama-shaped 1.1B, bf16, ZeRO-3: \
+two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA[@]}" --strategy.zero_stage 3 \
+        --trainer.max_steps 20 --trainer.warmup_steps_excluded 5 --trainer.micro_batch_size 4 | tail -n 6 ;;
     offload_large_model)  # full AdamW with the optimizer on the host (ZeRO-2 + CPU offload), one GPU.
       # SIZE=12b: 60 layers (12.31B parameters), micro-batch 32, pinned (needs ~260 GiB of host memory);
       # SIZE=host125: 32 layers (6.67B), micro-batch 16, unpinned, GPU capped at 79 GiB (fits a 125 GiB host)
