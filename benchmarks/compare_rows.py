@@ -3,6 +3,8 @@
     python benchmarks/compare_rows.py --out DIR/NAME --title TEXT \
         --zerotrain LABEL=DIR/benchmark.json [...] --peer LABEL=ROW.json [...]
 
+A --zerotrain file may also be a run folder's summary.json (the row of that one ``zerotrain fit`` run).
+
 Writes NAME.json (every row with its label and command, and the machine: GPU, versions, commit), NAME.md (a
 table) and NAME.png (non-padding tokens/s by row, MFU written on each bar). Every row comes from the files
 given; rows of a failed run keep their status and have no speed.
@@ -41,6 +43,9 @@ def collect(zerotrain: list[tuple[str, Path]], peers: list[tuple[str, Path]]) ->
             rows.append({"label": label, "source": "zerotrain", "status": f"no result file {path}"})
             continue
         result = json.loads(path.read_text())
+        if "rows" not in result:  # a run folder's summary.json: the one run it describes
+            rows.append(_summary_row(label, path, result))
+            continue
         for row in result["rows"]:
             rows.append({"label": label, "source": "zerotrain", "strategy": row.get("strategy"),
                          "micro_batch_size": row.get("micro_batch_size"), "tokens_per_s": row.get("tokens_per_s"),
@@ -57,6 +62,17 @@ def collect(zerotrain: list[tuple[str, Path]], peers: list[tuple[str, Path]]) ->
                      "peak_gpu_mem_gib": row.get("gpu_mem_peak_gib"), "s_per_step": row.get("throughput_sec_per_step"),
                      "status": "ok", "command": row.get("command")})
     return rows
+
+
+def _summary_row(label: str, path: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The row of one ``zerotrain fit`` run from its summary.json, with the command from the run's env.json."""
+    env = path.parent / "env.json"
+    command = json.loads(env.read_text()).get("command") if env.is_file() else None
+    return {"label": label, "source": "zerotrain", "strategy": summary.get("engine"),
+            "micro_batch_size": summary.get("micro_batch_size"), "tokens_per_s": summary.get("throughput_real_tokens_per_s"),
+            "mfu": summary.get("throughput_mfu"), "peak_gpu_mem_gib": summary.get("gpu_mem_peak_gib"),
+            "s_per_step": summary.get("throughput_sec_per_step"), "n_params": summary.get("n_params"),
+            "status": "ok" if summary.get("final_step") else "no steps", "command": command}
 
 
 def markdown(title: str, env: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -108,12 +124,13 @@ def main() -> None:
     args = p.parse_args()
     zerotrain, peers = _pairs(args.zerotrain, "--zerotrain"), _pairs(args.peer, "--peer")
     env = _environment([path for _, path in zerotrain])
-    try:
-        import transformers
+    if env:  # run where the rows were measured (otherwise this machine's version would be recorded)
+        try:
+            import transformers
 
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+            env["transformers"] = transformers.__version__
+        except ImportError:
+            pass
     if not env.get("commit"):
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         env["commit"] = done.stdout.strip() or None
