@@ -385,3 +385,24 @@ def test_a_fit_that_fails_in_a_callers_group_leaves_the_next_fit_a_working_deeps
     cfg = toy_config(tmp_path, "after-the-failed-one", zero_stage=1)
     cfg.trainer.max_steps = 2
     assert fit(ToyTask(cfg)).final_step == 2
+
+
+def test_report_hears_each_logged_step_and_each_checkpoint(tmp_path):
+    """fit's ``report`` (what zerotrain.ray hands Ray Train) is called after each step that logged or saved, with
+    what was logged there and the complete checkpoint folder saved there."""
+    cfg = toy_config(tmp_path, "reported", zero_stage=1)
+    cfg.trainer.log_every_steps = 3
+    cfg.checkpoint.every_steps = 4
+    calls = []
+
+    def report(step, metrics, checkpoint):
+        calls.append((step, dict(metrics), checkpoint))
+        if checkpoint is not None:
+            assert (checkpoint / MARKER).is_file()  # sealed before it is reported
+
+    result = fit(ToyTask(cfg), report=report)
+    assert [(step, checkpoint.name if checkpoint else None) for step, _, checkpoint in calls] == [
+        (3, None), (4, "step00000004"), (6, None), (8, "step00000008")]
+    assert [set(m) >= {"train_loss", "lr"} for _, m, _ in calls] == [True, False, True, True]
+    assert calls[-1][1]["train_loss"] == train_log(result.run_dir)[8]["train_loss"]
+    assert "val_mse" in calls[-1][1]  # the last step validates

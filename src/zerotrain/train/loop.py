@@ -15,7 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -111,26 +111,34 @@ class Run:
         return micro_batch_stream(self.loader, self.sampler, state.epoch, state.batches_in_epoch)
 
 
+Report = Callable[[int, dict[str, Any], Optional[Path]], None]
+"""What :func:`fit` tells a host that runs it (Ray Train: :mod:`zerotrain.ray`): ``report(step, metrics, checkpoint)``."""
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
-def fit(task: Task) -> FitResult:
+def fit(task: Task, report: Optional[Report] = None) -> FitResult:
     """Train ``task`` as its config says; return where the run lives and its final metrics.
 
     ``task`` and its config are left as they were; so is the process (see ``distributed.setup``).
+
+    ``report``: called on every rank, the same number of times (a host may make it a barrier), after each step
+    that logged metrics or saved a checkpoint, with the step, the metrics logged at it (training window,
+    validation) and the checkpoint folder saved at it (None: none).
     """
     task.cfg.validate()
     with setup(task.cfg) as rt, rundir.RunLock() as lock:  # rank 0 owns the run folder until fit returns
         run = _build(task, rt, lock)
         # The loader's workers end however the run does, set-up failures included (a streamed split has none)
         with contextlib.closing(run.loader) if run.loader is not None else contextlib.nullcontext():
-            return _train(run)
+            return _train(run, report)
 
 
-def _train(run: Run) -> FitResult:
+def _train(run: Run, report: Optional[Report] = None) -> FitResult:
     """The loop: from the checkpoint to resume (if any) to the last step, then the run's end."""
     rt = run.rt
     tr = run.cfg.trainer
@@ -176,26 +184,35 @@ def _train(run: Run) -> FitResult:
                     log.info("step %d: Python's heap collected (%.2f s) and frozen", state.step, collected_s)
                     if meter.steps_seen <= meter.warmup_steps:  # with no warm-up, the first window holds it
                         meter.start()  # a one-off cost of the warm-up, like compilation
+                logged: dict[str, Any] = {}
+                saved: Optional[Path] = None
                 if logger.should_log(state.step):
-                    results.update(logger.log(state))  # keeps the latest val_* next to the latest window
+                    logged = logger.log(state)
+                    results.update(logged)  # keeps the latest val_* next to the latest window
                 bar.update(1)
                 if profiler.step(state.step, run.total_steps):
                     meter.start()  # profiled steps run slower: they are not part of the throughput figures
                 if last:
                     # The trained state first: whatever follows (validation, test, export, a signal) cannot lose it.
                     if checkpointer.should_save(state.step, last_step=True):
-                        log.info("checkpoint: %s", checkpointer.save())
+                        saved = checkpointer.save()
+                        log.info("checkpoint: %s", saved)
                     checkpointer.save_if_preempted(rt.preemption)  # a stop signal now skips the evaluations
                 if tr.evaluate and evaluator.should_validate(state.step, state.batches_in_epoch == 0, last):
                     if run.splits.val is not None:
                         val = evaluator.run(run.splits.val, "val")
                         tracker.log(state.step, val)
                         results.update(val)
+                        logged = {**logged, **val}
                         log.info("step %d: %s", state.step, fmt(val))
                     meter.start()  # evaluation time is not training time
                 if not last and checkpointer.should_save(state.step):
-                    log.info("checkpoint: %s", checkpointer.save())
+                    saved = checkpointer.save()
+                    log.info("checkpoint: %s", saved)
                     meter.start()
+                if report is not None and (logged or saved is not None):
+                    report(state.step, logged, saved)
+                    meter.start()  # the host's time (a barrier, a copy of the checkpoint) is not training time
                 if not last:
                     checkpointer.save_if_preempted(rt.preemption)  # raises Preempted once saved
         bar.close()
