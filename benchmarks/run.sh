@@ -10,8 +10,11 @@
 # causal_lm_1b also needs DATA/tok32k, a 32,000-token tokenizer: python3 benchmarks/make_tokenizer.py
 # DATA/gutenberg/train.txt.xz DATA/tok32k.
 #
-# Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | offload_large_model | offload_5b | planner |
-#        kill_test (CPU) | gpu_tests
+# Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | sft_packing | offload_large_model |
+#        offload_5b | planner | kill_test (CPU) | gpu_tests
+#
+# sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 64 conversations (CPU, minutes),
+# to check the part end to end.
 set -uo pipefail
 OUT=${OUT:-/tmp/zerotrain-bench}
 D=${DATA:-.data}
@@ -43,6 +46,22 @@ LLAMA=(--model.init random --model.config configs/llama_1.1b_config.json --model
        --data.cache_dir "$OUT/cache" --precision.dtype bf16 --optimizer.lr 3e-4 --scheduler.warmup_steps 5
        --trainer.micro_batch_size 8 --trainer.max_steps 40 --trainer.warmup_steps_excluded 15 --trainer.log_every_steps 5
        --trainer.evaluate false --trainer.export false --checkpoint.save_final false --logging.progress_bar false)
+# SFT on chat records (IMDB reviews as two-turn conversations, rendered by benchmarks/chat_template.jinja: tok32k has
+# no chat template), Llama-shaped 1.1B (random weights), bf16, ZeRO-2, micro-batch 8, eager; one pass over the same
+# conversations in every row (the same non-padding tokens), the loss on held-out conversations (IMDB's test split)
+# at its end. SIZE=tiny: a 2-layer, 64-wide Llama, 64 conversations, rows of 256 tokens.
+if [ "${SIZE:-}" = tiny ]; then
+  SFT_N=(64 16 2000); SFT_MODEL=$OUT/sft_packing/llama_tiny_config.json; SFT_SEQ=256; SFT_MICRO=4; SFT_WARM=2
+else
+  SFT_N=(8000 500 6000); SFT_MODEL=configs/llama_1.1b_config.json; SFT_SEQ=2048; SFT_MICRO=8; SFT_WARM=10
+fi
+SFT=(--model.init random --model.config "$SFT_MODEL" --model.tokenizer "$D/tok32k"
+     --data.train_path "$OUT/sft_packing/chat_train.jsonl" --data.val_path "$OUT/sft_packing/chat_val.jsonl"
+     --data.format chat --data.chat_template benchmarks/chat_template.jinja --data.seq_len "$SFT_SEQ"
+     --data.cache_dir "$OUT/cache" --precision.dtype bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 5
+     --trainer.micro_batch_size "$SFT_MICRO" --trainer.epochs 1 --trainer.warmup_steps_excluded "$SFT_WARM"
+     --trainer.log_every_steps 5 --trainer.eval_every_steps 0 --trainer.export false --checkpoint.save_final false
+     --logging.progress_bar false)
 plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
   local name=$1; shift
   z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials 3 > "$OUT/planner/$name.log" 2>&1
@@ -116,6 +135,37 @@ for part in "$@"; do
         --peer "HF Trainer + ZeRO-2 JSON=$C/hf_zero2.json" --peer "HF Trainer + ZeRO-2 JSON, torch_compile=$C/hf_zero2_compile.json" \
         --peer "HF Trainer alone, torch_compile, fused AdamW=$C/hf_alone_compile.json" \
         --peer "HF Trainer alone, Liger kernels, fused AdamW=$C/hf_alone_liger.json" | tail -n 16 ;;
+    sft_packing)  # chat SFT packed (--data.pack true, documents kept apart) against padded per batch (--data.pack
+      # false), and padded in length-grouped batches (--data.bucket_by_length true): full-parameter, and LoRA r 16 on
+      # q/k/v/o through the same recipe (the lora recipe reads prompt/response records, padded, only)
+      S=$OUT/sft_packing
+      if [ "${SIZE:-}" = tiny ]; then
+        echo '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+ "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "vocab_size": 32000,
+ "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": false}' > "$SFT_MODEL"
+      fi
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" "$S/chat_train.jsonl" --chat --n "${SFT_N[0]}" \
+        --max_chars "${SFT_N[2]}"
+      python3 benchmarks/make_sft_data.py "$D/imdb/test.jsonl.gz" "$S/chat_val.jsonl" --chat --n "${SFT_N[1]}" \
+        --max_chars "${SFT_N[2]}"
+      sb() { local name=$1; shift; z benchmark causal-lm --strategies "${STRATEGY:-zero2}" --predict false --out "$S/$name" \
+        "${SFT[@]}" "$@" > "$S/$name.log" 2>&1; echo "$name rc=$?"; }
+      FULL=(--optimizer.lr 3e-4)
+      LORA_ON=(--model.lora.r 16 --model.lora.alpha 32 --optimizer.lr 1e-3)
+      sb full_packed "${FULL[@]}" --data.pack true
+      sb full_padded "${FULL[@]}" --data.pack false
+      sb full_grouped "${FULL[@]}" --data.pack false --data.bucket_by_length true
+      sb lora_packed "${LORA_ON[@]}" --data.pack true
+      sb lora_padded "${LORA_ON[@]}" --data.pack false
+      sb lora_grouped "${LORA_ON[@]}" --data.pack false --data.bucket_by_length true
+      python3 benchmarks/compare_rows.py --out "$S/sft_packing" \
+        --title "Chat SFT, packed vs padded: $(basename "$SFT_MODEL" .json), seq $SFT_SEQ, bf16, micro-batch $SFT_MICRO, one pass" \
+        --zerotrain "full, packed=$S/full_packed/benchmark.json" \
+        --zerotrain "full, padded=$S/full_padded/benchmark.json" \
+        --zerotrain "full, padded, length-grouped=$S/full_grouped/benchmark.json" \
+        --zerotrain "LoRA r16, packed=$S/lora_packed/benchmark.json" \
+        --zerotrain "LoRA r16, padded=$S/lora_padded/benchmark.json" \
+        --zerotrain "LoRA r16, padded, length-grouped=$S/lora_grouped/benchmark.json" | tail -n 16 ;;
     offload_large_model)  # full AdamW with the optimizer on the host (ZeRO-2 + CPU offload), one GPU.
       # SIZE=12b: 60 layers (12.31B parameters), micro-batch 32, pinned (needs ~260 GiB of host memory);
       # SIZE=host125: 32 layers (6.67B), micro-batch 16, unpinned, GPU capped at 79 GiB (fits a 125 GiB host)
