@@ -13,8 +13,8 @@
 # Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | sft_packing | offload_large_model |
 #        offload_5b | planner | kill_test (CPU) | gpu_tests
 #
-# sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 64 conversations (CPU, minutes),
-# to check the part end to end.
+# sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 32 conversations (CPU), to check the
+# part end to end; ROWS="full_packed lora_padded" runs only those rows (the table marks the others missing).
 set -uo pipefail
 OUT=${OUT:-/tmp/zerotrain-bench}
 D=${DATA:-.data}
@@ -47,18 +47,20 @@ LLAMA=(--model.init random --model.config configs/llama_1.1b_config.json --model
        --trainer.micro_batch_size 8 --trainer.max_steps 40 --trainer.warmup_steps_excluded 15 --trainer.log_every_steps 5
        --trainer.evaluate false --trainer.export false --checkpoint.save_final false --logging.progress_bar false)
 # SFT on chat records (IMDB reviews as two-turn conversations, rendered by benchmarks/chat_template.jinja: tok32k has
-# no chat template), Llama-shaped 1.1B (random weights), bf16, ZeRO-2, micro-batch 8, eager; one pass over the same
+# no chat template), Llama-shaped 1.1B (random weights), bf16, ZeRO-2 (STRATEGY=...), micro-batch 8, eager; one pass over the same
 # conversations in every row (the same non-padding tokens), the loss on held-out conversations (IMDB's test split)
-# at its end. SIZE=tiny: a 2-layer, 64-wide Llama, 64 conversations, rows of 256 tokens.
+# at its end. SIZE=tiny: a 2-layer, 64-wide Llama in fp32, 32 conversations, rows of 128 tokens (a CPU check).
 if [ "${SIZE:-}" = tiny ]; then
-  SFT_N=(64 16 2000); SFT_MODEL=$OUT/sft_packing/llama_tiny_config.json; SFT_SEQ=256; SFT_MICRO=4; SFT_WARM=2
+  SFT_N=(32 8 400); SFT_MODEL=$OUT/sft_packing/llama_tiny_config.json; SFT_SEQ=128; SFT_MICRO=4; SFT_WARM=1; SFT_LRWARM=2
+  SFT_PRECISION=fp32
 else
-  SFT_N=(8000 500 6000); SFT_MODEL=configs/llama_1.1b_config.json; SFT_SEQ=2048; SFT_MICRO=8; SFT_WARM=10
+  SFT_N=(8000 500 6000); SFT_MODEL=configs/llama_1.1b_config.json; SFT_SEQ=2048; SFT_MICRO=8; SFT_WARM=10; SFT_LRWARM=5
+  SFT_PRECISION=bf16
 fi
 SFT=(--model.init random --model.config "$SFT_MODEL" --model.tokenizer "$D/tok32k"
      --data.train_path "$OUT/sft_packing/chat_train.jsonl" --data.val_path "$OUT/sft_packing/chat_val.jsonl"
      --data.format chat --data.chat_template benchmarks/chat_template.jinja --data.seq_len "$SFT_SEQ"
-     --data.cache_dir "$OUT/cache" --precision.dtype bf16 --scheduler.name warmup_linear --scheduler.warmup_steps 5
+     --data.cache_dir "$OUT/cache" --precision.dtype "$SFT_PRECISION" --scheduler.name warmup_linear --scheduler.warmup_steps "$SFT_LRWARM"
      --trainer.micro_batch_size "$SFT_MICRO" --trainer.epochs 1 --trainer.warmup_steps_excluded "$SFT_WARM"
      --trainer.log_every_steps 5 --trainer.eval_every_steps 0 --trainer.export false --checkpoint.save_final false
      --logging.progress_bar false)
@@ -152,14 +154,19 @@ for part in "$@"; do
         "${SFT[@]}" "$@" > "$S/$name.log" 2>&1; echo "$name rc=$?"; }
       FULL=(--optimizer.lr 3e-4)
       LORA_ON=(--model.lora.r 16 --model.lora.alpha 32 --optimizer.lr 1e-3)
-      sb full_packed "${FULL[@]}" --data.pack true
-      sb full_padded "${FULL[@]}" --data.pack false
-      sb full_grouped "${FULL[@]}" --data.pack false --data.bucket_by_length true
-      sb lora_packed "${LORA_ON[@]}" --data.pack true
-      sb lora_padded "${LORA_ON[@]}" --data.pack false
-      sb lora_grouped "${LORA_ON[@]}" --data.pack false --data.bucket_by_length true
+      for row in ${ROWS:-full_packed full_padded full_grouped lora_packed lora_padded lora_grouped}; do
+        case $row in
+          full_*) ON=("${FULL[@]}") ;;
+          lora_*) ON=("${LORA_ON[@]}") ;;
+        esac
+        case $row in
+          *_packed) sb "$row" "${ON[@]}" --data.pack true ;;
+          *_padded) sb "$row" "${ON[@]}" --data.pack false ;;
+          *_grouped) sb "$row" "${ON[@]}" --data.pack false --data.bucket_by_length true ;;
+        esac
+      done
       python3 benchmarks/compare_rows.py --out "$S/sft_packing" \
-        --title "Chat SFT, packed vs padded: $(basename "$SFT_MODEL" .json), seq $SFT_SEQ, bf16, micro-batch $SFT_MICRO, one pass" \
+        --title "Chat SFT, packed vs padded: $(basename "$SFT_MODEL" .json), seq $SFT_SEQ, $SFT_PRECISION, micro-batch $SFT_MICRO, one pass" \
         --zerotrain "full, packed=$S/full_packed/benchmark.json" \
         --zerotrain "full, padded=$S/full_padded/benchmark.json" \
         --zerotrain "full, padded, length-grouped=$S/full_grouped/benchmark.json" \
