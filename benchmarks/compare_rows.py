@@ -51,6 +51,8 @@ def collect(zerotrain: list[tuple[str, Path]], peers: list[tuple[str, Path]]) ->
                          "micro_batch_size": row.get("micro_batch_size"), "tokens_per_s": row.get("tokens_per_s"),
                          "mfu": row.get("mfu"), "peak_gpu_mem_gib": row.get("peak_gpu_mem_gib"),
                          "s_per_step": row.get("throughput_sec_per_step"), "n_params": row.get("n_params"),
+                         "peak_host_mem_gib": row.get("peak_host_mem_gib"), "steps": row.get("final_step"),
+                         "val_loss": row.get("val_loss"),
                          "status": row.get("status"), "command": row.get("command") or result.get("command")})
     for label, path in peers:
         if not path.is_file():
@@ -72,6 +74,7 @@ def _summary_row(label: str, path: Path, summary: dict[str, Any]) -> dict[str, A
             "micro_batch_size": summary.get("micro_batch_size"), "tokens_per_s": summary.get("throughput_real_tokens_per_s"),
             "mfu": summary.get("throughput_mfu"), "peak_gpu_mem_gib": summary.get("gpu_mem_peak_gib"),
             "s_per_step": summary.get("throughput_sec_per_step"), "n_params": summary.get("n_params"),
+            "peak_host_mem_gib": summary.get("host_rss_peak_gib"), "steps": summary.get("final_step"),
             "status": "ok" if summary.get("final_step") else "no steps", "command": command}
 
 
@@ -80,8 +83,13 @@ def markdown(title: str, env: dict[str, Any], rows: list[dict[str, Any]]) -> str
     for key in ("gpus", "torch", "cuda", "deepspeed", "transformers", "commit", "date"):
         if env.get(key) is not None:
             lines.append(f"- {key}: {env[key]}")
-    lines += ["", "| row | engine | s/step | tokens/s (non-padding) | MFU | peak GPU (GiB) | status |",
-              "|---|---|---|---|---|---|---|"]
+    # Columns only some pages have: shown when a row holds them (a held-out loss, a run's steps, host memory)
+    extra = [(head, key, spec) for head, key, spec in (("steps", "steps", "d"), ("held-out loss", "val_loss", ".4f"),
+                                                        ("peak host (GiB)", "peak_host_mem_gib", ".1f"))
+             if any(r.get(key) is not None for r in rows)]
+    lines += ["", "| row | engine | s/step | tokens/s (non-padding) | MFU | peak GPU (GiB) | "
+              + "".join(f"{head} | " for head, _, _ in extra) + "status |",
+              "|---|---|---|---|---|---|---|" + "---|" * len(extra)]
 
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -89,7 +97,8 @@ def markdown(title: str, env: dict[str, Any], rows: list[dict[str, Any]]) -> str
     for r in rows:
         lines.append(f"| {r['label']} | {r.get('strategy') or '-'} | {fmt(r.get('s_per_step'), '.3f')} | "
                      f"{fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('mfu'), '.1%')} | "
-                     f"{fmt(r.get('peak_gpu_mem_gib'), '.1f')} | {r.get('status')} |")
+                     f"{fmt(r.get('peak_gpu_mem_gib'), '.1f')} | "
+                     + "".join(f"{fmt(r.get(key), spec)} | " for _, key, spec in extra) + f"{r.get('status')} |")
     lines += ["", "Commands:", ""] + [f"- {r['label']}: `{r.get('command')}`" for r in rows]
     return "\n".join(lines) + "\n"
 

@@ -11,8 +11,10 @@
 # DATA/gutenberg/train.txt.xz DATA/tok32k.
 #
 # Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | causal_lm_8b (4 GPUs) | multinode (2 or 4
-#        GPUs) | offload_large_model | offload_5b | planner |
-#        kill_test (CPU) | gpu_tests
+#        GPUs) | sft_packing | offload_large_model | offload_5b | planner | kill_test (CPU) | gpu_tests
+#
+# sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 32 conversations (CPU), to check the
+# part end to end; ROWS="full_packed lora_padded" runs only those rows (the table marks the others missing).
 set -uo pipefail
 OUT=${OUT:-/tmp/zerotrain-bench}
 D=${DATA:-.data}
@@ -44,6 +46,24 @@ LLAMA=(--model.init random --model.config configs/llama_1.1b_config.json --model
        --data.cache_dir "$OUT/cache" --precision.dtype bf16 --optimizer.lr 3e-4 --scheduler.warmup_steps 5
        --trainer.micro_batch_size 8 --trainer.max_steps 40 --trainer.warmup_steps_excluded 15 --trainer.log_every_steps 5
        --trainer.evaluate false --trainer.export false --checkpoint.save_final false --logging.progress_bar false)
+# SFT on chat records (IMDB reviews as two-turn conversations, rendered by benchmarks/chat_template.jinja: tok32k has
+# no chat template), Llama-shaped 1.1B (random weights), bf16, ZeRO-2 (STRATEGY=...), micro-batch 8, eager; one pass over the same
+# conversations in every row (the same non-padding tokens), the loss on held-out conversations (IMDB's test split)
+# at its end. SIZE=tiny: a 2-layer, 64-wide Llama in fp32, 32 conversations, rows of 128 tokens (a CPU check).
+if [ "${SIZE:-}" = tiny ]; then
+  SFT_N=(32 8 400); SFT_MODEL=$OUT/sft_packing/llama_tiny_config.json; SFT_SEQ=128; SFT_MICRO=4; SFT_WARM=1; SFT_LRWARM=2
+  SFT_PRECISION=fp32
+else
+  SFT_N=(8000 500 6000); SFT_MODEL=configs/llama_1.1b_config.json; SFT_SEQ=2048; SFT_MICRO=8; SFT_WARM=10; SFT_LRWARM=5
+  SFT_PRECISION=bf16
+fi
+SFT=(--model.init random --model.config "$SFT_MODEL" --model.tokenizer "$D/tok32k"
+     --data.train_path "$OUT/sft_packing/chat_train.jsonl" --data.val_path "$OUT/sft_packing/chat_val.jsonl"
+     --data.format chat --data.chat_template benchmarks/chat_template.jinja --data.seq_len "$SFT_SEQ"
+     --data.cache_dir "$OUT/cache" --precision.dtype "$SFT_PRECISION" --scheduler.name warmup_linear --scheduler.warmup_steps "$SFT_LRWARM"
+     --trainer.micro_batch_size "$SFT_MICRO" --trainer.epochs 1 --trainer.warmup_steps_excluded "$SFT_WARM"
+     --trainer.log_every_steps 5 --trainer.eval_every_steps 0 --trainer.export false --checkpoint.save_final false
+     --logging.progress_bar false)
 plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
   local name=$1; shift
   z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials 3 > "$OUT/planner/$name.log" 2>&1
@@ -143,6 +163,42 @@ against one" -- mlm "${BERT[@]}" --strategy.zero_stage 1 --precision.dtype fp32 
       python3 benchmarks/multinode.py --resume --out "$M/llama_1b_zero3" --title "Llama-shaped 1.1B, bf16, ZeRO-3: \
 two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA[@]}" --strategy.zero_stage 3 \
         --trainer.max_steps 20 --trainer.warmup_steps_excluded 5 --trainer.micro_batch_size 4 | tail -n 6 ;;
+    sft_packing)  # chat SFT packed (--data.pack true, documents kept apart) against padded per batch (--data.pack
+      # false), and padded in length-grouped batches (--data.bucket_by_length true): full-parameter, and LoRA r 16 on
+      # q/k/v/o through the same recipe (the lora recipe reads prompt/response records, padded, only)
+      S=$OUT/sft_packing
+      if [ "${SIZE:-}" = tiny ]; then
+        echo '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+ "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048, "vocab_size": 32000,
+ "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": false}' > "$SFT_MODEL"
+      fi
+      python3 benchmarks/make_sft_data.py "$D/imdb/train.jsonl.gz" "$S/chat_train.jsonl" --chat --n "${SFT_N[0]}" \
+        --max_chars "${SFT_N[2]}"
+      python3 benchmarks/make_sft_data.py "$D/imdb/test.jsonl.gz" "$S/chat_val.jsonl" --chat --n "${SFT_N[1]}" \
+        --max_chars "${SFT_N[2]}"
+      sb() { local name=$1; shift; z benchmark causal-lm --strategies "${STRATEGY:-zero2}" --predict false --out "$S/$name" \
+        "${SFT[@]}" "$@" > "$S/$name.log" 2>&1; echo "$name rc=$?"; }
+      FULL=(--optimizer.lr 3e-4)
+      LORA_ON=(--model.lora.r 16 --model.lora.alpha 32 --optimizer.lr 1e-3)
+      for row in ${ROWS:-full_packed full_padded full_grouped lora_packed lora_padded lora_grouped}; do
+        case $row in
+          full_*) ON=("${FULL[@]}") ;;
+          lora_*) ON=("${LORA_ON[@]}") ;;
+        esac
+        case $row in
+          *_packed) sb "$row" "${ON[@]}" --data.pack true ;;
+          *_padded) sb "$row" "${ON[@]}" --data.pack false ;;
+          *_grouped) sb "$row" "${ON[@]}" --data.pack false --data.bucket_by_length true ;;
+        esac
+      done
+      python3 benchmarks/compare_rows.py --out "$S/sft_packing" \
+        --title "Chat SFT, packed vs padded: $(basename "$SFT_MODEL" .json), seq $SFT_SEQ, $SFT_PRECISION, micro-batch $SFT_MICRO, one pass" \
+        --zerotrain "full, packed=$S/full_packed/benchmark.json" \
+        --zerotrain "full, padded=$S/full_padded/benchmark.json" \
+        --zerotrain "full, padded, length-grouped=$S/full_grouped/benchmark.json" \
+        --zerotrain "LoRA r16, packed=$S/lora_packed/benchmark.json" \
+        --zerotrain "LoRA r16, padded=$S/lora_padded/benchmark.json" \
+        --zerotrain "LoRA r16, padded, length-grouped=$S/lora_grouped/benchmark.json" | tail -n 16 ;;
     offload_large_model)  # full AdamW with the optimizer on the host (ZeRO-2 + CPU offload), one GPU.
       # SIZE=12b: 60 layers (12.31B parameters), micro-batch 32, pinned (needs ~260 GiB of host memory);
       # SIZE=host125: 32 layers (6.67B), micro-batch 16, unpinned, GPU capped at 79 GiB (fits a 125 GiB host)

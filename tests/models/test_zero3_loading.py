@@ -156,3 +156,50 @@ def test_lora_trains_on_a_partitioned_pretrained_base(tmp_path, tiny_tokenizer_d
         else:
             torch.testing.assert_close(merged[key], tensor, rtol=0, atol=0, msg=key)
     assert moved > 0
+
+
+def _write_unreadable_tensor(folder: Path, key: str) -> Path:
+    """Rewrite the weights file holding ``key`` so that its header is sound (every rank reads the shapes) but the
+    tensor's dtype (6-bit floats) is one torch cannot make a tensor of: reading its values fails."""
+    import struct
+
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    path = folder / index["weight_map"][key]
+    tensors = dict(_tensors([path]))
+    header, chunks, offset = {}, [], 0
+    for name, tensor in tensors.items():
+        if name == key:
+            data, dtype = bytes(tensor.numel() * 6 // 8), "F6_E2M3"
+        else:
+            data, dtype = tensor.contiguous().numpy().tobytes(), {torch.float32: "F32"}[tensor.dtype]
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(chunks))
+    return path
+
+
+@pytest.mark.slow
+def test_a_tensor_rank0_cannot_read_ends_every_rank_in_one_line(tmp_path, tiny_tokenizer_dir):
+    """Rank 0 alone reads the values, inside a gather every rank takes part in: the ranks agree on its failure
+    before the gather, so none waits in it, and the run ends in one line naming the file."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path / "base"
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder, max_shard_size="40KB")
+    broken = _write_unreadable_tensor(folder, "model.layers.1.mlp.up_proj.weight")
+    _write_text(tmp_path / "train.txt")
+    args = ["fit", "causal-lm", "--model.name_or_path", str(folder), "--model.tokenizer", str(tiny_tokenizer_dir),
+            "--data.train_path", str(tmp_path / "train.txt"), "--data.seq_len", "32", "--data.cache_dir",
+            str(tmp_path / "cache"), "--strategy.zero_stage", "3", "--trainer.micro_batch_size", "2",
+            "--trainer.max_steps", "1", "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path),
+            "--trainer.run_name", "run", "--launch.nproc_per_node", "2", "--launch.timeout_minutes", "2",
+            "--logging.progress_bar", "false", "--logging.tensorboard", "false"]
+    out = zerotrain_cmd(args, cwd=tmp_path, timeout=420)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "could not be read" in line]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert str(broken) in lines[0] and "model.layers.1.mlp.up_proj.weight" in lines[0], lines[0]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

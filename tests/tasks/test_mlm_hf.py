@@ -89,3 +89,25 @@ def test_resume_is_exact(tmp_path, tiny_tokenizer_dir, stage):
     assert sorted(a) == sorted(b) == list(range(1, 9))
     for step in range(1, 9):
         assert b[step]["train_loss"] == a[step]["train_loss"], f"step {step}: loss differs after resume"
+
+
+def test_streamed_resume_continues_at_the_exact_block(tmp_path, tiny_tokenizer_dir):
+    """--data.streaming: a run stopped after 4 steps and resumed logs bitwise the losses of one that never stopped
+    (masks included), across the end of the stream, and the checkpoint holds the stream's offset."""
+    def streamed(run_name, steps):
+        cfg = config(tmp_path, tiny_tokenizer_dir, run_name=run_name, steps=steps, zero_stage=2)
+        cfg.data.streaming, cfg.data.max_train_lines = True, 12
+        return cfg
+
+    straight = fit(MLMTask(streamed("straight", 8)))
+    fit(MLMTask(streamed("split", 4)))
+    saved = json.loads(next((tmp_path / "split").glob("checkpoints/step00000004/*.json")).read_text())
+    assert saved.get("stream_offset") and saved["stream_offset"][1] > 0, saved
+    assert saved["epoch"] >= 1, saved  # the stream ended at least once before the checkpoint
+    again = streamed("split", 8)
+    again.checkpoint.resume = "auto"
+    resumed = fit(MLMTask(again))
+    a, b = train_log(straight.run_dir), train_log(resumed.run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert b[step]["train_loss"] == a[step]["train_loss"], f"step {step}: loss differs after a streamed resume"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from zerotrain.data import source
+from zerotrain.data.streaming import RowMaker
 from zerotrain.errors import DataError
 
 
@@ -108,14 +109,31 @@ def label_names(labels: Sequence[Any], given: Optional[Sequence[str]] = None) ->
 def label_ids(labels: Sequence[Any], names: Sequence[str], source: str) -> list[int]:
     """Each label's class id; a name not among ``names`` or an id out of range is one error naming ``source``."""
     index = {name: i for i, name in enumerate(names)}
-    ids = []
-    for i, label in enumerate(labels):
-        if isinstance(label, int) and 0 <= label < len(names):
-            ids.append(label)
-            continue
-        if isinstance(label, str) and label in index:
-            ids.append(index[label])
-            continue
-        raise DataError(f"{source}: record {i}: label {label!r} is not one of the {len(names)} classes "
-                        f"{list(names)[:10]} (the training file's labels, or --data.label_names)")
-    return ids
+    return [_class_id(label, index, f"{source}: record {i}") for i, label in enumerate(labels)]
+
+
+def _class_id(label: Any, index: dict[str, int], where: str) -> int:
+    if isinstance(label, int) and 0 <= label < len(index):
+        return label
+    if isinstance(label, str) and label in index:
+        return index[label]
+    raise DataError(f"{where}: label {label!r} is not one of the {len(index)} classes "
+                    f"{list(index)[:10]} (the training file's labels, or --data.label_names)")
+
+
+def labelled_rows(tokenizer, text_field: str, label_field: str, names: Sequence[str], max_length: int,
+                  where) -> RowMaker:
+    """Records (columns) -> ``{input_ids, labels}`` rows, each record checked as :func:`check_record` checks it
+    and its label mapped to a class id of ``names``; ``where(index)`` names a record in errors. For a streamed
+    split, whose records are seen only a chunk at a time."""
+    def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        index = {name: c for c, name in enumerate(names)}
+        texts, ids = [], []
+        for k, i in enumerate(indices):
+            record = {name: batch[name][k] for name in batch}
+            text, label = check_record(where(i), record, text_field, label_field)
+            texts.append(text)
+            ids.append(_class_id(label, index, where(i)))
+        tokens = tokenizer(texts, truncation=True, max_length=max_length, return_attention_mask=False)["input_ids"]
+        return {"input_ids": tokens, "labels": ids}
+    return make

@@ -102,14 +102,35 @@ class MaskedBlocks(Dataset):
 
     def _seed(self, index: int, block: torch.Tensor) -> int:
         if self.fixed:
-            weights = torch.arange(block.numel()) % 65521 + 1
-            return _mix(int((block.long() * weights).sum()))
+            return _mix(_content(block))
         return _mix(self.seed, self.epoch, index)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         block = self.blocks[index]  # (T,)
         masked, labels = self.masker(block, torch.Generator().manual_seed(self._seed(index, block)))
         return {"input_ids": masked, "labels": labels}
+
+
+def mask_streamed(blocks: torch.Tensor, masker: BlockMasker, seed: int) -> dict[str, torch.Tensor]:
+    """Blocks of a streamed split (N, T) masked as they are made: ``input_ids`` and ``labels`` (N, T) each.
+
+    A streamed block has no index the whole run agrees on, so its mask is a pure function of (run seed, the
+    block's content): the same after a resume, and in every pass over the stream (a corpus streamed because it is
+    large is seldom read twice)."""
+    if blocks.shape[0] == 0:
+        return {"input_ids": [], "labels": []}
+    masked, labels = [], []
+    for block in blocks:  # (T,) each
+        m, l = masker(block, torch.Generator().manual_seed(_mix(seed, _content(block))))
+        masked.append(m)
+        labels.append(l)
+    return {"input_ids": torch.stack(masked), "labels": torch.stack(labels)}
+
+
+def _content(block: torch.Tensor) -> int:
+    """An integer of a block's tokens and their order, for a seed."""
+    weights = torch.arange(block.numel()) % 65521 + 1
+    return int((block.long() * weights).sum())
 
 
 def _mix(*values: int) -> int:

@@ -15,6 +15,9 @@ Design decisions:
   at the exact row the interrupted run would have read next. A resume must keep the number of processes.
 * At the end of its share a rank starts its next epoch at once; rows that do not fill a micro-batch there
   are dropped. The run's length is ``--trainer.max_steps``: a stream's size is unknown until it is read.
+* **The ranks agree before the first step** that every share yields a micro-batch (an all-reduce of a flag):
+  a rank whose share is too small would otherwise stop alone and leave the others waiting in their first
+  collective. Every rank then ends with the same line, naming the processes whose share was too small.
 * It runs in the training process (no DataLoader workers), so the position is that of the batches the step
   consumed, never of batches prefetched ahead of it.
 """
@@ -23,7 +26,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
+import torch
+
+from zerotrain.data import source
 from zerotrain.errors import DataError
+from zerotrain.runtime.collectives import all_reduce_sum
 
 
 class Drawn(NamedTuple):
@@ -73,8 +80,42 @@ class StreamedRows:
             first += n
 
     def batches(self, micro_batch_size: int, rank: int, world_size: int, collate: Callable[[list], Any],
-                epoch: int = 0, batches_in_epoch: int = 0, offset: Optional[Sequence[int]] = None) -> Iterator[Drawn]:
-        """Micro-batches forever from (epoch, offset), each with the position after it."""
+                epoch: int = 0, batches_in_epoch: int = 0, offset: Optional[Sequence[int]] = None,
+                device: torch.device = torch.device("cpu")) -> Iterator[Drawn]:
+        """Micro-batches forever from (epoch, offset), each with the position after it.
+
+        The first one is drawn when the first is asked for, and then every rank says whether its share made one
+        (a collective on ``device``'s backend: every rank must ask for its first micro-batch). If any share made
+        none, every rank raises the same :class:`DataError`."""
+        drawn = self._batches(micro_batch_size, rank, world_size, collate, epoch, batches_in_epoch, offset)
+        try:
+            first = next(drawn)
+            empty = False
+        except _EmptyShare:
+            first, empty = None, True
+        short = self._short_shares(empty, rank, world_size, device)
+        if short:
+            drawn.close()
+            which = ", ".join(str(r) for r in short)
+            raise DataError(f"--data.streaming: {self.name}: the share of process(es) {which} of {world_size} holds "
+                            f"fewer than --trainer.micro_batch_size {micro_batch_size} rows, not one micro-batch "
+                            "(each process reads whole files when their number divides by the processes, else "
+                            "every n-th record). Give the stream more files or rows than processes (a number of "
+                            "files the processes divide), or lower --trainer.micro_batch_size")
+        yield first
+        yield from drawn
+
+    @staticmethod
+    def _short_shares(empty: bool, rank: int, world_size: int, device: torch.device) -> list[int]:
+        """The ranks whose share made no micro-batch, agreed by all (one all-reduce)."""
+        dist = torch.distributed
+        if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return [rank] if empty else []
+        flags = all_reduce_sum({f"{r:06d}": float(empty and r == rank) for r in range(world_size)}, device)
+        return [int(k) for k, v in sorted(flags.items()) if v > 0]
+
+    def _batches(self, micro_batch_size: int, rank: int, world_size: int, collate: Callable[[list], Any],
+                 epoch: int, batches_in_epoch: int, offset: Optional[Sequence[int]]) -> Iterator[Drawn]:
         while True:
             pending: list[dict] = []
             made_one = bool(batches_in_epoch)
@@ -86,7 +127,38 @@ class StreamedRows:
                     yield Drawn(epoch, batches_in_epoch, collate(pending), after)
                     pending = []
             if not made_one:
-                raise DataError(f"{self.name}: process {rank}'s share of the stream holds fewer than "
-                                f"{micro_batch_size} rows, not one micro-batch. Add data or lower "
-                                "--trainer.micro_batch_size")
+                raise _EmptyShare()
             epoch, batches_in_epoch, offset = epoch + 1, 0, None
+
+
+class _EmptyShare(Exception):
+    """A rank's share made no micro-batch in a whole pass (turned into one agreed line by ``batches``)."""
+
+
+def streamed_source(src: source.Source, cache_dir: Optional[str], make_rows: RowMaker, chunk: int,
+                    keep: Optional[Callable[[dict], bool]] = None, limit: Optional[int] = None) -> StreamedRows:
+    """``src``'s records read as a stream (a saved dataset is refused in one line): those ``keep`` accepts, the
+    first ``limit`` of them, turned into rows ``chunk`` records at a time by ``make_rows``."""
+    if src.saved:
+        src.load(streaming=True)  # refuses, in one line
+
+    def open_stream():
+        stream = src.load(cache_dir, streaming=True)
+        if keep is not None:
+            stream = stream.filter(keep)
+        return stream.take(limit) if limit is not None else stream
+
+    return StreamedRows(open_stream, make_rows, chunk, f"{src.flag} {src.path}")
+
+
+def first_columns(src: source.Source, cache_dir: Optional[str]) -> list[str]:
+    """The fields of a streamed source's first record (empty when it holds none), read without the rest."""
+    first = next(iter(src.load(cache_dir, streaming=True)), None)
+    return sorted(first) if first else []
+
+
+def share_where(src: source.Source):
+    """``where(i)`` for a streamed record: its index in this process's share (files are not counted alone)."""
+    def where(i: int) -> str:
+        return f"{src.path}: record {i} of this process's share"
+    return where

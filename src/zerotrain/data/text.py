@@ -22,6 +22,8 @@ import torch
 
 from zerotrain.data import source
 from zerotrain.data.io import load_hub_dataset, looks_local
+from zerotrain.data.masking import BlockMasker, mask_streamed
+from zerotrain.data.streaming import StreamedRows, first_columns, share_where, streamed_source
 from zerotrain.errors import DataError, UserError
 
 TOKENIZE_CHUNK_LINES = 1000
@@ -193,3 +195,41 @@ def load_packed(
         raise DataError(f"{path_or_name} ({flag}): the text is shorter than one block of {max_seq_length} tokens; "
                         "use more text or a smaller --model.max_seq_length")
     return blocks
+
+
+# ---- a streamed split --------------------------------------------------------------------------------------------
+def streamed_blocks(path: str, tokenizer, max_seq_length: int, masker: BlockMasker, seed: int,
+                    text_field: str = "text", max_lines: Optional[int] = None, cache_dir: Optional[str] = None,
+                    flag: str = "--data.train_path") -> StreamedRows:
+    """The documents of local ``path`` read as they are trained on (``--data.streaming``): each chunk of
+    :data:`TOKENIZE_CHUNK_LINES` records tokenized, packed into full blocks as :func:`load_packed` packs the whole
+    corpus (a chunk's tail shorter than a block is dropped), and masked (:func:`~zerotrain.data.masking.mask_streamed`)."""
+    if not looks_local(path):
+        raise UserError(f"{flag}: --data.streaming reads local files; {path!r} is a hub dataset name. Pass "
+                        f"{LOCAL_TEXT}, or drop --data.streaming")
+    src = _local_source(path, flag)
+    bos, eos = _special_ids(tokenizer, max_seq_length)
+    column = _column(src, text_field)
+    where = share_where(src)
+
+    def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        docs = []
+        for value, i in zip(batch[column], indices):
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise DataError(f"{where(i)}: {column!r} must be a string, got {type(value).__name__}; "
+                                "set --data.text_field")
+            if value.strip():
+                docs.append(value)
+        ids = tokenizer(docs, add_special_tokens=False, return_attention_mask=False)["input_ids"] if docs else []
+        lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
+        flat = np.asarray([t for x in ids for t in x], dtype=np.int32)
+        blocks = torch.from_numpy(_blocks(_joined(flat, lengths, eos), bos, eos, max_seq_length))
+        return mask_streamed(blocks, masker, seed)
+
+    keep = (lambda r: isinstance(r[column], str) and bool(r[column].strip())) if max_lines is not None else None
+    rows = streamed_source(src, cache_dir, make, TOKENIZE_CHUNK_LINES, keep, max_lines)  # refuses a saved dataset
+    if src.builder != "text":
+        src.require_columns(first_columns(src, cache_dir), {column: "--data.text_field"})
+    return rows

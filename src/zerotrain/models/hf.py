@@ -41,6 +41,7 @@ from zerotrain.data.io import hub_offline, looks_local
 from zerotrain.engines.partitioning import zero3_config
 from zerotrain.engines.states import full_numel
 from zerotrain.errors import ConfigError, UserError
+from zerotrain.runtime.collectives import all_reduce_max, broadcast_object
 
 logger = logging.getLogger(__name__)
 
@@ -351,9 +352,13 @@ def load_partitioned(model: nn.Module, files: list[Path], flag: str = "--model")
                 if name in buffers:
                     target.copy_(weights.tensor(key))
                     continue
+                # Rank 0 reads the values before the gather, and the ranks agree that it could: a rank that
+                # failed inside the gather would leave the others waiting in it.
+                value = _read_on_rank0(weights, key, rank, flag)
                 with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
                     if rank == 0:
-                        target.data.copy_(weights.tensor(key))
+                        target.data.copy_(value)
+                value = None
                 loaded.add(id(target))
     missing = sorted({n for n, p in params.items() if id(p) not in loaded})
     if not loaded:
@@ -366,6 +371,29 @@ def load_partitioned(model: nn.Module, files: list[Path], flag: str = "--model")
     if unexpected:
         logger.info("%d tensor(s) of the weights files are not in the model and were skipped: %s", len(unexpected),
                     ", ".join(unexpected[:4]) + (" ..." if len(unexpected) > 4 else ""))
+
+
+def _read_on_rank0(weights: "_WeightsFile", key: str, rank: int, flag: str) -> Optional[torch.Tensor]:
+    """Rank 0's copy of tensor ``key`` (None on the other ranks), once every rank knows that rank 0 read it.
+
+    If rank 0 could not, every rank raises the same one-line :class:`UserError` naming the file, with rank 0's
+    reason (an all-reduce of a flag, then the reason broadcast only on failure)."""
+    import torch.distributed as dist
+
+    value, reason = None, None
+    if rank == 0:
+        try:
+            value = weights.tensor(key)
+        except Exception as exc:  # safetensors' and torch's read errors share no base class
+            reason = f"{type(exc).__name__}: {_first_line(exc)}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if all_reduce_max(float(reason is not None), device) > 0:
+            reason = broadcast_object(reason)
+    if reason is not None:
+        raise UserError(f"{flag}.name_or_path: {weights.path}: tensor {key} could not be read ({reason}): the "
+                        "file is damaged or was written by a newer library; copy or save the model folder again")
+    return value
 
 
 def _model_name(key: str, params: dict, buffers: dict, prefix: str) -> Optional[str]:

@@ -38,7 +38,7 @@ from zerotrain.data.collate import IGNORE_INDEX, PadCollator
 from zerotrain.data import source
 from zerotrain.data.lm import PACK_CHUNK, chat_rows, collate_packed, sft_rows, text_rows
 from zerotrain.data.sft import _adds_bos, split_template
-from zerotrain.data.streaming import StreamedRows
+from zerotrain.data.streaming import StreamedRows, first_columns, share_where, streamed_source
 from zerotrain.data.tokenizer import load_tokenizer, with_pad_token
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models import hf
@@ -315,8 +315,7 @@ class CausalLMTask(Task[CausalLMConfig]):
 
     def _columns(self, src: source.Source) -> list[str]:
         if self.streaming() and not src.saved:
-            first = next(iter(src.load(self.cache_dir(), streaming=True)), None)
-            return sorted(first) if first else []
+            return first_columns(src, self.cache_dir())
         return self._raw(src).column_names
 
     def _raw(self, src: source.Source):
@@ -390,19 +389,11 @@ class CausalLMTask(Task[CausalLMConfig]):
         if src.saved:
             src.load(streaming=True)  # refuses, in one line
         src.require_columns(self._columns(src), self._needed(src, fmt))
-        limit = self.cfg.data.max_train_lines
+        limit = self.cfg.data.max_train_lines if fmt == "text" else None
         column = self._text_column(src)
-
-        def open_stream():
-            stream = src.load(self.cache_dir(), streaming=True)
-            if fmt == "text" and limit is not None:
-                stream = stream.filter(lambda r: isinstance(r[column], str) and bool(r[column].strip())).take(limit)
-            return stream
-
-        def where(i: int) -> str:
-            return f"{path}: record {i} of this process's share"
-
-        return StreamedRows(open_stream, self.row_maker(src, fmt, where), PACK_CHUNK, f"{flag} {path}")
+        keep = (lambda r: isinstance(r[column], str) and bool(r[column].strip())) if limit is not None else None
+        return streamed_source(src, self.cache_dir(), self.row_maker(src, fmt, share_where(src)), PACK_CHUNK,
+                               keep, limit)
 
     def build_datasets(self) -> Splits:
         d = self.cfg.data

@@ -11,6 +11,9 @@ Design decisions:
   ``--data.max_length``, by ``Dataset.map`` into ``--data.cache_dir`` under a fingerprint of the files, the
   tokenizer, the fields, the classes and the length, so a later run (or another rank) reads the tokens back.
   Batches are padded per batch; ``--data.bucket_by_length`` groups similar lengths.
+* ``--data.streaming true`` reads the training records as they are trained on (:mod:`zerotrain.data.streaming`):
+  each record is checked and tokenised as its chunk is read, and the classes must be listed
+  (``--data.label_names``), since they cannot be counted before the stream is read.
 * FLOPs per token are reported per batch at its padded length (weights + attention, see
   :func:`zerotrain.models.hf.transformer_flops_per_token`).
 * Export writes a Hugging Face folder (config with the label mapping, weights, tokenizer) that
@@ -31,7 +34,8 @@ from torch import nn
 from zerotrain.config import RunConfig
 from zerotrain.data.collate import PadCollator
 from zerotrain.data import source
-from zerotrain.data.labelled import checked_labels, label_ids, label_names, no_labels_in_text
+from zerotrain.data.labelled import checked_labels, label_ids, label_names, labelled_rows, no_labels_in_text
+from zerotrain.data.streaming import StreamedRows, first_columns, share_where, streamed_source
 from zerotrain.data.tokenizer import load_tokenizer, with_pad_token
 from zerotrain.errors import ConfigError, DataError
 from zerotrain.models import hf
@@ -39,6 +43,9 @@ from zerotrain.models.shape import TransformerShape, transformer_shape
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 
 logger = logging.getLogger(__name__)
+
+STREAM_CHUNK = 1000
+"""Records read and tokenised at a time from a streamed training split."""
 
 
 @dataclass
@@ -53,7 +60,11 @@ class ClassifyDataConfig:
     (save_to_disk). Files: .jsonl/.json, .csv/.tsv (with a header), .parquet, optionally .gz/.xz/.bz2 (IMDB's
     train.jsonl.gz)."""
     val_path: Optional[str] = None
-    """Validation records in the same forms (None: no evaluation)."""
+    """Validation records in the same forms (None: no evaluation); never streamed."""
+    streaming: bool = False
+    """Read the training records as they are trained on, for data larger than host memory: each process reads its
+    own share in file order (no shuffling), --trainer.max_steps sets the length, --data.label_names lists the
+    classes, and a resume continues at the exact record (on the same number of processes)."""
     text_field: str = "text"
     """Record field holding the text."""
     label_field: str = "label"
@@ -83,6 +94,13 @@ class ClassifyDataConfig:
             raise ConfigError("--data.max_length", f"must be >= 2, got {self.max_length}")
         if self.pad_to_multiple_of < 1:
             raise ConfigError("--data.pad_to_multiple_of", f"must be >= 1, got {self.pad_to_multiple_of}")
+        if self.streaming and not self.label_names:
+            raise ConfigError("--data.label_names", "is required with --data.streaming true: the classes cannot be "
+                                                    "counted before the stream is read; list them in id order, e.g. "
+                                                    "[neg, pos]")
+        if self.streaming and self.bucket_by_length:
+            raise ConfigError("--data.bucket_by_length", "needs every length in advance: drop it with "
+                                                         "--data.streaming true")
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -201,9 +219,28 @@ class ClassifyTask(Task[ClassifyConfig]):
                                      with_indices=True)
         return source.Rows(rows)
 
+    def streaming(self) -> bool:
+        """Whether the training split is read as it is trained on (--data.streaming)."""
+        return self.cfg.data.streaming
+
+    def _streamed(self, path: str, flag: str) -> StreamedRows:
+        """The training records as a stream: checked, labelled and tokenised a chunk at a time."""
+        d = self.cfg.data
+        src = self._source(path, flag)
+        if src.saved:
+            src.load(streaming=True)  # refuses, in one line
+        src.require_columns(first_columns(src, d.cache_dir),
+                            {d.text_field: "--data.text_field", d.label_field: "--data.label_field"})
+        make = labelled_rows(self.tokenizer, d.text_field, d.label_field, self.label_names(), d.max_length,
+                             share_where(src))
+        return streamed_source(src, d.cache_dir, make, STREAM_CHUNK, limit=d.max_train_samples)
+
     def build_datasets(self) -> Splits:
         d = self.cfg.data
-        train = self._split(d.train_path, "--data.train_path", d.max_train_samples)
+        if self.streaming():
+            train = self._streamed(d.train_path, "--data.train_path")
+        else:
+            train = self._split(d.train_path, "--data.train_path", d.max_train_samples)
         val = self._split(d.val_path, "--data.val_path", d.max_eval_samples) if d.val_path else None
         return Splits(train=train, val=val)
 

@@ -7,6 +7,10 @@ sees fresh masks, as RoBERTa's dynamic masking does, a resumed run sees the same
 masks depend only on a block's content, so validation numbers are the same on every evaluation, every
 run and any number of ranks. The step is handed where the masked positions are, so it never waits for
 the GPU to find them.
+
+``--data.streaming true`` reads local training text as it is trained on (:mod:`zerotrain.data.streaming`):
+blocks are packed a chunk of documents at a time and each is masked by a function of the run's seed and its
+content (:func:`~zerotrain.data.masking.mask_streamed`). Validation then comes from ``--data.val_path`` only.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from zerotrain.checkpoint.export import _export_hf_roberta
 from zerotrain.config import RunConfig
 from zerotrain.data.io import looks_local as is_local_source
 from zerotrain.data.masking import BlockMasker, MaskedBlocks, collate_masked
-from zerotrain.data.text import load_packed
+from zerotrain.data.text import load_packed, streamed_blocks
 from zerotrain.data.tokenizer import load_tokenizer
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models import hf
@@ -94,7 +98,12 @@ class MLMDataConfig:
     name[:config]. Files: .txt/.raw (a document per line), .jsonl/.json, .csv/.tsv, .parquet (records),
     optionally .gz/.xz/.bz2."""
     val_path: Optional[str] = None
-    """Validation text, same forms. Default: the hub dataset's validation split, or the last 1% of the training blocks for local files."""
+    """Validation text, same forms. Default: the hub dataset's validation split, or the last 1% of the training blocks for local files
+    (none with --data.streaming). Never streamed."""
+    streaming: bool = False
+    """Read the local training text as it is trained on, for corpora larger than host memory: each process reads its
+    own share in file order (no shuffling), --trainer.max_steps sets the length, and a resume continues at the
+    exact block (on the same number of processes)."""
     text_field: str = "text"
     """Field (column) that holds the text in records (.jsonl, .json, .csv, .parquet, saved and hub datasets)."""
     tokenizer: str = "roberta-base"
@@ -190,6 +199,15 @@ class MLMTask(Task[MLMConfig]):
     def build_datasets(self) -> Splits:
         d, T = self.cfg.data, self.cfg.model.max_seq_length
         common = dict(tokenizer=self.tokenizer, max_seq_length=T, text_field=d.text_field, cache_dir=d.cache_dir)
+        if d.streaming:
+            train = streamed_blocks(d.train_path, masker=self.masker(), seed=self.cfg.trainer.seed,
+                                    max_lines=d.max_train_lines, flag="--data.train_path", **common)
+            val = None
+            if d.val_path is not None:
+                blocks = load_packed(d.val_path, split="validation", max_lines=d.max_val_lines, flag="--data.val_path",
+                                     **common)
+                val = MaskedBlocks(blocks, self.masker(), fixed=True)
+            return Splits(train=train, val=val)
         train = load_packed(d.train_path, split="train", max_lines=d.max_train_lines, flag="--data.train_path", **common)
         if d.val_path is not None:
             val = load_packed(d.val_path, split="validation", max_lines=d.max_val_lines, flag="--data.val_path", **common)

@@ -107,7 +107,7 @@ class Run:
         if isinstance(self.splits.train, StreamedRows):
             return self.splits.train.batches(self.engine.micro_batch_size, self.rt.rank, self.rt.world_size,
                                              self.task.collator(), state.epoch, state.batches_in_epoch,
-                                             state.stream_offset)
+                                             state.stream_offset, self.rt.device)
         return micro_batch_stream(self.loader, self.sampler, state.epoch, state.batches_in_epoch)
 
 
