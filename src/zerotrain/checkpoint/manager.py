@@ -76,7 +76,7 @@ def shape_of(engine: Engine, recipe: str) -> dict[str, Any]:
     ds = engine.ds_config
     return {
         "recipe": recipe,
-        "backend": "deepspeed" if ds is not None else "ddp",
+        "backend": engine.backend,
         "zero_stage": int(ds.get("zero_optimization", {}).get("stage", 0)) if ds is not None else None,
         "precision": engine.precision,
         # bf16 at ZeRO-0 keeps fp32 weights under the fast path's autocast and bf16 ones under DeepSpeed's

@@ -69,6 +69,8 @@ class Engine(ABC):
     grad_accum: int
     world_size: int
     rank: int
+    backend: str
+    """What ``--strategy.backend`` calls this engine (recorded in checkpoints)."""
     ds_config: Optional[dict[str, Any]] = None
     """The DeepSpeed JSON the engine runs with (None for the plain engine)."""
 
