@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from zerotrain.errors import UserError
@@ -88,7 +89,11 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        metadata = read_metadata(self._folder / (METADATA if rank is None else f"__{rank}{METADATA}"), self._where)
+        path = self._folder / (METADATA if rank is None else f"__{rank}{METADATA}")
+        if rank is not None and not path.is_file():
+            # DCP asks for a rank's own metadata first and falls back to the global file on this error
+            raise FileNotFoundError(path)
+        metadata = read_metadata(path, self._where)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -129,7 +134,17 @@ def load(state: dict[str, Any], folder: Path, where: tuple[str, str] = RESUME, n
     """Fill ``state`` (the same keys as saved, tensors or DTensors of this run's sharding) in place from
     ``folder/dcp``; DCP reads each rank's slices whatever process count wrote them. Collective unless ``no_dist``."""
     path = folder / FOLDER
-    dcp.load(state, storage_reader=SafeReader(path, where), planner=SafePlanner(path, where), no_dist=no_dist)
+    read_metadata(path / METADATA, where)  # its one line here: inside dcp.load every error becomes DCP's report
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist: what was asked
+            dcp.load(state, storage_reader=SafeReader(path, where), planner=SafePlanner(path, where), no_dist=no_dist)
+    except CheckpointException as exc:
+        # The first refusal any rank met (every rank gets them all), as its one line
+        found = next((e for e, _ in exc.failures.values() if isinstance(e, UserError)), None)
+        if found is not None:
+            raise found from None
+        raise
 
 
 def model_tensors(folder: Path, where: tuple[str, str] = RESUME
