@@ -108,42 +108,28 @@ def test_a_crafted_dcp_metadata_file_is_refused_and_runs_nothing(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["toy", "causal-lm"])
-def test_two_processes_resumed_on_one_continue_the_uninterrupted_run(lm_files, recipe):
-    """2 processes under FSDP2 for 3 steps, then 1 process from their checkpoint: DCP gives each rank its new
-    shards, accumulation 2 keeps the global batch, and the loss continues a 1-process run that never stopped."""
+def test_two_processes_resumed_on_one_continue_the_uninterrupted_run(lm_files):
+    """2 processes under FSDP2 for 3 steps of the causal-lm (its blocks sharded over both), then 1 process from
+    their checkpoint: DCP gives the rank its new shards, accumulation 2 keeps the global batch, and the loss
+    continues a 1-process run that never stopped."""
     tmp_path, tok = lm_files
-    if recipe == "toy":
-        straight_cfg = toy_config(tmp_path, "straight", backend="fsdp2", gradient_accumulation_steps=2)
-        straight_cfg.model.dropout = 0.0
-        straight_cfg.trainer.max_steps = 6
-        straight = fit(ToyTask(straight_cfg))
-        args = ["fit", "toy", "--model.dropout", "0", "--data.num_examples", "48", "--scheduler.name", "step",
-                "--scheduler.step_unit", "steps", "--scheduler.step_size", "3", "--scheduler.gamma", "0.5",
-                "--trainer.micro_batch_size", "8", "--optimizer.lr", "1e-2"]
-        resume_cfg = toy_config(tmp_path, "split", backend="fsdp2", gradient_accumulation_steps=2)
-        resume_cfg.model.dropout = 0.0
-        resume_cfg.trainer.max_steps = 6
-        task = ToyTask
-    else:
-        straight = fit(CausalLMTask(lm_config(tmp_path, tok, "straight", 6, accumulation=2)))
-        args = ["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"),
-                "--model.tokenizer", str(tok), "--data.train_path", str(tmp_path / "train.txt"), "--data.seq_len", "32",
-                "--data.cache_dir", str(tmp_path / "cache"), "--trainer.micro_batch_size", "2", "--trainer.evaluate",
-                "false", "--optimizer.lr", "1e-2", "--precision.dtype", "fp32", "--logging.tensorboard", "false"]
-        resume_cfg = lm_config(tmp_path, tok, "split", 6, accumulation=2)
-        task = CausalLMTask
-    out = zerotrain_cmd([*args, "--strategy.backend", "fsdp2", "--trainer.max_steps", "3",
-                         "--trainer.log_every_steps", "1", "--trainer.num_workers", "0", "--logging.progress_bar",
-                         "false", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "split",
-                         "--launch.nproc_per_node", "2"], tmp_path)
+    straight = fit(CausalLMTask(lm_config(tmp_path, tok, "straight", 6, accumulation=2)))
+    out = zerotrain_cmd(["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"),
+                         "--model.tokenizer", str(tok), "--data.train_path", str(tmp_path / "train.txt"),
+                         "--data.seq_len", "32", "--data.cache_dir", str(tmp_path / "cache"),
+                         "--trainer.micro_batch_size", "2", "--trainer.evaluate", "false", "--optimizer.lr", "1e-2",
+                         "--precision.dtype", "fp32", "--logging.tensorboard", "false", "--strategy.backend", "fsdp2",
+                         "--trainer.max_steps", "3", "--trainer.log_every_steps", "1", "--trainer.num_workers", "0",
+                         "--logging.progress_bar", "false", "--trainer.output_dir", str(tmp_path),
+                         "--trainer.run_name", "split", "--launch.nproc_per_node", "2"], tmp_path)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    assert "FSDP2 over 2 process(es)" in out.stdout + out.stderr
+    assert "FSDP2 over 2 process(es), 2 blocks sharded one by one" in out.stdout + out.stderr
     ckpt = tmp_path / "split" / "checkpoints" / "step00000003"
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(json.loads((ckpt / "COMPLETE.json").read_text())["files"])
 
-    resume_cfg.checkpoint.resume = "auto"
-    resumed = fit(task(resume_cfg))
+    again = lm_config(tmp_path, tok, "split", 6, accumulation=2)
+    again.checkpoint.resume = "auto"
+    resumed = fit(CausalLMTask(again))
     a, b = losses(straight.run_dir), losses(resumed.run_dir)
     assert len(a) == len(b) == 6
     assert b == pytest.approx(a, rel=REL)
