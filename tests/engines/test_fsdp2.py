@@ -134,3 +134,23 @@ def test_two_processes_resumed_on_one_continue_the_uninterrupted_run(lm_files):
     assert len(a) == len(b) == 6
     assert b == pytest.approx(a, rel=REL)
     assert a[-1] != pytest.approx(a[0], rel=1e-2)  # it trained
+
+
+def test_offload_and_reshard_settings_keep_the_numbers_and_bf16_keeps_fp32_master_weights(tmp_path):
+    """Offloading to the host and keeping parameters gathered from forward to backward move memory, not results:
+    their losses are the plain FSDP2 run's, bit for bit. bf16 computes in bf16 (other losses, close) and keeps the
+    sharded master weights, which the checkpoint and the export hold, in fp32."""
+    from safetensors.torch import load_file
+
+    def run(name: str, **strategy) -> tuple[list[float], Path]:
+        cfg = toy_config(tmp_path, name, backend="fsdp2", **strategy)
+        cfg.trainer.max_steps = 3
+        done = fit(ToyTask(cfg))
+        return losses(done.run_dir), done.run_dir
+
+    base, _ = run("base")
+    assert run("offload", offload_optimizer="cpu")[0] == base
+    assert run("gathered", reshard_after_forward=False)[0] == base
+    bf16, bf16_run = run("bf16", precision="bf16")
+    assert bf16 != base and bf16 == pytest.approx(base, rel=2e-2)
+    assert {t.dtype for t in load_file(bf16_run / "model" / "model.safetensors").values()} == {torch.float32}

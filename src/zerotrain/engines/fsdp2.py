@@ -76,7 +76,9 @@ class FSDP2Engine(Engine):
         bf16 = precision == "bf16"
         mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                      reduce_dtype=torch.bfloat16 if bf16 else None)
-        offload: OffloadPolicy = CPUOffloadPolicy() if self.offload else OffloadPolicy()
+        # Pinned as --strategy.offload_pin_memory says (default: on GPUs; pinning needs one)
+        pin = s.offload_pin_memory if s.offload_pin_memory is not None else device.type == "cuda"
+        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if self.offload else OffloadPolicy()
         self.blocks = repeated_blocks(self._module)
         for block in self.blocks:
             fully_shard(block, mp_policy=mixed, offload_policy=offload, reshard_after_forward=s.reshard_after_forward)
