@@ -154,3 +154,30 @@ def test_offload_and_reshard_settings_keep_the_numbers_and_bf16_keeps_fp32_maste
     bf16, bf16_run = run("bf16", precision="bf16")
     assert bf16 != base and bf16 == pytest.approx(base, rel=2e-2)
     assert {t.dtype for t in load_file(bf16_run / "model" / "model.safetensors").values()} == {torch.float32}
+
+
+def test_a_zero2_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path):
+    """DeepSpeed ZeRO-2 for 4 steps, then FSDP2 from its checkpoint (converted once to DeepSpeed's universal
+    checkpoint: every parameter's fp32 weights and Adam moments whole): the schedule, the step and the loss continue
+    the ZeRO-2 run that never stopped (fp32; the two engines sum and clip in another order, a few ulps)."""
+    def toy(name: str, steps: int, **strategy):
+        cfg = toy_config(tmp_path, name, precision="fp32", **strategy)
+        cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
+        return cfg
+
+    straight = fit(ToyTask(toy("straight", 8, zero_stage=2)))
+    fit(ToyTask(toy("split", 4, zero_stage=2)))
+    again = toy("split", 8, backend="fsdp2")
+    again.checkpoint.resume = "auto"
+    resumed = fit(ToyTask(again))
+
+    a, b = train_log(straight.run_dir), train_log(resumed.run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert b[step]["lr"] == a[step]["lr"], f"step {step}: the schedule did not continue"
+        assert b[step]["train_loss"] == pytest.approx(a[step]["train_loss"], rel=REL), f"step {step}"
+    assert a[8]["train_loss"] != pytest.approx(a[1]["train_loss"], rel=1e-2)  # it trained
+    step4 = tmp_path / "split" / "checkpoints" / "step00000004"
+    assert (step4 / "universal" / "UNIVERSAL.json").is_file()  # the conversion, cached beside the checkpoint
+    assert json.loads((tmp_path / "split" / "checkpoints" / "step00000008" / "COMPLETE.json").read_text())[
+        "backend"] == "fsdp2"

@@ -90,10 +90,11 @@ class StrategyConfig:
 
     resume_safe = frozenset({"nvme_path", "offload_pin_memory", "overlap_comm", "contiguous_gradients",
                              "reduce_bucket_size", "allgather_bucket_size", "auto", "deepspeed_config",
-                             "gradient_accumulation_steps", "reshard_after_forward"})
+                             "gradient_accumulation_steps", "reshard_after_forward", "backend", "zero_stage"})
     """Settings a resume may change (see :func:`resume_changes`): where and how fast, not what is computed. A
     DeepSpeed file is compared by what it sets (recorded in hparams.json), not by its path; accumulation with
-    the micro-batch by the checkpoint, which keeps the global batch (``checkpoint.manager.check_compatible``)."""
+    the micro-batch by the checkpoint, which keeps the global batch; the backend and ZeRO stage by the
+    checkpoint too, which admits only the crossings an engine can load (``checkpoint.manager.check_compatible``)."""
 
     backend: Literal["deepspeed", "ddp", "fsdp2"] = "deepspeed"
     """deepspeed (ZeRO), plain PyTorch DDP (the baseline 'without DeepSpeed'), or fsdp2: PyTorch's fully_shard on each transformer block and the root (parameters, gradients and optimizer states sharded, as ZeRO-3)."""
