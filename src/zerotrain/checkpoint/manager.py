@@ -381,7 +381,7 @@ class Checkpointer:
         if not mine.is_file():
             raise UserError(f"--checkpoint.resume: {mine} is missing, so the run cannot continue exactly. "
                             "Pass an older checkpoint folder, or start a new run")
-        if crosses_engines(meta, {**self.shape, "backend": self.engine.backend}):
+        if crosses_engines(meta, self.shape):
             self._load_across(folder, meta)
         else:
             self.engine.load(folder)
@@ -400,7 +400,7 @@ class Checkpointer:
             raise UserError(f"--checkpoint.resume: {missing} is missing, so the run cannot continue exactly. "
                             "Pass an older checkpoint folder, or start a new run")
         states = [load_safely(f) for f in files]
-        if crosses_engines(meta, {**self.shape, "backend": self.engine.backend}):
+        if crosses_engines(meta, self.shape):
             self._load_across(folder, meta)
         else:
             self.engine.load_resharded(folder, saved_world, self.cfg.verify)
