@@ -99,6 +99,8 @@ CASES = [
          "--precision.master_weights bf16"),
     Case("ddp-with-zero", "flag", "fit toy $FIT --strategy.backend ddp --strategy.zero_stage 2"),
     Case("ddp-with-json", "flag", "fit toy $FIT --strategy.backend ddp --strategy.deepspeed_config {tmp}/ok.json"),
+    Case("fsdp2-with-zero", "flag", "fit toy $FIT --strategy.backend fsdp2 --strategy.zero_stage 3"),
+    Case("fsdp2-fp16", "flag", "fit toy $FIT --strategy.backend fsdp2 --precision.dtype fp16"),
     Case("accumulation-zero", "flag", "fit toy $FIT --strategy.gradient_accumulation_steps 0"),
     Case("clipping-negative", "flag", "fit toy $FIT --strategy.gradient_clipping -1"),
     Case("reduce-bucket-zero", "flag", "fit toy $FIT --strategy.reduce_bucket_size 0"),

@@ -2,8 +2,9 @@
 
 Input: ``RUN_DIR/hparams.json`` and one complete ``RUN_DIR/checkpoints/step*/`` folder, written by
 any engine: the plain engine's ``torch_state.pt``, DeepSpeed ZeRO-0's ``mp_rank_00_model_states.pt``,
-or ZeRO-1/2/3's per-rank ``*_optim_states.pt`` (consolidated by DeepSpeed's own ``zero_to_fp32`` from
-the fp32 master weights, in its lazy mode: ZeRO-3 tensors are gathered one at a time).
+ZeRO-1/2/3's per-rank ``*_optim_states.pt`` (consolidated by DeepSpeed's own ``zero_to_fp32`` from
+the fp32 master weights, in its lazy mode: ZeRO-3 tensors are gathered one at a time), or FSDP2's DCP
+checkpoint in ``dcp/`` (each tensor read whole from its shards, one at a time, without a process group).
 
 Output: a folder that is complete or absent (written beside its final name, renamed at the end):
 
@@ -32,6 +33,7 @@ from typing import Any, Callable, Iterator, Literal, Optional
 
 import torch
 
+from zerotrain.checkpoint import dcp
 from zerotrain.checkpoint.layout import (
     complete_checkpoints,
     is_complete,
@@ -131,6 +133,8 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
     with _cpu_accelerator():
         allow = ds_safe_globals()  # imports DeepSpeed's record classes
     refuse_unsafe_files(sorted(folder.glob("*.pt")), allow, _EXPORTING)
+    if (folder / dcp.FOLDER).is_dir():  # FSDP2: its reader admits DCP's records and tensors only
+        return dcp.model_tensors(folder, _EXPORTING)
     state_file = folder / TORCH_STATE
     optim = sorted(folder.glob("*_optim_states.pt"))
     if state_file.is_file():
@@ -161,8 +165,8 @@ def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.Size, torch.dtype,
         if not isinstance(module, dict):
             raise UserError(f"{model_states} holds no 'module' state dict: it was not written by DeepSpeed")
         return {_strip(k): (v.shape, v.dtype, _const(v)) for k, v in module.items()}
-    raise UserError(f"{folder} holds no model weights ({TORCH_STATE}, mp_rank_00_model_states.pt or "
-                    "*_optim_states.pt). Pass another step with --step N")
+    raise UserError(f"{folder} holds no model weights ({TORCH_STATE}, mp_rank_00_model_states.pt, "
+                    f"*_optim_states.pt or {dcp.FOLDER}/). Pass another step with --step N")
 
 
 @contextlib.contextmanager

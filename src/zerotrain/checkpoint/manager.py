@@ -55,6 +55,7 @@ from zerotrain.checkpoint.layout import (
     state_file,
     step_folder,
 )
+from zerotrain.checkpoint.universal import universal_checkpoint
 from zerotrain.config import CheckpointConfig, resume_changes, upgrade_layout
 from zerotrain.config.ds_config import batch_shape, load_user_config
 from zerotrain.data.io import atomic_write_text
@@ -76,7 +77,7 @@ def shape_of(engine: Engine, recipe: str) -> dict[str, Any]:
     ds = engine.ds_config
     return {
         "recipe": recipe,
-        "backend": "deepspeed" if ds is not None else "ddp",
+        "backend": engine.backend,
         "zero_stage": int(ds.get("zero_optimization", {}).get("stage", 0)) if ds is not None else None,
         "precision": engine.precision,
         # bf16 at ZeRO-0 keeps fp32 weights under the fast path's autocast and bf16 ones under DeepSpeed's
@@ -170,15 +171,26 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         "grad_accum": "pass --strategy.gradient_accumulation_steps {saved}",
     }
     resharding = "world_size" in meta and meta["world_size"] != shape.get("world_size")
+    across = crosses_engines(meta, shape)
     for key in SHAPE_KEYS:
         if key not in meta or key == "world_size" or (resharding and key in ("micro_batch_size", "grad_accum")):
             continue  # a marker of format 1 records the world size only; another world size: below
+        if across and key in ("backend", "zero_stage", "weights_dtype"):
+            continue  # loaded through the consolidated fp32 state, whatever each engine keeps
         saved, now = meta[key], shape.get(key)
         if saved != now:
             raise UserError(f"{flag}: {folder} was written with {key} {saved}, this run has {now}; "
                             f"{how[key].format(saved=saved)}, or start a new run (another --trainer.run_name)")
     if resharding:
         check_global_batch(folder, meta, shape)
+
+
+def crosses_engines(meta: dict[str, Any], shape: dict[str, Any]) -> bool:
+    """Whether a checkpoint of ``meta`` is resumed by a run of ``shape`` under another engine, one that can load it:
+    a DeepSpeed ZeRO-1/2/3 checkpoint under FSDP2, through DeepSpeed's universal checkpoint (every parameter's
+    fp32 weights and optimizer states whole; :meth:`~zerotrain.engines.base.Engine.load_universal`)."""
+    return (meta.get("backend") == "deepspeed" and meta.get("zero_stage") in (1, 2, 3)
+            and shape.get("backend") == "fsdp2")
 
 
 def _global_batch(meta: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -369,7 +381,10 @@ class Checkpointer:
         if not mine.is_file():
             raise UserError(f"--checkpoint.resume: {mine} is missing, so the run cannot continue exactly. "
                             "Pass an older checkpoint folder, or start a new run")
-        self.engine.load(folder)
+        if crosses_engines(meta, self.shape):
+            self._load_across(folder, meta)
+        else:
+            self.engine.load(folder)
         self.state.load_state_dict(load_safely(mine))
         self.last_saved = self.state.step
 
@@ -385,7 +400,10 @@ class Checkpointer:
             raise UserError(f"--checkpoint.resume: {missing} is missing, so the run cannot continue exactly. "
                             "Pass an older checkpoint folder, or start a new run")
         states = [load_safely(f) for f in files]
-        self.engine.load_resharded(folder, saved_world, self.cfg.verify)
+        if crosses_engines(meta, self.shape):
+            self._load_across(folder, meta)
+        else:
+            self.engine.load_resharded(folder, saved_world, self.cfg.verify)
         # Positions count micro-steps of micro x processes examples: the checkpoint's, converted to this run's.
         self.state.load_resharded(states, seed, self.engine.rank, examples_per_micro_step=(
             int(meta["micro_batch_size"]) * saved_world, int(self.shape["micro_batch_size"]) * self.engine.world_size))
@@ -394,6 +412,17 @@ class Checkpointer:
             log.warning("resumed on %d process(es) from a checkpoint of %d: exact in weights, optimizer state, "
                         "schedule, step and data order, but not in dropout randomness (re-seeded from "
                         "seed, step and rank)", self.engine.world_size, saved_world)
+
+
+    def _load_across(self, folder: Path, meta: dict[str, Any]) -> None:
+        """The engine's state from another engine's checkpoint (see :func:`crosses_engines`): rank 0 converts it
+        once to a universal checkpoint (cached beside it, as for a resume on another process count), every rank
+        loads that."""
+        universal = run_on_main(lambda: universal_checkpoint(folder, self.cfg.verify))
+        self.engine.load_universal(universal)
+        if self.engine.rank == 0:
+            log.warning("resumed under %s from a checkpoint of %s ZeRO-%s: the fp32 weights, optimizer states and "
+                        "schedule carry over", self.engine.backend, meta.get("backend"), meta.get("zero_stage"))
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:

@@ -90,13 +90,14 @@ class StrategyConfig:
 
     resume_safe = frozenset({"nvme_path", "offload_pin_memory", "overlap_comm", "contiguous_gradients",
                              "reduce_bucket_size", "allgather_bucket_size", "auto", "deepspeed_config",
-                             "gradient_accumulation_steps"})
+                             "gradient_accumulation_steps", "reshard_after_forward", "backend", "zero_stage"})
     """Settings a resume may change (see :func:`resume_changes`): where and how fast, not what is computed. A
     DeepSpeed file is compared by what it sets (recorded in hparams.json), not by its path; accumulation with
-    the micro-batch by the checkpoint, which keeps the global batch (``checkpoint.manager.check_compatible``)."""
+    the micro-batch by the checkpoint, which keeps the global batch; the backend and ZeRO stage by the
+    checkpoint too, which admits only the crossings an engine can load (``checkpoint.manager.check_compatible``)."""
 
-    backend: Literal["deepspeed", "ddp"] = "deepspeed"
-    """deepspeed (ZeRO) or plain PyTorch DDP, the baseline 'without DeepSpeed'."""
+    backend: Literal["deepspeed", "ddp", "fsdp2"] = "deepspeed"
+    """deepspeed (ZeRO), plain PyTorch DDP (the baseline 'without DeepSpeed'), or fsdp2: PyTorch's fully_shard on each transformer block and the root (parameters, gradients and optimizer states sharded, as ZeRO-3)."""
     zero_stage: int = 0
     """ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), 3 (+parameters) partitioned across data-parallel ranks."""
     offload_optimizer: OffloadDevice = "none"
@@ -127,6 +128,8 @@ class StrategyConfig:
     """DeepSpeed settings that remove host overhead without changing the math (see zerotrain.config.ds_config.fast_path); false keeps DeepSpeed's defaults, to compare."""
     auto: bool = False
     """Plan first (as `zerotrain plan` does: measure, predict, try the best few for a few seconds each) and train with the fastest configuration that fits: backend, ZeRO stage, offload, micro-batch and accumulation (same global batch), activation checkpointing. The plan is kept under <output_dir>/.plans and reused on this machine until the flags or the versions of torch, DeepSpeed or zerotrain change."""
+    reshard_after_forward: bool = True
+    """fsdp2: free each block's gathered parameters after its forward and gather them again for its backward (ZeRO-3's memory); false keeps them from forward to backward (one all-gather fewer a step, the whole model's 16-bit parameters held at the forward's end)."""
     deepspeed_config: Optional[str] = None
     """A DeepSpeed JSON/HJSON file of your own. Its "auto" values are filled from this config; explicit values win and are checked."""
 
@@ -142,6 +145,16 @@ class StrategyConfig:
                 )
             if self.deepspeed_config:
                 raise ConfigError("--strategy.deepspeed_config", "is only read with --strategy.backend deepspeed")
+        if self.backend == "fsdp2":
+            if self.zero_stage:
+                raise ConfigError("--strategy.zero_stage", "is DeepSpeed's; fsdp2 always shards parameters, gradients "
+                                  "and optimizer states. Drop --strategy.zero_stage, or use --strategy.backend deepspeed")
+            if "nvme" in (self.offload_optimizer, self.offload_param):
+                raise ConfigError("--strategy.offload_optimizer", "fsdp2 offloads to cpu only (nvme is DeepSpeed's "
+                                  "ZeRO-Infinity): pass cpu, or --strategy.backend deepspeed --strategy.zero_stage 3")
+            if self.deepspeed_config:
+                raise ConfigError("--strategy.deepspeed_config", "is only read with --strategy.backend deepspeed")
+            return self._validate_common()
         if self.offload_param != "none" and self.zero_stage != 3:
             raise ConfigError(
                 "--strategy.offload_param",
@@ -158,6 +171,9 @@ class StrategyConfig:
                 raise ConfigError("--strategy.nvme_path", "is required when an offload device is nvme")
             if self.offload_optimizer == "nvme" and self.zero_stage != 3:
                 raise ConfigError("--strategy.offload_optimizer", "nvme optimizer offload needs --strategy.zero_stage 3")
+        self._validate_common()
+
+    def _validate_common(self) -> None:
         if self.gradient_accumulation_steps < 1:
             raise ConfigError(
                 "--strategy.gradient_accumulation_steps", f"must be >= 1, got {self.gradient_accumulation_steps}"
@@ -501,6 +517,9 @@ def check_across_sections(cfg: "RunConfig") -> None:
         raise ConfigError("--compile.mode", "reduce-overhead (CUDA graphs) would overwrite the gradients "
                           "accumulated so far; set --strategy.gradient_accumulation_steps 1 or "
                           "--compile.mode default")
+    if cfg.precision.dtype == "fp16" and st.backend == "fsdp2":
+        raise ConfigError("--precision.dtype", "fp16 is not offered with --strategy.backend fsdp2 (its loss scaling "
+                          "would need a scaler that knows sharded gradients): use bf16 or fp32")
     if cfg.precision.dtype == "fp16" and st.backend == "deepspeed" and cfg.precision.initial_scale_power < 0:
         raise ConfigError("--precision.initial_scale_power", "must be >= 0")
     check_state_precision(cfg)

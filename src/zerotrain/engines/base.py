@@ -69,6 +69,8 @@ class Engine(ABC):
     grad_accum: int
     world_size: int
     rank: int
+    backend: str
+    """What ``--strategy.backend`` calls this engine (recorded in checkpoints)."""
     ds_config: Optional[dict[str, Any]] = None
     """The DeepSpeed JSON the engine runs with (None for the plain engine)."""
 
@@ -182,6 +184,13 @@ class Engine(ABC):
         (another count than this run's). Collective. The plain engine's state is whole; see the subclasses."""
         raise UserError(f"--checkpoint.resume: {folder} was written by {saved_world_size} processes and this engine "
                         f"cannot resume it on {self.world_size}. Start it with {saved_world_size} processes")
+
+    def load_universal(self, folder: Path) -> None:
+        """Restore the training state from ``folder``, a DeepSpeed universal checkpoint (every parameter's fp32
+        weights and optimizer states whole, the schedule in its model-states file) that another engine's
+        checkpoint was converted to. Collective. Only engines that resume across engines implement it."""
+        raise UserError(f"--checkpoint.resume: {folder.parent} was written by another engine, and this one cannot "
+                        "load it. Resume it with the --strategy.backend that wrote it")
 
     @abstractmethod
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:

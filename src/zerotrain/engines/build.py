@@ -1,4 +1,5 @@
-"""The engine a config names: :func:`build_engine` is the one place that chooses between them."""
+"""The engine a config names: :func:`build_engine` is the one place that chooses between them (DeepSpeed, FSDP2,
+plain PyTorch)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, engine_clips, make_ds_config
 from zerotrain.engines.base import Engine
 from zerotrain.engines.deepspeed import DeepSpeedEngine
+from zerotrain.engines.fsdp2 import FSDP2Engine
 from zerotrain.engines.partitioning import partitioned_construction
 from zerotrain.engines.plain import TorchEngine
 
@@ -24,6 +26,8 @@ def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precisi
     For DeepSpeed the JSON is built here from ``cfg`` (or the user's file, its "auto" values filled
     from ``cfg``, the schedule's length and the task's ``hints`` such as ``hidden_size``).
     """
+    if cfg.strategy.backend == "fsdp2":
+        return FSDP2Engine(model, cfg, device, precision, total_steps, steps_per_epoch)
     if cfg.strategy.backend != "deepspeed":
         return TorchEngine(model, cfg, device, precision, total_steps, steps_per_epoch)
     ds = _ds_config(cfg, device, precision, total_steps, world_size, hints)

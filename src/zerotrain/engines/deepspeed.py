@@ -34,6 +34,8 @@ class DeepSpeedEngine(Engine):
     """``deepspeed.initialize`` with zerotrain's schedule. With ``clip`` (see ``ds_config.engine_clips``)
     the engine clips the gradients itself before DeepSpeed's step, keeping the norm on the device."""
 
+    backend = "deepspeed"
+
     def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, ds: dict[str, Any],
                  total_steps: int, steps_per_epoch: int, clip: Optional[float] = None):
         import deepspeed

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 class TorchEngine(Engine):
     """Plain PyTorch: DDP when several ranks, autocast for bf16/fp16, GradScaler for fp16."""
 
+    backend = "ddp"
     STATE_FILE = "torch_state.pt"
 
     def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, precision: ResolvedPrecision,

@@ -82,7 +82,7 @@ def optimizer_states(o: "OptimizerConfig", ds: Optional[dict] = None) -> int:
 
 @dataclass(frozen=True)
 class Strategy:
-    backend: str  # "deepspeed" or "ddp"
+    backend: str  # "deepspeed", "ddp" or "fsdp2" (the last not sized here: see model_state_memory)
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -236,7 +236,12 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     ``autocast``: DeepSpeed runs ``torch_autocast`` (ZeRO-0's fast path in bf16, see
     ``zerotrain.config.ds_config.fast_path``), keeping the dtypes as built like plain PyTorch does.
     ``grad_accum``: micro-batches a step; under ZeRO-1/2 optimizer offload more than one costs host memory.
-    ``optimizer_states``: state tensors per trainable parameter (:func:`optimizer_states`; Adam: 2)."""
+    ``optimizer_states``: state tensors per trainable parameter (:func:`optimizer_states`; Adam: 2).
+
+    FSDP2 is refused (ValueError): its peaks (the gathered blocks, the bf16 copies, the reduce-scatter buffers)
+    have not been measured against a prediction, and a figure that was never checked is not offered."""
+    if strategy.backend == "fsdp2":
+        raise ValueError("the memory model does not size FSDP2's states")
     n = world_size
     weights, grads, optim = _state_bytes(counts, strategy, precision, world_size, autocast, optimizer_states, buckets)
     master = buckets.master_element if precision != "fp32" else 4

@@ -58,6 +58,11 @@ def next_smaller(cfg: RunConfig, world_size: int = 1) -> Optional[tuple[str, lis
 
 def _next_zero(s: StrategyConfig, world_size: int) -> Optional[tuple[str, list[str]]]:
     """Rung 3 of :func:`next_smaller`: the strategy with less model state on each GPU."""
+    if s.backend == "fsdp2":  # everything is sharded already: what is left is the host
+        if s.offload_optimizer != "none" or s.offload_param != "none":
+            return None
+        return "FSDP2 with parameters, gradients and optimizer state offloaded to CPU memory", [
+            "--strategy.offload_optimizer", "cpu"]
     stage = s.zero_stage if s.backend == "deepspeed" else 0
     to_deepspeed = ["--strategy.backend", "deepspeed"] if s.backend != "deepspeed" else []
     opt_offloaded, param_offloaded = s.offload_optimizer != "none", s.offload_param != "none"
@@ -83,6 +88,8 @@ def _next_zero(s: StrategyConfig, world_size: int) -> Optional[tuple[str, list[s
 def strategy_name(s: StrategyConfig, world_size: int) -> str:
     """How ``s`` is called in the line, as the engines describe themselves in the log."""
     gpus = f" on {world_size} GPUs" if world_size > 1 else ""
+    if s.backend == "fsdp2":
+        return "FSDP2" + (", offload to cpu" if "cpu" in (s.offload_optimizer, s.offload_param) else "") + gpus
     if s.backend != "deepspeed":
         return "plain PyTorch" + (" DDP" if world_size > 1 else "") + gpus
     offload = [f"{what} offload to {device}" for what, device in

@@ -1,0 +1,172 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), read without running code.
+
+The FSDP2 engine writes its model and optimizer state as one DCP checkpoint in ``<step>/dcp/``: a
+``__<rank>_0.distcp`` file per writing rank and a ``.metadata`` file that says which slice of which
+tensor each holds. DCP reads it back on any process count, each rank taking the slices of its shards
+(resharding), and without any process group (:func:`model_tensors`, for ``zerotrain export``).
+
+Decision: DCP's own reader runs code a crafted file asks for. torch 2.13's ``FileSystemReader``
+unpickles ``.metadata`` with plain ``pickle.load``, and its default load planner reads every
+non-tensor value (the optimizer's hyperparameters) with ``torch.load(weights_only=False)``; only
+the tensors are read weights-only. The marker's checksums find damage, not a replaced file whose
+marker was rewritten with it, so the other loaders' rule is kept instead: :class:`SafeReader`
+unpickles ``.metadata`` admitting only DCP's record classes (:data:`METADATA_GLOBALS`), torch's
+dtypes and ``torch.Size``, and :class:`SafePlanner` reads every non-tensor value weights-only. Both
+are DCP's public extension points (a ``StorageReader`` and a ``LoadPlanner``); anything else in a
+file ends in one :class:`~zerotrain.errors.UserError` line naming it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from zerotrain.errors import UserError
+from zerotrain.train.state import RESUME
+
+FOLDER = "dcp"
+"""The subfolder of a step folder that holds the DCP checkpoint."""
+
+METADATA = ".metadata"
+
+MODEL, OPTIMIZER = "model", "optimizer"
+"""The two top-level keys of the saved state (DCP flattens nested keys as ``model.<parameter name>``)."""
+
+METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name: torch.strided
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+})
+"""What a ``.metadata`` file that torch 2.13's ``dcp.save`` wrote names, and nothing that runs code when called
+with its recorded arguments: record classes (dataclasses and an enum), a layout by name, a path. torch's dtypes
+(``torch.float32``) are admitted by value."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"Unsupported global: {module}.{name}")
+
+
+def read_metadata(path: Path, where: tuple[str, str] = RESUME) -> Metadata:
+    """``path`` (a ``.metadata`` file) unpickled with only :data:`METADATA_GLOBALS` and dtypes; one line otherwise."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise UserError(f"{where[0]}{path} is missing: the folder holds no DCP checkpoint. {where[1]}") from None
+    except Exception as exc:  # UnpicklingError, EOFError, ... of a damaged or crafted file
+        why = ("it names Python objects other than DCP's records, which are refused because loading them could "
+               "run code (was the file replaced?)" if "Unsupported global" in str(exc)
+               else f"it is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
+        raise UserError(f"{where[0]}{path} cannot be loaded: {why}. {where[1]}") from None
+    if not isinstance(metadata, Metadata):
+        raise UserError(f"{where[0]}{path} cannot be loaded: it is not DCP metadata. {where[1]}")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with ``.metadata`` read by :func:`read_metadata` (tensors it already reads weights-only)."""
+
+    def __init__(self, path: Path, where: tuple[str, str] = RESUME):
+        super().__init__(str(path))
+        self._folder, self._where = Path(path), where
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = self._folder / (METADATA if rank is None else f"__{rank}{METADATA}")
+        if rank is not None and not path.is_file():
+            # DCP asks for a rank's own metadata first and falls back to the global file on this error
+            raise FileNotFoundError(path)
+        metadata = read_metadata(path, self._where)
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's default load planner, with every non-tensor value read weights-only first.
+
+    The value is loaded with ``torch.load(weights_only=True)`` (plain containers, numbers, strings), then
+    saved again and handed to the default planner, whose own load of those bytes can only find what the
+    weights-only load already admitted."""
+
+    def __init__(self, source: Path, where: tuple[str, str] = RESUME):
+        super().__init__()
+        self._source, self._where = source, where
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            why = ("it holds Python objects other than tensors and plain containers, which are refused because "
+                   "loading them could run code (was the file replaced?)")
+            if "Weights only load failed" not in str(exc) and "Unsupported global" not in str(exc):
+                why = f"it is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+            raise UserError(f"{self._where[0]}{self._source} cannot be loaded: {why}. {self._where[1]}") from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+def save(state: dict[str, Any], folder: Path) -> None:
+    """Write ``state`` (DTensor shards, tensors, plain values) into ``folder/dcp``. Collective."""
+    dcp.save(state, storage_writer=FileSystemWriter(str(folder / FOLDER)))
+
+
+def load(state: dict[str, Any], folder: Path, where: tuple[str, str] = RESUME, no_dist: bool = False) -> None:
+    """Fill ``state`` (the same keys as saved, tensors or DTensors of this run's sharding) in place from
+    ``folder/dcp``; DCP reads each rank's slices whatever process count wrote them. Collective unless ``no_dist``."""
+    path = folder / FOLDER
+    read_metadata(path / METADATA, where)  # its one line here: inside dcp.load every error becomes DCP's report
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist: what was asked
+            dcp.load(state, storage_reader=SafeReader(path, where), planner=SafePlanner(path, where), no_dist=no_dist)
+    except CheckpointException as exc:
+        # The first refusal any rank met (every rank gets them all), as its one line
+        found = next((e for e, _ in exc.failures.values() if isinstance(e, UserError)), None)
+        if found is not None:
+            raise found from None
+        raise
+
+
+def model_tensors(folder: Path, where: tuple[str, str] = RESUME
+                  ) -> dict[str, tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]]:
+    """name -> (shape, dtype, thunk) of the model's full tensors in ``folder/dcp``, without a process group; each
+    thunk reads one tensor from every shard file that holds a slice of it (host memory: one tensor at a time)."""
+    metadata = read_metadata(folder / FOLDER / METADATA, where)
+    prefix = MODEL + "."
+    out: dict[str, tuple[torch.Size, torch.dtype, Callable[[], torch.Tensor]]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            name = key[len(prefix):]
+            out[name] = (meta.size, meta.properties.dtype, _reader(folder, name, meta, where))
+    if not out:
+        raise UserError(f"{where[0]}{folder / FOLDER / METADATA} lists no model weights. {where[1]}")
+    return out
+
+
+def _reader(folder: Path, name: str, meta: TensorStorageMetadata, where: tuple[str, str]
+            ) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+        load({MODEL: {name: tensor}}, folder, where, no_dist=True)
+        return tensor
+    return read

@@ -1,0 +1,183 @@
+"""The FSDP2 engine on CPU with Gloo: training the toy recipe and a tiny Hugging Face causal-lm, exact resume on
+the same process count (bitwise, fp32), resume on another (DCP reshards), export, and its checkpoints read
+without running code."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import WORDS, Evil, toy_config, train_log, zerotrain_cmd
+
+from zerotrain.checkpoint.export import export_run
+from zerotrain.errors import UserError
+from zerotrain.tasks.causal_lm import CausalLMConfig, CausalLMTask
+from zerotrain.tasks.toy import ToyTask
+from zerotrain.train.loop import fit
+
+LLAMA = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0,
+             pad_token_id=1, eos_token_id=2)
+REL = 1e-5
+"""A resume on another process count sums in another order: a few float32 ulps, carried by Adam over the steps
+(see tests/checkpoint/test_reshard_resume.py); a wrong sample, rate or moment moves the loss by 1e-3 or more."""
+
+
+@pytest.fixture()
+def lm_files(tmp_path, tiny_tokenizer_dir):
+    (tmp_path / "llama.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "train.txt").write_text(
+        "\n".join(" ".join(WORDS[(i * 7 + j * 3) % 12] for j in range(4 + i % 5)) for i in range(48)) + "\n")
+    return tmp_path, tiny_tokenizer_dir
+
+
+def lm_config(tmp_path: Path, tok: Path, run_name: str, steps: int, accumulation: int = 1) -> CausalLMConfig:
+    cfg = CausalLMConfig()
+    cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / "llama.json"), str(tok)
+    cfg.data.train_path, cfg.data.val_path = str(tmp_path / "train.txt"), None
+    cfg.data.seq_len, cfg.data.cache_dir = 32, str(tmp_path / "cache")
+    cfg.trainer.micro_batch_size, cfg.trainer.max_steps, cfg.trainer.log_every_steps = 2, steps, 1
+    cfg.trainer.num_workers, cfg.trainer.output_dir, cfg.trainer.run_name = 0, str(tmp_path), run_name
+    cfg.trainer.evaluate = False
+    cfg.logging.progress_bar, cfg.logging.tensorboard = False, False
+    cfg.optimizer.lr = 1e-2
+    cfg.precision.dtype = "fp32"
+    cfg.checkpoint.every_steps = 3
+    cfg.strategy.backend, cfg.strategy.gradient_accumulation_steps = "fsdp2", accumulation
+    return cfg
+
+
+def losses(run: Path) -> list[float]:
+    log = train_log(run)
+    return [log[s]["train_loss"] for s in sorted(log)]
+
+
+def test_a_causal_lm_resumed_under_fsdp2_logs_bitwise_the_losses_of_one_that_never_stopped(lm_files):
+    """Two Llama blocks and the root sharded, two micro-batches a step (the first without a gradient reduction):
+    stopped at step 3 and resumed, every loss and the final weights are the uninterrupted run's, bit for bit;
+    the checkpoint is DCP's, listed in the marker; export reads it back to the weights the run wrote."""
+    from safetensors.torch import load_file
+
+    tmp_path, tok = lm_files
+    straight = fit(CausalLMTask(lm_config(tmp_path, tok, "straight", 6, accumulation=2)))
+    fit(CausalLMTask(lm_config(tmp_path, tok, "split", 3, accumulation=2)))
+    again = lm_config(tmp_path, tok, "split", 6, accumulation=2)
+    again.checkpoint.resume = "auto"
+    resumed = fit(CausalLMTask(again))
+
+    a, b = losses(straight.run_dir), losses(resumed.run_dir)
+    assert len(a) == 6 and b == a
+    assert a[-1] < a[0]  # it trained
+    step3 = tmp_path / "split" / "checkpoints" / "step00000003"
+    marker = json.loads((step3 / "COMPLETE.json").read_text())
+    assert marker["backend"] == "fsdp2" and marker["zero_stage"] is None
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "fsdp2_state.pt"} <= set(marker["files"])
+    wa, wb = (load_file(r / "model" / "model.safetensors") for r in (straight.run_dir, resumed.run_dir))
+    assert sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+    out = export_run(resumed.run_dir, tmp_path / "exported")
+    we = load_file(out.out_dir / "model" / "model.safetensors")
+    assert sorted(we) == sorted(wb) and all(torch.equal(we[k], wb[k]) for k in wb)
+
+
+def test_a_crafted_dcp_metadata_file_is_refused_and_runs_nothing(tmp_path):
+    """DCP's own reader would unpickle .metadata as it is. Replaced, with the marker rewritten to match (so the
+    checksums do not catch it), the file is named in one line and what its pickle asks for never runs."""
+    import hashlib
+
+    cfg = toy_config(tmp_path, "run", backend="fsdp2")
+    cfg.trainer.max_steps = 2
+    run = fit(ToyTask(cfg)).run_dir
+    folder = run / "checkpoints" / "step00000002"
+    planted, metadata = tmp_path / "planted", folder / "dcp" / ".metadata"
+    metadata.write_bytes(pickle.dumps(Evil(planted)))
+    marker = json.loads((folder / "COMPLETE.json").read_text())
+    marker["files"]["dcp/.metadata"] = {"bytes": metadata.stat().st_size,
+                                        "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest()}
+    (folder / "COMPLETE.json").write_text(json.dumps(marker))
+    with pytest.raises(UserError, match=r"dcp/\.metadata cannot be loaded: it names Python objects other than DCP's"):
+        export_run(run, tmp_path / "out", step=2)
+    resume = toy_config(tmp_path, "run", backend="fsdp2")
+    resume.trainer.max_steps, resume.checkpoint.resume = 3, "auto"
+    with pytest.raises(UserError, match=r"^--checkpoint\.resume: .*dcp/\.metadata cannot be loaded"):
+        fit(ToyTask(resume))
+    assert not planted.exists()
+
+
+@pytest.mark.slow
+def test_two_processes_resumed_on_one_continue_the_uninterrupted_run(lm_files):
+    """2 processes under FSDP2 for 3 steps of the causal-lm (its blocks sharded over both), then 1 process from
+    their checkpoint: DCP gives the rank its new shards, accumulation 2 keeps the global batch, and the loss
+    continues a 1-process run that never stopped."""
+    tmp_path, tok = lm_files
+    straight = fit(CausalLMTask(lm_config(tmp_path, tok, "straight", 6, accumulation=2)))
+    out = zerotrain_cmd(["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"),
+                         "--model.tokenizer", str(tok), "--data.train_path", str(tmp_path / "train.txt"),
+                         "--data.seq_len", "32", "--data.cache_dir", str(tmp_path / "cache"),
+                         "--trainer.micro_batch_size", "2", "--trainer.evaluate", "false", "--optimizer.lr", "1e-2",
+                         "--precision.dtype", "fp32", "--logging.tensorboard", "false", "--strategy.backend", "fsdp2",
+                         "--trainer.max_steps", "3", "--trainer.log_every_steps", "1", "--trainer.num_workers", "0",
+                         "--logging.progress_bar", "false", "--trainer.output_dir", str(tmp_path),
+                         "--trainer.run_name", "split", "--launch.nproc_per_node", "2"], tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "FSDP2 over 2 process(es), 2 blocks sharded one by one" in out.stdout + out.stderr
+    ckpt = tmp_path / "split" / "checkpoints" / "step00000003"
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(json.loads((ckpt / "COMPLETE.json").read_text())["files"])
+
+    again = lm_config(tmp_path, tok, "split", 6, accumulation=2)
+    again.checkpoint.resume = "auto"
+    resumed = fit(CausalLMTask(again))
+    a, b = losses(straight.run_dir), losses(resumed.run_dir)
+    assert len(a) == len(b) == 6
+    assert b == pytest.approx(a, rel=REL)
+    assert a[-1] != pytest.approx(a[0], rel=1e-2)  # it trained
+
+
+def test_offload_and_reshard_settings_keep_the_numbers_and_bf16_keeps_fp32_master_weights(tmp_path):
+    """Offloading to the host and keeping parameters gathered from forward to backward move memory, not results:
+    their losses are the plain FSDP2 run's, bit for bit. bf16 computes in bf16 (other losses, close) and keeps the
+    sharded master weights, which the checkpoint and the export hold, in fp32."""
+    from safetensors.torch import load_file
+
+    def run(name: str, **strategy) -> tuple[list[float], Path]:
+        cfg = toy_config(tmp_path, name, backend="fsdp2", **strategy)
+        cfg.trainer.max_steps = 3
+        done = fit(ToyTask(cfg))
+        return losses(done.run_dir), done.run_dir
+
+    base, _ = run("base")
+    assert run("offload", offload_optimizer="cpu")[0] == base
+    assert run("gathered", reshard_after_forward=False)[0] == base
+    bf16, bf16_run = run("bf16", precision="bf16")
+    assert bf16 != base and bf16 == pytest.approx(base, rel=2e-2)
+    assert {t.dtype for t in load_file(bf16_run / "model" / "model.safetensors").values()} == {torch.float32}
+
+
+def test_a_zero2_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path):
+    """DeepSpeed ZeRO-2 for 4 steps, then FSDP2 from its checkpoint (converted once to DeepSpeed's universal
+    checkpoint: every parameter's fp32 weights and Adam moments whole): the schedule, the step and the loss continue
+    the ZeRO-2 run that never stopped (fp32; the two engines sum and clip in another order, a few ulps)."""
+    def toy(name: str, steps: int, **strategy):
+        cfg = toy_config(tmp_path, name, precision="fp32", **strategy)
+        cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
+        return cfg
+
+    straight = fit(ToyTask(toy("straight", 8, zero_stage=2)))
+    fit(ToyTask(toy("split", 4, zero_stage=2)))
+    again = toy("split", 8, backend="fsdp2")
+    again.checkpoint.resume = "auto"
+    resumed = fit(ToyTask(again))
+
+    a, b = train_log(straight.run_dir), train_log(resumed.run_dir)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert b[step]["lr"] == a[step]["lr"], f"step {step}: the schedule did not continue"
+        assert b[step]["train_loss"] == pytest.approx(a[step]["train_loss"], rel=REL), f"step {step}"
+    assert a[8]["train_loss"] != pytest.approx(a[1]["train_loss"], rel=1e-2)  # it trained
+    step4 = tmp_path / "split" / "checkpoints" / "step00000004"
+    assert (step4 / "universal" / "UNIVERSAL.json").is_file()  # the conversion, cached beside the checkpoint
+    assert json.loads((tmp_path / "split" / "checkpoints" / "step00000008" / "COMPLETE.json").read_text())[
+        "backend"] == "fsdp2"
