@@ -199,6 +199,13 @@ def main() -> int:
             results[config] = run_config(config, args.kills, Path(tmp), rng)
             results[config]["seconds"] = round(time.monotonic() - t0, 1)
             print(config, {k: v for k, v in results[config].items() if k != "failures"}, flush=True)
+            write_report(Path(args.out), results, {})  # what finished so far, should a long run be stopped
+    names = list(SUITES) if args.suites == "all" else [n for n in args.suites.split(",") if n and n != "none"]
+    return 0 if write_report(Path(args.out), results, run_suites(names) if names else {}) else 1
+
+
+def write_report(out: Path, results: dict, suites: dict) -> bool:
+    """Write ``out`` (JSON), ``out.md`` and ``out.png``; whether every figure held."""
     total = {key: sum(r[key] for r in results.values())
              for key in ("kills", "kills_during_save", "resumes", "resumes_ok", "corrupt_checkpoints")}
     total["bitwise_equal"] = all(r["bitwise_equal"] for r in results.values())
@@ -206,17 +213,14 @@ def main() -> int:
               "command": " ".join(["python", "benchmarks/kill_test.py", *sys.argv[1:]]),
               "versions": versions(), "total": total, "configs": results}
     ok = total["resumes_ok"] == total["resumes"] and total["corrupt_checkpoints"] == 0 and total["bitwise_equal"]
-    names = list(SUITES) if args.suites == "all" else [n for n in args.suites.split(",") if n and n != "none"]
-    if names:
-        report["suites"] = run_suites(names)
-        ok = ok and all(s["passed"] == s["total"] for s in report["suites"].values())
-    out = Path(args.out)
+    if suites:
+        report["suites"] = suites
+        ok = ok and all(s["passed"] == s["total"] for s in suites.values())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     write_outputs(report, out)
-    print("total", total)
-    return 0 if ok else 1
-
+    print("total", total, flush=True)
+    return ok
 
 if __name__ == "__main__":
     sys.exit(main())
