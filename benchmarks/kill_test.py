@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from kill_test_suites import SUITES, run_suites, versions, write_outputs  # noqa: E402
+from kill_test_suites import SUITES, run_suites, versions, write_outputs
 
 CONFIGS = {
     "zero0": ["--strategy.zero_stage", "0"],

@@ -150,7 +150,7 @@ def _damage(folder: Path, target: str, how: str) -> None:
         elif how == "empty file list":
             meta["files"] = {}
         elif how == "a size that is no number":
-            first = sorted(meta["files"])[0]
+            first = min(meta["files"])
             meta["files"][first]["bytes"] = "many"
         elif how == "a name outside the folder":
             meta["files"]["../outside.pt"] = {"bytes": 1}
@@ -168,7 +168,12 @@ def damaged_checkpoints(work: Path) -> dict:
     """Every damage to every file of the newest checkpoint of each engine: the resume must not load it (it falls
     back to the step before and moves the damaged one aside), and training must then pass it and finish."""
     _tests_on_path()
-    from zerotrain.checkpoint.layout import MARKER, complete_checkpoints, problem, read_marker
+    from zerotrain.checkpoint.layout import (
+        MARKER,
+        complete_checkpoints,
+        problem,
+        read_marker,
+    )
 
     cases = []
     for engine in ENGINES:
