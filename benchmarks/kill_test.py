@@ -14,12 +14,18 @@ share of the time here because checkpoints are written often) and restarted with
 * ``bitwise_equal``: whether the killed-and-resumed run logged the same loss at every step and exported
   the same weights, bit for bit, as the reference.
 
-Usage: python benchmarks/kill_test.py [--kills 8] [--configs zero0,zero2,zero3,ddp] [--out FILE] [--seed 0]
+With ``--suites`` it also runs the other figures of benchmarks/kill_test_suites.py (signals, damaged checkpoints,
+crafted pickles, links out of a run folder, full disks) and, in every case, writes ``FILE.md`` and ``FILE.png``
+beside the JSON, with the versions, the commit and the command.
+
+Usage: python benchmarks/kill_test.py [--kills 8] [--configs zero0,zero2,zero3,ddp,zero2x2] [--suites all|none|a,b]
+       [--out FILE] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -32,12 +38,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from kill_test_suites import SUITES, run_suites, versions, write_outputs
 
 CONFIGS = {
     "zero0": ["--strategy.zero_stage", "0"],
     "zero2": ["--strategy.zero_stage", "2"],
     "zero3": ["--strategy.zero_stage", "3"],
     "ddp": ["--strategy.backend", "ddp"],
+    # Two processes (Gloo): the launcher and both workers are killed at once, as when the machine dies.
+    "zero2x2": ["--strategy.zero_stage", "2", "--launch.nproc_per_node", "2"],
 }
 # Big enough that a checkpoint takes a measurable part of the run (so kills land in saves), small
 # enough that a step takes milliseconds on one CPU core.
@@ -98,6 +108,24 @@ def check_checkpoints(run: Path) -> tuple[int, bool]:
     return corrupt, unfinished
 
 
+def kill_job(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it (torchelastic starts each worker in a session of its own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    job, todo = [], [pid]
+    while todo:
+        job.append(todo.pop())
+        todo += children.get(job[-1], [])
+    for p in reversed(job):  # workers first, the launcher last
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
 def run_config(config: str, kills: int, work: Path, rng: random.Random) -> dict:
     env = environment()
     ref = subprocess.run(command(work, f"{config}-ref", config, False), env=env, capture_output=True, text=True)
@@ -128,7 +156,7 @@ def run_config(config: str, kills: int, work: Path, rng: random.Random) -> dict:
                 stats["resumes"] += 1
                 stats["resumes_ok"] += proc.returncode == 0
             break
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc.pid)
         err = proc.communicate()[1]
         if resumed:
             stats["resumes"] += 1
@@ -160,28 +188,39 @@ def main() -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     parser.add_argument("--out", default="kill_test.json")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--suites", default="none", help="the other figures: all, none, or comma-separated of "
+                        + ", ".join(SUITES))
     args = parser.parse_args()
     rng = random.Random(args.seed)
     results = {}
     with tempfile.TemporaryDirectory(prefix="zerotrain-kill-test-") as tmp:
-        for config in args.configs.split(","):
+        for config in filter(None, args.configs.split(",")):
             t0 = time.monotonic()
             results[config] = run_config(config, args.kills, Path(tmp), rng)
             results[config]["seconds"] = round(time.monotonic() - t0, 1)
             print(config, {k: v for k, v in results[config].items() if k != "failures"}, flush=True)
+            write_report(Path(args.out), results, {})  # what finished so far, should a long run be stopped
+    names = list(SUITES) if args.suites == "all" else [n for n in args.suites.split(",") if n and n != "none"]
+    return 0 if write_report(Path(args.out), results, run_suites(names) if names else {}) else 1
+
+
+def write_report(out: Path, results: dict, suites: dict) -> bool:
+    """Write ``out`` (JSON), ``out.md`` and ``out.png``; whether every figure held."""
     total = {key: sum(r[key] for r in results.values())
              for key in ("kills", "kills_during_save", "resumes", "resumes_ok", "corrupt_checkpoints")}
     total["bitwise_equal"] = all(r["bitwise_equal"] for r in results.values())
-    report = {"what": "kill -9 at random moments, then --checkpoint.resume auto; toy recipe, CPU, 1 process",
+    report = {"what": "kill -9 at random moments, then --checkpoint.resume auto; toy recipe, CPU, 1 and 2 processes",
               "command": " ".join(["python", "benchmarks/kill_test.py", *sys.argv[1:]]),
-              "total": total, "configs": results}
-    out = Path(args.out)
+              "versions": versions(), "total": total, "configs": results}
+    ok = total["resumes_ok"] == total["resumes"] and total["corrupt_checkpoints"] == 0 and total["bitwise_equal"]
+    if suites:
+        report["suites"] = suites
+        ok = ok and all(s["passed"] == s["total"] for s in suites.values())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print("total", total)
-    ok = total["resumes_ok"] == total["resumes"] and total["corrupt_checkpoints"] == 0 and total["bitwise_equal"]
-    return 0 if ok else 1
-
+    write_outputs(report, out)
+    print("total", total, flush=True)
+    return ok
 
 if __name__ == "__main__":
     sys.exit(main())

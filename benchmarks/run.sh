@@ -230,7 +230,8 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       fi
       python3 benchmarks/plan_tables.py "$OUT"/planner/*/plan.json ;;
     kill_test)  # CPU: SIGKILL at random moments, resume, compare with an uninterrupted run (toy recipe)
-      python3 benchmarks/kill_test.py --kills "${KILLS:-9}" --out "$OUT/kill_test/kill_test.json" ;;
+      python3 benchmarks/kill_test.py --kills "${KILLS:-10}" --out "$OUT/kill_test/kill_test.json"
+      python3 benchmarks/kill_test.py --configs "" --suites all --out "$OUT/kill_test/kill_test_suites.json" ;;
     gpu_tests)
       z doctor > "$OUT/gpu_tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q > "$OUT/gpu_tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import REPO, make_tokenizer, zerotrain_cmd
+from helpers import REPO, child_env, make_tokenizer, zerotrain_cmd
 
 DOC = REPO / "docs" / "BAD_INPUTS.md"
 
@@ -48,6 +48,9 @@ class Case:
     """After ``zerotrain``; ``$FIT`` etc. expand to BASES, ``{tmp}``/``{tok}`` to the fixture's folders, ``{port}`` to
     a free port; leading ``NAME=value`` words are set in the environment for the command only."""
     code: int = 2
+    shows: str = ""
+    """For an input zerotrain repairs (``code`` 0): only the stderr lines that start with this are compared (the
+    run goes on and prints more); they must be exactly one, the warning that says what was repaired."""
 
 
 CASES = [
@@ -146,6 +149,10 @@ CASES = [
          "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=70000 fit toy $FIT"),
     Case("env-slurm-ntasks-not-a-number", "launch", "SLURM_PROCID=0 SLURM_NTASKS=2x fit toy $FIT"),
     Case("env-torch-extensions-dir-under-a-file", "launch", "TORCH_EXTENSIONS_DIR={tmp}/train.txt/ext fit toy $FIT"),
+    Case("env-home-unwritable", "launch", "HOME={tmp}/train.txt/home fit toy $FIT"),
+    Case("env-home-unwritable-data-cache", "launch", "HOME={tmp}/train.txt/home fit mlm $FIT --strategy.backend ddp "
+         "--model.num_layers 1 --model.h_dim 16 --model.num_heads 2 --model.ff_dim 16 --model.max_seq_length 8 "
+         "--data.train_path {tmp}/train.txt --data.tokenizer {tok}"),
     Case("env-world-size-no-peer", "launch",
          "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={port} fit toy $FIT --launch.timeout_minutes 0.05"),
     Case("env-slurm-ntasks-no-peer", "launch",
@@ -225,6 +232,10 @@ CASES = [
     Case("causal-lm-cache-dir-is-file", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/train.txt --data.cache_dir {tmp}/train.txt"),
+    Case("tokenization-cache-cut-short", "data", "fit mlm $FIT --strategy.backend ddp --model.num_layers 1 "
+         "--model.h_dim 16 --model.num_heads 2 --model.ff_dim 16 --model.max_seq_length 8 --data.train_path "
+         "{tmp}/cut/train.txt --data.tokenizer {tok} --data.cache_dir {tmp}/cut/cache", code=0,
+         shows="[zerotrain] the tokenization cache"),
     Case("mlm-cache-dir-is-file", "data",
          "fit mlm $FIT $MLM --data.train_path {tmp}/train.txt --data.tokenizer {tok} --data.cache_dir {tmp}/train.txt"),
     Case("imdb-cache-dir-under-a-file", "data", "fit imdb $FIT $IMDB --data.path {tmp}/imdb_ok "
@@ -328,7 +339,23 @@ def expand(command: str, tmp: Path, tok: Path) -> list[str]:
 
 
 def normalise(text: str, tmp: Path, tok: Path) -> str:
-    return text.replace(str(tok), "{tok}").replace(str(tmp), "{tmp}").replace(f":{PORT} ", ":{port} ")
+    text = text.replace(str(tok), "{tok}").replace(str(tmp), "{tmp}").replace(f":{PORT} ", ":{port} ")
+    return re.sub(r"-[0-9a-f]{32}\.arrow", "-{key}.arrow", text)  # a cache file's key holds the files' times
+
+
+def _cut_tokenization_cache(folder: Path, tok: Path) -> None:
+    """``folder/cache`` holding the tokenized rows of ``folder/train.txt`` (as the MLM recipe stores them), its
+    Arrow file then cut to half, as a full disk or a killed copy would leave it."""
+    from helpers import WORDS
+
+    from zerotrain.data.text import load_packed
+    from zerotrain.data.tokenizer import load_tokenizer
+
+    folder.mkdir()
+    (folder / "train.txt").write_text((" ".join(WORDS) + "\n") * 8)
+    load_packed(str(folder / "train.txt"), load_tokenizer(str(tok)), 8, cache_dir=str(folder / "cache"))
+    (arrow,) = (folder / "cache").glob("mlm-*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
 
 
 def make_inputs(tmp: Path) -> tuple[Path, Path]:
@@ -347,6 +374,7 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
     (tmp / "cfgonly" / "config.json").write_text('{"model_type": "roberta"}')
     (tmp / "train.txt").write_text(" ".join(WORDS) + "\n" * 1 + " ".join(reversed(WORDS)) + "\n")
     (tmp / "empty.txt").write_text("\n\n")
+    _cut_tokenization_cache(tmp / "cut", tok)
     files = {
         "ok.json": {"zero_optimization": {"stage": 1}},
         "misspelt.json": {"zero_optimisation": {"stage": 2}},
@@ -519,7 +547,8 @@ def run_in_process(case: Case, tmp: Path, tok: Path, capsys) -> tuple[int, list[
             else:
                 os.environ[name] = value
     err = capsys.readouterr().err
-    return code, [normalise(line, tmp, tok) for line in err.splitlines() if line.strip()]
+    lines = [normalise(line, tmp, tok) for line in err.splitlines() if line.strip()]
+    return code, [line for line in lines if line.startswith(case.shows)]
 
 
 # ---- the doc ----------------------------------------------------------------------------------
@@ -585,8 +614,8 @@ def test_bad_input(case, inputs, capsys):
     assert not (tmp / "code-ran").exists()  # no crafted file ran its code
     assert (tmp / "outside.txt").read_text() == "not the run's\n"  # nothing was written through a link
     assert code == case.code
-    # What makes the line useful: which subcommand, and a flag, key or file it names.
-    assert re.match(r"zerotrain( \w+)?: error: ", want)
+    # What makes the line useful: which subcommand (a warning: what was repaired), and a flag, key or file it names.
+    assert re.match(r"zerotrain( \w+)?: error: ", want) if code else want.startswith(case.shows)
     assert re.search(r"--\w|\{tmp\}|\{tok\}|\w+[._]\w+|'nosuch'", want)
 
 
@@ -612,6 +641,49 @@ def test_hparams_record_what_the_deepspeed_file_set(tmp_path):
     assert h["optimizer"] == {"name": "adamw", "lr": 0.003, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0,
                               "momentum": 0.0}
     assert cfg.strategy.zero_stage == 0  # the caller's config is left as it was
+
+
+def _read_only_home_works() -> str:
+    """Why a read-only HOME cannot be made here ("" when it can): a read-only tmpfs mounted in a mount namespace
+    of the command's own (``unshare``; a user namespace too when not root)."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run([*_UNSHARE, "sh", "-c", "mount -t tmpfs -o ro,size=1m tmpfs /mnt && ! touch /mnt/x"],
+                           capture_output=True, text=True)
+    return "" if probe.returncode == 0 else f"cannot mount a read-only tmpfs here: {probe.stderr.strip()[:200]}"
+
+
+_UNSHARE = ["unshare", "-m"] + ([] if sys.platform != "linux" or __import__("os").geteuid() == 0 else ["-r"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id,names", [("env-home-unwritable", "TORCH_EXTENSIONS_DIR"),
+                                           ("env-home-unwritable-data-cache", "--data.cache_dir")])
+def test_a_read_only_home_ends_in_the_line_that_names_what_to_set(case_id, names, inputs, tmp_path):
+    """The rows put HOME under a file, which fails the same for every user. Here HOME is a read-only file system,
+    which stops root too (a folder of mode 0555 would not): the same one line, naming what to set."""
+    import subprocess
+
+    why = _read_only_home_works()
+    if why:
+        pytest.skip(why)
+    tmp, tok = inputs
+    case = next(c for c in CASES if c.id == case_id)
+    home = tmp_path / "home"
+    home.mkdir()
+    argv = expand(split_env(case.command)[1], tmp, tok)
+    script = 'mount -t tmpfs -o ro,size=1m tmpfs "$HOME" && exec "$@"'
+    out = subprocess.run([*_UNSHARE, "sh", "-c", script, "sh", sys.executable, "-m", "zerotrain", *argv],
+                         cwd=tmp_path, env=child_env(argv, {"HOME": str(home)}), capture_output=True, text=True,
+                         timeout=600)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith("zerotrain fit: error: ") and names in lines[0], lines
+    assert "(Read-only file system)" in lines[0] and (str(home) in lines[0] or "~/.cache" in lines[0]), lines
 
 
 TWO_RANKS = ["mlm-missing-file", "tokenizer-config-only", "imdb-one-class", "resume-other-size", "json-fp16-on-cpu"]

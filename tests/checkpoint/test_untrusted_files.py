@@ -298,3 +298,24 @@ def test_a_damaged_checkpoint_skipped_by_resume_is_moved_aside_and_saved_again(t
     cfg.trainer.max_steps = 8
     assert fit(ToyTask(cfg)).final_step == 8
 
+
+
+def test_a_checkpoint_of_an_older_marker_format_is_refused_as_such_not_as_damaged(tmp_path, capsys):
+    """A marker of format 1 (no file list) cannot be checked: resume and export refuse it in one line that says an
+    older zerotrain wrote it, and it is not moved aside as damaged (nothing says it is)."""
+    run = _fit(tmp_path, "old", 2).run_dir
+    (folder,) = complete_checkpoints(run / "checkpoints")
+    meta = json.loads((folder / MARKER).read_text())
+    del meta["files"]
+    meta["format"] = 1
+    (folder / MARKER).write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=r"^--checkpoint.resume: .*step00000002 was written by an older zerotrain "
+                                        r"\(its COMPLETE\.json is of format 1 and lists no files") as err:
+        _fit(tmp_path, "old", 4, resume=True)
+    assert "\n" not in str(err.value) and "damaged" not in str(err.value)
+    assert complete_checkpoints(run / "checkpoints") == [folder]
+    assert not any(".damaged-" in p.name for p in (run / "checkpoints").iterdir())
+    capsys.readouterr()
+    assert main(["export", str(run)]) == 2
+    line = _one_line(capsys)
+    assert "was written by an older zerotrain" in line and "export it with the zerotrain version that wrote it" in line

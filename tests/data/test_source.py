@@ -85,6 +85,41 @@ def test_a_cached_map_is_computed_once_and_a_changed_file_is_a_new_key(formats):
     assert other != key and calls == [2, 2]
 
 
+@pytest.mark.parametrize("cut", ["half", "end marker"])
+def test_a_cache_cut_short_is_read_again_never_trained_on(formats, cut, caplog):
+    """A tokenized map or ``datasets``' parsed copy cut short (mid-batch: unreadable; at the end marker: it reads,
+    maybe with rows missing) is deleted with one warning and made again; what the caller gets is whole."""
+    cache = source.check_cache_dir(str(formats / "cache"))
+    calls = []
+
+    def lengths(batch):
+        calls.append(len(batch["input"]))
+        return {"n": [len(x) for x in batch["input"]]}
+
+    def run():
+        src = source.resolve(str(formats / "r.jsonl"), "--data.train_path")
+        key = source.cache_key(src.identity(), "settings")
+        return source.cached_dataset(cache, "test", key) or source.cached_map(src.load(str(cache)), lengths, key,
+                                                                               cache, "test")
+
+    def cut_short(file):
+        size = file.stat().st_size
+        file.write_bytes(file.read_bytes()[: size // 2 if cut == "half" else size - len(source.ARROW_STREAM_END)])
+
+    assert run()["n"] == [9, 8] and calls == [2]
+    (mapped,) = cache.glob("test-*.arrow")
+    (parsed,) = (cache / "datasets").rglob("*.arrow")
+    cut_short(mapped)
+    cut_short(parsed)
+    caplog.clear()
+    assert run()["n"] == [9, 8] and calls == [2, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "zerotrain"]
+    assert len(warnings) == 2, warnings
+    assert f"the tokenization cache {mapped} is damaged" in warnings[1] and "tokenizing again" in warnings[1]
+    assert f"the cached copy of the data in {parsed.parent} is damaged" in warnings[0]
+    assert not source._cut_short(mapped) and run()["n"] == [9, 8] and calls == [2, 2]
+
+
 def test_a_bad_json_line_is_named_by_zerotrains_reader(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps(RECORDS[0]) + "\n{not json\n")
     with pytest.raises(DataError, match=r"b\.jsonl:2: not valid JSON"):

@@ -37,6 +37,7 @@ from zerotrain.checkpoint import dcp
 from zerotrain.checkpoint.layout import (
     complete_checkpoints,
     is_complete,
+    older_marker,
     problem,
     step_folder,
 )
@@ -84,6 +85,8 @@ def pick_checkpoint(run_dir: Path, step: Optional[int]) -> Path:
     """
     folder = _pick(run_dir, step)
     damage = problem(folder, checksums=True)
+    if damage is not None and (written_before := older_marker(folder)) is not None:
+        raise UserError(written_before.replace("resume or export it", "export it"))
     if damage is not None:
         older = [p for p in complete_checkpoints(run_dir / "checkpoints") if p.name < folder.name]
         hint = f"Export an older step with --step {_step_of(older[-1])}" if older else "It has no older checkpoint"

@@ -141,6 +141,26 @@ def seal(folder: Path, rank: int, world_size: int, checksums: bool) -> dict[str,
 _FAILED = "\0failed"  # never a file name
 
 
+def older_marker(folder: Path) -> Optional[str]:
+    """One line saying that the complete checkpoint ``folder`` was written by an older zerotrain (a marker of an
+    earlier :data:`FORMAT`, which listed no files), or None.
+
+    Decision: such a checkpoint is neither resumed nor exported (nothing in it can be checked, so it is treated
+    as :func:`problem` treats damage), but it is not damaged either: it is not moved aside, and the line says why
+    it is refused and what to do, instead of calling it damaged.
+    """
+    try:
+        meta = read_marker(folder)
+    except UserError:
+        return None
+    version = meta.get("format", 1)
+    if "files" in meta or not isinstance(version, int) or version >= FORMAT:
+        return None
+    return (f"{folder} was written by an older zerotrain (its {MARKER} is of format {version} and lists no files, so "
+            "nothing in it can be checked); resume or export it with the zerotrain version that wrote it, or start "
+            "a new run (another --trainer.run_name)")
+
+
 def problem(folder: Path, checksums: bool, rank: int = 0, world_size: int = 1) -> Optional[str]:
     """What is wrong with the complete checkpoint ``folder`` (None: nothing). Collective when ``world_size > 1``."""
     try:
@@ -225,6 +245,9 @@ def _newest_intact(candidates: list[Path], verify: bool, skipped: list[Path]) ->
         found = problem(folder, verify, rank, world_size)
         if found is None:
             return folder
+        older = older_marker(folder)  # the same on every rank: each reads the same marker
+        if older is not None:
+            raise UserError(f"--checkpoint.resume: {older}")
         skipped.append(folder)
         if rank == 0:
             log.warning("checkpoint %s is damaged: %s; falling back to the previous complete checkpoint",
@@ -265,6 +288,8 @@ def resume_folder(resume: str, run_dir_default: Optional[Path], verify: bool = T
     if is_complete(p):
         rank, world_size = _rank_and_size()
         damage = problem(p, verify, rank, world_size)
+        if damage is not None and (older := older_marker(p)) is not None:
+            raise UserError(f"{flag}: {older}")
         if damage is not None:
             raise UserError(f"{flag}: {damage}. Pass an older step folder, or the run folder to take the newest "
                             "intact checkpoint")

@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from zerotrain.data.io import fingerprint, open_text, read_json, read_jsonl, read_lines
 from zerotrain.errors import DataError, UserError
 
+log = logging.getLogger("zerotrain")
+
 _COMPRESSIONS = (".gz", ".xz", ".bz2")
 BUILDERS = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".csv": "csv", ".tsv": "csv",
             ".parquet": "parquet", ".txt": "text", ".raw": "text", ".text": "text"}
@@ -103,6 +105,8 @@ class Source:
                                 "data files themselves")
             return self._load_saved()
         builder_cache = None if cache_dir is None else str(Path(cache_dir).expanduser() / "datasets")
+        if builder_cache is not None and not streaming:
+            drop_damaged_copies(Path(builder_cache))
         with _quiet_datasets():
             if streaming:
                 return datasets.load_dataset(self.builder, data_files=[str(f) for f in self.files], split="train",
@@ -327,8 +331,9 @@ def cached_map(dataset, fn: Callable[..., dict[str, list]], key: str, cache_dir:
 
     if cache_dir is not None:
         file = cache_dir / f"{name}-{key}.arrow"
-        if file.is_file():
-            return datasets.Dataset.from_file(str(file))
+        found = _open_cached(file, rebuild=True)
+        if found is not None:
+            return found
     else:
         file = None
     with _quiet_datasets():
@@ -343,8 +348,64 @@ def cached_dataset(cache_dir: Optional[Path], name: str, key: str):
 
     if cache_dir is None:
         return None
-    file = cache_dir / f"{name}-{key}.arrow"
-    return datasets.Dataset.from_file(str(file)) if file.is_file() else None
+    return _open_cached(cache_dir / f"{name}-{key}.arrow", rebuild=False)
+
+
+def _cut_short(file: Path) -> bool:
+    """Whether the Arrow stream ``file`` lacks its end marker (see :data:`ARROW_STREAM_END`)."""
+    try:
+        with open(file, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(f.tell() - len(ARROW_STREAM_END), 0))
+            return f.read() != ARROW_STREAM_END
+    except FileNotFoundError:
+        return False
+
+
+def drop_damaged_copies(builder_cache: Path) -> None:
+    """Delete, with one warning each, the folders of ``datasets``' parsed copies under ``builder_cache`` that hold
+    an Arrow file cut short, so the builder parses the data files again instead of reading a damaged copy (which
+    fails naming the data file, or reads fewer rows with no error). Folders still being written
+    (``.incomplete``) are left alone. Reads the last 8 bytes of each file: cheap even for a large cache."""
+    import shutil
+
+    if not builder_cache.is_dir():
+        return
+    for file in sorted(builder_cache.rglob("*.arrow")):
+        if ".incomplete" in str(file.relative_to(builder_cache)) or not _cut_short(file):
+            continue
+        log.warning("the cached copy of the data in %s is damaged (%s is cut short): deleted it and reading the "
+                    "data files again", file.parent, file.name)
+        shutil.rmtree(file.parent, ignore_errors=True)
+
+
+ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+"""The last 8 bytes of every Arrow stream ``datasets`` writes (a continuation marker and a zero length)."""
+
+
+def _open_cached(file: Path, rebuild: bool):
+    """The tokenized rows stored in ``file``, or None when there is no such file or it is damaged.
+
+    A file cut short (a full disk, a copy or a job killed at the wrong moment) either fails to read or, when
+    cut between two record batches, reads as fewer rows with no error; both lack the stream's end marker, which
+    ``datasets`` writes last. Decision: a damaged cache is a cache miss, not an error: with ``rebuild`` (the
+    caller tokenizes again) the file is deleted with one warning naming it; without, it is left for that caller.
+    Training never reads a damaged file, and the user has nothing to do.
+    """
+    import datasets
+
+    if not file.is_file():
+        return None
+    problem = "it is cut short" if _cut_short(file) else None
+    if problem is None:
+        try:
+            return datasets.Dataset.from_file(str(file))
+        except Exception as exc:  # pyarrow raises OSError or ArrowInvalid for a damaged stream
+            problem = f"it cannot be read: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    if rebuild:
+        log.warning("the tokenization cache %s is damaged (%s): deleted it and tokenizing again", file, problem)
+        file.unlink(missing_ok=True)
+    return None
 
 
 @contextlib.contextmanager

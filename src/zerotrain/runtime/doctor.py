@@ -211,7 +211,10 @@ def extensions_root() -> Path:
 def check_writable_root(root: Path, what: str) -> None:
     """One line naming the folder (and TORCH_EXTENSIONS_DIR) when an op must be built under ``root`` and that
     folder cannot be made or written: torch's build would fail after its compiler started, with a traceback."""
-    named = "TORCH_EXTENSIONS_DIR" if os.environ.get("TORCH_EXTENSIONS_DIR") else "the default TORCH_EXTENSIONS_DIR"
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        named = f"TORCH_EXTENSIONS_DIR {root}"
+    else:  # a folder under HOME's cache, named without the Python and accelerator tag torch adds
+        named = f"the default TORCH_EXTENSIONS_DIR (a folder under {root.parent})"
     problem = None
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -223,7 +226,7 @@ def check_writable_root(root: Path, what: str) -> None:
         elif not os.access(root, os.W_OK | os.X_OK):
             problem = "is not writable"
     if problem:
-        raise UserError(f"{named} {root} {problem}, and {what} must be built there: set TORCH_EXTENSIONS_DIR to a "
+        raise UserError(f"{named} {problem}, and {what} must be built there: set TORCH_EXTENSIONS_DIR to a "
                         "writable folder")
 
 
