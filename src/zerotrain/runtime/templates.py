@@ -112,7 +112,21 @@ def emit(kind: str, spec: JobSpec) -> str:
     if kind == "slurm":
         return slurm_script(spec)
     body = pytorch_job(spec) if kind == "kubernetes" else skypilot_task(spec)
-    return _header(spec, "#") + yaml.safe_dump(body, sort_keys=False, width=120)
+    return _header(spec, "#") + yaml.dump(body, Dumper=_Dumper, sort_keys=False, width=120)
+
+
+class _Dumper(yaml.SafeDumper):
+    """YAML for a person to edit: shell scripts as literal blocks, each part written out (no ``&id`` aliases)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _str(dumper: yaml.SafeDumper, text: str):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None)
+
+
+_Dumper.add_representer(str, _str)
 
 
 def _command(spec: JobSpec, *extra: str) -> str:
@@ -213,8 +227,8 @@ def skypilot_task(spec: JobSpec) -> dict:
     resources: dict = {"job_recovery": {"strategy": "FAILOVER", "max_restarts_on_errors": 3}}
     if spec.gpus:
         resources["accelerators"] = f"{spec.accelerator}:{spec.nproc_per_node}"
-    run = (f"RUN_ROOT={shlex.quote(spec.shared_dir)}\n"
-           'HEAD=$(echo "$SKYPILOT_NODE_IPS" | head -n 1)\n'
+    head = 'HEAD=$(echo "$SKYPILOT_NODE_IPS" | head -n 1)\n' if spec.nnodes > 1 else ""
+    run = (f"RUN_ROOT={shlex.quote(spec.shared_dir)}\n{head}"
            f"{_node_command(spec, '$SKYPILOT_NODE_RANK', f'$HEAD:{RDZV_PORT}')}\n")
     return {"name": spec.job_name, "num_nodes": spec.nnodes, "resources": resources,
             "file_mounts": {spec.shared_dir: {"source": spec.bucket, "mode": "MOUNT_CACHED"}},
