@@ -27,7 +27,7 @@ from zerotrain.runtime.distributed import free_port
 from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
-CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "srun")
+CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "sinfo", "srun")
 
 FIT = ["fit", "toy", "--trainer.device", "cpu", "--launch.nproc_per_node", "2", "--data.num_examples", "64",
        "--trainer.micro_batch_size", "4", "--checkpoint.every_steps", "10", "--trainer.log_every_steps", "10",
@@ -159,17 +159,32 @@ class Slurm:
         raise AssertionError(f"job {job_id} did not end within {timeout} s: {self.job(job_id)}")
 
     def stop(self) -> None:
-        if self.daemons and self.daemons[-1].poll() is None:
+        """Cancel the jobs and wait for them while every daemon still runs (a job step needs munged to report its
+        end), then stop slurmd, slurmctld and munged, one after the other; then end what this cluster started and
+        outlived them (``slurmstepd`` and its tasks are re-parented to init): the processes whose ``SLURM_CONF``
+        is this cluster's."""
+        if all(p.poll() is None for p in self.daemons) and len(self.daemons) == len(DAEMONS):
             self.run("scancel", "--full", "--user", "root", check=False)
+            end = time.monotonic() + 60
+            while time.monotonic() < end and self.run("squeue", "-h", check=False).stdout.strip():
+                time.sleep(0.5)
         for proc in reversed(self.daemons):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in reversed(self.daemons):
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        marker = f"SLURM_CONF={self.conf}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                continue
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +215,7 @@ def _run_dir(tmp_path: Path, name: str, job_id: str) -> Path:
     return tmp_path / "runs" / f"{name}-{job_id}"  # the template's run name: JOBNAME-JOBID
 
 
-def _wait_for_checkpoint(slurm: Slurm, job_id: str, run_dir: Path, timeout: float = 180) -> None:
+def _wait_for_checkpoint(slurm: Slurm, job_id: str, run_dir: Path, timeout: float = 480) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if complete_checkpoints(run_dir / "checkpoints"):
@@ -208,7 +223,7 @@ def _wait_for_checkpoint(slurm: Slurm, job_id: str, run_dir: Path, timeout: floa
         if slurm.job(job_id).get("JobState") in ENDED:
             break
         time.sleep(0.1)
-    raise AssertionError(f"job {job_id} saved no checkpoint: {slurm.job(job_id)}")
+    raise AssertionError(f"job {job_id} saved no checkpoint within {timeout:g} s: {slurm.job(job_id)}")
 
 
 def _output(tmp_path: Path, name: str, job_id: str) -> str:

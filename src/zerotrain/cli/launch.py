@@ -1,6 +1,6 @@
 """``zerotrain launch --emit slurm|kubernetes|skypilot [--out FILE] [options] -- fit RECIPE [flags]``.
 
-Writes a job for a cluster scheduler that runs the fit command after ``--``: an sbatch script, a Kubeflow
+Writes a job for a cluster scheduler that runs the fit command after --: an sbatch script, a Kubeflow
 PyTorchJob or a SkyPilot task. Each keeps its runs on shared storage, gives the run time to save on the
 scheduler's stop signal, and restarts a job that exits with 75 (saved, pre-empted); the restarted job resumes
 from the newest complete checkpoint. Nodes and processes per node come from the command's --launch.nnodes and

@@ -78,7 +78,7 @@ class JobSpec:
 def job_spec(argv: list[str], **settings) -> JobSpec:
     """The :class:`JobSpec` of ``zerotrain ARGV`` (``fit RECIPE [flags]``), its config parsed as ``fit`` would."""
     if len(argv) < 2 or argv[0] != "fit" or argv[1].startswith("-"):
-        raise UserError("zerotrain launch: give the command to run after --, e.g. `zerotrain launch --emit slurm -- "
+        raise UserError("give the command to run after --, e.g. `zerotrain launch --emit slurm -- "
                         "fit mlm --config my.yaml`")
     from zerotrain.config.flags import parse_config
 
