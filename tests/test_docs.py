@@ -132,7 +132,12 @@ def test_source_configs_and_quoted_errors_hold_no_development_words():
 def test_the_exit_status_table_lists_every_status_zerotrain_ends_with():
     """docs/clusters.md's table is the one place a job script's author reads the statuses: each one the code
     carries is there, with the row that says what it means."""
-    from zerotrain.errors import DIVERGED_EXIT, OOM_EXIT, RANK_LOST_EXIT, USER_ERROR_EXIT
+    from zerotrain.errors import (
+        DIVERGED_EXIT,
+        OOM_EXIT,
+        RANK_LOST_EXIT,
+        USER_ERROR_EXIT,
+    )
     from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| (\d+|128 \+ n) \| ([^|]+) \|",

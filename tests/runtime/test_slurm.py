@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, child_env, zerotrain_cmd
+from helpers import child_env, zerotrain_cmd
 from safetensors.torch import load_file
 
 from zerotrain.checkpoint.layout import complete_checkpoints, read_marker
@@ -89,6 +89,7 @@ class Slurm:
         self.folder = folder
         self.conf = folder / "slurm.conf"
         self.daemons: list[subprocess.Popen] = []
+        self.logs = None
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
@@ -103,7 +104,7 @@ class Slurm:
         (d / "munge.key").chmod(0o400)
         self.conf.write_text(SLURM_CONF.format(dir=d, ctld_port=free_port(), d_port=free_port(),
                                                cpus=max(2, os.cpu_count() or 1)))
-        logs = open(d / "daemons.log", "w")
+        logs = self.logs = open(d / "daemons.log", "w")  # noqa: SIM115 (the daemons write it until stop())
         self.daemons.append(subprocess.Popen(
             [_exe("munged"), "--foreground", "--force", f"--key-file={d}/munge.key", f"--socket={d}/munge.socket",
              f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log", f"--seed-file={d}/munge.seed"],
@@ -131,7 +132,7 @@ class Slurm:
         env = self.env()
         env.update(env_extra)
         out = subprocess.run([_exe(args[0]), *args[1:]], env=env, capture_output=True, text=True, timeout=60,
-                             cwd=self.folder)
+                             cwd=self.folder, check=False)
         if check and out.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed ({out.returncode}): {out.stderr}")
         return out
@@ -141,7 +142,7 @@ class Slurm:
         env = child_env(["sbatch"], {"SLURM_CONF": str(self.conf)})
         env = {k: v for k, v in env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
         out = subprocess.run([_exe("sbatch"), "--parsable", *options, str(script)], env=env, capture_output=True,
-                             text=True, timeout=60, cwd=script.parent)
+                             text=True, timeout=60, cwd=script.parent, check=False)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip().split(";")[0]
 
@@ -185,6 +186,8 @@ class Slurm:
                     os.kill(int(entry.name), signal.SIGKILL)
             except OSError:
                 continue
+        if self.logs is not None:
+            self.logs.close()
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ SKYPILOT_TASK = _obj({
 
 def _run_shell(script: str, **env: str) -> tuple[list[str], object, object]:
     out = subprocess.run(["/bin/sh", "-c", script], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
-                         text=True, timeout=120)
+                         text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     args, rank, world = json.loads(out.stdout)
     return args, rank, world

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from typing import Optional
 
 import yaml
 
@@ -56,7 +55,7 @@ class JobSpec:
     """Whether each process has a GPU (False for ``--trainer.device cpu``): the templates request nodes' GPUs."""
     shared_dir: str = "/shared/zerotrain-runs"
     """The folder of runs, on storage every node mounts at this path."""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """A fixed run name (the fit command's); None: the scheduler's job id or name, stable across restarts."""
     job_name: str = "zerotrain"
     grace_s: int = 120
@@ -138,8 +137,8 @@ def _command(spec: JobSpec, *extra: str) -> str:
 def _header(spec: JobSpec, comment: str) -> str:
     lines = [f"zerotrain {' '.join(spec.args)}",
              f"{spec.nnodes} node(s) x {spec.nproc_per_node} process(es); runs in {spec.shared_dir} (shared storage)",
-             f"A stop signal saves a checkpoint and exits with {PREEMPTED_EXIT}; the restarted job resumes it "
-             "(--checkpoint.resume auto)."]
+             (f"A stop signal saves a checkpoint and exits with {PREEMPTED_EXIT}; the restarted job resumes it "
+              "(--checkpoint.resume auto).")]
     if spec.every_steps == 0:
         lines.append("A node lost without a signal resumes from the last save: set --checkpoint.every_steps N.")
     return "".join(f"{comment} {line}\n" for line in lines)
