@@ -32,7 +32,7 @@ CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "sinfo", "srun")
 FIT = ["fit", "toy", "--trainer.device", "cpu", "--launch.nproc_per_node", "2", "--data.num_examples", "64",
        "--trainer.micro_batch_size", "4", "--checkpoint.every_steps", "10", "--trainer.log_every_steps", "10",
        "--trainer.evaluate", "false", "--trainer.num_workers", "0", "--logging.progress_bar", "false",
-       "--logging.tensorboard", "false", "--launch.timeout_minutes", "2"]
+       "--logging.tensorboard", "false", "--launch.timeout_minutes", "5"]
 STEPS = 100
 
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
