@@ -29,7 +29,11 @@ from zerotrain.runtime.preemption import PREEMPTED_EXIT
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "squeue", "sinfo", "srun")
 
-FIT = ["fit", "toy", "--trainer.device", "cpu", "--launch.nproc_per_node", "2", "--data.num_examples", "64",
+# Plain DDP: what is tested is the scheduler's side (signals, requeue, resume), the same for every engine, and a
+# DeepSpeed CPU run may first build its communication op for minutes (tests/runtime/test_preemption.py resumes
+# DeepSpeed after a signal).
+FIT = ["fit", "toy", "--strategy.backend", "ddp", "--trainer.device", "cpu", "--launch.nproc_per_node", "2",
+       "--data.num_examples", "64",
        "--trainer.micro_batch_size", "4", "--checkpoint.every_steps", "10", "--trainer.log_every_steps", "10",
        "--trainer.evaluate", "false", "--trainer.num_workers", "0", "--logging.progress_bar", "false",
        "--logging.tensorboard", "false", "--launch.timeout_minutes", "5"]
