@@ -31,6 +31,7 @@ import shlex
 
 import yaml
 
+from zerotrain.config.flags import parse_config
 from zerotrain.errors import UserError
 from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
@@ -79,8 +80,6 @@ def job_spec(argv: list[str], **settings) -> JobSpec:
     if len(argv) < 2 or argv[0] != "fit" or argv[1].startswith("-"):
         raise UserError("give the command to run after --, e.g. `zerotrain launch --emit slurm -- "
                         "fit mlm --config my.yaml`")
-    from zerotrain.config.flags import parse_config
-
     cfg = parse_config(argv[1], argv[2:]).validate()
     spec = JobSpec(args=without_flags(argv, SET_BY_TEMPLATE), nnodes=cfg.launch.nnodes,
                    nproc_per_node=cfg.launch.nproc_per_node, gpus=cfg.trainer.device != "cpu",
