@@ -154,7 +154,7 @@ class Slurm:
         out = self.run("scontrol", "-o", "show", "job", job_id, check=False).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
-    def wait_ended(self, job_id: str, timeout: float = 300) -> dict[str, str]:
+    def wait_ended(self, job_id: str, timeout: float = 600) -> dict[str, str]:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             job = self.job(job_id)
@@ -277,7 +277,7 @@ def test_slurm_signal_usr1_before_the_time_limit_saves_and_exits_75(slurm, tmp_p
     elapsed = sum(int(x) * m for x, m in zip(reversed(start.split("-")[-1].split(":")), (1, 60, 3600)))
     limit = elapsed + 60
     slurm.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={limit // 60}:{limit % 60:02d}")
-    job = slurm.wait_ended(job_id, timeout=180)
+    job = slurm.wait_ended(job_id)
     log = _output(tmp_path, "usr1", job_id)
     assert (job["JobState"], job["ExitCode"]) == ("FAILED", f"{PREEMPTED_EXIT}:0"), log
     stop = re.search(r"stopped by SIGUSR1 at step (\d+)", log)
