@@ -127,3 +127,23 @@ def test_source_configs_and_quoted_errors_hold_no_development_words():
     paths = [p for p in sorted((REPO / "src").rglob("*")) + sorted((REPO / "configs").rglob("*"))
              if p.is_file() and p.suffix in {".py", ".yaml", ".yml", ".json", ".md", ".txt"}]
     assert _process_words([*paths, BAD_INPUTS]) == []
+
+
+def test_the_exit_status_table_lists_every_status_zerotrain_ends_with():
+    """docs/clusters.md's table is the one place a job script's author reads the statuses: each one the code
+    carries is there, with the row that says what it means."""
+    from zerotrain.errors import (
+        DIVERGED_EXIT,
+        OOM_EXIT,
+        RANK_LOST_EXIT,
+        USER_ERROR_EXIT,
+    )
+    from zerotrain.runtime.preemption import PREEMPTED_EXIT
+
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| (\d+|128 \+ n) \| ([^|]+) \|",
+                                                         (REPO / "docs" / "clusters.md").read_text(), re.MULTILINE)}
+    expected = {USER_ERROR_EXIT: "a mistake", DIVERGED_EXIT: "NaN/inf", RANK_LOST_EXIT: "a rank was lost",
+                OOM_EXIT: "out of memory", PREEMPTED_EXIT: "after saving a checkpoint"}
+    assert set(rows) == {"0", "128 + n", *map(str, expected)}
+    for status, words in expected.items():
+        assert words in rows[str(status)], (status, rows[str(status)])

@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "predict": "predict with a finished run: IMDB labels, MLM fill-mask, LoRA generation",
     "export": "write a checkpoint as safetensors (any ZeRO stage, on CPU) or a Hugging Face folder (mlm)",
     "doctor": "report versions, GPUs, compilers and DeepSpeed op readiness",
+    "launch": "write a SLURM, Kubernetes (PyTorchJob) or SkyPilot job for a fit command, requeue on pre-emption",
 }
 
 
