@@ -646,7 +646,6 @@ def test_hparams_record_what_the_deepspeed_file_set(tmp_path):
 def _read_only_home_works() -> str:
     """Why a read-only HOME cannot be made here ("" when it can): a read-only tmpfs mounted in a mount namespace
     of the command's own (``unshare``; a user namespace too when not root)."""
-    import os
     import shutil
     import subprocess
 

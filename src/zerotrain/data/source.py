@@ -327,7 +327,6 @@ def cached_map(dataset, fn: Callable[..., dict[str, list]], key: str, cache_dir:
     ranks, and later runs with the same key, open it instead of computing it. ``cache_dir`` None: computed in
     memory, nothing written.
     """
-    import datasets
 
     if cache_dir is not None:
         file = cache_dir / f"{name}-{key}.arrow"
@@ -344,7 +343,6 @@ def cached_map(dataset, fn: Callable[..., dict[str, list]], key: str, cache_dir:
 
 def cached_dataset(cache_dir: Optional[Path], name: str, key: str):
     """The dataset :func:`cached_map` stored under ``name`` and ``key``, or None: lets a caller skip loading."""
-    import datasets
 
     if cache_dir is None:
         return None
