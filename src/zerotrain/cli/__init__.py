@@ -43,6 +43,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"zerotrain: error: unknown subcommand {name!r}: choose one of {', '.join(SUBCOMMANDS)} "
               "(zerotrain --help describes them)", file=sys.stderr)
         return 2
+    from zerotrain.runtime import restarts
+
+    if restarts.attempt() > 0:  # a restarted worker of zerotrain's launcher: not when the job ended for good
+        replayed = restarts.replay_final()
+        if replayed is not None:
+            return replayed
+        restarts.forget_step()
     import importlib
 
     module = importlib.import_module(f"zerotrain.cli.{name}")
@@ -65,6 +72,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = _stopped(name, exc, said_by_launcher=worker)
         if code is None:
             raise
+        if worker:  # a restart cannot fix it: the restarted workers end the same way (see zerotrain.runtime.restarts)
+            from zerotrain.runtime.launcher import error_record
+
+            restarts.keep_final(code, error_record(name, exc))
         return code
     finally:
         if worker:  # a launcher killed (SIGKILL) could not remove its progress folder: the workers that outlive it do
