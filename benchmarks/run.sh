@@ -11,7 +11,7 @@
 # DATA/gutenberg/train.txt.xz DATA/tok32k.
 #
 # Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | offload_large_model | offload_5b | planner |
-#        kill_test (CPU) | gpu_tests
+#        kill_test (CPU) | restart_test (CPU) | gpu_tests
 set -uo pipefail
 OUT=${OUT:-/tmp/zerotrain-bench}
 D=${DATA:-.data}
@@ -148,6 +148,9 @@ for part in "$@"; do
       python3 benchmarks/plan_tables.py "$OUT"/planner/*/plan.json ;;
     kill_test)  # CPU: SIGKILL at random moments, resume, compare with an uninterrupted run (toy recipe)
       python3 benchmarks/kill_test.py --kills "${KILLS:-9}" --out "$OUT/kill_test/kill_test.json" ;;
+    restart_test)  # CPU: --launch.max_restarts 1, one of 2 workers killed per run, compared with an uninterrupted run
+      python3 benchmarks/kill_test.py --restarts --kills "${KILLS:-20}" --configs ddp --jobs "${JOBS:-3}" --max-steps 40 \
+        --out "$OUT/restart_test/restart_test.json" ;;
     gpu_tests)
       z doctor > "$OUT/gpu_tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q > "$OUT/gpu_tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

@@ -39,7 +39,7 @@ from zerotrain.errors import (
     UserError,
 )
 from zerotrain.runtime.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
-from zerotrain.runtime.restarts import PROGRESS_ENV, attempt, final_status
+from zerotrain.runtime.restarts import PROGRESS_ENV, attempt, ended_for_good
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "MASTER_ADDR", "MASTER_PORT")
@@ -880,7 +880,7 @@ class RestartReport:
             self._done.wait(0.01)  # until torchelastic has reaped it: waitid would return it again
 
     def _say(self, attempt: int) -> None:
-        if final_status() is not None:  # these workers only end as the attempt before did (not a restart)
+        if ended_for_good(self.folder):  # these workers only end as the attempt before did (not a restart)
             return
         before = attempt - 1
         failures = {rank: self.ended[pid] for pid, (rank, _, k, _) in self.workers.items()

@@ -75,6 +75,11 @@ def keep_final(status: int, record: dict) -> bool:
     return True
 
 
+def ended_for_good(folder: str) -> bool:
+    """For the launcher: whether a worker of an attempt so far ended with one of :data:`FINAL_EXITS`."""
+    return bool(_finals(folder))
+
+
 def final_status() -> Optional[tuple[int, dict]]:
     """The (status, error record) an earlier attempt of this job ended with for good: this rank's own, else the
     lowest rank's; None when no attempt did (or this is not a restarted worker of zerotrain's launcher)."""
