@@ -117,7 +117,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_ends_with_the_weights_of_an_un
     job = start_zerotrain([*RUN, "--trainer.output_dir", str(tmp_path / "runs"), "--launch.max_restarts", "1"],
                           tmp_path / "job", **{PROGRESS_ENV: str(folder)})
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 480  # start-up on 2 shared cores
         while (read_progress(str(folder)).get(1, {}).get("step") or 0) < 10:
             assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job" / "stderr.txt").read_text()
             time.sleep(0.05)
@@ -162,7 +162,7 @@ def test_workers_pre_empted_on_their_own_end_the_job_with_the_requeue_status(tmp
                            "--trainer.run_name", "job", "--launch.max_restarts", "2"], tmp_path,
                           **{PROGRESS_ENV: str(folder)})
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 480  # start-up on 2 shared cores
         while len(now := read_progress(str(folder))) < 2 or min(p["step"] or 0 for p in now.values()) < 3:
             assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
             time.sleep(0.05)

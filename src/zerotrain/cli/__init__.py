@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 from zerotrain.errors import RankLost, RunStopped, UserError
+from zerotrain.runtime import restarts  # torch-free: a restarted worker that only replays an ending imports no more
 
 SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
@@ -43,8 +44,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"zerotrain: error: unknown subcommand {name!r}: choose one of {', '.join(SUBCOMMANDS)} "
               "(zerotrain --help describes them)", file=sys.stderr)
         return 2
-    from zerotrain.runtime import restarts
-
     if restarts.attempt() > 0:  # a restarted worker of zerotrain's launcher: not when the job ended for good
         replayed = restarts.replay_final()
         if replayed is not None:
@@ -55,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     module = importlib.import_module(f"zerotrain.cli.{name}")
     # Deferred here and below: the launcher imports torch's elastic package (3 s), and `zerotrain --help` or a
     # mistyped subcommand answers without it.
-    from zerotrain.runtime.launcher import ErrorFile, remove_orphaned_progress_dir, under_own_launcher
+    from zerotrain.runtime.launcher import ErrorFile, error_record, remove_orphaned_progress_dir, under_own_launcher
 
     run = _collective_failures_as_rank_lost(module.run)
     worker = under_own_launcher()
@@ -73,8 +72,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if code is None:
             raise
         if worker:  # a restart cannot fix it: the restarted workers end the same way (see zerotrain.runtime.restarts)
-            from zerotrain.runtime.launcher import error_record
-
             restarts.keep_final(code, error_record(name, exc))
         return code
     finally:
