@@ -811,6 +811,7 @@ class RestartReport:
         self.launch, self.folder, self.stopped = launch, folder, stopped
         self.workers: dict[int, tuple[int, int, int, str]] = {}  # pid -> (rank, local rank, attempt, error file)
         self.ended: dict[int, Any] = {}  # pid -> its ProcessFailure (exit status 0 included)
+        self.when: dict[int, float] = {}  # pid -> when it was seen to end (monotonic), its status seen or not
         self.progress: dict[int, dict[int, dict]] = {}  # attempt -> the progress files when its workers ended
         self.lines: list[str] = []
         self._said = 0
@@ -845,6 +846,10 @@ class RestartReport:
                     self.workers[child.pid] = (int(env["RANK"]), int(env.get("LOCAL_RANK", "0")),
                                                int(env["TORCHELASTIC_RESTART_COUNT"]),
                                                env.get("TORCHELASTIC_ERROR_FILE", ""))
+            alive = {child.pid for child in children}
+            for pid in list(self.workers):
+                if pid not in alive:
+                    self.when.setdefault(pid, time.monotonic())
             newest = max((w[2] for w in self.workers.values()), default=0)
             if newest > self._said:
                 self._said = newest
@@ -865,13 +870,14 @@ class RestartReport:
                 if pid not in self.ended:
                     try:
                         found.append(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT))
-                    except ChildProcessError:
-                        pass
+                    except ChildProcessError:  # reaped already, its status unseen: it ended before those found now
+                        self.when.setdefault(pid, time.monotonic())
             for info in found:
                 if info is None or info.si_pid in self.ended or info.si_pid not in self.workers:
                     continue
                 rank, local_rank, attempt, error_file = self.workers[info.si_pid]
                 exitcode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                self.when.setdefault(info.si_pid, time.monotonic())
                 try:
                     self.ended[info.si_pid] = ProcessFailure(local_rank, info.si_pid, exitcode, error_file)
                 except Exception:  # an error file torchelastic cannot parse either
@@ -888,6 +894,19 @@ class RestartReport:
         progress = self.progress.get(before, {})
         cause = (restart_cause(failures, progress, self.launch.timeout_minutes, self.stopped.stopped) if failures
                  else "a worker ended")
+        # On a loaded machine torchelastic may reap a worker before this thread runs: its status is lost. When such a
+        # worker ended before any whose status was seen, it is the one that ended the attempt.
+        unseen = {pid: w for pid, w in self.workers.items() if w[2] == before and pid not in self.ended}
+        first_seen = min((self.when.get(pid, float("inf")) for pid in self.ended
+                          if self.workers[pid][2] == before), default=float("inf"))
+        early = [pid for pid in unseen if self.when.get(pid, float("inf")) < first_seen]
+        if early:
+            pid = min(early, key=lambda p: self.when[p])
+            rank, local_rank = unseen[pid][0], unseen[pid][1]
+            step = progress.get(rank, {}).get("step")
+            cause = (f"rank {rank} (local rank {local_rank}) ended first, "
+                     f"{'before its first step' if step is None else f'after step {step}'} (killed or crashed: its "
+                     "exit status was taken before the launcher saw it)")
         line = (f"zerotrain: restart {attempt} of {self.launch.max_restarts} (--launch.max_restarts): {cause}; "
                 f"all workers restart and resume from {resume_point(progress)}")
         self.lines.append(line)
