@@ -93,7 +93,7 @@ def test_the_restart_line_names_the_killed_rank_without_the_jobs_end(tmp_path):
 # ---- end to end: two workers on CPU (Gloo) -------------------------------------------------------
 
 RUN = ["fit", "toy", "--trainer.device", "cpu", "--trainer.num_workers", "0", "--logging.progress_bar", "false",
-       "--logging.tensorboard", "false", "--launch.nproc_per_node", "2", "--strategy.zero_stage", "2",
+       "--logging.tensorboard", "false", "--launch.nproc_per_node", "2", "--strategy.backend", "ddp",
        "--trainer.max_steps", "40", "--checkpoint.every_steps", "4", "--trainer.log_every_steps", "1"]
 
 
