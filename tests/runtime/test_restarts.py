@@ -132,8 +132,9 @@ def test_a_worker_killed_mid_run_is_restarted_and_ends_with_the_weights_of_an_un
     err = (tmp_path / "job" / "stderr.txt").read_text()
     said = [line for line in err.splitlines() if line.startswith("zerotrain")]
     assert len(said) == 1, err[-3000:]
-    m = re.fullmatch(r"zerotrain: restart 1 of 1 \(--launch.max_restarts\): rank 1 \(local rank 1\) was killed by "
-                     r"SIGKILL after step (\d+) \(out of memory\?\); all workers restart and resume from step (\d+) "
+    # (On a loaded machine torchelastic may take the killed worker's status first: the line then says it ended first.)
+    m = re.fullmatch(r"zerotrain: restart 1 of 1 \(--launch.max_restarts\): rank 1 \(local rank 1\) (?:was killed by "
+                     r"SIGKILL|ended first,) after step (\d+) \([^;]*\); all workers restart and resume from step (\d+) "
                      r"\((\S+)\)", said[0])
     assert m, said[0]
     assert int(m[2]) <= int(m[1]) and int(m[2]) % 4 == 0
