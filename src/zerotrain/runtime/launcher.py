@@ -875,20 +875,20 @@ class RestartReport:
             for info in found:
                 if info is None or info.si_pid in self.ended or info.si_pid not in self.workers:
                     continue
-                rank, local_rank, attempt, error_file = self.workers[info.si_pid]
+                _, local_rank, tried, error_file = self.workers[info.si_pid]
                 exitcode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
                 self.when.setdefault(info.si_pid, time.monotonic())
                 try:
                     self.ended[info.si_pid] = ProcessFailure(local_rank, info.si_pid, exitcode, error_file)
                 except Exception:  # an error file torchelastic cannot parse either
                     continue
-                self.progress[attempt] = read_progress(self.folder)
+                self.progress[tried] = read_progress(self.folder)
             self._done.wait(0.01)  # until torchelastic has reaped it: waitid would return it again
 
-    def _say(self, attempt: int) -> None:
+    def _say(self, tried: int) -> None:
         if ended_for_good(self.folder):  # these workers only end as the attempt before did (not a restart)
             return
-        before = attempt - 1
+        before = tried - 1
         failures = {rank: self.ended[pid] for pid, (rank, _, k, _) in self.workers.items()
                     if k == before and pid in self.ended and self.ended[pid].exitcode != 0}
         progress = self.progress.get(before, {})
@@ -907,7 +907,7 @@ class RestartReport:
             cause = (f"rank {rank} (local rank {local_rank}) ended first, "
                      f"{'before its first step' if step is None else f'after step {step}'} (killed or crashed: its "
                      "exit status was taken before the launcher saw it)")
-        line = (f"zerotrain: restart {attempt} of {self.launch.max_restarts} (--launch.max_restarts): {cause}; "
+        line = (f"zerotrain: restart {tried} of {self.launch.max_restarts} (--launch.max_restarts): {cause}; "
                 f"all workers restart and resume from {resume_point(progress)}")
         self.lines.append(line)
         print(line, file=sys.stderr, flush=True)
