@@ -11,7 +11,8 @@
 # DATA/gutenberg/train.txt.xz DATA/tok32k.
 #
 # Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | causal_lm_8b (4 GPUs) | multinode (2 or 4
-#        GPUs) | sft_packing | offload_large_model | offload_5b | planner | kill_test (CPU) | gpu_tests
+#        GPUs) | sft_packing | offload_large_model | offload_5b | planner | kill_test (CPU) |
+#        restart_test (CPU) | gpu_tests
 #
 # sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 32 conversations (CPU), to check the
 # part end to end; ROWS="full_packed lora_padded" runs only those rows (the table marks the others missing).
@@ -232,6 +233,9 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
     kill_test)  # CPU: SIGKILL at random moments, resume, compare with an uninterrupted run (toy recipe)
       python3 benchmarks/kill_test.py --kills "${KILLS:-10}" --out "$OUT/kill_test/kill_test.json"
       python3 benchmarks/kill_test.py --configs "" --suites all --out "$OUT/kill_test/kill_test_suites.json" ;;
+    restart_test)  # CPU: --launch.max_restarts 1, one of 2 workers killed per run, compared with an uninterrupted run
+      python3 benchmarks/kill_test.py --restarts --kills "${KILLS:-20}" --configs ddp --jobs "${JOBS:-3}" --max-steps 40 \
+        --out "$OUT/restart_test/restart_test.json" ;;
     gpu_tests)
       z doctor > "$OUT/gpu_tests/doctor.txt" 2>&1
       python3 -m pytest -m gpu -q > "$OUT/gpu_tests/pytest_gpu.txt" 2>&1; echo "pytest -m gpu: rc=$?" ;;

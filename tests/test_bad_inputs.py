@@ -140,6 +140,7 @@ CASES = [
     Case("timeout-zero", "launch", "fit toy $FIT --launch.timeout_minutes 0"),
     Case("timeout-too-short", "launch", "fit toy $FIT --launch.timeout_minutes 0.01"),
     Case("rdzv-timeout-zero", "launch", "fit toy $FIT --launch.rdzv_timeout_minutes 0"),
+    Case("max-restarts-negative", "launch", "fit toy $FIT --launch.max_restarts -1"),
     Case("nccl-on-cpu", "launch", "fit toy $FIT --launch.comm_backend nccl"),
     Case("endpoint-port-out-of-range", "launch", "fit toy $FIT --launch.rdzv_endpoint localhost:70000"),
     Case("env-rank-without-world-size", "launch", "RANK=0 fit toy $FIT"),

@@ -14,6 +14,7 @@ import sys
 from typing import Optional
 
 from zerotrain.errors import RankLost, RunStopped, UserError
+from zerotrain.runtime import restarts  # torch-free: a restarted worker that only replays an ending imports no more
 
 SUBCOMMANDS = {
     "fit": "train a recipe (zerotrain fit RECIPE --help)",
@@ -44,12 +45,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"zerotrain: error: unknown subcommand {name!r}: choose one of {', '.join(SUBCOMMANDS)} "
               "(zerotrain --help describes them)", file=sys.stderr)
         return 2
+    if restarts.attempt() > 0:  # a restarted worker of zerotrain's launcher: not when the job ended for good
+        replayed = restarts.replay_final()
+        if replayed is not None:
+            return replayed
+        restarts.forget_step()
     import importlib
 
     module = importlib.import_module(f"zerotrain.cli.{name}")
     # Deferred here and below: the launcher imports torch's elastic package (3 s), and `zerotrain --help` or a
     # mistyped subcommand answers without it.
-    from zerotrain.runtime.launcher import ErrorFile, remove_orphaned_progress_dir, under_own_launcher
+    from zerotrain.runtime.launcher import ErrorFile, error_record, remove_orphaned_progress_dir, under_own_launcher
 
     run = _collective_failures_as_rank_lost(module.run)
     worker = under_own_launcher()
@@ -66,6 +72,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         code = _stopped(name, exc, said_by_launcher=worker)
         if code is None:
             raise
+        if worker:  # a restart cannot fix it: the restarted workers end the same way (see zerotrain.runtime.restarts)
+            restarts.keep_final(code, error_record(name, exc))
         return code
     finally:
         if worker:  # a launcher killed (SIGKILL) could not remove its progress folder: the workers that outlive it do

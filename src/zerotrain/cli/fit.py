@@ -16,7 +16,13 @@ import sys
 from zerotrain.config.flags import parse_config
 from zerotrain.errors import ConfigError
 from zerotrain.plan.planner import plan_for_fit
-from zerotrain.runtime.launcher import launched_by_a_launcher, spawn_local_workers
+from zerotrain.runtime.launcher import (
+    launched_by_a_launcher,
+    restart_flags,
+    resume_after_restart,
+    spawn_local_workers,
+)
+from zerotrain.runtime.rundir import new_run_name
 from zerotrain.tasks import registry as recipes
 from zerotrain.train.loop import fit
 
@@ -62,8 +68,10 @@ def run(argv: list[str]) -> int:
         rest = [*rest, *plan_for_fit(recipe, cfg, rest)]  # later flags win: the plan's choice, auto off
         argv = [recipe, *rest]
         cfg = parse_config(recipe, rest).validate()
-    if (launch.nproc_per_node > 1 or launch.nnodes > 1) and not launched_by_a_launcher(launch):
-        return spawn_local_workers(launch, ["fit", *argv])
+    if (launch.nproc_per_node > 1 or launch.nnodes > 1 or launch.max_restarts) and not launched_by_a_launcher(launch):
+        return spawn_local_workers(launch, ["fit", *argv, *restart_flags(cfg, new_run_name(recipe))])
+    if resumed := resume_after_restart(cfg):  # a restarted worker: from the run's last complete checkpoint
+        cfg = parse_config(recipe, [*rest, *resumed]).validate()
 
 
     result = fit(task_cls(cfg))  # leaves no process group behind (distributed.setup)

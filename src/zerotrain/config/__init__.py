@@ -379,6 +379,10 @@ class LaunchConfig:
     """How long the rendezvous is waited for before giving up in one line: the launcher on each node for all nodes
     to join at rdzv_endpoint, and a process started with RANK/MASTER_ADDR set (by torchrun or a scheduler) for
     rank 0 to answer at MASTER_ADDR:MASTER_PORT. A stop signal ends either wait at once."""
+    max_restarts: int = 0
+    """Restart all workers up to N times when one dies (killed, crashed) or hangs past timeout_minutes; they resume
+    from the run's last complete checkpoint. A user error, a diverged loss, out of memory or a pre-emption is not
+    restarted (a restart cannot fix it). One node only; zerotrain must start the workers itself."""
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -388,6 +392,12 @@ class LaunchConfig:
         if not self.timeout_minutes >= MIN_TIMEOUT_MINUTES:  # `not >=`: NaN is refused too
             raise ConfigError("--launch.timeout_minutes", f"must be >= {MIN_TIMEOUT_MINUTES} (3 seconds), "
                               f"got {self.timeout_minutes:g}")
+        if self.max_restarts < 0:
+            raise ConfigError("--launch.max_restarts", f"must be >= 0, got {self.max_restarts}")
+        if self.max_restarts and self.nnodes > 1:
+            raise ConfigError("--launch.max_restarts", f"restarts the workers of one node (--launch.nnodes 1), not "
+                              f"of {self.nnodes}: on several nodes, leave it out and requeue the job from its scheduler "
+                              "with --checkpoint.resume auto")
         if not self.rdzv_timeout_minutes > 0:
             raise ConfigError("--launch.rdzv_timeout_minutes", f"must be > 0, got {self.rdzv_timeout_minutes}")
         if not 0 <= self.node_rank < self.nnodes:

@@ -30,6 +30,7 @@ from zerotrain.config import LaunchConfig
 from zerotrain.data.io import atomic_write_text
 from zerotrain.errors import (
     DIVERGED_EXIT,
+    ConfigError,
     OOM_EXIT,
     RANK_LOST_EXIT,
     USER_ERROR_EXIT,
@@ -38,6 +39,7 @@ from zerotrain.errors import (
     UserError,
 )
 from zerotrain.runtime.preemption import PREEMPTED_EXIT, SIGNALS, Preempted
+from zerotrain.runtime.restarts import PROGRESS_ENV, attempt, ended_for_good
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
                       "MASTER_ADDR", "MASTER_PORT")
@@ -141,11 +143,6 @@ FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
 """The signals torchelastic forwards to the workers for this launcher (``--signals-to-handle``)."""
 
 
-PROGRESS_ENV = "ZEROTRAIN_PROGRESS_DIR"
-"""Folder of the per-rank progress files; set by :func:`spawn_local_workers` for its workers, which also
-tells a worker that this launcher, not the worker, says how the job ended."""
-
-
 PROGRESS_OWNER_ENV = "ZEROTRAIN_PROGRESS_OWNER"
 """The pid of the launcher that made the progress folder (unset when the folder was given): the folder is removed
 by whoever outlives that launcher (see :func:`remove_orphaned_progress_dir`, :func:`remove_stale_progress_dirs`)."""
@@ -182,12 +179,38 @@ def torchrun_arguments(launch: LaunchConfig, argv: list[str], log_dir: Optional[
                  f"--rdzv-conf=timeout={max(1, round(launch.rdzv_timeout_minutes * 60))}"]
     if log_dir is not None:
         args.append(f"--log-dir={log_dir}")
+    if launch.max_restarts:
+        args.append(f"--max-restarts={launch.max_restarts}")
     # Forward SLURM's --signal=USR1 too (by default it would kill this launcher and orphan the workers), and
     # give the workers time to save their pre-emption checkpoint before torchelastic's SIGKILL.
     optional = [f"--signals-to-handle={','.join(FORWARDED_SIGNALS)}",
                 f"--shutdown-timeout={PREEMPTION_SAVE_TIMEOUT_S}"]
     parsed, _lacking = get_args_parser().parse_known_args([*args, *optional, "-m", "zerotrain", *argv])
     return parsed
+
+
+def restart_flags(cfg, run_name: str) -> list[str]:
+    """Flags the launcher adds to the workers' command when it may restart them (``--launch.max_restarts``):
+    ``run_name`` when the command names no run, so that every attempt writes into, and resumes from, one folder."""
+    if not cfg.launch.max_restarts or cfg.trainer.run_name:
+        return []
+    return ["--trainer.run_name", run_name]
+
+
+def resume_after_restart(cfg) -> list[str]:
+    """In a worker zerotrain's launcher restarted: ``--checkpoint.resume auto`` when the run folder holds a complete
+    checkpoint (an earlier attempt saved it), else nothing (the attempt starts as the first one did).
+
+    Refused in one line naming the flag: ``--launch.max_restarts`` in a worker another launcher started (torchrun,
+    srun), which restarts nothing itself; that launcher's own restart setting is the one that counts."""
+    if cfg.launch.max_restarts and not under_own_launcher() and launched_by_a_launcher(cfg.launch):
+        raise ConfigError("--launch.max_restarts", "restarts the workers zerotrain's launcher starts, and another "
+                          "launcher (torchrun, srun) started this one: give that launcher its restarts (torchrun "
+                          "--max-restarts N) and leave this flag out, or start the job with zerotrain itself")
+    if not under_own_launcher() or attempt() == 0 or not cfg.trainer.run_name:
+        return []
+    run_dir = Path(cfg.trainer.output_dir).expanduser() / cfg.trainer.run_name
+    return ["--checkpoint.resume", "auto"] if complete_checkpoints(run_dir / "checkpoints") else []
 
 
 def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
@@ -219,7 +242,14 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     folder, own_folder = _progress_dir()
     # torchelastic's own files go into the same folder, removed with it (by default they stay in the temp folder).
     args = torchrun_arguments(launch, argv, log_dir=os.path.join(folder, "torchelastic") if own_folder else None)
+    # torch's c10d rendezvous hands its own store to the workers and keeps it across restarts, so restarted workers
+    # would read the addresses the attempt before them published, and fail to connect. torch's opt-out gives each
+    # attempt a store of its own (hosted by its rank 0). Set for this call only.
+    shared_store = os.environ.get(_OWN_STORE_ENV)
+    if launch.max_restarts:
+        os.environ[_OWN_STORE_ENV] = "1"
     watcher = StoppedWorkers().start()
+    restarts = RestartReport(launch, folder, watcher).start()
     code = 0
     try:
         try:
@@ -245,6 +275,11 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
         code = 1
     finally:
         watcher.stop()
+        restarts.stop()
+        if shared_store is None:
+            os.environ.pop(_OWN_STORE_ENV, None)
+        else:
+            os.environ[_OWN_STORE_ENV] = shared_store
         _restore_levels(saved_levels)
         if own_folder:
             import shutil
@@ -253,6 +288,10 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
             os.environ.pop(PROGRESS_OWNER_ENV, None)
             shutil.rmtree(folder, ignore_errors=True)
     return code
+
+
+_OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torch's switch (read by its c10d rendezvous) that gives each attempt of the workers a store of its own."""
 
 
 def _describe_signal(sig: signal.Signals, progress: dict[int, dict]) -> tuple[str, int]:
@@ -502,8 +541,8 @@ def _saved_at_last_step(progress: dict[int, dict]) -> bool:
         return False
 
     folders = complete_checkpoints(Path(run_dir) / "checkpoints")
-    last = max(p["step"] for p in progress.values())
-    return bool(folders) and read_marker(folders[-1]).get("step") == last
+    steps = [p["step"] for p in progress.values() if p["step"] is not None]
+    return bool(folders) and bool(steps) and read_marker(folders[-1]).get("step") == max(steps)
 
 
 def last_checkpoint_hint(progress: dict[int, dict]) -> str:
@@ -570,7 +609,7 @@ class Progress:
 
 
 def read_progress(folder: Optional[str]) -> dict[int, dict]:
-    """rank -> {"step", "run_dir"} from the progress files in ``folder`` (what can be parsed)."""
+    """rank -> {"step", "run_dir"} from the progress files in ``folder`` (what can be parsed; step None: not yet)."""
     out: dict[int, dict] = {}
     if not folder or not os.path.isdir(folder):
         return out
@@ -579,7 +618,8 @@ def read_progress(folder: Optional[str]) -> dict[int, dict]:
             continue
         try:
             step, run_dir = Path(folder, name).read_text().split("\n")[:2]
-            out[int(name[4:])] = {"step": int(step), "run_dir": run_dir or None}
+            # A blank step: a restarted worker that has not trained yet (see zerotrain.runtime.restarts.forget_step)
+            out[int(name[4:])] = {"step": int(step) if step.strip() else None, "run_dir": run_dir or None}
         except (OSError, ValueError):
             continue
     return out
@@ -732,6 +772,145 @@ class StoppedWorkers:
             return False
         pending = int(fields.get("ShdPnd", "0").strip() or "0", 16) | int(fields.get("SigPnd", "0").strip() or "0", 16)
         return bool(pending & self._PENDING)
+
+
+# --- a restart of the workers ---------------------------------------------------------------------------
+
+def restart_cause(failures: dict, progress: dict[int, dict], timeout_minutes: Optional[float] = None,
+                  stopped: frozenset[int] | set[int] = frozenset()) -> str:
+    """What ended an attempt of the workers, for the line of a restart: :func:`describe_failure`'s line without the
+    prefix and what it says of the job's end (the job goes on)."""
+    line, _ = describe_failure(failures, progress, timeout_minutes, stopped)
+    return re.split(r"; the job stopped|; its traceback", line.removeprefix("zerotrain: "))[0]
+
+
+def resume_point(progress: dict[int, dict]) -> str:
+    """Where restarted workers resume: 'step S (FOLDER)' for the run's newest complete checkpoint, or the start."""
+    run_dir = next((p["run_dir"] for p in progress.values() if p.get("run_dir")), None)
+    folders = complete_checkpoints(Path(run_dir) / "checkpoints") if run_dir else []
+    if not folders:
+        return "the start (no complete checkpoint yet)"
+    return f"step {read_marker(folders[-1]).get('step')} ({folders[-1]})"
+
+
+class RestartReport:
+    """One line on stderr per restart of the workers (``--launch.max_restarts``): restart k of N, which rank ended
+    the attempt before it and how, and the step the workers resume from.
+
+    torchelastic restarts the workers without saying why, and reaps each worker (taking its exit status) inside
+    its monitor loop. A thread of the launcher waits for any child to end with ``waitid(WNOWAIT)``, which reads a
+    worker's exit status (or killing signal) the moment it ends without reaping it, so torchelastic still gets it;
+    another notes each worker's rank and attempt from its environment once it runs. When a worker of a new attempt
+    appears, the failures of the attempt before it go through :func:`describe_failure`'s reasoning
+    (:func:`restart_cause`). Linux only (``waitid``, ``/proc``); elsewhere the restarts happen without the line.
+    """
+
+    PERIOD_S = 0.05
+
+    def __init__(self, launch: LaunchConfig, folder: str, stopped: "StoppedWorkers") -> None:
+        self.launch, self.folder, self.stopped = launch, folder, stopped
+        self.workers: dict[int, tuple[int, int, int, str]] = {}  # pid -> (rank, local rank, attempt, error file)
+        self.ended: dict[int, Any] = {}  # pid -> its ProcessFailure (exit status 0 included)
+        self.when: dict[int, float] = {}  # pid -> when it was seen to end (monotonic), its status seen or not
+        self.progress: dict[int, dict[int, dict]] = {}  # attempt -> the progress files when its workers ended
+        self.lines: list[str] = []
+        self._said = 0
+        self._done = threading.Event()
+
+    def start(self) -> "RestartReport":
+        if self.launch.max_restarts and sys.platform.startswith("linux"):
+            threading.Thread(target=self._note_workers, name="zerotrain-restarts", daemon=True).start()
+            threading.Thread(target=self._note_ends, name="zerotrain-worker-ends", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _note_workers(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._done.wait(self.PERIOD_S):
+            try:
+                children = me.children()
+            except psutil.Error:
+                continue
+            for child in children:
+                if child.pid in self.workers:
+                    continue
+                try:
+                    env = child.environ()
+                except psutil.Error:
+                    continue
+                if "RANK" in env and env.get("TORCHELASTIC_RESTART_COUNT", "").isdigit():  # else not exec'd yet
+                    self.workers[child.pid] = (int(env["RANK"]), int(env.get("LOCAL_RANK", "0")),
+                                               int(env["TORCHELASTIC_RESTART_COUNT"]),
+                                               env.get("TORCHELASTIC_ERROR_FILE", ""))
+            alive = {child.pid for child in children}
+            for pid in list(self.workers):
+                if pid not in alive:
+                    self.when.setdefault(pid, time.monotonic())
+            newest = max((w[2] for w in self.workers.values()), default=0)
+            if newest > self._said:
+                self._said = newest
+                self._say(newest)
+
+    def _note_ends(self) -> None:
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        while not self._done.is_set():
+            try:
+                found = [os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)]  # blocks until a child has ended
+            except ChildProcessError:  # no child (yet, or any more)
+                self._done.wait(self.PERIOD_S)
+                continue
+            except InterruptedError:
+                continue
+            for pid in list(self.workers):  # others that ended at the same moment, hidden behind the first
+                if pid not in self.ended:
+                    try:
+                        found.append(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT))
+                    except ChildProcessError:  # reaped already, its status unseen: it ended before those found now
+                        self.when.setdefault(pid, time.monotonic())
+            for info in found:
+                if info is None or info.si_pid in self.ended or info.si_pid not in self.workers:
+                    continue
+                _, local_rank, tried, error_file = self.workers[info.si_pid]
+                exitcode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                self.when.setdefault(info.si_pid, time.monotonic())
+                try:
+                    self.ended[info.si_pid] = ProcessFailure(local_rank, info.si_pid, exitcode, error_file)
+                except Exception:  # an error file torchelastic cannot parse either
+                    continue
+                self.progress[tried] = read_progress(self.folder)
+            self._done.wait(0.01)  # until torchelastic has reaped it: waitid would return it again
+
+    def _say(self, tried: int) -> None:
+        if ended_for_good(self.folder):  # these workers only end as the attempt before did (not a restart)
+            return
+        before = tried - 1
+        failures = {rank: self.ended[pid] for pid, (rank, _, k, _) in self.workers.items()
+                    if k == before and pid in self.ended and self.ended[pid].exitcode != 0}
+        progress = self.progress.get(before, {})
+        cause = (restart_cause(failures, progress, self.launch.timeout_minutes, self.stopped.stopped) if failures
+                 else "a worker ended")
+        # On a loaded machine torchelastic may reap a worker before this thread runs: its status is lost. When such a
+        # worker ended before any whose status was seen, it is the one that ended the attempt.
+        unseen = {pid: w for pid, w in self.workers.items() if w[2] == before and pid not in self.ended}
+        first_seen = min((self.when.get(pid, float("inf")) for pid in self.ended
+                          if self.workers[pid][2] == before), default=float("inf"))
+        early = [pid for pid in unseen if self.when.get(pid, float("inf")) < first_seen]
+        if early:
+            pid = min(early, key=lambda p: self.when[p])
+            rank, local_rank = unseen[pid][0], unseen[pid][1]
+            step = progress.get(rank, {}).get("step")
+            cause = (f"rank {rank} (local rank {local_rank}) ended first, "
+                     f"{'before its first step' if step is None else f'after step {step}'} (killed or crashed: its "
+                     "exit status was taken before the launcher saw it)")
+        line = (f"zerotrain: restart {tried} of {self.launch.max_restarts} (--launch.max_restarts): {cause}; "
+                f"all workers restart and resume from {resume_point(progress)}")
+        self.lines.append(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 # --- a collective that failed because another rank is gone --------------------------------------------
