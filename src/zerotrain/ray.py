@@ -98,6 +98,9 @@ def _checked_config(recipe: str, argv: list[str]) -> Any:
         raise ConfigError("--launch.nproc_per_node" if cfg.launch.nproc_per_node != 1 else "--launch.nnodes",
                           "starts processes, which Ray Train does under zerotrain.ray: set the number of workers "
                           "with num_workers (ScalingConfig) and leave these flags out")
+    if cfg.launch.max_restarts:
+        raise ConfigError("--launch.max_restarts", "restarts the workers of zerotrain's own launcher; under Ray, "
+                          "Ray restarts them: pass max_failures (FailureConfig) instead")
     if cfg.strategy.auto:
         raise ConfigError("--strategy.auto", "plans before the processes start, which Ray has already done: run "
                           "`zerotrain plan RECIPE ...` once and pass --config <plan folder>/plan.yaml")

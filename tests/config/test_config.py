@@ -214,3 +214,14 @@ def test_config_file_alias_count_is_the_expanded_size(tmp_path):
 
     assert _expanded_size(yaml.compose(nested(4), Loader=yaml.SafeLoader)) < MAX_CONFIG_NODES
     assert _expanded_size(yaml.compose(nested(6), Loader=yaml.SafeLoader)) > MAX_CONFIG_NODES
+
+
+@pytest.mark.parametrize("settings, flag", [
+    (dict(auto=True), "--strategy.auto"),
+    (dict(offload_param="nvme", nvme_path="/nvme"), "--strategy.offload_param"),
+    (dict(offload_optimizer="nvme", nvme_path="/nvme"), "--strategy.offload_optimizer"),
+])
+def test_fsdp2_refuses_what_only_deepspeed_or_the_planner_does_naming_the_flag_given(settings, flag):
+    with pytest.raises(ConfigError) as err:
+        StrategyConfig(backend="fsdp2", **settings).validate()
+    assert err.value.flag == flag

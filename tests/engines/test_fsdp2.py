@@ -181,3 +181,34 @@ def test_a_zero2_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path)
     assert (step4 / "universal" / "UNIVERSAL.json").is_file()  # the conversion, cached beside the checkpoint
     assert json.loads((tmp_path / "split" / "checkpoints" / "step00000008" / "COMPLETE.json").read_text())[
         "backend"] == "fsdp2"
+
+
+def test_metadata_written_by_python_3_13_names_pathlib_by_its_private_module_and_is_read():
+    """Python 3.13 pickles ``PosixPath`` as ``pathlib._local.PosixPath``; DCP's ``.metadata`` holds one."""
+    import io
+
+    from zerotrain.checkpoint.dcp import _MetadataUnpickler
+
+    written = pickle.dumps(Path("/runs/x"), protocol=0).replace(b"cpathlib\nPosixPath", b"cpathlib._local\nPosixPath")
+    assert b"pathlib._local" in written
+    assert _MetadataUnpickler(io.BytesIO(written)).load() == Path("/runs/x")
+    evil = pickle.dumps(Path("/x"), protocol=0).replace(b"cpathlib\nPosixPath", b"cpathlib._local\nos")
+    with pytest.raises(pickle.UnpicklingError, match="pathlib.os"):  # the private module admits nothing more
+        _MetadataUnpickler(io.BytesIO(evil)).load()
+
+
+def test_a_failed_dcp_write_raises_the_rank_s_own_error(tmp_path, monkeypatch):
+    """DCP wraps a failed write in CheckpointException (a BaseException): the caller gets the OSError back, which
+    the checkpoint code turns into its one line (a full disk)."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from zerotrain.checkpoint import dcp
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        dcp.save({"model": {"w": torch.zeros(3)}}, tmp_path)

@@ -159,3 +159,8 @@ def test_a_cpu_command_asks_for_no_gpus_and_one_node_needs_no_rendezvous_flags()
 def test_launch_needs_a_fit_command():
     with pytest.raises(UserError, match="give the command to run after --"):
         job_spec(["toy"])
+
+
+def test_a_job_file_leaves_restarts_to_the_scheduler():
+    with pytest.raises(UserError, match=r"^--launch.max_restarts restarts the workers of zerotrain's own launcher"):
+        job_spec(["fit", "toy", "--trainer.max_steps", "4", "--launch.max_restarts", "2"])

@@ -56,6 +56,8 @@ with its recorded arguments: record classes (dataclasses and an enum), a layout 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if module == "pathlib._local":  # Python 3.13 pickles pathlib's classes under their private module
+            module = "pathlib"
         if (module, name) in METADATA_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -125,9 +127,21 @@ class SafePlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, clean)
 
 
+def _first_failure(exc: CheckpointException) -> BaseException:
+    """The error behind DCP's report (every rank gets all of them): a UserError first, else the first one. DCP's
+    CheckpointException is a BaseException, which the callers' one-line handling (OSError for a full disk) and
+    the CLI's would let through as a traceback."""
+    errors = [e for e, _ in exc.failures.values()]
+    return next((e for e in errors if isinstance(e, UserError)), errors[0] if errors else RuntimeError(str(exc)))
+
+
 def save(state: dict[str, Any], folder: Path) -> None:
-    """Write ``state`` (DTensor shards, tensors, plain values) into ``folder/dcp``. Collective."""
-    dcp.save(state, storage_writer=FileSystemWriter(str(folder / FOLDER)))
+    """Write ``state`` (DTensor shards, tensors, plain values) into ``folder/dcp``. Collective; a failed write
+    raises the rank's own error (OSError for a full disk), as the other engines' saves do."""
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(str(folder / FOLDER)))
+    except CheckpointException as exc:
+        raise _first_failure(exc) from None
 
 
 def load(state: dict[str, Any], folder: Path, where: tuple[str, str] = RESUME, no_dist: bool = False) -> None:
@@ -140,11 +154,7 @@ def load(state: dict[str, Any], folder: Path, where: tuple[str, str] = RESUME, n
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist: what was asked
             dcp.load(state, storage_reader=SafeReader(path, where), planner=SafePlanner(path, where), no_dist=no_dist)
     except CheckpointException as exc:
-        # The first refusal any rank met (every rank gets them all), as its one line
-        found = next((e for e, _ in exc.failures.values() if isinstance(e, UserError)), None)
-        if found is not None:
-            raise found from None
-        raise
+        raise _first_failure(exc) from None  # the first refusal any rank met, as its one line
 
 
 def model_tensors(folder: Path, where: tuple[str, str] = RESUME

@@ -261,8 +261,9 @@ def estimate_bytes(n_params: int, n_trainable: int, precision: str, backend: str
     """One checkpoint's size, estimated from the model before training: the weights in their training
     precision, plus per trainable parameter the optimizer's ``optimizer_states`` fp32 states (Adam's two
     moments; :func:`zerotrain.engines.states.optimizer_states`) and, under DeepSpeed, the fp32 master copy
-    (which a 16-bit run keeps besides its 16-bit weights)."""
-    weight = 2 if precision in ("bf16", "fp16") else 4
+    (which a 16-bit run keeps besides its 16-bit weights). FSDP2 keeps and saves fp32 parameters whatever it
+    computes in."""
+    weight = 2 if precision in ("bf16", "fp16") and backend != "fsdp2" else 4
     per_trainable = 4 * optimizer_states + (4 if backend == "deepspeed" else 0)
     return n_params * weight + n_trainable * per_trainable
 

@@ -150,8 +150,12 @@ class StrategyConfig:
                 raise ConfigError("--strategy.zero_stage", "is DeepSpeed's; fsdp2 always shards parameters, gradients "
                                   "and optimizer states. Drop --strategy.zero_stage, or use --strategy.backend deepspeed")
             if "nvme" in (self.offload_optimizer, self.offload_param):
-                raise ConfigError("--strategy.offload_optimizer", "fsdp2 offloads to cpu only (nvme is DeepSpeed's "
+                flag = "--strategy.offload_optimizer" if self.offload_optimizer == "nvme" else "--strategy.offload_param"
+                raise ConfigError(flag, "fsdp2 offloads to cpu only (nvme is DeepSpeed's "
                                   "ZeRO-Infinity): pass cpu, or --strategy.backend deepspeed --strategy.zero_stage 3")
+            if self.auto:
+                raise ConfigError("--strategy.auto", "plans DeepSpeed and plain PyTorch strategies only, not fsdp2: "
+                                  "drop one of --strategy.auto and --strategy.backend fsdp2")
             if self.deepspeed_config:
                 raise ConfigError("--strategy.deepspeed_config", "is only read with --strategy.backend deepspeed")
             return self._validate_common()

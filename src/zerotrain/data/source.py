@@ -364,13 +364,15 @@ def drop_damaged_copies(builder_cache: Path) -> None:
     """Delete, with one warning each, the folders of ``datasets``' parsed copies under ``builder_cache`` that hold
     an Arrow file cut short, so the builder parses the data files again instead of reading a damaged copy (which
     fails naming the data file, or reads fewer rows with no error). Folders still being written
-    (``.incomplete``) are left alone. Reads the last 8 bytes of each file: cheap even for a large cache."""
+    (``.incomplete``) and ``downloads/`` are left alone. Reads the last 8 bytes of each file: cheap even for a large cache."""
     import shutil
 
     if not builder_cache.is_dir():
         return
     for file in sorted(builder_cache.rglob("*.arrow")):
-        if ".incomplete" in str(file.relative_to(builder_cache)) or not _cut_short(file):
+        inside = file.relative_to(builder_cache)
+        # downloads/ holds files as a user gave them (an Arrow IPC file ends otherwise): only parsed copies here
+        if ".incomplete" in str(inside) or inside.parts[0] == "downloads" or not _cut_short(file):
             continue
         log.warning("the cached copy of the data in %s is damaged (%s is cut short): deleted it and reading the "
                     "data files again", file.parent, file.name)

@@ -13,9 +13,9 @@ from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision, engine_clips, make_ds_config
 from zerotrain.engines.base import Engine
 from zerotrain.engines.deepspeed import DeepSpeedEngine
-from zerotrain.engines.fsdp2 import FSDP2Engine
 from zerotrain.engines.partitioning import partitioned_construction
 from zerotrain.engines.plain import TorchEngine
+from zerotrain.errors import ConfigError
 
 
 def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precision: ResolvedPrecision,
@@ -27,6 +27,11 @@ def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precisi
     from ``cfg``, the schedule's length and the task's ``hints`` such as ``hidden_size``).
     """
     if cfg.strategy.backend == "fsdp2":
+        try:  # deferred: torch.distributed.fsdp's fully_shard API is public from torch 2.6; the others run on 2.4
+            from zerotrain.engines.fsdp2 import FSDP2Engine
+        except ImportError as exc:
+            raise ConfigError("--strategy.backend", f"fsdp2 needs torch >= 2.6 (fully_shard), this is "
+                              f"{torch.__version__} ({exc}): upgrade torch or choose deepspeed or ddp") from None
         return FSDP2Engine(model, cfg, device, precision, total_steps, steps_per_epoch)
     if cfg.strategy.backend != "deepspeed":
         return TorchEngine(model, cfg, device, precision, total_steps, steps_per_epoch)

@@ -889,16 +889,17 @@ class RestartReport:
         if ended_for_good(self.folder):  # these workers only end as the attempt before did (not a restart)
             return
         before = tried - 1
-        failures = {rank: self.ended[pid] for pid, (rank, _, k, _) in self.workers.items()
-                    if k == before and pid in self.ended and self.ended[pid].exitcode != 0}
+        ended, workers = dict(self.ended), dict(self.workers)  # the watching thread adds to both meanwhile
+        failures = {rank: ended[pid] for pid, (rank, _, k, _) in workers.items()
+                    if k == before and pid in ended and ended[pid].exitcode != 0}
         progress = self.progress.get(before, {})
         cause = (restart_cause(failures, progress, self.launch.timeout_minutes, self.stopped.stopped) if failures
                  else "a worker ended")
         # On a loaded machine torchelastic may reap a worker before this thread runs: its status is lost. When such a
         # worker ended before any whose status was seen, it is the one that ended the attempt.
-        unseen = {pid: w for pid, w in self.workers.items() if w[2] == before and pid not in self.ended}
-        first_seen = min((self.when.get(pid, float("inf")) for pid in self.ended
-                          if self.workers[pid][2] == before), default=float("inf"))
+        unseen = {pid: w for pid, w in workers.items() if w[2] == before and pid not in ended}
+        first_seen = min((self.when.get(pid, float("inf")) for pid in ended
+                          if workers[pid][2] == before), default=float("inf"))
         early = [pid for pid in unseen if self.when.get(pid, float("inf")) < first_seen]
         if early:
             pid = min(early, key=lambda p: self.when[p])

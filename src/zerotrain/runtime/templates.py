@@ -32,7 +32,7 @@ import shlex
 import yaml
 
 from zerotrain.config.flags import parse_config
-from zerotrain.errors import UserError
+from zerotrain.errors import ConfigError, UserError
 from zerotrain.runtime.preemption import PREEMPTED_EXIT
 
 KINDS = ("slurm", "kubernetes", "skypilot")
@@ -81,6 +81,9 @@ def job_spec(argv: list[str], **settings) -> JobSpec:
         raise UserError("give the command to run after --, e.g. `zerotrain launch --emit slurm -- "
                         "fit mlm --config my.yaml`")
     cfg = parse_config(argv[1], argv[2:]).validate()
+    if cfg.launch.max_restarts:
+        raise ConfigError("--launch.max_restarts", "restarts the workers of zerotrain's own launcher; in a job file "
+                          "the scheduler restarts or requeues the job (the template wires it): leave it out")
     spec = JobSpec(args=without_flags(argv, SET_BY_TEMPLATE), nnodes=cfg.launch.nnodes,
                    nproc_per_node=cfg.launch.nproc_per_node, gpus=cfg.trainer.device != "cpu",
                    run_name=cfg.trainer.run_name, every_steps=cfg.checkpoint.every_steps)
