@@ -563,6 +563,24 @@ def test_progress_folders_whose_launcher_is_gone_are_removed(tmp_path):
     assert not stale.exists() and live.is_dir() and given.is_dir()
 
 
+def test_a_progress_folder_the_caller_names_starts_without_an_earlier_job_s_records(tmp_path, monkeypatch):
+    """An earlier job's ending kept for its restarts (``final-rank1``) would otherwise be replayed by this job's
+    restarted workers, and its progress files named in this job's failure line."""
+    from zerotrain.runtime.launcher import _progress_dir, read_progress
+    from zerotrain.runtime.restarts import PROGRESS_ENV, ended_for_good
+
+    given = tmp_path / "progress"
+    given.mkdir()
+    (given / "final-rank1").write_text('{"status": 2, "message": "an earlier job"}\n')
+    (given / "rank0").write_text("         7\n/elsewhere/run\n")
+    (given / "notes.txt").write_text("the caller's own file")
+    assert ended_for_good(str(given)) and read_progress(str(given))
+    monkeypatch.setenv(PROGRESS_ENV, str(given))
+    assert _progress_dir() == (str(given), False)
+    assert not ended_for_good(str(given)) and read_progress(str(given)) == {}
+    assert sorted(p.name for p in given.iterdir()) == ["notes.txt"]
+
+
 @pytest.mark.slow
 def test_nvme_offload_without_libaio_ends_in_one_line_from_one_process_or_two(tmp_path):
     """Where DeepSpeed's async I/O op cannot be built (no libaio, as on this project's CI and GPU machines),

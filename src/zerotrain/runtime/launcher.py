@@ -12,6 +12,7 @@ per-rank progress file, :class:`Progress`) and the last complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -631,10 +632,17 @@ def _progress_dir() -> tuple[str, bool]:
     A folder this launcher makes is named after its pid (``zerotrain-progress-<pid>-*``) and removed when it
     returns; a launcher killed (SIGKILL) cannot, so its workers remove it when they exit
     (:func:`remove_orphaned_progress_dir`), and the next launcher removes any whose launcher is gone.
+
+    A folder named by the caller (one per node, as ours) may hold the records of an earlier job (progress files, the endings a restart
+    replays): they are removed first, so this job's restarts and its failure line read only its own workers.
     """
     folder = os.environ.get(PROGRESS_ENV)
     if folder:
         os.makedirs(folder, exist_ok=True)
+        for name in os.listdir(folder):
+            if re.fullmatch(r"(final-)?rank\d+", name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, name))
         return folder, False
     import tempfile
 
