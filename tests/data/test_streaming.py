@@ -34,3 +34,16 @@ def test_a_share_without_a_micro_batch_ends_every_process_in_one_line(tmp_path, 
     assert len(lines) == 1, out.stderr[-3000:]
     assert "share of process(es) 1 of 2" in lines[0] and "more files or rows than processes" in lines[0], lines[0]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+def test_documents_skip_missing_and_blank_values_and_name_a_record_that_is_not_text():
+    from zerotrain.data.streaming import documents
+    from zerotrain.errors import DataError
+
+    def where(i):
+        return f"corpus.jsonl: record {i}"
+
+    assert documents(["a b", None, "  ", "c"], [0, 1, 2, 3], "text", where) == ["a b", "c"]
+    with pytest.raises(DataError, match=r"^corpus.jsonl: record 7: 'text' must be a string, got int; "
+                                        r"set --data.text_field$"):
+        documents(["a", 5], [6, 7], "text", where)

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset
 
 from zerotrain.data.collate import IGNORE_INDEX
 from zerotrain.data.sft import build_example
-from zerotrain.data.streaming import RowMaker
+from zerotrain.data.streaming import RowMaker, documents
 from zerotrain.errors import DataError
 
 
@@ -168,14 +168,7 @@ def rows_of(examples: list[dict[str, list[int]]], seq_len: int, pad_token_id: in
 def text_rows(column: str, tokenizer, seq_len: int, pad_token_id: int, where) -> RowMaker:
     """Raw documents (non-blank values of ``column``) -> packed rows. ``where(index)`` names a record in errors."""
     def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        docs = []
-        for value, i in zip(batch[column], indices):
-            if value is None:
-                continue
-            if not isinstance(value, str):
-                raise DataError(f"{where(i)}: no string field {column!r}; set --data.text_field")
-            if value.strip():
-                docs.append(value)
+        docs = documents(batch[column], indices, column, where)
         return rows_of(text_examples(docs, tokenizer), seq_len, pad_token_id, packed=True)
     return make
 

@@ -162,3 +162,18 @@ def share_where(src: source.Source):
     def where(i: int) -> str:
         return f"{src.path}: record {i} of this process's share"
     return where
+
+
+def documents(values: Sequence[Any], indices: Sequence[int], column: str, where: Callable[[int], str]) -> list[str]:
+    """The non-blank documents among a batch's ``column`` values (None: a record without it, skipped); a value that
+    is not a string is a :class:`DataError` naming the record (``where(index)``) and the flag that picks the field."""
+    docs = []
+    for value, i in zip(values, indices):
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise DataError(f"{where(i)}: {column!r} must be a string, got {type(value).__name__}; "
+                            "set --data.text_field")
+        if value.strip():
+            docs.append(value)
+    return docs

@@ -23,7 +23,7 @@ import torch
 from zerotrain.data import source
 from zerotrain.data.io import load_hub_dataset, looks_local
 from zerotrain.data.masking import BlockMasker, mask_streamed
-from zerotrain.data.streaming import StreamedRows, first_columns, share_where, streamed_source
+from zerotrain.data.streaming import StreamedRows, documents, first_columns, share_where, streamed_source
 from zerotrain.errors import DataError, UserError
 
 TOKENIZE_CHUNK_LINES = 1000
@@ -213,15 +213,7 @@ def streamed_blocks(path: str, tokenizer, max_seq_length: int, masker: BlockMask
     where = share_where(src)
 
     def make(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        docs = []
-        for value, i in zip(batch[column], indices):
-            if value is None:
-                continue
-            if not isinstance(value, str):
-                raise DataError(f"{where(i)}: {column!r} must be a string, got {type(value).__name__}; "
-                                "set --data.text_field")
-            if value.strip():
-                docs.append(value)
+        docs = documents(batch[column], indices, column, where)
         ids = tokenizer(docs, add_special_tokens=False, return_attention_mask=False)["input_ids"] if docs else []
         lengths = np.asarray([len(x) for x in ids], dtype=np.int64)
         flat = np.asarray([t for x in ids for t in x], dtype=np.int32)

@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -727,6 +727,20 @@ def remove_orphaned_progress_dir() -> bool:
 
 # --- a stopped worker -------------------------------------------------------------------------------------
 
+def _children_every(period_s: float, done: threading.Event) -> Iterator[list]:
+    """This process's children (``psutil.Process`` objects), every ``period_s`` until ``done`` is set: what the
+    launcher's watching threads look at."""
+    import psutil
+
+    me = psutil.Process()
+    while not done.wait(period_s):
+        try:
+            children = me.children()
+        except psutil.Error:
+            continue
+        yield children
+
+
 class StoppedWorkers:
     """Continue a stopped (SIGSTOP) worker as soon as torchelastic asks it to stop, and remember its pid.
 
@@ -754,14 +768,7 @@ class StoppedWorkers:
         self._done.set()
 
     def _watch(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        while not self._done.wait(self.PERIOD_S):
-            try:
-                children = me.children()
-            except psutil.Error:
-                continue
+        for children in _children_every(self.PERIOD_S, self._done):
             for child in children:
                 if child.pid not in self.stopped and self._asked_to_stop_while_stopped(child.pid):
                     self.stopped.add(child.pid)
@@ -837,12 +844,7 @@ class RestartReport:
     def _note_workers(self) -> None:
         import psutil
 
-        me = psutil.Process()
-        while not self._done.wait(self.PERIOD_S):
-            try:
-                children = me.children()
-            except psutil.Error:
-                continue
+        for children in _children_every(self.PERIOD_S, self._done):
             for child in children:
                 if child.pid in self.workers:
                     continue
