@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from zerotrain.errors import UserError
-from zerotrain.train.state import RESUME
+from zerotrain.train.state import RESUME, unreadable
 
 FOLDER = "dcp"
 """The subfolder of a step folder that holds the DCP checkpoint."""
@@ -116,11 +116,7 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except Exception as exc:
-            why = ("it holds Python objects other than tensors and plain containers, which are refused because "
-                   "loading them could run code (was the file replaced?)")
-            if "Weights only load failed" not in str(exc) and "Unsupported global" not in str(exc):
-                why = f"it is damaged ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
-            raise UserError(f"{self._where[0]}{self._source} cannot be loaded: {why}. {self._where[1]}") from None
+            raise unreadable(self._source, exc, self._where) from None
         clean = io.BytesIO()
         torch.save(obj, clean)
         clean.seek(0)
