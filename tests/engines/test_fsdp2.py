@@ -200,10 +200,12 @@ def assert_continues(straight: dict, resumed: dict, steps: int, first: int = 1) 
     assert straight[steps]["train_loss"] != pytest.approx(straight[1]["train_loss"], rel=1e-2)  # it trained
 
 
-def test_an_fsdp2_checkpoint_resumes_under_zero2_and_the_plain_engine_and_the_loss_continues(tmp_path):
-    """FSDP2 for 4 steps, then DeepSpeed ZeRO-2 and the plain engine from its checkpoint (its DCP state written once
-    as DeepSpeed's universal checkpoint: every parameter's fp32 weights, Adam moments and step whole): the schedule,
-    the step and the loss continue the FSDP2 run that never stopped. The second resume reuses the conversion."""
+def test_an_fsdp2_checkpoint_resumes_under_zero2_zero0_and_the_plain_engine_and_the_loss_continues(tmp_path):
+    """FSDP2 for 4 steps, then DeepSpeed ZeRO-2, ZeRO-0 and the plain engine from its checkpoint (its DCP state
+    written once as DeepSpeed's universal checkpoint: every parameter's fp32 weights, Adam moments and step whole;
+    ZeRO-2 loads it with DeepSpeed's universal loader, ZeRO-0 and the plain engine set it through the module and the
+    torch optimizer): the schedule, the step and the loss continue the FSDP2 run that never stopped. The later
+    resumes reuse the conversion."""
     straight = train_log(fit(ToyTask(cross_toy(tmp_path, "straight", 8, backend="fsdp2"))).run_dir)
     fit(ToyTask(cross_toy(tmp_path, "split", 4, backend="fsdp2")))
     step4 = tmp_path / "split" / "checkpoints" / "step00000004"
@@ -220,17 +222,18 @@ def test_an_fsdp2_checkpoint_resumes_under_zero2_and_the_plain_engine_and_the_lo
         "zero_stage"] == 2
 
     before = marker.stat().st_mtime_ns
-    plain = cross_toy(tmp_path, "plain", 8, backend="ddp")
-    plain.checkpoint.resume = str(step4)
-    assert_continues(straight, train_log(fit(ToyTask(plain)).run_dir), 8, first=5)
+    for name, strategy in (("zero0", {"zero_stage": 0}), ("plain", {"backend": "ddp"})):
+        other = cross_toy(tmp_path, name, 8, **strategy)
+        other.checkpoint.resume = str(step4)
+        assert_continues(straight, train_log(fit(ToyTask(other)).run_dir), 8, first=5)
     assert marker.stat().st_mtime_ns == before  # converted once
 
 
 @pytest.mark.slow
-def test_two_fsdp2_processes_resume_on_one_under_zero3_and_zero0(tmp_path):
+def test_two_fsdp2_processes_resume_on_one_under_zero3(tmp_path):
     """FSDP2 over 2 processes for 4 steps (each rank wrote half of every tensor), then 1 process under DeepSpeed
-    ZeRO-3 (DeepSpeed's universal loader) and ZeRO-0 (whole state, set through the module and the torch optimizer):
-    accumulation 2 keeps the global batch, and the loss continues a 1-process ZeRO-3 run that never stopped."""
+    ZeRO-3 (DeepSpeed's universal loader partitions what the conversion wrote whole): accumulation 2 keeps the global
+    batch, and the loss continues a 1-process ZeRO-3 run that never stopped."""
     straight = fit(ToyTask(cross_toy(tmp_path, "straight", 8, zero_stage=3, gradient_accumulation_steps=2)))
     out = zerotrain_cmd(["fit", "toy", "--data.num_examples", "48", "--trainer.micro_batch_size", "8",
                          "--strategy.gradient_accumulation_steps", "1", "--scheduler.name", "step",
@@ -248,9 +251,6 @@ def test_two_fsdp2_processes_resume_on_one_under_zero3_and_zero0(tmp_path):
     zero3 = cross_toy(tmp_path, "split", 8, zero_stage=3)
     zero3.checkpoint.resume = "auto"
     assert_continues(a, train_log(fit(ToyTask(zero3)).run_dir), 8)
-    zero0 = cross_toy(tmp_path, "zero0", 8, zero_stage=0)
-    zero0.checkpoint.resume = str(step4)
-    assert_continues(a, train_log(fit(ToyTask(zero0)).run_dir), 8, first=5)
 
 
 def test_crossings_no_engine_can_load_are_refused_in_one_line_naming_the_flags(tmp_path):
