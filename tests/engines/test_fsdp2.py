@@ -156,17 +156,19 @@ def test_offload_and_reshard_settings_keep_the_numbers_and_bf16_keeps_fp32_maste
     assert {t.dtype for t in load_file(bf16_run / "model" / "model.safetensors").values()} == {torch.float32}
 
 
-def test_a_zero2_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path):
-    """DeepSpeed ZeRO-2 for 4 steps, then FSDP2 from its checkpoint (converted once to DeepSpeed's universal
-    checkpoint: every parameter's fp32 weights and Adam moments whole): the schedule, the step and the loss continue
-    the ZeRO-2 run that never stopped (fp32; the two engines sum and clip in another order, a few ulps)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path, stage):
+    """DeepSpeed ZeRO-2 (or 3) for 4 steps, then FSDP2 from its checkpoint (converted once to DeepSpeed's universal
+    checkpoint: every parameter's fp32 weights and Adam moments whole; ZeRO-3's flat, its step in the optimizer's
+    file and its model-states file named otherwise): the schedule, the step and the loss continue the ZeRO run that
+    never stopped (fp32; the two engines sum and clip in another order, a few ulps)."""
     def toy(name: str, steps: int, **strategy):
         cfg = toy_config(tmp_path, name, precision="fp32", **strategy)
         cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
         return cfg
 
-    straight = fit(ToyTask(toy("straight", 8, zero_stage=2)))
-    fit(ToyTask(toy("split", 4, zero_stage=2)))
+    straight = fit(ToyTask(toy("straight", 8, zero_stage=stage)))
+    fit(ToyTask(toy("split", 4, zero_stage=stage)))
     again = toy("split", 8, backend="fsdp2")
     again.checkpoint.resume = "auto"
     resumed = fit(ToyTask(again))

@@ -15,6 +15,7 @@ loader, ZeRO-0 and the plain engine, whose state is whole, through :func:`load_w
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.engines.ds_private.universal import (
     MODEL_STATES,
     convert_to_universal,
+    saved_step,
     write_parameter_state,
     write_run_states,
 )
@@ -180,9 +182,23 @@ def run_states(folder: Path) -> dict[str, Any]:
     return states
 
 
-def parameter_states(folder: Path, name: str) -> dict[str, Any]:
-    """``zero/<name>/``'s files of universal checkpoint ``folder``: ``fp32`` (the weights) and each optimizer state
-    (tensors whole, the step as saved), weights-only; one line when the parameter is not there."""
+def optimizer_step(folder: Path) -> Any:
+    """The optimizer's step of universal checkpoint ``folder`` from ``zero/optimizer_state.pt`` (weights-only), for
+    parameters without a ``step.pt``; one line when it is not there either."""
+    path = folder / "zero" / "optimizer_state.pt"
+    # Memory-mapped: at ZeRO-3 the file also holds the flat fp32 partitions, which are not read
+    step = saved_step(load_safely(path, "cpu", ds_safe_globals(), mmap=True)) if path.is_file() else None
+    if step is None:
+        raise UserError(f"--checkpoint.resume: {folder} records no optimizer step (neither zero/<parameter>/step.pt "
+                        f"nor {path.name}). Resume it with the --strategy.backend that wrote it")
+    return step
+
+
+def parameter_states(folder: Path, name: str, shape: torch.Size, group_step: Callable[[], Any]) -> dict[str, Any]:
+    """``zero/<name>/``'s files of universal checkpoint ``folder``: ``fp32`` (the weights) and each optimizer state,
+    tensors whole in the parameter's ``shape`` (DeepSpeed's converter writes ZeRO-3's flat), the step as saved (where the parameter has none,
+    ``group_step()``: :func:`optimizer_step`, read once by the caller); weights-only. One line when the parameter is not there or
+    has another size."""
     where = folder / "zero" / name
     if not (where / "fp32.pt").is_file():
         raise UserError(f"--checkpoint.resume: {folder} holds no weights of {name} (was it written by another "
@@ -191,7 +207,16 @@ def parameter_states(folder: Path, name: str) -> dict[str, Any]:
     out = {}
     for f in sorted(where.glob("*.pt")):
         saved = load_safely(f, "cpu", allow)
-        out[f.stem] = saved["param"] if isinstance(saved, dict) else saved
+        value = saved["param"] if isinstance(saved, dict) else saved
+        if f.stem != "step":
+            if not torch.is_tensor(value) or value.numel() != shape.numel():
+                size = value.numel() if torch.is_tensor(value) else type(value).__name__
+                raise UserError(f"--checkpoint.resume: {f} holds {size} values, this model's {name} has "
+                                f"{shape.numel()} (was it written by another model?). Resume it with its own model")
+            value = value.view(shape)
+        out[f.stem] = value
+    if len(out) > 1 and "step" not in out:  # optimizer states without their step: the group's
+        out["step"] = group_step()
     return out
 
 
@@ -204,16 +229,13 @@ def load_whole(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     in its dtype, the step on the host unless the group is ``fused`` or ``capturable``. The optimizer's settings
     are this run's (the resume checks made them the checkpoint's)."""
     group_of = {p: g for g in optimizer.param_groups for p in g["params"]}
+    group_step = functools.cache(lambda: optimizer_step(folder))
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        saved = parameter_states(folder, name)
-        weights = saved.pop("fp32")
-        if weights.numel() != p.numel():
-            raise UserError(f"--checkpoint.resume: {folder}'s {name} has {weights.numel()} values, this model's "
-                            f"{p.numel()} (was it written by another model?). Resume it with its own model")
+        saved = parameter_states(folder, name, p.shape, group_step)
         with torch.no_grad():
-            p.copy_(weights.view(p.shape))
+            p.copy_(saved.pop("fp32"))
         group = group_of.get(p, {})
         on_device = bool(group.get("fused") or group.get("capturable"))
         state: dict[str, Any] = {}
@@ -222,7 +244,7 @@ def load_whole(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer
                 step = value if torch.is_tensor(value) else torch.tensor(float(value))
                 state[key] = step.to(torch.float32).to(p.device if on_device else "cpu")
             else:
-                state[key] = value.view(p.shape).to(p.device, p.dtype)
+                state[key] = value.to(p.device, p.dtype)
         optimizer.state[p] = state
     scheduler.load_state_dict(run_states(folder)["lr_scheduler"])
     # The rate the next step uses: a schedule's state does not reach the optimizer it drives

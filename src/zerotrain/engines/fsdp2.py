@@ -23,6 +23,7 @@ Checkpoints are DCP's (:mod:`zerotrain.checkpoint.dcp`): the model and optimizer
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Optional
@@ -40,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zerotrain.checkpoint import dcp
-from zerotrain.checkpoint.universal import parameter_states, run_states
+from zerotrain.checkpoint.universal import optimizer_step, parameter_states, run_states
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision
 from zerotrain.engines import optimizers
@@ -164,14 +165,17 @@ class FSDP2Engine(Engine):
 
     def load_universal(self, folder: Path) -> None:
         """A DeepSpeed ZeRO-1/2/3 checkpoint converted to a universal one (``zero/<parameter>/fp32.pt``, its
-        optimizer states beside it, the schedule in the model-states file): every rank reads the whole fp32
+        optimizer states beside it, the schedule in the model-states file, which ZeRO-3 names otherwise; ZeRO-3's
+        tensors are flat and take the parameter's shape): every rank reads the whole fp32
         weights and states (weights-only) and keeps its shards of them (``set_state_dict`` with full state
         dicts). The optimizer's settings are this run's (the resume checks made them the checkpoint's)."""
-        names = [name for name, p in self._module.named_parameters() if p.requires_grad]
+        shapes = {name: p.shape for name, p in self._module.named_parameters() if p.requires_grad}  # the whole shapes
+        names = list(shapes)
+        group_step = functools.cache(lambda: optimizer_step(folder))
         model_sd: dict[str, torch.Tensor] = {}
         optim_state: dict[str, dict[str, Any]] = {}
         for name in names:
-            states = parameter_states(folder, name)
+            states = parameter_states(folder, name, shapes[name], group_step)
             model_sd[name] = states.pop("fp32")
             step = states.pop("step", None)
             optim_state[name] = states

@@ -75,3 +75,14 @@ def write_run_states(folder: Path, param_groups: list[dict[str, Any]], step: tor
               "skipped_steps": 0, "dp_world_size": dp_world_size, "mp_world_size": 1, DS_VERSION: deepspeed.__version__}
     for name in MODEL_STATES:
         torch.save(states, folder / name)
+
+
+def saved_step(optimizer_state: Any) -> Any:
+    """The optimizer's step as ``zero/optimizer_state.pt`` (loaded) holds it, where the per-parameter ``step.pt``
+    is absent (DeepSpeed's converter writes none for ZeRO-3: its step is the flat group's); None if not there."""
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT
+
+    try:
+        return optimizer_state[OPTIMIZER_STATE_DICT]["state"][0]["step"]
+    except (KeyError, IndexError, TypeError):
+        return None
