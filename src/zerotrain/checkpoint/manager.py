@@ -23,6 +23,9 @@ What makes a checkpoint trustworthy:
   (:func:`keep_global_batch`, :func:`check_compatible`), and is resharded by :meth:`Checkpointer.load`:
   ZeRO-1/2/3 through DeepSpeed's universal checkpoint, converted once and cached in
   ``<step>/universal/`` with its own marker (:func:`zerotrain.checkpoint.universal.universal_checkpoint`).
+* **Of another engine**, where one can load it (:func:`crosses_engines`): ZeRO-1/2/3 under FSDP2, FSDP2 under
+  DeepSpeed or the plain engine, through the same universal checkpoint (from FSDP2's DCP files by
+  :func:`zerotrain.checkpoint.universal.universal_from_dcp`); any other crossing is refused in one line.
 * **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
   loads DeepSpeed's through an allow-list (see ``engine.py``). A file that is not what it should be
   ends in one :class:`UserError` line naming it.
