@@ -43,7 +43,7 @@ MODEL, OPTIMIZER = "model", "optimizer"
 STATE_FILE = "fsdp2_state.pt"
 """Beside ``dcp/``: the schedule's state (the same on every rank), written by rank 0."""
 
-Path_ = tuple[Any, ...]
+Place = tuple[Any, ...]
 """A value's place in the saved state, as DCP records it: ``("optimizer", "state", "<parameter>", "exp_avg")``."""
 
 METADATA_GLOBALS = frozenset({
@@ -186,8 +186,8 @@ def _reader(folder: Path, name: str, meta: TensorStorageMetadata, where: tuple[s
     return read
 
 
-def entries(folder: Path, where: tuple[str, str] = RESUME) -> dict[Path_, Any]:
-    """Every value saved in ``folder/dcp`` by its place in the saved state (:data:`Path_`) -> its DCP storage
+def entries(folder: Path, where: tuple[str, str] = RESUME) -> dict[Place, Any]:
+    """Every value saved in ``folder/dcp`` by its place in the saved state (:data:`Place`) -> its DCP storage
     metadata (``TensorStorageMetadata``: shape and dtype; ``BytesStorageMetadata``: a plain value)."""
     metadata = read_metadata(folder / FOLDER / METADATA, where)
     places = metadata.planner_data
@@ -197,7 +197,7 @@ def entries(folder: Path, where: tuple[str, str] = RESUME) -> dict[Path_, Any]:
     return {tuple(places[key]): meta for key, meta in metadata.state_dict_metadata.items() if key in places}
 
 
-def read_values(folder: Path, wanted: dict[Path_, Any], where: tuple[str, str] = RESUME) -> dict[Path_, Any]:
+def read_values(folder: Path, wanted: dict[Place, Any], where: tuple[str, str] = RESUME) -> dict[Place, Any]:
     """The values at ``wanted``'s places (with their metadata from :func:`entries`): tensors whole, however many
     ranks wrote slices of them, and plain values (read weights-only). Without a process group; the caller
     chooses how much to read at once."""
@@ -209,7 +209,7 @@ def read_values(folder: Path, wanted: dict[Path_, Any], where: tuple[str, str] =
     return {place: _get(state, place) for place in wanted}
 
 
-def _put(state: Any, place: Path_, leaf: Any) -> None:
+def _put(state: Any, place: Place, leaf: Any) -> None:
     """Set ``leaf`` at ``place`` in nested dicts and lists (a list where DCP recorded an index), creating them."""
     node = state
     for part, nxt in zip(place, place[1:]):
@@ -225,7 +225,7 @@ def _put(state: Any, place: Path_, leaf: Any) -> None:
     node[place[-1]] = leaf
 
 
-def _get(state: Any, place: Path_) -> Any:
+def _get(state: Any, place: Place) -> Any:
     for part in place:
         state = state[part]
     return state
