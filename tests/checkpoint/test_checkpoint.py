@@ -339,7 +339,8 @@ def test_shape_is_recorded_and_a_different_micro_batch_is_refused(tmp_path):
         check_compatible(folder, {**shape, "micro_batch_size": 4})
     with pytest.raises(UserError, match=r"written with zero_stage 2, this run has 3; pass --strategy.zero_stage 2"):
         check_compatible(folder, {**shape, "zero_stage": 3})
-    with pytest.raises(UserError, match=r"written with backend deepspeed, this run has ddp"):
+    with pytest.raises(UserError, match=r"written by deepspeed ZeRO-2, which this run \(ddp\) cannot load \(across "
+                                         r"engines .*\); pass --strategy.backend deepspeed --strategy.zero_stage 2, "):
         check_compatible(folder, {**shape, "backend": "ddp", "zero_stage": None})
 
 

@@ -156,17 +156,19 @@ def test_offload_and_reshard_settings_keep_the_numbers_and_bf16_keeps_fp32_maste
     assert {t.dtype for t in load_file(bf16_run / "model" / "model.safetensors").values()} == {torch.float32}
 
 
-def test_a_zero2_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path):
-    """DeepSpeed ZeRO-2 for 4 steps, then FSDP2 from its checkpoint (converted once to DeepSpeed's universal
-    checkpoint: every parameter's fp32 weights and Adam moments whole): the schedule, the step and the loss continue
-    the ZeRO-2 run that never stopped (fp32; the two engines sum and clip in another order, a few ulps)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zero_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path, stage):
+    """DeepSpeed ZeRO-2 (or 3) for 4 steps, then FSDP2 from its checkpoint (converted once to DeepSpeed's universal
+    checkpoint: every parameter's fp32 weights and Adam moments whole; ZeRO-3's flat, its step in the optimizer's
+    file and its model-states file named otherwise): the schedule, the step and the loss continue the ZeRO run that
+    never stopped (fp32; the two engines sum and clip in another order, a few ulps)."""
     def toy(name: str, steps: int, **strategy):
         cfg = toy_config(tmp_path, name, precision="fp32", **strategy)
         cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
         return cfg
 
-    straight = fit(ToyTask(toy("straight", 8, zero_stage=2)))
-    fit(ToyTask(toy("split", 4, zero_stage=2)))
+    straight = fit(ToyTask(toy("straight", 8, zero_stage=stage)))
+    fit(ToyTask(toy("split", 4, zero_stage=stage)))
     again = toy("split", 8, backend="fsdp2")
     again.checkpoint.resume = "auto"
     resumed = fit(ToyTask(again))
@@ -181,6 +183,103 @@ def test_a_zero2_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path)
     assert (step4 / "universal" / "UNIVERSAL.json").is_file()  # the conversion, cached beside the checkpoint
     assert json.loads((tmp_path / "split" / "checkpoints" / "step00000008" / "COMPLETE.json").read_text())[
         "backend"] == "fsdp2"
+
+
+def cross_toy(tmp_path: Path, name: str, steps: int, **strategy):
+    """The toy recipe in fp32 without dropout (a resume on another process count re-seeds it)."""
+    cfg = toy_config(tmp_path, name, precision="fp32", **strategy)
+    cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
+    return cfg
+
+
+def assert_continues(straight: dict, resumed: dict, steps: int, first: int = 1) -> None:
+    """The resumed run's log rows (from step ``first``: a run folder of its own logs the steps it ran) are the
+    uninterrupted run's: every step once, the same rate, the loss within REL."""
+    assert sorted(straight) == list(range(1, steps + 1)) and sorted(resumed) == list(range(first, steps + 1))
+    for step in range(first, steps + 1):
+        assert resumed[step]["lr"] == straight[step]["lr"], f"step {step}: the schedule did not continue"
+        assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=REL), f"step {step}"
+    assert straight[steps]["train_loss"] != pytest.approx(straight[1]["train_loss"], rel=1e-2)  # it trained
+
+
+def test_an_fsdp2_checkpoint_resumes_under_zero2_zero0_and_the_plain_engine_and_the_loss_continues(tmp_path):
+    """FSDP2 for 4 steps, then DeepSpeed ZeRO-2, ZeRO-0 and the plain engine from its checkpoint (its DCP state
+    written once as DeepSpeed's universal checkpoint: every parameter's fp32 weights, Adam moments and step whole;
+    ZeRO-2 loads it with DeepSpeed's universal loader, ZeRO-0 and the plain engine set it through the module and the
+    torch optimizer): the schedule, the step and the loss continue the FSDP2 run that never stopped. The later
+    resumes reuse the conversion."""
+    straight = train_log(fit(ToyTask(cross_toy(tmp_path, "straight", 8, backend="fsdp2"))).run_dir)
+    fit(ToyTask(cross_toy(tmp_path, "split", 4, backend="fsdp2")))
+    step4 = tmp_path / "split" / "checkpoints" / "step00000004"
+
+    zero2 = cross_toy(tmp_path, "split", 8, zero_stage=2)
+    zero2.checkpoint.resume = "auto"
+    resumed = fit(ToyTask(zero2))
+    assert_continues(straight, train_log(resumed.run_dir), 8)
+    marker = step4 / "universal" / "UNIVERSAL.json"
+    listed = json.loads(marker.read_text())["files"]
+    assert {"zero/0.weight/fp32.pt", "zero/0.weight/exp_avg.pt", "zero/0.weight/exp_avg_sq.pt", "zero/0.weight/step.pt",
+            "zero/optimizer_state.pt", "mp_rank_00_model_states.pt"} <= set(listed)
+    assert json.loads((resumed.run_dir / "checkpoints" / "step00000008" / "COMPLETE.json").read_text())[
+        "zero_stage"] == 2
+
+    before = marker.stat().st_mtime_ns
+    for name, strategy in (("zero0", {"zero_stage": 0}), ("plain", {"backend": "ddp"})):
+        other = cross_toy(tmp_path, name, 8, **strategy)
+        other.checkpoint.resume = str(step4)
+        assert_continues(straight, train_log(fit(ToyTask(other)).run_dir), 8, first=5)
+    assert marker.stat().st_mtime_ns == before  # converted once
+
+
+@pytest.mark.slow
+def test_two_fsdp2_processes_resume_on_one_under_zero3(tmp_path):
+    """FSDP2 over 2 processes for 4 steps (each rank wrote half of every tensor), then 1 process under DeepSpeed
+    ZeRO-3 (DeepSpeed's universal loader partitions what the conversion wrote whole): accumulation 2 keeps the global
+    batch, and the loss continues a 1-process ZeRO-3 run that never stopped."""
+    straight = fit(ToyTask(cross_toy(tmp_path, "straight", 8, zero_stage=3, gradient_accumulation_steps=2)))
+    out = zerotrain_cmd(["fit", "toy", "--data.num_examples", "48", "--trainer.micro_batch_size", "8",
+                         "--strategy.gradient_accumulation_steps", "1", "--scheduler.name", "step",
+                         "--scheduler.step_unit", "steps", "--scheduler.step_size", "3", "--scheduler.gamma", "0.5",
+                         "--optimizer.lr", "1e-2", "--precision.dtype", "fp32", "--model.dropout", "0",
+                         "--strategy.backend", "fsdp2", "--trainer.max_steps", "4", "--trainer.log_every_steps", "1",
+                         "--trainer.num_workers", "0", "--logging.progress_bar", "false",
+                         "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "split",
+                         "--launch.nproc_per_node", "2"], tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    step4 = tmp_path / "split" / "checkpoints" / "step00000004"
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(json.loads((step4 / "COMPLETE.json").read_text())["files"])
+
+    a = train_log(straight.run_dir)
+    zero3 = cross_toy(tmp_path, "split", 8, zero_stage=3)
+    zero3.checkpoint.resume = "auto"
+    assert_continues(a, train_log(fit(ToyTask(zero3)).run_dir), 8)
+
+
+def test_crossings_no_engine_can_load_are_refused_in_one_line_naming_the_flags(tmp_path):
+    """FSDP2 -> DeepSpeed (any stage) and the plain engine are admitted, as ZeRO-1/2/3 -> FSDP2; the rest (ZeRO-0 or
+    the plain engine -> FSDP2) end in one line that names the crossings and the flags that resume the checkpoint."""
+    from zerotrain.checkpoint.manager import check_compatible, crosses_engines
+
+    shape = {"recipe": "toy", "precision": "fp32", "weights_dtype": "float32", "micro_batch_size": 8, "grad_accum": 2,
+             "world_size": 1}
+    fsdp2 = {**shape, "backend": "fsdp2", "zero_stage": None}
+    for stage in (0, 1, 2, 3):
+        assert crosses_engines(fsdp2, {**shape, "backend": "deepspeed", "zero_stage": stage})
+    assert crosses_engines(fsdp2, {**shape, "backend": "ddp", "zero_stage": None})
+    assert crosses_engines({**shape, "backend": "deepspeed", "zero_stage": 2}, fsdp2)
+
+    folder = tmp_path / "step00000004"
+    folder.mkdir()
+    for saved, flags in (({"backend": "deepspeed", "zero_stage": 0}, "--strategy.backend deepspeed --strategy.zero_stage 0"),
+                         ({"backend": "ddp", "zero_stage": None}, "--strategy.backend ddp")):
+        (folder / "COMPLETE.json").write_text(json.dumps({"format": 2, **shape, **saved, "files": {}}))
+        with pytest.raises(UserError, match=r"^--checkpoint\.resume: .* cannot load \(across engines zerotrain resumes "
+                                            r"ZeRO-1/2/3 -> fsdp2, fsdp2 -> deepspeed \(ZeRO-0/1/2/3\) or ddp\); pass "
+                                            + flags + ", or start a new run") as err:
+            check_compatible(folder, fsdp2)
+        assert "\n" not in str(err.value)
+    (folder / "COMPLETE.json").write_text(json.dumps({"format": 2, **fsdp2, "files": {}}))
+    check_compatible(folder, {**shape, "backend": "deepspeed", "zero_stage": 3})  # admitted: no error
 
 
 def test_metadata_written_by_python_3_13_names_pathlib_by_its_private_module_and_is_read():

@@ -40,6 +40,12 @@ METADATA = ".metadata"
 MODEL, OPTIMIZER = "model", "optimizer"
 """The two top-level keys of the saved state (DCP flattens nested keys as ``model.<parameter name>``)."""
 
+STATE_FILE = "fsdp2_state.pt"
+"""Beside ``dcp/``: the schedule's state (the same on every rank), written by rank 0."""
+
+Place = tuple[Any, ...]
+"""A value's place in the saved state, as DCP records it: ``("optimizer", "state", "<parameter>", "exp_avg")``."""
+
 METADATA_GLOBALS = frozenset({
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
@@ -172,7 +178,50 @@ def model_tensors(folder: Path, where: tuple[str, str] = RESUME
 def _reader(folder: Path, name: str, meta: TensorStorageMetadata, where: tuple[str, str]
             ) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
-        tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
-        load({MODEL: {name: tensor}}, folder, where, no_dist=True)
-        return tensor
+        return read_values(folder, {(MODEL, name): meta}, where)[(MODEL, name)]
     return read
+
+
+def entries(folder: Path, where: tuple[str, str] = RESUME) -> dict[Place, Any]:
+    """Every value saved in ``folder/dcp`` by its place in the saved state (:data:`Place`) -> its DCP storage
+    metadata (``TensorStorageMetadata``: shape and dtype; ``BytesStorageMetadata``: a plain value)."""
+    metadata = read_metadata(folder / FOLDER / METADATA, where)
+    places = metadata.planner_data
+    if not isinstance(places, dict):
+        raise UserError(f"{where[0]}{folder / FOLDER / METADATA} does not record where its values belong (not "
+                        f"written by DCP's default planner). {where[1]}")
+    return {tuple(places[key]): meta for key, meta in metadata.state_dict_metadata.items() if key in places}
+
+
+def read_values(folder: Path, wanted: dict[Place, Any], where: tuple[str, str] = RESUME) -> dict[Place, Any]:
+    """The values at ``wanted``'s places (with their metadata from :func:`entries`): tensors whole, however many
+    ranks wrote slices of them, and plain values (read weights-only). Without a process group; the caller
+    chooses how much to read at once."""
+    state: dict[str, Any] = {}
+    for place, meta in wanted.items():
+        _put(state, place, torch.empty(meta.size, dtype=meta.properties.dtype)
+             if isinstance(meta, TensorStorageMetadata) else None)
+    load(state, folder, where, no_dist=True)
+    return {place: _get(state, place) for place in wanted}
+
+
+def _put(state: Any, place: Place, leaf: Any) -> None:
+    """Set ``leaf`` at ``place`` in nested dicts and lists (a list where DCP recorded an index), creating them."""
+    node = state
+    for part, nxt in zip(place, place[1:]):
+        fresh: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (part + 1 - len(node)))
+            node[part] = fresh if node[part] is None else node[part]
+            node = node[part]
+        else:
+            node = node.setdefault(part, fresh)
+    if isinstance(node, list):
+        node.extend([None] * (place[-1] + 1 - len(node)))
+    node[place[-1]] = leaf
+
+
+def _get(state: Any, place: Place) -> Any:
+    for part in place:
+        state = state[part]
+    return state

@@ -23,6 +23,9 @@ What makes a checkpoint trustworthy:
   (:func:`keep_global_batch`, :func:`check_compatible`), and is resharded by :meth:`Checkpointer.load`:
   ZeRO-1/2/3 through DeepSpeed's universal checkpoint, converted once and cached in
   ``<step>/universal/`` with its own marker (:func:`zerotrain.checkpoint.universal.universal_checkpoint`).
+* **Of another engine**, where one can load it (:func:`crosses_engines`): ZeRO-1/2/3 under FSDP2, FSDP2 under
+  DeepSpeed or the plain engine, through the same universal checkpoint (from FSDP2's DCP files by
+  :func:`zerotrain.checkpoint.universal.universal_from_dcp`); any other crossing is refused in one line.
 * **Loaded without running code.** zerotrain's own files load with ``weights_only=True``; the engine
   loads DeepSpeed's through an allow-list (see ``engine.py``). A file that is not what it should be
   ends in one :class:`UserError` line naming it.
@@ -55,7 +58,7 @@ from zerotrain.checkpoint.layout import (
     state_file,
     step_folder,
 )
-from zerotrain.checkpoint.universal import universal_checkpoint
+from zerotrain.checkpoint.universal import universal_checkpoint, universal_from_dcp
 from zerotrain.config import CheckpointConfig, resume_changes, upgrade_layout
 from zerotrain.config.ds_config import batch_shape, load_user_config
 from zerotrain.data.io import atomic_write_text
@@ -163,7 +166,6 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
     flag = "--checkpoint.resume"
     how = {
         "recipe": "resume it with its own recipe",
-        "backend": "pass --strategy.backend {saved}",
         "zero_stage": "pass --strategy.zero_stage {saved}",
         "precision": "pass --precision.dtype {saved}",
         "weights_dtype": "resume with the --strategy.fast_path and --precision.dtype of the run that wrote it",
@@ -178,6 +180,12 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         if across and key in ("backend", "zero_stage", "weights_dtype"):
             continue  # loaded through the consolidated fp32 state, whatever each engine keeps
         saved, now = meta[key], shape.get(key)
+        if key == "backend" and saved != now:
+            was, this = _engine_named(saved, meta.get("zero_stage")), _engine_named(now, shape.get("zero_stage"))
+            raise UserError(f"{flag}: {folder} was written by {was}, which this run ({this}) cannot load (across "
+                            f"engines zerotrain resumes {ACROSS_ENGINES}); pass --strategy.backend {saved}"
+                            + (f" --strategy.zero_stage {meta['zero_stage']}" if saved == "deepspeed" else "")
+                            + ", or start a new run (another --trainer.run_name)")
         if saved != now:
             raise UserError(f"{flag}: {folder} was written with {key} {saved}, this run has {now}; "
                             f"{how[key].format(saved=saved)}, or start a new run (another --trainer.run_name)")
@@ -185,12 +193,24 @@ def check_compatible(folder: Path, shape: dict[str, Any]) -> None:
         check_global_batch(folder, meta, shape)
 
 
+ACROSS_ENGINES = "ZeRO-1/2/3 -> fsdp2, fsdp2 -> deepspeed (ZeRO-0/1/2/3) or ddp"
+"""The crossings :func:`crosses_engines` admits, as the refusal of any other names them."""
+
+
 def crosses_engines(meta: dict[str, Any], shape: dict[str, Any]) -> bool:
-    """Whether a checkpoint of ``meta`` is resumed by a run of ``shape`` under another engine, one that can load it:
-    a DeepSpeed ZeRO-1/2/3 checkpoint under FSDP2, through DeepSpeed's universal checkpoint (every parameter's
-    fp32 weights and optimizer states whole; :meth:`~zerotrain.engines.base.Engine.load_universal`)."""
-    return (meta.get("backend") == "deepspeed" and meta.get("zero_stage") in (1, 2, 3)
-            and shape.get("backend") == "fsdp2")
+    """Whether a checkpoint of ``meta`` is resumed by a run of ``shape`` under another engine, one that can load it
+    through DeepSpeed's universal checkpoint (every parameter's fp32 weights and optimizer states whole;
+    :meth:`~zerotrain.engines.base.Engine.load_universal`): a DeepSpeed ZeRO-1/2/3 checkpoint under FSDP2, an
+    FSDP2 checkpoint under DeepSpeed (any stage) or the plain engine (see :data:`ACROSS_ENGINES`). ZeRO-0 and the
+    plain engine keep other files (their optimizer state in one file), which no converter reads yet."""
+    saved, now = meta.get("backend"), shape.get("backend")
+    if saved == "deepspeed":
+        return meta.get("zero_stage") in (1, 2, 3) and now == "fsdp2"
+    return saved == "fsdp2" and now in ("deepspeed", "ddp")
+
+
+def _engine_named(backend: Any, stage: Any) -> str:
+    return f"deepspeed ZeRO-{stage}" if backend == "deepspeed" and stage is not None else str(backend)
 
 
 def _global_batch(meta: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -417,13 +437,15 @@ class Checkpointer:
 
     def _load_across(self, folder: Path, meta: dict[str, Any]) -> None:
         """The engine's state from another engine's checkpoint (see :func:`crosses_engines`): rank 0 converts it
-        once to a universal checkpoint (cached beside it, as for a resume on another process count), every rank
-        loads that."""
-        universal = run_on_main(lambda: universal_checkpoint(folder, self.cfg.verify))
+        once to a universal checkpoint (cached beside it, as for a resume on another process count; from FSDP2's
+        DCP files by :func:`~zerotrain.checkpoint.universal.universal_from_dcp`), every rank loads that."""
+        convert = universal_from_dcp if meta.get("backend") == "fsdp2" else universal_checkpoint
+        universal = run_on_main(lambda: convert(folder, self.cfg.verify))
         self.engine.load_universal(universal)
         if self.engine.rank == 0:
-            log.warning("resumed under %s from a checkpoint of %s ZeRO-%s: the fp32 weights, optimizer states and "
-                        "schedule carry over", self.engine.backend, meta.get("backend"), meta.get("zero_stage"))
+            log.warning("resumed under %s from a checkpoint of %s: the fp32 weights, optimizer states and schedule "
+                        "carry over", _engine_named(self.shape.get("backend"), self.shape.get("zero_stage")),
+                        _engine_named(meta.get("backend"), meta.get("zero_stage")))
 
 
 def _prune(ckpt_dir: Path, keep_last: int) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotrain.checkpoint.universal import universal_checkpoint
+from zerotrain.checkpoint.universal import load_whole, universal_checkpoint
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import (
     precision_of,
@@ -180,8 +180,33 @@ class DeepSpeedEngine(Engine):
         if self.ds.zero_nvme_offload_optimizer():
             raise UserError(f"--checkpoint.resume: {folder} cannot be resumed on another process count with the "
                             f"optimizer offloaded to NVMe. Start it with {saved_world_size} processes")
-        universal = run_on_main(lambda: universal_checkpoint(folder, verify))
-        # Every torch.load in there, DeepSpeed's checkpoint engine's and its direct ones, loads weights only.
+        self._load_universal(run_on_main(lambda: universal_checkpoint(folder, verify)))
+
+    def load_universal(self, folder: Path) -> None:
+        """Another engine's checkpoint converted to a universal one (every parameter's fp32 weights and optimizer
+        states whole, the schedule in the model-states file), on any process count.
+
+        ZeRO-1/2/3: DeepSpeed's own universal loader, every rank taking its partition. ZeRO-0 keeps everything
+        whole on every rank, and DeepSpeed's loader restores no weights there: the weights, the torch optimizer's
+        states and the schedule are set through them (:func:`~zerotrain.checkpoint.universal.load_whole`); a
+        16-bit run whose optimizer DeepSpeed wraps is refused in one line."""
+        if self.ds.zero_optimization():
+            if self.ds.zero_nvme_offload_optimizer():
+                raise UserError(f"--checkpoint.resume: {folder.parent} was written by another engine and cannot be "
+                                "resumed with the optimizer offloaded to NVMe: pass --strategy.offload_optimizer cpu "
+                                "or none")
+            self._load_universal(folder)
+            return
+        if not isinstance(self.ds.optimizer, torch.optim.Optimizer) or self.ds.lr_scheduler is None:
+            raise UserError(f"--checkpoint.resume: {folder.parent} was written by another engine, and DeepSpeed "
+                            f"ZeRO-0 {self.precision} keeps its optimizer in its own wrapper here: pass "
+                            "--strategy.zero_stage 1, 2 or 3")
+        load_whole(folder, self.ds.module, self.ds.optimizer, self.ds.lr_scheduler)
+
+    def _load_universal(self, universal: Path) -> None:
+        """``universal`` through DeepSpeed's universal loader, switched on for this call only (it is read at load
+        time, so the JSON in the run folder stays the run's); every ``torch.load`` in there, DeepSpeed's checkpoint
+        engine's and its direct ones, loads weights only."""
         with loading_universal(self.ds), weights_only_torch_load(universal, ds_safe_globals()):
             path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
                                               load_optimizer_states=True, load_lr_scheduler_states=True)

@@ -23,6 +23,7 @@ Checkpoints are DCP's (:mod:`zerotrain.checkpoint.dcp`): the model and optimizer
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Optional
@@ -40,29 +41,23 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zerotrain.checkpoint import dcp
+from zerotrain.checkpoint.universal import optimizer_step, parameter_states, run_states
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision
 from zerotrain.engines import optimizers
 from zerotrain.engines.base import Engine, _compile
 from zerotrain.engines.compiling import repeated_blocks
-from zerotrain.engines.ds_private.safe_load import ds_safe_globals
-from zerotrain.errors import UserError
 from zerotrain.train.schedule import make_scheduler
 from zerotrain.train.state import load_safely
 
 logger = logging.getLogger(__name__)
 
 
-def _param(saved: Any) -> torch.Tensor:
-    """A universal checkpoint's tensor: the file holds it bare, or under "param" with how it was cut."""
-    return saved["param"] if isinstance(saved, dict) else saved
-
-
 class FSDP2Engine(Engine):
     """``fully_shard`` per block and on the root; DCP checkpoints."""
 
     backend = "fsdp2"
-    STATE_FILE = "fsdp2_state.pt"
+    STATE_FILE = dcp.STATE_FILE
 
     def __init__(self, model: nn.Module, cfg: RunConfig, device: torch.device, precision: ResolvedPrecision,
                  total_steps: int, steps_per_epoch: int):
@@ -170,22 +165,20 @@ class FSDP2Engine(Engine):
 
     def load_universal(self, folder: Path) -> None:
         """A DeepSpeed ZeRO-1/2/3 checkpoint converted to a universal one (``zero/<parameter>/fp32.pt``, its
-        optimizer states beside it, the schedule in ``mp_rank_00_model_states.pt``): every rank reads the whole
-        fp32 weights and states (weights-only) and keeps its shards of them (``set_state_dict`` with full state
+        optimizer states beside it, the schedule in the model-states file, which ZeRO-3 names otherwise; ZeRO-3's
+        tensors are flat and take the parameter's shape): every rank reads the whole fp32
+        weights and states (weights-only) and keeps its shards of them (``set_state_dict`` with full state
         dicts). The optimizer's settings are this run's (the resume checks made them the checkpoint's)."""
-        allow = ds_safe_globals()
-        names = [name for name, p in self._module.named_parameters() if p.requires_grad]
+        shapes = {name: p.shape for name, p in self._module.named_parameters() if p.requires_grad}  # the whole shapes
+        names = list(shapes)
+        group_step = functools.cache(lambda: optimizer_step(folder))
         model_sd: dict[str, torch.Tensor] = {}
         optim_state: dict[str, dict[str, Any]] = {}
         for name in names:
-            where = folder / "zero" / name
-            if not (where / "fp32.pt").is_file():
-                raise UserError(f"--checkpoint.resume: {folder} holds no weights of {name} (was it written by another "
-                                "model?). Resume it with the --strategy.backend that wrote it")
-            model_sd[name] = _param(load_safely(where / "fp32.pt", "cpu", allow))
-            states = {f.stem: load_safely(f, "cpu", allow) for f in sorted(where.glob("*.pt")) if f.stem != "fp32"}
+            states = parameter_states(folder, name, shapes[name], group_step)
+            model_sd[name] = states.pop("fp32")
             step = states.pop("step", None)
-            optim_state[name] = {k: _param(v) for k, v in states.items()}
+            optim_state[name] = states
             if step is not None:
                 optim_state[name]["step"] = torch.tensor(float(step), dtype=torch.float32)
         # One group: the engine built the optimizer over one flat list of parameters
@@ -193,8 +186,7 @@ class FSDP2Engine(Engine):
         set_state_dict(self._module, self.optimizer, model_state_dict=model_sd,
                        optim_state_dict={"state": optim_state, "param_groups": [group]},
                        options=StateDictOptions(full_state_dict=True, strict=False))
-        model_states = load_safely(folder / "mp_rank_00_model_states.pt", "cpu", allow)
-        self.scheduler.load_state_dict(model_states["lr_scheduler"])
+        self.scheduler.load_state_dict(run_states(folder)["lr_scheduler"])
         # The rate the next step uses: a schedule's state does not reach the optimizer it drives
         for g, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             g["lr"] = lr

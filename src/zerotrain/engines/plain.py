@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerotrain.checkpoint.universal import load_whole
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import (
     ResolvedPrecision,
@@ -129,6 +130,11 @@ class TorchEngine(Engine):
     def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
         """Any process count: rank 0 wrote the whole state (DDP replicates it), so every rank loads it as is."""
         self.load(folder)
+
+    def load_universal(self, folder: Path) -> None:
+        """Another engine's checkpoint as a universal one: every rank reads the whole state (DDP replicates it),
+        one parameter at a time (:func:`~zerotrain.checkpoint.universal.load_whole`)."""
+        load_whole(folder, self._module, self.optimizer, self.scheduler)
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.rank != 0:
