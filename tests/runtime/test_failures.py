@@ -280,6 +280,16 @@ def test_a_diverged_run_is_said_once_from_the_lowest_ranks_record():
     assert describe_failure(failures) == ("zerotrain fit: error: training diverged at step 9", DIVERGED_EXIT)
 
 
+def test_a_rank_stopped_while_exiting_after_its_own_line_is_still_the_cause():
+    """Rank 1 recorded a user error and closed its process group; rank 0's collective failed at once and it left
+    first, so torchelastic stopped rank 1 (SIGTERM) before it had exited: its record is still the cause."""
+    record = {"message": "zerotrain fit: error: data.jsonl: record 1000: label 'maybe' is not one of the 2 classes",
+              "errorCode": 2, "extraInfo": {"timestamp": "1"}}
+    failures = {0: _failure(RANK_LOST_EXIT, 0, 100, _lost(False)), 1: _failure(-15, 1, 101, message=record)}
+    progress = {r: {"step": 20, "run_dir": None} for r in (0, 1)}
+    assert describe_failure(failures, progress, 2.0) == (record["message"], 2)
+
+
 # ---- a loss that diverged ------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ import torch
 
 from zerotrain.data import source
 from zerotrain.errors import DataError
-from zerotrain.runtime.collectives import all_reduce_sum
+from zerotrain.runtime.collectives import all_reduce_sum, raise_any_rank_error
 
 
 class Drawn(NamedTuple):
@@ -72,7 +72,11 @@ class StreamedRows:
         first = start
         for columns in raw.iter(batch_size=self.chunk):
             n = len(next(iter(columns.values())))
-            made = self.make_rows(columns, list(range(first, first + n)))
+            try:
+                made = self.make_rows(columns, list(range(first, first + n)))
+            except DataError as exc:
+                exc.said_by_each_rank = True  # a record of this rank's share: the other ranks do not meet it
+                raise
             keys = list(made)
             count = len(made[keys[0]]) if keys else 0
             for r in range(consumed if first == start else 0, count):
@@ -85,14 +89,19 @@ class StreamedRows:
         """Micro-batches forever from (epoch, offset), each with the position after it.
 
         The first one is drawn when the first is asked for, and then every rank says whether its share made one
-        (a collective on ``device``'s backend: every rank must ask for its first micro-batch). If any share made
-        none, every rank raises the same :class:`DataError`."""
+        (collectives: every rank must ask for its first micro-batch). If drawing it failed on any rank (a bad
+        record in the first chunk of its share), every rank raises that error; if any share made none, every
+        rank raises the same :class:`DataError`. So no rank is left waiting in the first step for one that
+        stopped, whoever started the processes. A bad record met later ends its own rank, which says it."""
         drawn = self._batches(micro_batch_size, rank, world_size, collate, epoch, batches_in_epoch, offset)
+        first, empty, failed = None, False, None
         try:
             first = next(drawn)
-            empty = False
         except _EmptyShare:
-            first, empty = None, True
+            empty = True
+        except Exception as exc:
+            failed = exc
+        raise_any_rank_error(failed)
         short = self._short_shares(empty, rank, world_size, device)
         if short:
             drawn.close()

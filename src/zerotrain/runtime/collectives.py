@@ -3,11 +3,11 @@ first whose errors reach every rank. Plain torch.distributed, no zerotrain state
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from zerotrain.errors import UserError
+from zerotrain.errors import RunStopped, UserError
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -110,6 +110,24 @@ def run_on_main(fn):
         raise
     broadcast_object((None, result))
     return result
+
+
+def raise_any_rank_error(exc: Optional[Exception]) -> None:
+    """Called by every rank at the same point with the error its own part raised (None: it succeeded); returns
+    only when no rank failed. A rank that failed raises its own error, the others the lowest failing rank's, as
+    in :func:`main_process_first`, and a :class:`RunStopped` is then said once, by rank 0, since every rank
+    raises it (``said_by_each_rank`` is cleared). Alone, it raises ``exc`` if given."""
+    if not _collectives_needed():
+        if exc is not None:
+            raise exc
+        return
+    failures = [d for d in all_gather_object(None if exc is None else _describe_error(exc)) if d is not None]
+    if not failures:
+        return
+    raised = exc if exc is not None else _rebuild_error(failures[0])
+    if isinstance(raised, RunStopped):
+        raised.said_by_each_rank = False
+    raise raised
 
 
 class _MainProcessFirst:

@@ -413,7 +413,12 @@ def _said(failure) -> Optional[dict]:
     if not isinstance(message, dict) or not isinstance(message.get("message"), str):
         return None
     status = message.get("errorCode")
-    if not isinstance(status, int) or status != failure.exitcode:  # a record of an earlier attempt, or none
+    if not isinstance(status, int):
+        return None
+    # The status it exited with, or torchelastic's stop signal: a worker still exiting after writing its record
+    # (its process group closed, so the others fail at once) is stopped with the job, and its record is the cause.
+    stopped_while_exiting = failure.exitcode < 0 and -failure.exitcode in _STOP_SIGNALS
+    if status != failure.exitcode and not stopped_while_exiting:  # a record of an earlier attempt
         return None
     extra = message.get("extraInfo") if isinstance(message.get("extraInfo"), dict) else {}
     return {"line": message["message"], "status": status, "timed_out": bool(extra.get("timed_out"))}
