@@ -110,7 +110,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     run ends with ``--trainer.export`` (under ZeRO-3 it gathers the whole model on rank 0's host).
     ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum,
-                                optimizer_states)
+                                optimizer_states, device=probe.device)
     key = probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))
     act = probe.activations[key].at(micro_batch_size)
     # What the backward pass still holds at its first gradient; unmeasured, the peak stands for it.
@@ -154,18 +154,22 @@ def step_peak(states: StateMemory, activations: float, at_first_gradient: float,
     states that persist, plus ``activations`` at the forward's end, or what the backward pass still holds at
     its first gradient (``at_first_gradient``, never above the peak) with the gradients or bucket it builds, or
     the step's gradients."""
-    persistent = states.gpu_bytes - states.transient_bytes
+    persistent = states.gpu_bytes - states.transient_bytes - states.gathered_bytes
     grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
-    forward_end = activations + (grads + states.bucket_bytes if grad_accum > 1 else 0)
-    backward = min(at_first_gradient, activations) + max(grads, states.bucket_bytes)
+    forward_end = activations + states.gathered_bytes + (grads + states.bucket_bytes if grad_accum > 1 else 0)
+    held = min(at_first_gradient, activations)
+    if states.bucket_beside_grads:  # FSDP2: each block's buffers beside the gradients, copies released as they come
+        backward = held + max(grads, states.gathered_bytes) + states.bucket_bytes
+    else:
+        backward = held + max(grads, states.bucket_bytes) + states.gathered_bytes
     step = states.transient_bytes - states.bucket_bytes
     return persistent + max(forward_end, backward, step)
 
 
 def sixteen_bit(strategy: Strategy, precision: str, autocast: bool) -> bool:
-    """Whether the engine holds the weights in 16 bits (DeepSpeed's bf16/fp16 blocks) rather than
-    running autocast over the weights as built (plain PyTorch, ZeRO-0's fast path)."""
-    return strategy.backend == "deepspeed" and not autocast and precision in ("bf16", "fp16")
+    """Whether the engine computes with 16-bit weights (DeepSpeed's bf16/fp16 blocks, FSDP2's mixed-precision
+    policy) rather than running autocast over the weights as built (plain PyTorch, ZeRO-0's fast path)."""
+    return strategy.backend in ("deepspeed", "fsdp2") and not autocast and precision in ("bf16", "fp16")
 
 
 def fits(prediction: MemoryPrediction, probe: "Probe", host_bytes: float, procs_per_host: int) -> Optional[str]:
