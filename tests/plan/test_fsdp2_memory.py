@@ -159,3 +159,94 @@ def test_reshard_after_forward_false_holds_the_whole_model_gathered_at_the_forwa
     assert keep.gathered_bytes == 2 * (counts.total - root - counts.largest_block)
     # sharded fp32 weights and two Adam states, halved, under both
     assert free.gpu_bytes - free.transient_bytes == 12 * counts.total // 2 + 2 * (root + counts.largest_block)
+
+
+def test_estimate_lists_the_fsdp2_rows_beside_zero_and_sizes_the_offload_on_the_host(capsys):
+    """``zerotrain estimate`` shows fsdp2, fsdp2_no_reshard and fsdp2_offload after DeepSpeed's rows: on 2 GPUs
+    the offload keeps only gathered copies on the GPU and its sharded states on the host, pinned (twice their
+    bytes at most) unless --strategy.offload_pin_memory false."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
+    from zerotrain.plan.strategies import STRATEGIES
+
+    cfg = parse_config("toy", ["--launch.nproc_per_node", "2"])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
+    names = [row.name for row in report.rows]
+    assert names[-3:] == ["fsdp2", "fsdp2_no_reshard", "fsdp2_offload"] and "zero3" in names
+    rows = {row.name: row.memory for row in report.rows}
+    c = report.counts
+    sharded = (4 + 4 + 8) * c.total // 2  # bf16 run, the toy built in fp32: weights, gradients, Adam
+    assert rows["fsdp2_offload"].cpu_bytes == pytest.approx(2 * 8 * c.total / 2 + 8 * c.total / 2, abs=2)
+    assert rows["fsdp2_offload"].gpu_bytes < rows["fsdp2"].gpu_bytes - sharded + 2 * c.total
+    assert rows["fsdp2"].gpu_bytes >= sharded and rows["fsdp2_no_reshard"].gpu_bytes >= rows["fsdp2"].gpu_bytes
+    text = format_report(report)
+    assert "| fsdp2 |" in text and "| fsdp2_offload |" in text and "| zero2 |" in text
+    unpinned = parse_config("toy", ["--launch.nproc_per_node", "2", "--strategy.offload_pin_memory", "false"])
+    halved = {r.name: r.memory for r in estimate("toy", unpinned, gpu_memory_gib=16, host_memory_gib=64).rows}
+    assert halved["fsdp2_offload"].cpu_bytes == pytest.approx(16 * c.total / 2, abs=2)
+    assert STRATEGIES["fsdp2_no_reshard"].family == "FSDP2" and STRATEGIES["zero2"].family == "DeepSpeed ZeRO"
+
+
+def test_fsdp2_strategy_flags_select_what_they_name():
+    """Each FSDP2 strategy's flags parse to a valid fsdp2 config with its reshard and offload settings."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.strategies import STRATEGIES
+
+    for name in ("fsdp2", "fsdp2_no_reshard", "fsdp2_offload"):
+        cfg = parse_config("toy", [*STRATEGIES[name].flags(), "--trainer.max_steps", "1"])
+        cfg.validate()
+        s = cfg.strategy
+        assert s.backend == "fsdp2" and s.reshard_after_forward is (name != "fsdp2_no_reshard")
+        assert (s.offload_optimizer == "cpu") is (name == "fsdp2_offload")
+        assert STRATEGIES[name].apply(parse_config("toy", ["--strategy.reshard_after_forward", "false"])
+                                      ).strategy.reshard_after_forward is (name != "fsdp2_no_reshard")
+
+
+def test_fsdp2_speed_charges_two_all_gathers_when_resharding_and_the_host_when_offloaded():
+    from helpers import fake_probe
+
+    from zerotrain.engines.states import ParamCounts
+    from zerotrain.plan.speed import step_time
+    from zerotrain.plan.strategies import STRATEGIES
+
+    counts = ParamCounts(total=10**8, trainable=10**8, largest_layer=10**6, total_bytes=4 * 10**8,
+                         trainable_bytes=4 * 10**8, tensors=200, largest_block=10**7, in_blocks=9 * 10**7)
+    probe = fake_probe()
+
+    def time(name: str, world: int):
+        return step_time(STRATEGIES[name], 8, 1, False, counts, probe, world, 1, autocast=False)
+
+    assert time("fsdp2", 1).communication == 0.0
+    two, kept = time("fsdp2", 2), time("fsdp2_no_reshard", 2)
+    # bf16 on a GPU: the reduce-scatter of the gradients and two all-gathers of the parameters, or one
+    assert two.communication / kept.communication == pytest.approx(3 / 2)
+    assert time("fsdp2_offload", 2).optimizer > two.optimizer
+    assert two.optimizer == pytest.approx(probe.optimizer_step_s / 2)
+
+
+@pytest.mark.slow  # the probe and each trial are processes of their own
+def test_plan_on_the_cpu_lists_fsdp2_rows_beside_zero_ones(tmp_path):
+    """``zerotrain plan`` with ZeRO-2 and both FSDP2 settings: each is assessed, trialled as a short fit at the
+    configured micro-batch (``--compare_strategies``), and shown in plan.md with its family; the choice is the
+    fastest trial, whichever family."""
+    import json
+
+    from helpers import zerotrain_cmd
+
+    out = tmp_path / "plan"
+    r = zerotrain_cmd(["plan", "toy", "--trainer.num_workers", "0", "--trainer.micro_batch_size", "16",
+                       "--trainer.max_steps", "6", "--logging.progress_bar", "false", "--logging.tensorboard", "false",
+                       "--trainer.output_dir", str(tmp_path / "runs"), "--out", str(out),
+                       "--strategies", "zero2,fsdp2,fsdp2_no_reshard", "--trials", "1", "--trial_steps", "3",
+                       "--trial_seconds", "0.5", "--compare_strategies"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads((out / "plan.json").read_text())
+    tried = [row for row in data["rows"] if row["measured"]]
+    assert {row["strategy"] for row in tried} == {"zero2", "fsdp2", "fsdp2_no_reshard"}
+    assert all(row["measured"]["status"] == "ok" and row["measured"]["tokens_per_s"] > 0 for row in tried)
+    assert {row["family"] for row in tried} == {"DeepSpeed ZeRO", "FSDP2"}
+    fastest = max(tried, key=lambda row: row["measured"]["tokens_per_s"])
+    assert data["choice"]["candidate"] == fastest["candidate"]
+    table = (out / "plan.md").read_text()
+    assert "| FSDP2 | fsdp2 micro" in table and "| FSDP2 | fsdp2_no_reshard micro" in table
+    assert "| DeepSpeed ZeRO | zero2 micro" in table
