@@ -250,3 +250,21 @@ def test_plan_on_the_cpu_lists_fsdp2_rows_beside_zero_ones(tmp_path):
     table = (out / "plan.md").read_text()
     assert "| FSDP2 | fsdp2 micro" in table and "| FSDP2 | fsdp2_no_reshard micro" in table
     assert "| DeepSpeed ZeRO | zero2 micro" in table
+
+
+def test_an_fsdp2_export_gathers_the_model_as_built_on_rank_zeros_host():
+    """The end-of-run export under FSDP2 gathers the full fp32 state dict on rank 0's host, beside training's."""
+    import dataclasses
+
+    from helpers import fake_probe
+
+    from zerotrain.engines.states import ParamCounts
+    from zerotrain.plan.memory import predict
+
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                         trainable_bytes=4 * 10**9, largest_block=10**8, in_blocks=9 * 10**8)
+    probe = dataclasses.replace(fake_probe(), host_base_bytes=3 * 2**30, host_before_model_bytes=2**30)
+    plain = predict(counts, Strategy("fsdp2"), 1, False, 4, "bf16", probe)
+    exported = predict(counts, Strategy("fsdp2"), 1, False, 4, "bf16", probe, export=True)
+    assert exported.rank0_extra_bytes == pytest.approx(4e9)
+    assert exported.host_bytes == pytest.approx(plain.host_bytes + 4e9)

@@ -107,7 +107,7 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
             grad_accum: int = 1, export: bool = False, optimizer_states: int = ADAM_STATES) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring). ``export``: the
-    run ends with ``--trainer.export`` (under ZeRO-3 it gathers the whole model on rank 0's host).
+    run ends with ``--trainer.export`` (under ZeRO-3 and FSDP2 it gathers the whole model on rank 0's host).
     ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum,
                                 optimizer_states, device=probe.device)
@@ -125,6 +125,11 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     else:
         host = max(before_model + counts.total_bytes, probe.host_base_bytes) + states.cpu_bytes
     rank0_extra = 0.0
+    if export and strategy.backend == "fsdp2":
+        # FSDP2's export gathers the full state dict, as the model was built (fp32), onto rank 0's host
+        # (get_model_state_dict with full_state_dict and cpu_offload) while the run's own states are there.
+        rank0_extra = float(counts.total_bytes)
+        host += rank0_extra
     if export and strategy.backend == "deepspeed" and strategy.zero_stage == 3:
         # ZeRO-3's export gathers every partition into one state dict on rank 0's host (DeepSpeed's 16-bit
         # consolidation) while the run's own states are still there. LoRA 1.2B on one H200: 4.40 GiB at the end;
