@@ -197,7 +197,9 @@ def test_estimate_sizes_every_row_when_a_users_json_pins_what_a_strategy_would_c
     cfg = parse_config("toy", ["--strategy.backend", "deepspeed", "--strategy.zero_stage", "2",
                                "--strategy.deepspeed_config", str(ds)])
     report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=64)
-    assert [row.name for row in report.rows] == [n for n in STRATEGIES if n != "zero3_nvme"] and report.pick is not None
+    # FSDP2 does not read a DeepSpeed file: its rows are left out
+    assert [row.name for row in report.rows] == [n for n in STRATEGIES if n != "zero3_nvme"
+                                                 and not n.startswith("fsdp2")] and report.pick is not None
 
 
 def test_estimate_without_known_gpu_memory_judges_nothing(monkeypatch, capsys):

@@ -154,7 +154,7 @@ class StrategyConfig:
                 raise ConfigError(flag, "fsdp2 offloads to cpu only (nvme is DeepSpeed's "
                                   "ZeRO-Infinity): pass cpu, or --strategy.backend deepspeed --strategy.zero_stage 3")
             if self.auto:
-                raise ConfigError("--strategy.auto", "plans DeepSpeed and plain PyTorch strategies only, not fsdp2: "
+                raise ConfigError("--strategy.auto", "chooses the backend itself (DeepSpeed, plain PyTorch or fsdp2): "
                                   "drop one of --strategy.auto and --strategy.backend fsdp2")
             if self.deepspeed_config:
                 raise ConfigError("--strategy.deepspeed_config", "is only read with --strategy.backend deepspeed")

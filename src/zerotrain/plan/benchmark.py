@@ -45,6 +45,7 @@ COLUMNS = [
     ("peak host RSS (GiB, rank 0)", "host_rss_peak_gib", "{:.2f}"),
     ("predicted GPU (GiB)", "predicted_gpu_mem_gib", "{:.2f}"),
     ("predicted host (GiB)", "predicted_host_mem_gib", "{:.2f}"),
+    ("family", "family", "{}"),
 ]
 
 
@@ -225,7 +226,8 @@ def run_sweep(recipe: str, strategies: list[str], nprocs: list[int], out_dir: Pa
         run_name = f"{short}-{name}-{n}gpu{suffix}"
         args = [*fit_args, *STRATEGIES[name].flags(), *extra, "--launch.nproc_per_node", str(n)]
         print(f"[benchmark] {name} x {n}{suffix}: zerotrain fit {recipe} {shlex.join(args)}", flush=True)
-        row = {"strategy": name, **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}
+        row = {"strategy": name, "family": STRATEGIES[name].family,
+               **run_one(recipe, args, out_dir / "runs", run_name, timeout_s, env)}
         if rounds > 1:
             row["round"] = rnd
         row.update(_predicted_or_why(recipe, args, name, probe, no_probe))
@@ -301,7 +303,8 @@ def _standard_fields(recipe: str, row: dict[str, Any], run_dir: Path, env: dict[
 
 
 def plot(result: dict[str, Any], path: Path) -> Optional[Path]:
-    """tokens/s against peak GPU memory, one point per strategy and GPU count (needs matplotlib)."""
+    """tokens/s against peak GPU memory, one point per strategy and GPU count, coloured and marked by engine family
+    (DeepSpeed ZeRO, FSDP2, PyTorch DDP) with a legend (needs matplotlib)."""
     try:
         import matplotlib
 
@@ -312,9 +315,12 @@ def plot(result: dict[str, Any], path: Path) -> Optional[Path]:
         return None
     ok = [r for r in result["rows"] if r["status"] == "ok" and r.get("tokens_per_s")]
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    families = sorted({_family(r) for r in ok})
+    styles = dict(zip(families, zip(("tab:blue", "tab:orange", "tab:green", "tab:red"), ("o", "s", "^", "D"))))
     for r in ok:
         mem = r.get("peak_gpu_mem_gib") or r.get("peak_host_mem_gib") or 0.0
-        ax.scatter(mem, r["tokens_per_s"])
+        color, marker = styles[_family(r)]
+        ax.scatter(mem, r["tokens_per_s"], color=color, marker=marker)
         ax.annotate(f"{_label(r)} x{r['n_gpus']}", (mem, r["tokens_per_s"]), textcoords="offset points",
                     xytext=(5, 5), fontsize=8)
     gpu = ok[0]["gpu"] if ok else "no successful run"
@@ -323,6 +329,10 @@ def plot(result: dict[str, Any], path: Path) -> Optional[Path]:
     ax.set_ylabel("tokens/s (non-padding, whole job)")
     ax.set_title(f"{result['recipe']} on {gpu}", fontsize=10)
     ax.grid(alpha=0.3)
+    for family in families:  # one legend entry per family
+        ax.scatter([], [], color=styles[family][0], marker=styles[family][1], label=family)
+    if families:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -336,6 +346,11 @@ def _failure(log_tail: str) -> str:
     lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
     ours = [line for line in lines if line.startswith("zerotrain")]
     return (ours or lines or ["no output"])[-1][:300]
+
+
+def _family(row: dict[str, Any]) -> str:
+    """The row's engine family (a row of an older sweep has none: its strategy's)."""
+    return row.get("family") or (STRATEGIES[row["strategy"]].family if row.get("strategy") in STRATEGIES else "other")
 
 
 def _label(row: dict[str, Any]) -> str:

@@ -132,6 +132,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             # offload that only stages 1-3 take): the row is sized from the JSON the run would get.
             ds_jsons[name] = own
     buckets = {name: Buckets.from_ds_config(ds) for name, ds in ds_jsons.items()}
+    buckets.update({name: Buckets.for_fsdp2(cfg, device) for name, st in candidates.items() if st.backend == "fsdp2"})
     # The optimizer's states per parameter: --optimizer.name's, or the optimizer block of a user's DeepSpeed file
     states = optimizer_states(cfg.optimizer, own)
     autocast = {name: _enabled(ds.get("torch_autocast")) for name, ds in ds_jsons.items()}
@@ -151,7 +152,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     strategies = dict(candidates)
     s = cfg.strategy
     disk = _free_disk(s.nvme_path) if s.nvme_path else math.inf
-    yours = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param)
+    yours = Strategy(s.backend, s.zero_stage, s.offload_optimizer, s.offload_param, s.reshard_after_forward)
     if "nvme" in (s.offload_optimizer, s.offload_param) and yours not in strategies.values():
         # An NVMe offload other than the candidates' (e.g. the optimizer on NVMe, the weights on the host): the
         # row of the configured strategy, with what it puts on that disk.
@@ -254,7 +255,8 @@ def format_report(report: EstimateReport) -> str:
                   f"{act.peak_bytes / GIB:.2f} GiB, {act.describe()} (--measure measures them on this machine). "
                   "The CUDA context and the allocator's slack come on top: keep room with --reserve_gib."]
     else:
-        lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket); activations come "
+        lines += ["", "Model states only (weights, gradients, optimizer, DeepSpeed's reduce bucket, FSDP2's gathered "
+                  "blocks); activations come "
                   "on top (--measure measures them on this machine)."]
     if nvme:
         lines.append(f"NVMe: {report.disk_free_bytes / GIB:.1f} GiB free on the disk of {report.nvme_path} "

@@ -107,10 +107,10 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
             grad_accum: int = 1, export: bool = False, optimizer_states: int = ADAM_STATES) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring). ``export``: the
-    run ends with ``--trainer.export`` (under ZeRO-3 it gathers the whole model on rank 0's host).
+    run ends with ``--trainer.export`` (under ZeRO-3 and FSDP2 it gathers the whole model on rank 0's host).
     ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum,
-                                optimizer_states)
+                                optimizer_states, device=probe.device)
     key = probe.key(checkpointing, sixteen_bit(strategy, precision, autocast))
     act = probe.activations[key].at(micro_batch_size)
     # What the backward pass still holds at its first gradient; unmeasured, the peak stands for it.
@@ -125,6 +125,11 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     else:
         host = max(before_model + counts.total_bytes, probe.host_base_bytes) + states.cpu_bytes
     rank0_extra = 0.0
+    if export and strategy.backend == "fsdp2":
+        # FSDP2's export gathers the full state dict, as the model was built (fp32), onto rank 0's host
+        # (get_model_state_dict with full_state_dict and cpu_offload) while the run's own states are there.
+        rank0_extra = float(counts.total_bytes)
+        host += rank0_extra
     if export and strategy.backend == "deepspeed" and strategy.zero_stage == 3:
         # ZeRO-3's export gathers every partition into one state dict on rank 0's host (DeepSpeed's 16-bit
         # consolidation) while the run's own states are still there. LoRA 1.2B on one H200: 4.40 GiB at the end;
@@ -154,18 +159,22 @@ def step_peak(states: StateMemory, activations: float, at_first_gradient: float,
     states that persist, plus ``activations`` at the forward's end, or what the backward pass still holds at
     its first gradient (``at_first_gradient``, never above the peak) with the gradients or bucket it builds, or
     the step's gradients."""
-    persistent = states.gpu_bytes - states.transient_bytes
+    persistent = states.gpu_bytes - states.transient_bytes - states.gathered_bytes
     grads = min(states.grad_bytes, states.transient_bytes - states.bucket_bytes)  # the freed gradients (0: kept)
-    forward_end = activations + (grads + states.bucket_bytes if grad_accum > 1 else 0)
-    backward = min(at_first_gradient, activations) + max(grads, states.bucket_bytes)
+    forward_end = activations + states.gathered_bytes + (grads + states.bucket_bytes if grad_accum > 1 else 0)
+    held = min(at_first_gradient, activations)
+    if states.bucket_beside_grads:  # FSDP2: each block's buffers beside the gradients, copies released as they come
+        backward = held + max(grads, states.gathered_bytes) + states.bucket_bytes
+    else:
+        backward = held + max(grads, states.bucket_bytes) + states.gathered_bytes
     step = states.transient_bytes - states.bucket_bytes
     return persistent + max(forward_end, backward, step)
 
 
 def sixteen_bit(strategy: Strategy, precision: str, autocast: bool) -> bool:
-    """Whether the engine holds the weights in 16 bits (DeepSpeed's bf16/fp16 blocks) rather than
-    running autocast over the weights as built (plain PyTorch, ZeRO-0's fast path)."""
-    return strategy.backend == "deepspeed" and not autocast and precision in ("bf16", "fp16")
+    """Whether the engine computes with 16-bit weights (DeepSpeed's bf16/fp16 blocks, FSDP2's mixed-precision
+    policy) rather than running autocast over the weights as built (plain PyTorch, ZeRO-0's fast path)."""
+    return strategy.backend in ("deepspeed", "fsdp2") and not autocast and precision in ("bf16", "fp16")
 
 
 def fits(prediction: MemoryPrediction, probe: "Probe", host_bytes: float, procs_per_host: int) -> Optional[str]:

@@ -3,7 +3,8 @@
 1. **Probe** (:mod:`zerotrain.plan.probe`, its own process): activation memory and step time of the real
    model on its longest batches, on this device.
 2. **Candidates**: every backend/ZeRO stage/offload (:func:`~zerotrain.plan.strategies.available`: ZeRO-3's
-   parameter offload too, and NVMe offload with ``--strategy.nvme_path``) x
+   parameter offload too, NVMe offload with ``--strategy.nvme_path``, and FSDP2 with and without resharding
+   after the forward pass and with CPU offload, so the trials compare the two families) x
    micro-batch (powers of two dividing the per-rank batch; accumulation keeps the global batch) x
    activation checkpointing, for the GPUs the launch flags name. Precision, global batch, optimizer
    and everything else stay as configured. When nothing fits, the offloads again with their host states
@@ -115,6 +116,7 @@ class Row:
 
     def to_dict(self, global_batch: int) -> dict[str, Any]:
         return {"candidate": self.candidate.label, "strategy": self.candidate.strategy,
+                "family": STRATEGIES[self.candidate.strategy].family,
                 "micro_batch_size": self.candidate.micro_batch_size, "grad_accum": self.candidate.grad_accum,
                 "activation_checkpointing": self.candidate.checkpointing,
                 "offload_pin_memory": False if self.candidate.unpinned else None, **self.memory.as_row(),
@@ -190,6 +192,8 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
         if run_cfg.strategy.backend == "deepspeed":
             ds = make_ds_config(run_cfg, world, device, probe.precision)  # type: ignore[arg-type]
             buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
+        elif run_cfg.strategy.backend == "fsdp2":
+            buckets = Buckets.for_fsdp2(run_cfg, device)
         states = optimizer_states(run_cfg.optimizer, ds)
         strategy = STRATEGIES[cand.strategy]
         # The row carries the trial's figures (trials run without the export, TRIAL_FLAGS), next to what the trial
@@ -398,8 +402,8 @@ def markdown(p: Plan) -> str:
              f"{pr.precision}", "",
              f"Activations {p.rows[0].memory.activations}; speed: the probe's step times and `zerotrain.plan.speed`'s "
              "constants; trials: short `zerotrain fit` runs.", "",
-             "| candidate | predicted GPU GiB | predicted host GiB | predicted samples/s | measured tokens/s "
-             "| measured GPU GiB | status |", "|---|---|---|---|---|---|---|"]
+             "| family | candidate | predicted GPU GiB | predicted host GiB | predicted samples/s | measured tokens/s "
+             "| measured GPU GiB | status |", "|---|---|---|---|---|---|---|---|"]
     # Trialled first, then the best of the rest; the others are counted by why they are out.
     trialled = sorted(p.trialled, key=lambda r: -_speed(r))
     rest = sorted((r for r in p.rows if r not in p.trialled), key=lambda r: (r.dropped is not None, r.time.total))
@@ -410,7 +414,7 @@ def markdown(p: Plan) -> str:
         gpu = f"{m['peak_gpu_mem_gib']:.2f}" if m.get("peak_gpu_mem_gib") is not None else "-"
         status = r.dropped or ("chosen" if r is p.choice else "ok" if m else "fits, not trialled")
         predicted_gpu = f"{r.memory.gpu_bytes / GIB:.2f}" if pr.device == "cuda" else "-"
-        lines.append(f"| {r.candidate.label} | {predicted_gpu} | {r.memory.host_bytes / GIB:.2f} | "
+        lines.append(f"| {STRATEGIES[r.candidate.strategy].family} | {r.candidate.label} | {predicted_gpu} | {r.memory.host_bytes / GIB:.2f} | "
                      f"{p.global_batch / r.time.total:,.1f} | {measured} | {gpu} | {status} |")
     reasons: dict[str, int] = {}
     for r in hidden:

@@ -15,6 +15,11 @@ A step is the sum of (seconds, all per rank):
 * **ZeRO's host work**: DeepSpeed's ZeRO stages spend host time per parameter tensor each step
   (gradient bookkeeping, partition copies) that a plain step does not: :data:`ZERO_HOST_S_PER_TENSOR`.
 
+FSDP2 is timed like ZeRO-3 with its own volumes: the optimizer over this rank's shard (on the host with CPU
+offload, where torch's own AdamW runs, at DeepSpeed's CPU Adam speed for want of a measurement), the gradients'
+reduce-scatter in the reduce dtype, and the parameters' all-gathers in the compute dtype, two a step or one
+without resharding after the forward pass; its host work per step is not measured and not charged.
+
 The model only ranks candidates; the planner's short trials decide. Constants not measured by the
 probe are stated with where they came from.
 """
@@ -63,6 +68,9 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
               probe: Probe, world_size: int, nnodes: int, autocast: bool, pinned: bool = True) -> StepTime:
     """Predicted seconds of one optimizer step (module docstring); ``pinned`` False: the offloaded states sit in
     pageable memory (``--strategy.offload_pin_memory false``)."""
+    if strategy.backend == "fsdp2":
+        return _fsdp2_step_time(strategy, micro_batch_size, grad_accum, checkpointing, counts, probe, world_size,
+                                nnodes, pinned)
     n = world_size
     half = sixteen_bit(strategy, probe.precision, autocast)
     traced = probe.key(checkpointing, half)
@@ -88,3 +96,28 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
         communication = volume / link * EXPOSED_COMMUNICATION["ddp" if strategy.backend == "ddp" else stage]
     zero_host = ZERO_HOST_S_PER_TENSOR.get(stage, 0.0) * counts.tensors
     return StepTime(compute, optimizer, communication, zero_host)
+
+
+def _fsdp2_step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkpointing: bool,
+                     counts: ParamCounts, probe: Probe, world_size: int, nnodes: int, pinned: bool) -> StepTime:
+    """FSDP2's step (module docstring). Offloaded, each all-gather first copies the rank's fp32 shard of the
+    parameters up, and the sharded fp32 gradients come down once a step."""
+    n = world_size
+    half = sixteen_bit(strategy, probe.precision, False)
+    compute = grad_accum * probe.forward_backward_s[probe.key(checkpointing, half)].at(micro_batch_size)
+    element = 2 if half else 4
+    gathers = 2 if strategy.reshard_after_forward else 1
+    link_to_host = (probe.h2d_bytes_per_s if pinned else probe.h2d_pageable_bytes_per_s or probe.h2d_bytes_per_s) or 10e9
+    if "cpu" in (strategy.offload_optimizer, strategy.offload_param):
+        moved = grad_accum * gathers * 4 * counts.total / n + 4 * counts.trainable / n
+        optimizer = counts.trainable / n / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
+    else:
+        optimizer = probe.optimizer_step_s / n
+    communication = 0.0
+    if n > 1:
+        link = LINK_BYTES_PER_S["gloo" if probe.device == "cpu" else "network" if nnodes > 1 else "nvlink"]
+        # Each a reduce-scatter or an all-gather: (n - 1) / n of the volume; the gradients once a step, the
+        # parameters for every micro-batch's forward (and backward, when resharded)
+        volume = (n - 1) / n * element * (counts.trainable + grad_accum * gathers * counts.total)
+        communication = volume / link * EXPOSED_COMMUNICATION[3]
+    return StepTime(compute, optimizer, communication, 0.0)

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 # host (2 bytes a parameter, copied up for each forward and backward pass): it comes before the optimizer
 # offloads, whose CPU Adam step costs more than those copies. NVMe offload needs a disk the user names
 # (--strategy.nvme_path): it is a candidate only then (:func:`available`).
+# PyTorch's FSDP2 comes after DeepSpeed's stages, in its own order: resharding after each block's forward (ZeRO-3's
+# memory), keeping the gathered copies until the backward pass (one all-gather fewer, the whole model's 16-bit
+# copies held), then everything on the host. ``zerotrain estimate`` picks the first row that fits, so a
+# DeepSpeed row where one fits; ``zerotrain plan`` and ``zerotrain benchmark`` try both families.
 STRATEGIES: dict[str, Strategy] = {
     "ddp": Strategy("ddp"),
     "zero0": Strategy("deepspeed", 0),
@@ -35,6 +39,9 @@ STRATEGIES: dict[str, Strategy] = {
     "zero2_offload": Strategy("deepspeed", 2, offload_optimizer="cpu"),
     "zero3_offload": Strategy("deepspeed", 3, offload_optimizer="cpu", offload_param="cpu"),
     "zero3_nvme": Strategy("deepspeed", 3, offload_optimizer="nvme", offload_param="nvme"),
+    "fsdp2": Strategy("fsdp2"),
+    "fsdp2_no_reshard": Strategy("fsdp2", reshard_after_forward=False),
+    "fsdp2_offload": Strategy("fsdp2", offload_optimizer="cpu", offload_param="cpu"),
 }
 
 
@@ -45,12 +52,22 @@ def offloads(strategy: Strategy) -> bool:
 
 def available(cfg: "RunConfig", device: str = "cuda") -> dict[str, Strategy]:
     """The strategies a run of ``cfg`` can take on ``device``, in :data:`STRATEGIES` order: no offload on the
-    CPU, NVMe offload only with ``--strategy.nvme_path``, and with bf16 master weights or optimizer states only
-    those DeepSpeed runs them under (ZeRO 1-3, :func:`zerotrain.config.check_state_precision`)."""
+    CPU, NVMe offload only with ``--strategy.nvme_path``, with bf16 master weights or optimizer states only
+    those DeepSpeed runs them under (ZeRO 1-3, :func:`zerotrain.config.check_state_precision`), and FSDP2 only
+    where it runs (:func:`fsdp2_runs`)."""
     return {name: s for name, s in STRATEGIES.items()
             if (device == "cuda" or not offloads(s))
             and (cfg.strategy.nvme_path or "nvme" not in (s.offload_optimizer, s.offload_param))
+            and (s.backend != "fsdp2" or fsdp2_runs(cfg))
             and _state_precision_runs(cfg, s)}
+
+
+def fsdp2_runs(cfg: "RunConfig") -> bool:
+    """Whether ``cfg`` can run under FSDP2: torch has ``fully_shard`` (2.6 on), the precision is not fp16 (the
+    config refuses it there), and no DeepSpeed file of the user's sets the strategy."""
+    import torch.distributed.fsdp as fsdp
+
+    return (hasattr(fsdp, "fully_shard") and cfg.precision.dtype != "fp16" and not cfg.strategy.deepspeed_config)
 
 
 def _state_precision_runs(cfg: "RunConfig", strategy: Strategy) -> bool:
