@@ -231,8 +231,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       fi
       python3 benchmarks/plan_tables.py "$OUT"/planner/*/plan.json ;;
     kill_test)  # CPU: SIGKILL at random moments, resume, compare with an uninterrupted run (toy recipe)
-      python3 benchmarks/kill_test.py --kills "${KILLS:-10}" --out "$OUT/kill_test/kill_test.json"
-      python3 benchmarks/kill_test.py --configs "" --suites all --out "$OUT/kill_test/kill_test_suites.json" ;;
+      python3 benchmarks/kill_test.py --kills "${KILLS:-10}" --suites all --out "$OUT/kill_test/kill_test.json" ;;
     restart_test)  # CPU: --launch.max_restarts 1, one of 2 workers killed per run, compared with an uninterrupted run
       python3 benchmarks/kill_test.py --restarts --kills "${KILLS:-20}" --configs ddp --jobs "${JOBS:-3}" --max-steps 40 \
         --out "$OUT/restart_test/restart_test.json" ;;
