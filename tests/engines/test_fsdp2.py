@@ -282,6 +282,28 @@ def test_crossings_no_engine_can_load_are_refused_in_one_line_naming_the_flags(t
     check_compatible(folder, {**shape, "backend": "deepspeed", "zero_stage": 3})  # admitted: no error
 
 
+def test_auto_precision_that_is_fp16_on_this_gpu_is_refused_by_fsdp2_in_one_line(tmp_path):
+    """``--precision.dtype auto`` is fp16 on a GPU without bf16; the config refuses fp16 with fsdp2 only when it is
+    written, so the engine is built with the resolved precision and must refuse it: it would otherwise compute in
+    fp32, record fp16, and resume a ZeRO fp16 checkpoint without its loss scale. In a group of one process (Gloo),
+    where the engine would otherwise be built."""
+    import torch.distributed as dist
+
+    from zerotrain.engines.build import build_engine
+    from zerotrain.errors import ConfigError
+
+    cfg = toy_config(tmp_path, "auto16", backend="fsdp2")
+    assert cfg.precision.dtype == "auto"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"^--precision\.dtype auto is fp16 on this GPU \(it has no bf16\), "
+                                              r"which --strategy\.backend fsdp2 does not offer .*: pass "
+                                              r"--precision\.dtype fp32, or --strategy\.backend deepspeed or ddp$"):
+            build_engine(torch.nn.Linear(4, 4), cfg, torch.device("cpu"), "fp16", 8, 8, 1)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_metadata_written_by_python_3_13_names_pathlib_by_its_private_module_and_is_read():
     """Python 3.13 pickles ``PosixPath`` as ``pathlib._local.PosixPath``; DCP's ``.metadata`` holds one."""
     import io
