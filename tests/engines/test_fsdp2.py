@@ -231,6 +231,26 @@ def test_an_fsdp2_checkpoint_resumes_under_zero2_zero0_and_the_plain_engine_and_
     assert marker.stat().st_mtime_ns == before  # converted once
 
 
+def test_an_fsdp2_checkpoint_of_another_model_is_refused_by_zero2_in_one_line(tmp_path):
+    """A checkpoint copied alone (no hparams.json beside it to compare the model flags with) of a wider model: ZeRO-2
+    refuses it naming the file and the sizes, as FSDP2 and the plain engine do, where DeepSpeed's universal loader
+    would stop on an assertion."""
+    import shutil
+
+    cfg = cross_toy(tmp_path, "wide", 2, backend="fsdp2")
+    cfg.checkpoint.every_steps = 2
+    fit(ToyTask(cfg))
+    alone = tmp_path / "copied" / "checkpoints" / "step00000002"
+    alone.parent.mkdir(parents=True)
+    shutil.copytree(tmp_path / "wide" / "checkpoints" / "step00000002", alone)
+    narrow = cross_toy(tmp_path, "narrow", 4, zero_stage=2)
+    narrow.model.width, narrow.checkpoint.resume = 16, str(alone)
+    with pytest.raises(UserError, match=r"^--checkpoint\.resume: .*/universal/zero/0\.weight/fp32\.pt holds 256 values, "
+                                        r"this model's 0\.weight has 128 \(was it written by another model\?\)\. "
+                                        r"Resume it with its own model$"):
+        fit(ToyTask(narrow))
+
+
 @pytest.mark.slow
 def test_two_fsdp2_processes_resume_on_one_under_zero3(tmp_path):
     """FSDP2 over 2 processes for 4 steps (each rank wrote half of every tensor), then 1 process under DeepSpeed

@@ -222,23 +222,44 @@ def parameter_states(folder: Path, name: str, shape: torch.Size, group_step: Cal
     has another size."""
     where = folder / "zero" / name
     if not (where / "fp32.pt").is_file():
-        raise UserError(f"--checkpoint.resume: {folder} holds no weights of {name} (was it written by another "
-                        "model?). Resume it with the --strategy.backend that wrote it")
+        raise _no_weights(folder, name)
     allow = ds_safe_globals()
     out = {}
     for f in sorted(where.glob("*.pt")):
         saved = load_safely(f, "cpu", allow)
         value = saved["param"] if isinstance(saved, dict) else saved
         if f.stem != "step":
-            if not torch.is_tensor(value) or value.numel() != shape.numel():
-                size = value.numel() if torch.is_tensor(value) else type(value).__name__
-                raise UserError(f"--checkpoint.resume: {f} holds {size} values, this model's {name} has "
-                                f"{shape.numel()} (was it written by another model?). Resume it with its own model")
+            _check_size(f, value, name, shape.numel())
             value = value.view(shape)
         out[f.stem] = value
     if len(out) > 1 and "step" not in out:  # optimizer states without their step: the group's
         out["step"] = group_step()
     return out
+
+
+def check_weights(folder: Path, sizes: dict[str, int]) -> None:
+    """One line when a parameter of this model (``sizes``: name -> its whole number of elements) has no weights in
+    universal checkpoint ``folder`` or another size there, before a loader that would stop on an assertion
+    (DeepSpeed's) reads it. Memory-mapped and weights-only: no tensor is read."""
+    allow = ds_safe_globals()
+    for name, numel in sizes.items():
+        path = folder / "zero" / name / "fp32.pt"
+        if not path.is_file():
+            raise _no_weights(folder, name)
+        saved = load_safely(path, "cpu", allow, mmap=True)
+        _check_size(path, saved["param"] if isinstance(saved, dict) else saved, name, numel)
+
+
+def _no_weights(folder: Path, name: str) -> UserError:
+    return UserError(f"--checkpoint.resume: {folder} holds no weights of {name} (was it written by another "
+                     "model?). Resume it with the --strategy.backend that wrote it")
+
+
+def _check_size(path: Path, value: Any, name: str, numel: int) -> None:
+    if not torch.is_tensor(value) or value.numel() != numel:
+        size = value.numel() if torch.is_tensor(value) else type(value).__name__
+        raise UserError(f"--checkpoint.resume: {path} holds {size} values, this model's {name} has {numel} (was it "
+                        "written by another model?). Resume it with its own model")
 
 
 def load_whole(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
