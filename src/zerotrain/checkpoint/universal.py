@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -240,13 +241,13 @@ def parameter_states(folder: Path, name: str, shape: torch.Size, group_step: Cal
 def check_weights(folder: Path, sizes: dict[str, int]) -> None:
     """One line when a parameter of this model (``sizes``: name -> its whole number of elements) has no weights in
     universal checkpoint ``folder`` or another size there, before a loader that would stop on an assertion
-    (DeepSpeed's) reads it. Memory-mapped and weights-only: no tensor is read."""
+    (DeepSpeed's) reads it. Weights-only, and memory-mapped (no tensor read) where the file is torch.save's zip."""
     allow = ds_safe_globals()
     for name, numel in sizes.items():
         path = folder / "zero" / name / "fp32.pt"
         if not path.is_file():
             raise _no_weights(folder, name)
-        saved = load_safely(path, "cpu", allow, mmap=True)
+        saved = load_safely(path, "cpu", allow, mmap=zipfile.is_zipfile(path))  # torch.save's format maps
         _check_size(path, saved["param"] if isinstance(saved, dict) else saved, name, numel)
 
 
