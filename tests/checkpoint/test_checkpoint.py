@@ -356,3 +356,33 @@ def test_weights_kept_in_another_dtype_are_refused(tmp_path):
                                         r"--strategy.fast_path and --precision.dtype of the run that wrote it"):
         check_compatible(folder, now)
     check_compatible(folder, {**now, "weights_dtype": "bfloat16"})
+
+
+def test_a_universal_cache_is_converted_again_when_the_checkpoint_beside_it_changed(tmp_path):
+    """The cached universal checkpoint belongs to the checkpoint it was converted from: reused while that one's
+    marker (every file with its size and checksum) is the same, converted again once another checkpoint of the
+    same step has been copied over it, whose weights a resume would otherwise never read."""
+    from zerotrain.checkpoint.layout import seal
+    from zerotrain.checkpoint.universal import UNIVERSAL, _converted_once
+
+    folder = tmp_path / "step00000004"
+    folder.mkdir()
+
+    def checkpoint(weights: float) -> None:
+        torch.save({"w": torch.full((4,), weights)}, folder / "model.pt")
+        files = seal(folder, 0, 1, True)
+        (folder / MARKER).write_text(json.dumps({"format": 2, "world_size": 1, "step": 4, "files": files}))
+
+    def convert(work: Path) -> None:  # what a converter writes: the source's weights in its own layout
+        work.mkdir(parents=True)
+        torch.save(torch.load(folder / "model.pt", weights_only=True)["w"], work / "fp32.pt")
+
+    def cached() -> float:
+        return float(torch.load(_converted_once(folder, True, convert, "a test") / "fp32.pt", weights_only=True)[0])
+
+    checkpoint(1.0)
+    assert cached() == 1.0
+    before = (folder / UNIVERSAL / "fp32.pt").stat().st_mtime_ns
+    assert cached() == 1.0 and (folder / UNIVERSAL / "fp32.pt").stat().st_mtime_ns == before  # reused
+    checkpoint(2.0)
+    assert cached() == 2.0

@@ -231,6 +231,26 @@ def test_an_fsdp2_checkpoint_resumes_under_zero2_zero0_and_the_plain_engine_and_
     assert marker.stat().st_mtime_ns == before  # converted once
 
 
+def test_an_fsdp2_checkpoint_of_another_model_is_refused_by_zero2_in_one_line(tmp_path):
+    """A checkpoint copied alone (no hparams.json beside it to compare the model flags with) of a wider model: ZeRO-2
+    refuses it naming the file and the sizes, as FSDP2 and the plain engine do, where DeepSpeed's universal loader
+    would stop on an assertion."""
+    import shutil
+
+    cfg = cross_toy(tmp_path, "wide", 2, backend="fsdp2")
+    cfg.checkpoint.every_steps = 2
+    fit(ToyTask(cfg))
+    alone = tmp_path / "copied" / "checkpoints" / "step00000002"
+    alone.parent.mkdir(parents=True)
+    shutil.copytree(tmp_path / "wide" / "checkpoints" / "step00000002", alone)
+    narrow = cross_toy(tmp_path, "narrow", 4, zero_stage=2)
+    narrow.model.width, narrow.checkpoint.resume = 16, str(alone)
+    with pytest.raises(UserError, match=r"^--checkpoint\.resume: .*/universal/zero/0\.weight/fp32\.pt holds 256 values, "
+                                        r"this model's 0\.weight has 128 \(was it written by another model\?\)\. "
+                                        r"Resume it with its own model$"):
+        fit(ToyTask(narrow))
+
+
 @pytest.mark.slow
 def test_two_fsdp2_processes_resume_on_one_under_zero3(tmp_path):
     """FSDP2 over 2 processes for 4 steps (each rank wrote half of every tensor), then 1 process under DeepSpeed
@@ -280,6 +300,28 @@ def test_crossings_no_engine_can_load_are_refused_in_one_line_naming_the_flags(t
         assert "\n" not in str(err.value)
     (folder / "COMPLETE.json").write_text(json.dumps({"format": 2, **fsdp2, "files": {}}))
     check_compatible(folder, {**shape, "backend": "deepspeed", "zero_stage": 3})  # admitted: no error
+
+
+def test_auto_precision_that_is_fp16_on_this_gpu_is_refused_by_fsdp2_in_one_line(tmp_path):
+    """``--precision.dtype auto`` is fp16 on a GPU without bf16; the config refuses fp16 with fsdp2 only when it is
+    written, so the engine is built with the resolved precision and must refuse it: it would otherwise compute in
+    fp32, record fp16, and resume a ZeRO fp16 checkpoint without its loss scale. In a group of one process (Gloo),
+    where the engine would otherwise be built."""
+    import torch.distributed as dist
+
+    from zerotrain.engines.build import build_engine
+    from zerotrain.errors import ConfigError
+
+    cfg = toy_config(tmp_path, "auto16", backend="fsdp2")
+    assert cfg.precision.dtype == "auto"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"^--precision\.dtype auto is fp16 on this GPU \(it has no bf16\), "
+                                              r"which --strategy\.backend fsdp2 does not offer .*: pass "
+                                              r"--precision\.dtype fp32, or --strategy\.backend deepspeed or ddp$"):
+            build_engine(torch.nn.Linear(4, 4), cfg, torch.device("cpu"), "fp16", 8, 8, 1)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_metadata_written_by_python_3_13_names_pathlib_by_its_private_module_and_is_read():

@@ -202,6 +202,20 @@ def test_fsdp2_strategy_flags_select_what_they_name():
                                       ).strategy.reshard_after_forward is (name != "fsdp2_no_reshard")
 
 
+def test_the_planner_offers_fsdp2_only_where_auto_precision_is_not_fp16():
+    """``--precision.dtype auto`` is fp16 on a GPU without bf16, which the FSDP2 engine refuses: the planner, given
+    the probe's resolved precision, offers no FSDP2 candidate there, and offers them where auto is bf16."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.planner import candidates
+
+    cfg = parse_config("toy", ["--trainer.max_steps", "1"])
+    assert cfg.precision.dtype == "auto"
+    on = {c.strategy for c in candidates(cfg, "cuda", precision="bf16")}
+    off = {c.strategy for c in candidates(cfg, "cuda", precision="fp16")}
+    assert {"fsdp2", "fsdp2_no_reshard", "fsdp2_offload"} <= on
+    assert not any(name.startswith("fsdp2") for name in off) and "zero2" in off
+
+
 def test_fsdp2_speed_charges_two_all_gathers_when_resharding_and_the_host_when_offloaded():
     from helpers import fake_probe
 

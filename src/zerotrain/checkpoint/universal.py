@@ -16,10 +16,12 @@ loader, ZeRO-0 and the plain engine, whose state is whole, through :func:`load_w
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from zerotrain.checkpoint import dcp
 from zerotrain.checkpoint.layout import (
+    MARKER,
     checkpoint_bytes,
     listing_problem,
     read_marker,
@@ -125,14 +128,18 @@ def universal_from_dcp(folder: Path, verify: bool = True) -> Path:
 
 def _converted_once(folder: Path, verify: bool, convert: Callable[[Path], None], why: str) -> Path:
     """``folder/universal``, the cached copy if its marker checks, else written by ``convert`` into a temporary
-    folder and renamed into place once complete and sealed (see :func:`universal_checkpoint`)."""
+    folder and renamed into place once complete and sealed (see :func:`universal_checkpoint`).
+
+    The cache records the digest of ``folder``'s marker (every file's size and checksum), and a cache of other
+    contents (a checkpoint copied over this one, or one without that record) is converted again."""
     out = folder / UNIVERSAL
+    source = _marker_digest(folder)
     if (out / UNIVERSAL_MARKER).is_file():
-        damage = _listing_problem(out, UNIVERSAL_MARKER, verify)
+        damage = _listing_problem(out, UNIVERSAL_MARKER, verify) or _other_source(out, source)
         if damage is None:
             log.info("using the universal checkpoint cached in %s", out)
             return out
-        log.warning("the cached universal checkpoint %s is damaged (%s): converting again", out, damage)
+        log.warning("the cached universal checkpoint %s cannot be used (%s): converting again", out, damage)
     work = folder / ".universal.tmp"
     for stale in (out, work):
         shutil.rmtree(stale, ignore_errors=True)  # no marker (a killed conversion) or damaged
@@ -145,7 +152,7 @@ def _converted_once(folder: Path, verify: bool, convert: Callable[[Path], None],
         files = seal(work / UNIVERSAL, 0, 1, verify)
         atomic_write_text(work / UNIVERSAL / UNIVERSAL_MARKER,
                           json.dumps({"format": 1, "source": folder.name, "source_world_size": meta.get("world_size"),
-                                      "files": files}, indent=1))
+                                      "source_marker_sha256": source, "files": files}, indent=1))
         fsync_dir(work / UNIVERSAL)
         os.rename(work / UNIVERSAL, out)
         fsync_dir(folder)
@@ -161,6 +168,21 @@ def _converted_once(folder: Path, verify: bool, convert: Callable[[Path], None],
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def _marker_digest(folder: Path) -> str:
+    """sha256 of ``folder``'s checkpoint marker, which lists every file it holds with its size (and checksum)."""
+    read_marker(folder)  # its one line when it cannot be read
+    return hashlib.sha256((folder / MARKER).read_bytes()).hexdigest()
+
+
+def _other_source(out: Path, source: str) -> Optional[str]:
+    """Why the cache ``out`` is not the conversion of the checkpoint whose marker digest is ``source`` (None: it is)."""
+    try:
+        recorded = json.loads((out / UNIVERSAL_MARKER).read_text()).get("source_marker_sha256")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"{out / UNIVERSAL_MARKER} cannot be read ({exc})"
+    return None if recorded == source else "it was converted from other contents of the checkpoint"
 
 
 def _listing_problem(folder: Path, marker: str, checksums: bool) -> Optional[str]:
@@ -201,23 +223,44 @@ def parameter_states(folder: Path, name: str, shape: torch.Size, group_step: Cal
     has another size."""
     where = folder / "zero" / name
     if not (where / "fp32.pt").is_file():
-        raise UserError(f"--checkpoint.resume: {folder} holds no weights of {name} (was it written by another "
-                        "model?). Resume it with the --strategy.backend that wrote it")
+        raise _no_weights(folder, name)
     allow = ds_safe_globals()
     out = {}
     for f in sorted(where.glob("*.pt")):
         saved = load_safely(f, "cpu", allow)
         value = saved["param"] if isinstance(saved, dict) else saved
         if f.stem != "step":
-            if not torch.is_tensor(value) or value.numel() != shape.numel():
-                size = value.numel() if torch.is_tensor(value) else type(value).__name__
-                raise UserError(f"--checkpoint.resume: {f} holds {size} values, this model's {name} has "
-                                f"{shape.numel()} (was it written by another model?). Resume it with its own model")
+            _check_size(f, value, name, shape.numel())
             value = value.view(shape)
         out[f.stem] = value
     if len(out) > 1 and "step" not in out:  # optimizer states without their step: the group's
         out["step"] = group_step()
     return out
+
+
+def check_weights(folder: Path, sizes: dict[str, int]) -> None:
+    """One line when a parameter of this model (``sizes``: name -> its whole number of elements) has no weights in
+    universal checkpoint ``folder`` or another size there, before a loader that would stop on an assertion
+    (DeepSpeed's) reads it. Weights-only, and memory-mapped (no tensor read) where the file is torch.save's zip."""
+    allow = ds_safe_globals()
+    for name, numel in sizes.items():
+        path = folder / "zero" / name / "fp32.pt"
+        if not path.is_file():
+            raise _no_weights(folder, name)
+        saved = load_safely(path, "cpu", allow, mmap=zipfile.is_zipfile(path))  # torch.save's format maps
+        _check_size(path, saved["param"] if isinstance(saved, dict) else saved, name, numel)
+
+
+def _no_weights(folder: Path, name: str) -> UserError:
+    return UserError(f"--checkpoint.resume: {folder} holds no weights of {name} (was it written by another "
+                     "model?). Resume it with the --strategy.backend that wrote it")
+
+
+def _check_size(path: Path, value: Any, name: str, numel: int) -> None:
+    if not torch.is_tensor(value) or value.numel() != numel:
+        size = value.numel() if torch.is_tensor(value) else type(value).__name__
+        raise UserError(f"--checkpoint.resume: {path} holds {size} values, this model's {name} has {numel} (was it "
+                        "written by another model?). Resume it with its own model")
 
 
 def load_whole(folder: Path, module: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:

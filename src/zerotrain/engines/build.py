@@ -27,6 +27,12 @@ def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precisi
     from ``cfg``, the schedule's length and the task's ``hints`` such as ``hidden_size``).
     """
     if cfg.strategy.backend == "fsdp2":
+        if precision == "fp16":
+            # --precision.dtype auto on a GPU without bf16 (the config refuses fp16 itself): the engine would compute
+            # in fp32 and record fp16, and a ZeRO fp16 checkpoint would resume under it without its loss scale
+            raise ConfigError("--precision.dtype", "auto is fp16 on this GPU (it has no bf16), which --strategy.backend "
+                              "fsdp2 does not offer (its loss scaling would need a scaler that knows sharded "
+                              "gradients): pass --precision.dtype fp32, or --strategy.backend deepspeed or ddp")
         try:  # deferred: torch.distributed.fsdp's fully_shard API is public from torch 2.6; the others run on 2.4
             from zerotrain.engines.fsdp2 import FSDP2Engine
         except ImportError as exc:

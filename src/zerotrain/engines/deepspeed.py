@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerotrain.checkpoint.universal import load_whole, universal_checkpoint
+from zerotrain.checkpoint.universal import check_weights, load_whole, universal_checkpoint
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import (
     precision_of,
@@ -21,6 +21,7 @@ from zerotrain.engines.ds_private.engine import zero3_consolidated_state_dict
 from zerotrain.engines.ds_private.patches import Applied, apply_patches
 from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.engines.ds_private.universal import loading_universal
+from zerotrain.engines.states import full_numel
 from zerotrain.errors import UserError
 from zerotrain.runtime.collectives import run_on_main
 from zerotrain.runtime.doctor import ops_for, prepare_ops
@@ -206,7 +207,10 @@ class DeepSpeedEngine(Engine):
     def _load_universal(self, universal: Path) -> None:
         """``universal`` through DeepSpeed's universal loader, switched on for this call only (it is read at load
         time, so the JSON in the run folder stays the run's); every ``torch.load`` in there, DeepSpeed's checkpoint
-        engine's and its direct ones, loads weights only."""
+        engine's and its direct ones, loads weights only. A model whose parameters the folder does not hold, at
+        their sizes, is refused in one line first (DeepSpeed's loader asserts)."""
+        check_weights(universal, {name: full_numel(p) for name, p in self.ds.module.named_parameters()
+                                  if p.requires_grad})
         with loading_universal(self.ds), weights_only_torch_load(universal, ds_safe_globals()):
             path, _ = self.ds.load_checkpoint(str(universal.parent), tag=universal.name,
                                               load_optimizer_states=True, load_lr_scheduler_states=True)

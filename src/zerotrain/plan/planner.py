@@ -146,13 +146,14 @@ def _world(cfg: RunConfig) -> int:
 
 
 def candidates(cfg: RunConfig, device: str, strategies: Optional[list[str]] = None,
-               checkpointing: bool = True) -> list[Candidate]:
-    """Every configuration the planner considers for ``cfg``'s global batch (module docstring)."""
+               checkpointing: bool = True, precision: Optional[str] = None) -> list[Candidate]:
+    """Every configuration the planner considers for ``cfg``'s global batch (module docstring); ``precision``:
+    what the probe resolved ``--precision.dtype`` to."""
     per_rank = cfg.trainer.micro_batch_size * cfg.strategy.gradient_accumulation_steps
     micros = sorted({m for m in (2**i for i in range(per_rank.bit_length())) if per_rank % m == 0} | {per_rank})
     if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead":
         micros = [per_rank]  # CUDA graphs cannot accumulate gradients (config.check_across_sections)
-    names = strategies or list(available(cfg, device))  # offload needs a GPU to offload from, NVMe a path
+    names = strategies or list(available(cfg, device, precision))  # offload needs a GPU to offload from, NVMe a path
     return [Candidate(name, m, per_rank // m, ckpt) for name in names for m in micros
             for ckpt in ((False, True) if checkpointing else (False,))]
 
@@ -301,7 +302,7 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     print(f"[plan] probing {recipe} on this machine (micro-batch up to {per_rank})", flush=True)
     probe = run_probe(recipe, fit_args, out_dir / "probe.json", per_rank)
     host = host_memory_gib * GIB if host_memory_gib else float(psutil.virtual_memory().total)
-    cands = candidates(cfg, probe.device, strategies)
+    cands = candidates(cfg, probe.device, strategies, precision=probe.precision)
     rows = assess(recipe, checked, probe, cands, host)
     retry = unpinned(cands, cfg) if all(r.dropped for r in rows) and probe.device == "cuda" else []
     if retry:  # unpinned, an offload's host states take their bytes, not power-of-two blocks

@@ -6,7 +6,7 @@ so it means the same thing whatever a ``--config`` file says.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from zerotrain.config import check_state_precision
 from zerotrain.engines.states import Strategy
@@ -50,24 +50,27 @@ def offloads(strategy: Strategy) -> bool:
     return strategy.offload_optimizer != "none" or strategy.offload_param != "none"
 
 
-def available(cfg: "RunConfig", device: str = "cuda") -> dict[str, Strategy]:
-    """The strategies a run of ``cfg`` can take on ``device``, in :data:`STRATEGIES` order: no offload on the
+def available(cfg: "RunConfig", device: str = "cuda", precision: Optional[str] = None) -> dict[str, Strategy]:
+    """The strategies a run of ``cfg`` can take on ``device`` (``precision``: what ``--precision.dtype`` resolves
+    to there, where known), in :data:`STRATEGIES` order: no offload on the
     CPU, NVMe offload only with ``--strategy.nvme_path``, with bf16 master weights or optimizer states only
     those DeepSpeed runs them under (ZeRO 1-3, :func:`zerotrain.config.check_state_precision`), and FSDP2 only
     where it runs (:func:`fsdp2_runs`)."""
     return {name: s for name, s in STRATEGIES.items()
             if (device == "cuda" or not offloads(s))
             and (cfg.strategy.nvme_path or "nvme" not in (s.offload_optimizer, s.offload_param))
-            and (s.backend != "fsdp2" or fsdp2_runs(cfg))
+            and (s.backend != "fsdp2" or fsdp2_runs(cfg, precision))
             and _state_precision_runs(cfg, s)}
 
 
-def fsdp2_runs(cfg: "RunConfig") -> bool:
-    """Whether ``cfg`` can run under FSDP2: torch has ``fully_shard`` (2.6 on), the precision is not fp16 (the
-    config refuses it there), and no DeepSpeed file of the user's sets the strategy."""
+def fsdp2_runs(cfg: "RunConfig", precision: Optional[str] = None) -> bool:
+    """Whether ``cfg`` can run under FSDP2: torch has ``fully_shard`` (2.6 on), the precision is not fp16, as
+    written or as ``auto`` resolves (``precision``) on a GPU without bf16 (the engine refuses it there), and no
+    DeepSpeed file of the user's sets the strategy."""
     import torch.distributed.fsdp as fsdp
 
-    return (hasattr(fsdp, "fully_shard") and cfg.precision.dtype != "fp16" and not cfg.strategy.deepspeed_config)
+    return (hasattr(fsdp, "fully_shard") and "fp16" not in (cfg.precision.dtype, precision)
+            and not cfg.strategy.deepspeed_config)
 
 
 def _state_precision_runs(cfg: "RunConfig", strategy: Strategy) -> bool:
