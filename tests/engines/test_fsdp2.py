@@ -251,6 +251,22 @@ def test_an_fsdp2_checkpoint_of_another_model_is_refused_by_zero2_in_one_line(tm
         fit(ToyTask(narrow))
 
 
+def test_a_crossing_this_engine_cannot_load_is_refused_before_the_run_folder_is_rewritten(tmp_path):
+    """A bf16 FSDP2 checkpoint resumed under DeepSpeed ZeRO-0 bf16 (whose optimizer DeepSpeed wraps, so the states
+    cannot be set through it): one line naming the stages that can, and the run folder's records as they were."""
+    cfg = toy_config(tmp_path, "bf16", precision="bf16", backend="fsdp2")
+    cfg.trainer.max_steps = 2
+    fit(ToyTask(cfg))
+    recorded = {name: (tmp_path / "bf16" / name).read_bytes() for name in ("hparams.json", "metrics.jsonl")}
+    zero0 = toy_config(tmp_path, "bf16", precision="bf16", zero_stage=0)
+    zero0.trainer.max_steps, zero0.checkpoint.resume = 4, "auto"
+    with pytest.raises(UserError, match=r"^--checkpoint\.resume: .*step00000002 was written by another engine, and "
+                                        r"DeepSpeed ZeRO-0 bf16 keeps its optimizer in its own wrapper here: pass "
+                                        r"--strategy\.zero_stage 1, 2 or 3$"):
+        fit(ToyTask(zero0))
+    assert {name: (tmp_path / "bf16" / name).read_bytes() for name in recorded} == recorded
+
+
 @pytest.mark.slow
 def test_two_fsdp2_processes_resume_on_one_under_zero3(tmp_path):
     """FSDP2 over 2 processes for 4 steps (each rank wrote half of every tensor), then 1 process under DeepSpeed

@@ -185,6 +185,10 @@ class Engine(ABC):
         raise UserError(f"--checkpoint.resume: {folder} was written by {saved_world_size} processes and this engine "
                         f"cannot resume it on {self.world_size}. Start it with {saved_world_size} processes")
 
+    def check_loads_across(self, checkpoint: Path) -> None:
+        """Refuse, in one line, a resume from ``checkpoint``, another engine's, that this engine's settings cannot
+        load (:meth:`load_universal` would): called before anything in the run folder is rewritten."""
+
     def load_universal(self, folder: Path) -> None:
         """Restore the training state from ``folder``, a DeepSpeed universal checkpoint (every parameter's fp32
         weights and optimizer states whole, the schedule in its model-states file) that another engine's

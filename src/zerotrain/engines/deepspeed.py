@@ -190,19 +190,23 @@ class DeepSpeedEngine(Engine):
         ZeRO-1/2/3: DeepSpeed's own universal loader, every rank taking its partition. ZeRO-0 keeps everything
         whole on every rank, and DeepSpeed's loader restores no weights there: the weights, the torch optimizer's
         states and the schedule are set through them (:func:`~zerotrain.checkpoint.universal.load_whole`); a
-        16-bit run whose optimizer DeepSpeed wraps is refused in one line."""
+        16-bit run whose optimizer DeepSpeed wraps is refused in one line (:meth:`check_loads_across`)."""
+        self.check_loads_across(folder.parent)
         if self.ds.zero_optimization():
-            if self.ds.zero_nvme_offload_optimizer():
-                raise UserError(f"--checkpoint.resume: {folder.parent} was written by another engine and cannot be "
-                                "resumed with the optimizer offloaded to NVMe: pass --strategy.offload_optimizer cpu "
-                                "or none")
             self._load_universal(folder)
             return
-        if not isinstance(self.ds.optimizer, torch.optim.Optimizer) or self.ds.lr_scheduler is None:
-            raise UserError(f"--checkpoint.resume: {folder.parent} was written by another engine, and DeepSpeed "
+        load_whole(folder, self.ds.module, self.ds.optimizer, self.ds.lr_scheduler)
+
+    def check_loads_across(self, checkpoint: Path) -> None:
+        if self.ds.zero_optimization():
+            if self.ds.zero_nvme_offload_optimizer():
+                raise UserError(f"--checkpoint.resume: {checkpoint} was written by another engine and cannot be "
+                                "resumed with the optimizer offloaded to NVMe: pass --strategy.offload_optimizer cpu "
+                                "or none")
+        elif not isinstance(self.ds.optimizer, torch.optim.Optimizer) or self.ds.lr_scheduler is None:
+            raise UserError(f"--checkpoint.resume: {checkpoint} was written by another engine, and DeepSpeed "
                             f"ZeRO-0 {self.precision} keeps its optimizer in its own wrapper here: pass "
                             "--strategy.zero_stage 1, 2 or 3")
-        load_whole(folder, self.ds.module, self.ds.optimizer, self.ds.lr_scheduler)
 
     def _load_universal(self, universal: Path) -> None:
         """``universal`` through DeepSpeed's universal loader, switched on for this call only (it is read at load

@@ -21,10 +21,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from zerotrain.checkpoint.layout import read_marker
 from zerotrain.checkpoint.manager import (
     Checkpointer,
     check_compatible,
     check_same_config,
+    crosses_engines,
     estimate_bytes,
     keep_global_batch,
     preflight_space,
@@ -288,7 +290,10 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         if cfg.strategy.deepspeed_config and engine.ds_config is not None:
             reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
         if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
-            check_compatible(resume_from, shape_of(engine, name))
+            shape = shape_of(engine, name)
+            check_compatible(resume_from, shape)
+            if crosses_engines(read_marker(resume_from), shape):
+                engine.check_loads_across(resume_from)
             changed = run_on_main(lambda: check_same_config(resume_from, name, cfg, ds_config=engine.ds_config))
             if changed and rt.is_main:
                 log.info("resuming with changed settings that leave the training as it was: %s", ", ".join(changed))
