@@ -215,7 +215,7 @@ class CompileConfig:
     """torch.compile of the model."""
 
     enabled: bool = False
-    """torch.compile the model's repeated blocks one by one (the whole model if it has none; ZeRO-3: DeepSpeed's own compile): fewer, fused kernels. The first steps compile, about one block's worth whatever the depth; a second batch length compiles once more, for all lengths. With lengths that vary, pad them to a multiple of 64 (--data.pad_to_multiple_of): padded to 8, LoRA 1.2B stalled 12-15 s once, mid-run."""
+    """torch.compile the model's repeated blocks one by one (the whole model if it has none; ZeRO-3: DeepSpeed's own compile, which recompiles per submodule and is no speed-up yet: train ZeRO-3 eagerly): fewer, fused kernels. The first steps compile, about one block's worth whatever the depth; a second batch length compiles once more, for all lengths. With lengths that vary, pad them to a multiple of 64 (--data.pad_to_multiple_of): padded to 8, LoRA 1.2B stalled 12-15 s once, mid-run."""
     scope: Literal["blocks", "stack"] = "blocks"
     """With --compile.enabled: blocks compiles the repeated blocks one by one (a compile costs one block, whatever the depth); stack compiles the module that holds them (IMDB's TransformerEncoder) as one graph: fewer kernel launches a step, for small models whose step waits on the host, at a compile time that grows with depth."""
     mode: Literal["default", "reduce-overhead"] = "default"
