@@ -307,6 +307,9 @@ CASES = [
     Case("export-damaged", "checkpoint", "export {tmp}/runs/flipped"),
     Case("export-marker-without-files", "checkpoint", "export {tmp}/runs/nolist"),
     Case("predict-pickle-weights", "command", "predict {tmp}/runs/pickled hello"),
+    Case("launch-job-name-refused", "launch", "launch --emit kubernetes --job_name My_Job -- fit toy --trainer.max_steps 2"),
+    Case("launch-out-under-a-file", "output",
+         "launch --emit slurm --out {tmp}/train.txt/job.sh -- fit toy --trainer.max_steps 2"),
 ]
 
 
