@@ -227,6 +227,12 @@ CASES = [
     Case("causal-lm-chat-no-assistant", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/chat_noanswer.jsonl --data.format chat"),
+    Case("causal-lm-chat-template-fails", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/chat.jsonl --data.chat_template '{{ 1/0 }}'"),
+    Case("causal-lm-chat-template-syntax", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/chat.jsonl --data.chat_template '{% for m in messages %}{{ m.content'"),
     Case("causal-lm-streaming-saved-dataset", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/saved_text --data.streaming true"),
