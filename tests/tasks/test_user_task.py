@@ -129,3 +129,24 @@ def test_the_fit_help_lists_entry_point_recipes(tmp_path, monkeypatch, in_projec
     lines = capsys.readouterr().out.splitlines()
     assert "  sine  fit a sine curve (a user's own task)" in lines
     assert any(line.strip().startswith("module:Class") for line in lines)
+
+
+@pytest.mark.parametrize("body,says", [
+    ("def broken(:\n", r"badtask\.py:1: invalid syntax"),
+    ("raise RuntimeError('boom')\n", r"importing badtask raised RuntimeError: boom \(at .*badtask\.py:1\)"),
+    ("import sys\nsys.exit(0)\n", r"importing badtask raised SystemExit: 0 \(at .*badtask\.py:2\)"),
+])
+def test_a_task_module_that_fails_or_exits_while_imported_is_one_line_naming_it(tmp_path, monkeypatch, body, says):
+    """The module is the user's: its syntax error, an exception at import and a ``sys.exit`` at import (which
+    exited 0 having trained nothing) each end in one line naming the file and line."""
+    from zerotrain.errors import UserError
+    from zerotrain.tasks import registry as recipes
+
+    (tmp_path / "badtask.py").write_text(body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        with pytest.raises(UserError, match=rf"^RECIPE badtask:T: .*{says}"):
+            recipes.get("badtask:T")
+    finally:
+        sys.modules.pop("badtask", None)
