@@ -131,6 +131,7 @@ CASES = [
     Case("benchmark-nproc-zero", "command", "benchmark toy --strategies ddp --nproc 0 --out {tmp}/bench $FIT"),
     Case("predict-no-texts", "command", "predict {tmp}/runs/toyrun"),
     Case("predict-missing-run", "command", "predict {tmp}/nope hello"),
+    Case("predict-run-is-a-file", "command", "predict {tmp}/train.txt hello"),
     Case("predict-toy", "command", "predict {tmp}/runs/toyrun hello"),
     Case("plan-out-is-file", "command", "plan toy $FIT --out {tmp}/train.txt"),
     Case("benchmark-out-under-a-file", "command", "benchmark toy --out {tmp}/train.txt/bench $FIT"),
@@ -239,6 +240,10 @@ CASES = [
     Case("causal-lm-streaming-saved-dataset", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/saved_text --data.streaming true"),
+    Case("causal-lm-streaming-bad-json-line", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/lora_broken.jsonl --data.streaming true --data.format sft "
+         "--data.input_field input --data.target_field target"),
     Case("causal-lm-cache-dir-is-file", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/train.txt --data.cache_dir {tmp}/train.txt"),
