@@ -149,7 +149,7 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> type[Task]:
     where += f", package {ep.dist.name})" if getattr(ep, "dist", None) is not None else ")"
     try:
         loaded = ep.load()
-    except (ImportError, AttributeError) as exc:
+    except (Exception, SystemExit) as exc:  # missing, or the package's own code failed or exited while imported
         raise UserError(f"{where} cannot be loaded ({type(exc).__name__}: {exc}): reinstall or uninstall that "
                         "package") from None
     return _checked(loaded, where)
