@@ -126,8 +126,12 @@ CASES = [
     Case("plan-user-ds-json", "command", "plan toy $FIT --strategy.deepspeed_config {tmp}/x.json --out {tmp}/plan"),
     Case("plan-zero-trials", "command", "plan toy $FIT --trials 0 --out {tmp}/plan"),
     Case("plan-unknown-strategy", "command", "plan toy $FIT --strategies zero9 --out {tmp}/plan"),
+    Case("plan-strategy-twice", "command", "plan toy $FIT --strategies zero2,zero2 --out {tmp}/plan"),
+    Case("plan-strategies-empty", "command", "plan toy $FIT --strategies '' --out {tmp}/plan"),
+    Case("benchmark-nproc-zero", "command", "benchmark toy --strategies ddp --nproc 0 --out {tmp}/bench $FIT"),
     Case("predict-no-texts", "command", "predict {tmp}/runs/toyrun"),
     Case("predict-missing-run", "command", "predict {tmp}/nope hello"),
+    Case("predict-run-is-a-file", "command", "predict {tmp}/train.txt hello"),
     Case("predict-toy", "command", "predict {tmp}/runs/toyrun hello"),
     Case("plan-out-is-file", "command", "plan toy $FIT --out {tmp}/train.txt"),
     Case("benchmark-out-under-a-file", "command", "benchmark toy --out {tmp}/train.txt/bench $FIT"),
@@ -227,9 +231,19 @@ CASES = [
     Case("causal-lm-chat-no-assistant", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/chat_noanswer.jsonl --data.format chat"),
+    Case("causal-lm-chat-template-fails", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/chat.jsonl --data.chat_template '{{ 1/0 }}'"),
+    Case("causal-lm-chat-template-syntax", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/chat.jsonl --data.chat_template '{% for m in messages %}{{ m.content'"),
     Case("causal-lm-streaming-saved-dataset", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/saved_text --data.streaming true"),
+    Case("causal-lm-streaming-bad-json-line", "data",
+         "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
+         "--data.train_path {tmp}/lora_broken.jsonl --data.streaming true --data.format sft "
+         "--data.input_field input --data.target_field target"),
     Case("causal-lm-cache-dir-is-file", "data",
          "fit causal-lm $FIT $CLM --model.init random --model.config {tmp}/llama.json "
          "--data.train_path {tmp}/train.txt --data.cache_dir {tmp}/train.txt"),
@@ -307,6 +321,9 @@ CASES = [
     Case("export-damaged", "checkpoint", "export {tmp}/runs/flipped"),
     Case("export-marker-without-files", "checkpoint", "export {tmp}/runs/nolist"),
     Case("predict-pickle-weights", "command", "predict {tmp}/runs/pickled hello"),
+    Case("launch-job-name-refused", "launch", "launch --emit kubernetes --job_name My_Job -- fit toy --trainer.max_steps 2"),
+    Case("launch-out-under-a-file", "output",
+         "launch --emit slurm --out {tmp}/train.txt/job.sh -- fit toy --trainer.max_steps 2"),
 ]
 
 

@@ -107,6 +107,30 @@ def test_a_crafted_dcp_metadata_file_is_refused_and_runs_nothing(tmp_path):
     assert not planted.exists()
 
 
+def test_a_shard_file_emptied_with_its_marker_rewritten_is_named_in_one_line_by_resume_and_export(tmp_path):
+    """A ``.distcp`` file cut to nothing, its marker rewritten to match (the checksums pass): DCP's reader fails
+    with a bare EOFError inside its report. Resume under fsdp2, resume under another engine (through the
+    universal conversion) and export each end in one line naming the DCP folder."""
+    import hashlib
+
+    cfg = toy_config(tmp_path, "run", backend="fsdp2")
+    cfg.trainer.max_steps = 2
+    run = fit(ToyTask(cfg)).run_dir
+    folder = run / "checkpoints" / "step00000002"
+    shard = folder / "dcp" / "__0_0.distcp"
+    shard.write_bytes(b"")
+    marker = json.loads((folder / "COMPLETE.json").read_text())
+    marker["files"]["dcp/__0_0.distcp"] = {"bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}
+    (folder / "COMPLETE.json").write_text(json.dumps(marker))
+    with pytest.raises(UserError, match=r"dcp cannot be loaded: it is damaged \(EOFError"):
+        export_run(run, tmp_path / "out", step=2)
+    for backend in ("fsdp2", "ddp"):
+        resume = toy_config(tmp_path, "run", backend=backend)
+        resume.trainer.max_steps, resume.checkpoint.resume = 3, "auto"
+        with pytest.raises(UserError, match=r"^--checkpoint\.resume: .*step00000002/dcp cannot be loaded: it is damaged"):
+            fit(ToyTask(resume))
+
+
 @pytest.mark.slow
 def test_two_processes_resumed_on_one_continue_the_uninterrupted_run(lm_files):
     """2 processes under FSDP2 for 3 steps of the causal-lm (its blocks sharded over both), then 1 process from

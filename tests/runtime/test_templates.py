@@ -164,3 +164,19 @@ def test_launch_needs_a_fit_command():
 def test_a_job_file_leaves_restarts_to_the_scheduler():
     with pytest.raises(UserError, match=r"^--launch.max_restarts restarts the workers of zerotrain's own launcher"):
         job_spec(["fit", "toy", "--trainer.max_steps", "4", "--launch.max_restarts", "2"])
+
+
+def test_a_run_name_reaches_the_node_as_it_was_given_and_a_control_character_is_refused():
+    """The job file is shell: a run name with ``$( )`` or a quote must reach zerotrain as written (not expanded on
+    the node), and a newline in any value would start a shell line of its own (in a comment or an #SBATCH line)."""
+    fit = ["fit", "toy", "--trainer.max_steps", "5", "--trainer.device", "cpu", "--trainer.run_name", 'a$(id)b"c']
+    task = yaml.safe_load(emit("skypilot", job_spec(fit, exe=PRINT_ARGV)))
+    args, _, _ = _run_shell(task["run"], SKYPILOT_NODE_RANK="0", SKYPILOT_NODE_IPS="10.0.0.5", SKYPILOT_NUM_NODES="1")
+    assert parse_config(args[1], args[2:]).validate().trainer.run_name == 'a$(id)b"c'
+    for settings, flag in (({"job_name": "a\nb"}, "--job_name"), ({"shared_dir": "/runs\nid"}, "--shared_dir"),
+                           ({}, "the command after --")):
+        argv = fit[:-2] + (["--logging.wandb_project", "x\nid"] if not settings else [])
+        with pytest.raises(UserError, match=rf"^{flag} .* holds the control character '\\n'"):
+            job_spec(argv, **settings)
+    with pytest.raises(UserError, match=r"^--job_name 'My_Job' is no name every scheduler takes"):
+        job_spec(fit[:-2], job_name="My_Job")

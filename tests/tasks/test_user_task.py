@@ -104,9 +104,12 @@ def _dist_info(site: Path, entry_points: str) -> None:
 
 
 def test_a_recipe_registered_through_an_entry_point(tmp_path, monkeypatch, in_project):
+    from zerotrain.errors import UserError
     from zerotrain.tasks import registry as recipes
 
-    _dist_info(tmp_path / "site", f"[zerotrain.tasks.registry]\nsine = {SPEC}\nbroken = curve_fitting.sine:Nothing\n")
+    _dist_info(tmp_path / "site", f"[zerotrain.tasks.registry]\nsine = {SPEC}\nbroken = curve_fitting.sine:Nothing\n"
+               "exits = zt_exits_on_import:T\n")
+    (tmp_path / "site" / "zt_exits_on_import.py").write_text("import sys\nsys.exit(0)\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.syspath_prepend(str(PROJECT))
     cls = recipes.get("sine")
@@ -117,6 +120,8 @@ def test_a_recipe_registered_through_an_entry_point(tmp_path, monkeypatch, in_pr
     assert str(broken.value) == ("entry point broken = curve_fitting.sine:Nothing (group zerotrain.tasks.registry, package "
                                  "zt-user-recipes) cannot be loaded (AttributeError: module 'curve_fitting.sine' has "
                                  "no attribute 'Nothing'): reinstall or uninstall that package")
+    with pytest.raises(UserError, match=r"^entry point exits = .* cannot be loaded \(SystemExit: 0\)"):
+        recipes.get("exits")  # its module calls sys.exit while imported: one line, not an exit 0 having trained nothing
 
 
 def test_the_fit_help_lists_entry_point_recipes(tmp_path, monkeypatch, in_project, capsys):
@@ -129,3 +134,24 @@ def test_the_fit_help_lists_entry_point_recipes(tmp_path, monkeypatch, in_projec
     lines = capsys.readouterr().out.splitlines()
     assert "  sine  fit a sine curve (a user's own task)" in lines
     assert any(line.strip().startswith("module:Class") for line in lines)
+
+
+@pytest.mark.parametrize("body,says", [
+    ("def broken(:\n", r"badtask\.py:1: invalid syntax"),
+    ("raise RuntimeError('boom')\n", r"importing badtask raised RuntimeError: boom \(at .*badtask\.py:1\)"),
+    ("import sys\nsys.exit(0)\n", r"importing badtask raised SystemExit: 0 \(at .*badtask\.py:2\)"),
+])
+def test_a_task_module_that_fails_or_exits_while_imported_is_one_line_naming_it(tmp_path, monkeypatch, body, says):
+    """The module is the user's: its syntax error, an exception at import and a ``sys.exit`` at import (which
+    exited 0 having trained nothing) each end in one line naming the file and line."""
+    from zerotrain.errors import UserError
+    from zerotrain.tasks import registry as recipes
+
+    (tmp_path / "badtask.py").write_text(body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        with pytest.raises(UserError, match=rf"^RECIPE badtask:T: .*{says}"):
+            recipes.get("badtask:T")
+    finally:
+        sys.modules.pop("badtask", None)

@@ -156,7 +156,12 @@ def load(state: dict[str, Any], folder: Path, where: tuple[str, str] = RESUME, n
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # no_dist: what was asked
             dcp.load(state, storage_reader=SafeReader(path, where), planner=SafePlanner(path, where), no_dist=no_dist)
     except CheckpointException as exc:
-        raise _first_failure(exc) from None  # the first refusal any rank met, as its one line
+        first = _first_failure(exc)  # the first refusal any rank met, as its one line
+        if isinstance(first, UserError):
+            raise first from None
+        # a shard file cut short or emptied (its marker rewritten with it): EOFError, a short read, ... from DCP's
+        # reader, which does not say which file; the folder is named
+        raise unreadable(path, first, where) from None
 
 
 def model_tensors(folder: Path, where: tuple[str, str] = RESUME

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from zerotrain.errors import UserError
 from zerotrain.plan.benchmark import run_sweep
-from zerotrain.plan.strategies import STRATEGIES
+from zerotrain.plan.strategies import STRATEGIES, parse_strategies
 from zerotrain.runtime.rundir import check_out_folder
 
 
@@ -40,12 +40,15 @@ def run(argv: list[str]) -> int:
         nprocs = [int(n) for n in args.nproc.split(",")]
     except ValueError:
         raise UserError(f"--nproc must be comma-separated integers, got {args.nproc!r}") from None
+    if min(nprocs) < 1 or len(set(nprocs)) < len(nprocs):
+        raise UserError(f"--nproc must be process counts >= 1, each once, got {args.nproc!r}")
+    strategies = parse_strategies(args.strategies)
     if args.rounds < 1:
         raise UserError(f"--rounds must be >= 1 (fits per strategy), got {args.rounds}")
     if args.profile < 0:
         raise UserError(f"--profile must be >= 0 (steps to profile), got {args.profile}")
     check_out_folder(Path(args.out), "--out")
-    result = run_sweep(args.recipe, args.strategies.split(","), nprocs, Path(args.out), fit_args,
+    result = run_sweep(args.recipe, strategies, nprocs, Path(args.out), fit_args,
                        profile_steps=args.profile, predict=args.predict == "true",
                        probe_file=Path(args.probe) if args.probe else None, rounds=args.rounds)
     print((Path(args.out) / "benchmark.md").read_text())

@@ -50,7 +50,13 @@ def run(argv: list[str]) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
-    atomic_write_text(args.out, text)
+    try:
+        atomic_write_text(args.out, text)
+    except OSError as exc:  # a folder on the way that is a file, no permission, a full disk
+        blocking = next((p for p in args.out.parents if p.exists()), None)
+        why = (f"{blocking} is a file" if blocking is not None and not blocking.is_dir()
+               else f"{args.out} is a folder" if args.out.is_dir() else exc.strerror or type(exc).__name__)
+        raise UserError(f"--out: cannot write {args.out} ({why}): pass a file in a folder you can write") from None
     if args.emit == "slurm":
         args.out.chmod(0o755)
     print(f"wrote {args.out}", file=sys.stderr)

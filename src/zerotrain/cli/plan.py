@@ -16,6 +16,7 @@ from pathlib import Path
 from zerotrain.config.flags import parse_config
 from zerotrain.errors import UserError
 from zerotrain.plan.planner import plan
+from zerotrain.plan.strategies import parse_strategies
 from zerotrain.runtime.rundir import check_out_folder
 from zerotrain.tasks import registry as recipes
 
@@ -48,7 +49,7 @@ def run(argv: list[str]) -> int:
 
 
     plan(args.recipe, cfg, fit_args, out, trials=args.trials, trial_steps=args.trial_steps,
-         strategies=args.strategies.split(",") if args.strategies else None,
+         strategies=parse_strategies(args.strategies) if args.strategies is not None else None,
          compare_strategies=args.compare_strategies, host_memory_gib=args.host_memory_gib,
          trial_seconds=args.trial_seconds)
     print((out / "plan.md").read_text())

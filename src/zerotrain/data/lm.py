@@ -112,16 +112,28 @@ def text_examples(docs: Sequence[str], tokenizer, batch: int = 1000) -> list[dic
 
 
 # ---- chat records ----------------------------------------------------------------------------------
+def render_chat(tokenizer, messages: list[dict[str, str]], prompt: bool, where: str) -> list[int]:
+    """The token ids of ``messages`` through the tokenizer's chat template. The template is the user's code (Jinja,
+    run sandboxed): whatever it raises on this conversation (its own ``raise_exception``, a division by zero, a
+    refused attribute) is a :class:`DataError` naming ``where``, not a traceback."""
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt, return_dict=False)
+    except Exception as exc:
+        why = " ".join(str(exc).split())[:200]
+        raise DataError(f"{where}: the chat template fails on this conversation ({type(exc).__name__}: {why}); fix "
+                        "the template (--data.chat_template) or the record") from None
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
 def chat_example(messages: list[dict[str, str]], tokenizer, max_length: int, train_on_inputs: bool,
                  where: str) -> dict[str, list[int]]:
     """One conversation through the chat template; labels only on the assistant turns (all with
     ``train_on_inputs``). Each turn's span is what rendering up to it adds to rendering the conversation before
     it with the generation prompt, so the template's own assistant header stays masked."""
     def render(upto: list[dict[str, str]], prompt: bool) -> list[int]:
-        out = tokenizer.apply_chat_template(upto, tokenize=True, add_generation_prompt=prompt, return_dict=False)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
+        return render_chat(tokenizer, upto, prompt, where)
 
     ids: list[int] = []
     labels: list[int] = []

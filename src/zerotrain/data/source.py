@@ -188,6 +188,15 @@ class Source:
                 else " Check that the file is what its suffix says")
         return DataError(f"{file}: cannot be read as {self.builder} ({type(cause).__name__}: {first}).{hint}")
 
+    def stream_error(self, exc: BaseException) -> DataError:
+        """The one line for a failure of the builder while streaming these files (which file it was reading, the
+        builder does not say): the first file zerotrain's own reader finds a fault in, by file and line; else the
+        builder's complaint about the first file."""
+        errors = [self._read_error(file, exc) for file in self.files if file.is_file()]
+        generic = [e for e in errors if ": cannot be read as " in str(e)]
+        precise = [e for e in errors if e not in generic]
+        return (precise or errors or [DataError(f"{self.path}: cannot be read ({type(exc).__name__}: {exc})")])[0]
+
     # ---- locations --------------------------------------------------------------------------------------------
     def where(self, row: int) -> str:
         """Row ``row`` of the loaded dataset as the file counts it, for an error message."""

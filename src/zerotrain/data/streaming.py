@@ -53,8 +53,11 @@ class StreamedRows:
     """The rows of a streamed split. ``open_stream()`` returns the raw ``IterableDataset`` (all ranks' records);
     ``make_rows`` turns one chunk of it into rows; ``name`` names it in messages."""
 
-    def __init__(self, open_stream: Callable[[], Any], make_rows: RowMaker, chunk: int, name: str):
+    def __init__(self, open_stream: Callable[[], Any], make_rows: RowMaker, chunk: int, name: str,
+                 read_error: Optional[Callable[[BaseException], DataError]] = None):
         self.open_stream, self.make_rows, self.chunk, self.name = open_stream, make_rows, chunk, name
+        self.read_error = read_error
+        """The one line for a record the reader cannot parse (a broken JSON line, a binary file)."""
 
     def share(self, rank: int, world_size: int):
         """This rank's raw records, in order."""
@@ -70,7 +73,7 @@ class StreamedRows:
         if start:
             raw = raw.skip(start)
         first = start
-        for columns in raw.iter(batch_size=self.chunk):
+        for columns in self._read(raw):
             n = len(next(iter(columns.values())))
             try:
                 made = self.make_rows(columns, list(range(first, first + n)))
@@ -82,6 +85,24 @@ class StreamedRows:
             for r in range(consumed if first == start else 0, count):
                 yield {k: made[k][r] for k in keys}, (first, r + 1)
             first += n
+
+    def _read(self, raw) -> Iterator[dict]:
+        chunks = iter(raw.iter(batch_size=self.chunk))
+        while True:
+            try:
+                with source._quiet_datasets():  # the builder logs its parse error before raising it
+                    columns = next(chunks)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except Exception as exc:  # the builder's parse error (pyarrow, json) for a damaged file
+                if self.read_error is None:
+                    raise
+                error = self.read_error(exc)
+                error.said_by_each_rank = True
+                raise error from None
+            yield columns
 
     def batches(self, micro_batch_size: int, rank: int, world_size: int, collate: Callable[[list], Any],
                 epoch: int = 0, batches_in_epoch: int = 0, offset: Optional[Sequence[int]] = None,
@@ -157,12 +178,18 @@ def streamed_source(src: source.Source, cache_dir: Optional[str], make_rows: Row
             stream = stream.filter(keep)
         return stream.take(limit) if limit is not None else stream
 
-    return StreamedRows(open_stream, make_rows, chunk, f"{src.flag} {src.path}")
+    return StreamedRows(open_stream, make_rows, chunk, f"{src.flag} {src.path}", src.stream_error)
 
 
 def first_columns(src: source.Source, cache_dir: Optional[str]) -> list[str]:
     """The fields of a streamed source's first record (empty when it holds none), read without the rest."""
-    first = next(iter(src.load(cache_dir, streaming=True)), None)
+    try:
+        with source._quiet_datasets():  # the builder logs its parse error before raising it
+            first = next(iter(src.load(cache_dir, streaming=True)), None)
+    except DataError:
+        raise
+    except Exception as exc:  # the builder's parse error for a damaged first file
+        raise src.stream_error(exc) from None
     return sorted(first) if first else []
 
 

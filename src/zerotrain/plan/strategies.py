@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 from zerotrain.config import check_state_precision
 from zerotrain.engines.states import Strategy
-from zerotrain.errors import ConfigError
+from zerotrain.errors import ConfigError, UserError
 
 if TYPE_CHECKING:
     from zerotrain.config import RunConfig
@@ -81,3 +81,20 @@ def _state_precision_runs(cfg: "RunConfig", strategy: Strategy) -> bool:
     except ConfigError:
         return False
     return True
+
+
+def parse_strategies(text: str, flag: str = "--strategies") -> list[str]:
+    """The strategy names of a comma-separated ``text``, in order, each once. An empty list or item, a name twice
+    (the sweep would run or rank the same candidate twice) or an unknown name is one line naming ``flag``."""
+    names = [name.strip() for name in text.split(",")]
+    if not text.strip() or "" in names:
+        raise UserError(f"{flag}: {text!r} holds an empty name; pass comma-separated names such as zero2,fsdp2 "
+                        f"(choose from {', '.join(STRATEGIES)})")
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        raise UserError(f"{flag}: unknown {unknown}; choose from {', '.join(STRATEGIES)}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UserError(f"{flag}: {', '.join(twice)} given more than once; name each strategy once (benchmark's "
+                        "--rounds N repeats each fit)")
+    return names

@@ -537,7 +537,8 @@ def read_run(run_dir: Path) -> tuple[str, Any, dict[str, Any]]:
     hparams.json keeps the path the run was started with."""
 
     if not run_dir.is_dir():
-        raise UserError(f"run folder {run_dir} does not exist. Pass the folder a training run wrote "
+        state = "is a file, not a folder" if run_dir.exists() else "does not exist"
+        raise UserError(f"run folder {run_dir} {state}. Pass the folder a training run wrote "
                         "(runs/<recipe>.<date>...)")
     hparams = run_dir / "hparams.json"
     if not hparams.is_file():

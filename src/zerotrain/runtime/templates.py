@@ -27,6 +27,7 @@ so that each appears once.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 
 import yaml
@@ -92,7 +93,32 @@ def job_spec(argv: list[str], **settings) -> JobSpec:
     for key, value in settings.items():
         if value is not None:
             setattr(spec, key, value)
+    check_spec(spec)
     return spec
+
+
+JOB_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+"""A job name every scheduler takes and that is a run name as it is (Kubernetes' DNS label: lowercase letters,
+digits and ``-``, at most 63 characters); written into the job file unquoted and into the run's name."""
+
+
+def check_spec(spec: JobSpec) -> None:
+    """Refuse, in one line naming the flag, what would make a broken or different job file: a control character
+    in any value (a newline in a comment or an ``#SBATCH`` line would start a shell line of its own), a job name
+    the scheduler refuses on the cluster, long after the file was written."""
+    values = [("--job_name", spec.job_name), ("--shared_dir", spec.shared_dir), ("--exe", spec.exe),
+              ("--image", spec.image), ("--claim", spec.claim), ("--bucket", spec.bucket),
+              ("--accelerator", spec.accelerator)]
+    values += [("the command after --", arg) for arg in spec.args]
+    for flag, value in values:
+        bad = next((ch for ch in value if ord(ch) < 32 or ord(ch) == 127), None)
+        if bad is not None:
+            raise ConfigError(flag, f"{value!r} holds the control character {bad!r}, which would break the job file: "
+                                    "leave it out")
+    if not JOB_NAME.fullmatch(spec.job_name):
+        raise ConfigError("--job_name", f"{spec.job_name!r} is no name every scheduler takes: pass lowercase letters, "
+                                        "digits and '-' (at most 63, starting and ending with a letter or digit), "
+                                        "such as my-run-1")
 
 
 def without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -137,7 +163,7 @@ def _command(spec: JobSpec, *extra: str) -> str:
 
 
 def _header(spec: JobSpec, comment: str) -> str:
-    lines = [f"zerotrain {' '.join(spec.args)}",
+    lines = [f"zerotrain {shlex.join(spec.args)}",
              f"{spec.nnodes} node(s) x {spec.nproc_per_node} process(es); runs in {spec.shared_dir} (shared storage)",
              (f"A stop signal saves a checkpoint and exits with {PREEMPTED_EXIT}; the restarted job resumes it "
               "(--checkpoint.resume auto).")]
@@ -147,8 +173,8 @@ def _header(spec: JobSpec, comment: str) -> str:
 
 
 def _run_flags(run_name: str) -> list[str]:
-    return ["--trainer.output_dir", '"$RUN_ROOT"', "--trainer.run_name",
-            f'"{run_name}"', "--checkpoint.resume", "auto"]
+    """``run_name``: one shell word already (the scheduler's variables in double quotes, or a quoted name)."""
+    return ["--trainer.output_dir", '"$RUN_ROOT"', "--trainer.run_name", run_name, "--checkpoint.resume", "auto"]
 
 
 # --- SLURM ----------------------------------------------------------------------------------------------------
@@ -165,7 +191,7 @@ def slurm_script(spec: JobSpec) -> str:
     if spec.gpus:
         directives.append(f"--gpus-per-node={spec.nproc_per_node}")
     directives += [f"--signal=USR1@{spec.grace_s}", "--requeue", "--open-mode=append", "--output=%x-%j.out"]
-    run_name = spec.run_name or "${SLURM_JOB_NAME}-${SLURM_JOB_ID}"
+    run_name = shlex.quote(spec.run_name) if spec.run_name else '"${SLURM_JOB_NAME}-${SLURM_JOB_ID}"'
     rdzv = ["--launch.rdzv_endpoint", '"$HEAD:$PORT"']
     lines = ["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), _header(spec, "#").rstrip("\n"), "",
              f"RUN_ROOT={shlex.quote(spec.shared_dir)}",
@@ -185,7 +211,7 @@ def slurm_script(spec: JobSpec) -> str:
 # --- Kubernetes (Kubeflow training operator) ---------------------------------------------------------------------
 
 def _node_command(spec: JobSpec, rank: str, master: str) -> str:
-    flags = _run_flags(spec.run_name or spec.job_name)
+    flags = _run_flags(shlex.quote(spec.run_name or spec.job_name))
     flags += ["--launch.nproc_per_node", str(spec.nproc_per_node)]
     if spec.nnodes > 1:
         flags += ["--launch.nnodes", str(spec.nnodes), "--launch.node_rank", f'"{rank}"', "--launch.rdzv_endpoint",

@@ -31,12 +31,14 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
+from jinja2 import TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from torch import nn
 
 from zerotrain.config import RunConfig
 from zerotrain.data.collate import IGNORE_INDEX, PadCollator
 from zerotrain.data import source
-from zerotrain.data.lm import PACK_CHUNK, chat_rows, collate_packed, sft_rows, text_rows
+from zerotrain.data.lm import PACK_CHUNK, chat_rows, collate_packed, render_chat, sft_rows, text_rows
 from zerotrain.data.sft import _adds_bos, split_template
 from zerotrain.data.streaming import StreamedRows, first_columns, share_where, streamed_source
 from zerotrain.data.tokenizer import load_tokenizer, with_pad_token
@@ -332,6 +334,13 @@ class CausalLMTask(Task[CausalLMConfig]):
         if not getattr(tok, "chat_template", None):
             raise UserError("--data.chat_template: the tokenizer has no chat template, so chat records cannot be "
                             "rendered; pass a Jinja template (a file or the text) or a tokenizer that has one")
+        try:  # a template that does not parse, found before any record is read (transformers' own sandbox)
+            ImmutableSandboxedEnvironment().parse(tok.chat_template if isinstance(tok.chat_template, str) else "")
+        except TemplateSyntaxError as exc:
+            whose = (f"--data.chat_template {template}" if template
+                     else f"the chat template of {self.cfg.model.tokenizer or self.cfg.model.name_or_path}")
+            raise UserError(f"{whose}: the Jinja template does not parse (line {exc.lineno}: {exc.message}); fix it "
+                            "or pass another --data.chat_template") from None
         return tok
 
     def _text_column(self, src: source.Source) -> str:
@@ -523,9 +532,7 @@ class CausalLMTask(Task[CausalLMConfig]):
 
         tok, fmt = self.tokenizer, self._format(self.cfg.data.train_path)
         if fmt == "chat":
-            out = self._chat_tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                             add_generation_prompt=True, return_dict=False)
-            return list(out["input_ids"] if hasattr(out, "keys") else out)
+            return render_chat(self._chat_tokenizer(), [{"role": "user", "content": text}], True, "the prompt")
         if fmt == "sft":
             head, _ = split_template(self.cfg.data.template)
             text = head.replace("{input}", text)  # str.replace, not str.format, as in training

@@ -21,6 +21,7 @@ import importlib.metadata
 import inspect
 import os
 import sys
+import traceback
 from typing import Optional
 
 from zerotrain.errors import UserError
@@ -106,6 +107,13 @@ def _import_class(spec: str, argument: str) -> type[Task]:
                             "or pip install its package") from None
         raise UserError(f"{argument} {spec}: importing {module_name} failed: it needs the module {missing!r}, "
                         "which is not installed (pip install it)") from None
+    except SyntaxError as exc:
+        raise UserError(f"{argument} {spec}: {exc.filename}:{exc.lineno}: {exc.msg}: fix the module's syntax") from None
+    except (Exception, SystemExit) as exc:  # the module's own code failed, or called sys.exit, while imported
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        what = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        raise UserError(f"{argument} {spec}: importing {module_name} raised {what} (at {frame.filename}:"
+                        f"{frame.lineno}); a task module must import without running the job") from None
     cls = module
     for part in attr.split("."):
         if not hasattr(cls, part):
@@ -141,7 +149,7 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> type[Task]:
     where += f", package {ep.dist.name})" if getattr(ep, "dist", None) is not None else ")"
     try:
         loaded = ep.load()
-    except (ImportError, AttributeError) as exc:
+    except (Exception, SystemExit) as exc:  # missing, or the package's own code failed or exited while imported
         raise UserError(f"{where} cannot be loaded ({type(exc).__name__}: {exc}): reinstall or uninstall that "
                         "package") from None
     return _checked(loaded, where)
