@@ -225,3 +225,27 @@ def test_fsdp2_refuses_what_only_deepspeed_or_the_planner_does_naming_the_flag_g
     with pytest.raises(ConfigError) as err:
         StrategyConfig(backend="fsdp2", **settings).validate()
     assert err.value.flag == flag
+
+
+@pytest.mark.parametrize("backend,kwargs,unused", [
+    ("fsdp2", {"overlap_comm": True, "reduce_bucket_size": 1000}, ["--strategy.overlap_comm", "--strategy.reduce_bucket_size"]),
+    ("ddp", {"reshard_after_forward": False, "fast_path": False}, ["--strategy.fast_path", "--strategy.reshard_after_forward"]),
+    ("deepspeed", {"reshard_after_forward": False, "overlap_comm": True}, ["--strategy.reshard_after_forward"]),
+    ("fsdp2", {"reshard_after_forward": False, "gradient_clipping": 0.5}, []),
+])
+def test_another_engine_s_settings_are_named_as_unused(backend, kwargs, unused):
+    assert StrategyConfig(backend=backend, **kwargs).unused_flags() == unused
+
+
+def test_a_fit_says_which_flags_its_engine_does_not_use(tmp_path, capsys):
+    from helpers import toy_config
+
+    from zerotrain.tasks.toy import ToyTask
+    from zerotrain.train.loop import fit
+
+    cfg = toy_config(tmp_path, "run", backend="ddp", overlap_comm=True)
+    cfg.trainer.max_steps = 1
+    fit(ToyTask(cfg))
+    said = [line for line in capsys.readouterr().err.splitlines() if "does not use" in line]
+    assert said == ["[zerotrain] --strategy.overlap_comm: another engine's setting, which --strategy.backend ddp does "
+                    "not use"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional
 
 from zerotrain.engines import optimizers
@@ -132,6 +132,15 @@ class StrategyConfig:
     """fsdp2: free each block's gathered parameters after its forward and gather them again for its backward (ZeRO-3's memory); false keeps them from forward to backward (one all-gather fewer a step, the whole model's 16-bit parameters held at the forward's end)."""
     deepspeed_config: Optional[str] = None
     """A DeepSpeed JSON/HJSON file of your own. Its "auto" values are filled from this config; explicit values win and are checked."""
+
+    def unused_flags(self) -> list[str]:
+        """The flags set away from their defaults that :attr:`backend` does not read: another engine's settings
+        (DeepSpeed's buckets and fast path under fsdp2 or ddp, fsdp2's resharding elsewhere), said in the log."""
+        deepspeed = ("overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size", "fast_path")
+        fsdp2 = ("reshard_after_forward",)
+        other = {"deepspeed": fsdp2, "fsdp2": deepspeed}.get(self.backend, deepspeed + fsdp2)
+        defaults = {f.name: f.default for f in fields(self)}
+        return [f"--strategy.{name}" for name in other if getattr(self, name) != defaults[name]]
 
     def validate(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

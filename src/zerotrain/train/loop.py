@@ -312,6 +312,9 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
                  n_train / 1e6, rt.device.type, rt.world_size, engine.precision, engine.describe())
         log.info("%d optimizer steps (%d per epoch), global batch %d = %d micro x %d accumulation x %d ranks",
                  total_steps, steps_per_epoch, micro * grad_accum * rt.world_size, micro, grad_accum, rt.world_size)
+        if unused := cfg.strategy.unused_flags():
+            log.warning("%s: another engine's setting, which --strategy.backend %s does not use",
+                        ", ".join(unused), cfg.strategy.backend)
         return Run(task, cfg, rt, run_dir, resume_from, splits, sampler, total_steps, engine, loader, flops_per_token,
                    n_params, param_counts, model_load)
 
