@@ -83,6 +83,28 @@ def test_a_causal_lm_resumed_under_fsdp2_logs_bitwise_the_losses_of_one_that_nev
     assert sorted(we) == sorted(wb) and all(torch.equal(we[k], wb[k]) for k in wb)
 
 
+def test_reading_a_checkpoint_tensor_by_tensor_parses_its_metadata_once(tmp_path, monkeypatch):
+    """An export or a conversion reads one tensor at a time, and the ``.metadata`` (which grows with the tensors)
+    is parsed once for all of them, again only when the file changes."""
+    from zerotrain.checkpoint import dcp
+
+    cfg = toy_config(tmp_path, "run", backend="fsdp2")
+    cfg.trainer.max_steps = 1
+    fit(ToyTask(cfg))
+    folder = tmp_path / "run" / "checkpoints" / "step00000001"
+    parsed = []
+    real = dcp._MetadataUnpickler.load
+    monkeypatch.setattr(dcp._MetadataUnpickler, "load", lambda self: parsed.append(1) or real(self))
+    dcp._parsed_metadata.cache_clear()
+    tensors = dcp.model_tensors(folder)
+    assert len(tensors) > 1 and all(read().shape == shape for shape, _, read in tensors.values())
+    assert len(parsed) == 1
+    metadata = folder / dcp.FOLDER / dcp.METADATA
+    metadata.write_bytes(metadata.read_bytes() + b"\n")  # another file: parsed again (and read as before)
+    next(iter(tensors.values()))[2]()
+    assert len(parsed) == 2
+
+
 def test_a_crafted_dcp_metadata_file_is_refused_and_runs_nothing(tmp_path):
     """DCP's own reader would unpickle .metadata as it is. Replaced, with the marker rewritten to match (so the
     checksums do not catch it), the file is named in one line and what its pickle asks for never runs."""

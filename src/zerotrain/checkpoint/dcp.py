@@ -18,7 +18,9 @@ file ends in one :class:`~zerotrain.errors.UserError` line naming it.
 
 from __future__ import annotations
 
+import functools
 import io
+import os
 import pickle
 import warnings
 from pathlib import Path
@@ -72,7 +74,19 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path, where: tuple[str, str] = RESUME) -> Metadata:
-    """``path`` (a ``.metadata`` file) unpickled with only :data:`METADATA_GLOBALS` and dtypes; one line otherwise."""
+    """``path`` (a ``.metadata`` file) unpickled with only :data:`METADATA_GLOBALS` and dtypes; one line otherwise.
+
+    Parsed once while the file stays as it is (same size and modification time): reading a checkpoint one tensor
+    at a time (a conversion, an export) asks for it for every tensor, and it grows with the tensors."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise UserError(f"{where[0]}{path} is missing: the folder holds no DCP checkpoint. {where[1]}") from None
+    return _parsed_metadata(str(path), st.st_mtime_ns, st.st_size, where)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_metadata(path: str, mtime_ns: int, size: int, where: tuple[str, str]) -> Metadata:
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
