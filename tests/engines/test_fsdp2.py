@@ -105,6 +105,36 @@ def test_reading_a_checkpoint_tensor_by_tensor_parses_its_metadata_once(tmp_path
     assert len(parsed) == 2
 
 
+def test_a_dcp_metadata_file_replaced_by_one_of_the_same_size_and_time_is_parsed_again(tmp_path):
+    """A checkpoint copied over another with its times kept (``cp -p``, ``rsync -t``, a rename over it) may match
+    the old file's size and modification time: the new file's records are read, not the ones parsed before."""
+    import os
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from zerotrain.checkpoint import dcp
+
+    path, other = tmp_path / dcp.METADATA, tmp_path / "copy"
+    path.write_bytes(pickle.dumps(Metadata(state_dict_metadata={"aa": BytesStorageMetadata()})))
+    other.write_bytes(pickle.dumps(Metadata(state_dict_metadata={"bb": BytesStorageMetadata()})))
+    assert path.stat().st_size == other.stat().st_size
+    assert list(dcp.read_metadata(path).state_dict_metadata) == ["aa"]
+    times = path.stat()
+    os.utime(other, ns=(times.st_atime_ns, times.st_mtime_ns))
+    os.replace(other, path)
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (times.st_size, times.st_mtime_ns)
+    assert list(dcp.read_metadata(path).state_dict_metadata) == ["bb"]
+
+
+def test_a_dcp_folder_that_is_a_file_ends_in_one_line(tmp_path):
+    """A checkpoint whose ``dcp`` is a file, not a folder: one line naming the metadata path, not a traceback."""
+    from zerotrain.checkpoint import dcp
+
+    (tmp_path / dcp.FOLDER).write_text("not a folder")
+    with pytest.raises(UserError, match=r"^--checkpoint\.resume: .*dcp/\.metadata cannot be loaded \(NotADirectoryError"):
+        dcp.read_metadata(tmp_path / dcp.FOLDER / dcp.METADATA)
+
+
 def test_a_crafted_dcp_metadata_file_is_refused_and_runs_nothing(tmp_path):
     """DCP's own reader would unpickle .metadata as it is. Replaced, with the marker rewritten to match (so the
     checksums do not catch it), the file is named in one line and what its pickle asks for never runs."""

@@ -76,17 +76,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(path: Path, where: tuple[str, str] = RESUME) -> Metadata:
     """``path`` (a ``.metadata`` file) unpickled with only :data:`METADATA_GLOBALS` and dtypes; one line otherwise.
 
-    Parsed once while the file stays as it is (same size and modification time): reading a checkpoint one tensor
-    at a time (a conversion, an export) asks for it for every tensor, and it grows with the tensors."""
+    Parsed once while the file stays as it is (same file, size, modification and change times): reading a
+    checkpoint one tensor at a time (a conversion, an export) asks for it for every tensor, and it grows with the
+    tensors. The file's inode and change time are part of the key, so a file replaced by one of the same size
+    whose modification time was carried over (``cp -p``, ``rsync -t``, a rename over it) is parsed again."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         raise UserError(f"{where[0]}{path} is missing: the folder holds no DCP checkpoint. {where[1]}") from None
-    return _parsed_metadata(str(path), st.st_mtime_ns, st.st_size, where)
+    except OSError as exc:  # a file where a folder of the path should be, no permission
+        raise UserError(f"{where[0]}{path} cannot be loaded ({type(exc).__name__}: {exc.strerror}). "
+                        f"{where[1]}") from None
+    return _parsed_metadata(str(path), (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size), where)
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed_metadata(path: str, mtime_ns: int, size: int, where: tuple[str, str]) -> Metadata:
+def _parsed_metadata(path: str, version: tuple[int, ...], where: tuple[str, str]) -> Metadata:
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
