@@ -321,3 +321,16 @@ def test_a_run_predicts_and_exports_after_its_pretrained_model_folder_is_gone(fi
     exported = AutoModelForCausalLM.from_pretrained(out.out_dir).eval()
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=x).logits, load_run(result.run_dir).model(input_ids=x).logits)
+
+
+@pytest.mark.parametrize("tag", ["{% break %}", "{% continue %}", "{% generation %}{% endgeneration %}"])
+def test_a_chat_template_with_transformers_own_tags_is_taken(files, tag):
+    """Loop controls and ``{% generation %}`` (the assistant-mask tag) are Jinja that transformers renders: the
+    template is accepted before any record is read, and renders a conversation."""
+    tmp_path, tok = files
+    cfg = config(tmp_path, tok)
+    cfg.data.chat_template = ("{% for m in messages %}{{ m['content'] }} {% if loop.index > 5 %}" + tag
+                              + "{% endif %}{% endfor %}")
+    rendered = CausalLMTask(cfg)._chat_tokenizer().apply_chat_template(
+        [{"role": "user", "content": _sentence(0, 3)}], tokenize=False)
+    assert rendered.strip() == _sentence(0, 3)

@@ -32,7 +32,6 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn.functional as F
 from jinja2 import TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from torch import nn
 
 from zerotrain.config import RunConfig
@@ -156,6 +155,26 @@ class CausalLMConfig(RunConfig):
     """The model, its tokenizer and LoRA."""
     data: CausalLMDataConfig = field(default_factory=CausalLMDataConfig)
     """Text, records or conversations and how they become rows of tokens."""
+
+
+def _compile_chat_template(text: str) -> None:
+    """Compile ``text`` as transformers' ``apply_chat_template`` does (its sandbox with ``{% break %}``,
+    ``{% continue %}`` and ``{% generation %}``), so that a template it renders is never refused here; raises
+    jinja2's ``TemplateSyntaxError`` for one that does not parse. Without that private helper (another
+    transformers), plain Jinja with loop controls; ``{% generation %}`` then waits for the first record."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols]).parse(text)
+        except TemplateSyntaxError as exc:
+            if "'generation'" not in str(exc.message):
+                raise
+        return
+    _compile_jinja_template(text)
 
 
 def _first_documents(texts: list, n: int) -> int:
@@ -334,8 +353,8 @@ class CausalLMTask(Task[CausalLMConfig]):
         if not getattr(tok, "chat_template", None):
             raise UserError("--data.chat_template: the tokenizer has no chat template, so chat records cannot be "
                             "rendered; pass a Jinja template (a file or the text) or a tokenizer that has one")
-        try:  # a template that does not parse, found before any record is read (transformers' own sandbox)
-            ImmutableSandboxedEnvironment().parse(tok.chat_template if isinstance(tok.chat_template, str) else "")
+        try:  # a template that does not parse, found before any record is read
+            _compile_chat_template(tok.chat_template if isinstance(tok.chat_template, str) else "")
         except TemplateSyntaxError as exc:
             whose = (f"--data.chat_template {template}" if template
                      else f"the chat template of {self.cfg.model.tokenizer or self.cfg.model.name_or_path}")
