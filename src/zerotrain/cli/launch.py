@@ -34,7 +34,8 @@ def run(argv: list[str]) -> int:
                         help="seconds from the stop signal to the kill, for the checkpoint (SLURM --signal=USR1@N, "
                              "Kubernetes terminationGracePeriodSeconds)")
     parser.add_argument("--exe", default=defaults.exe,
-                        help="command that runs zerotrain on the nodes (e.g. '/opt/venv/bin/python -m zerotrain')")
+                        help="command that runs zerotrain on the nodes (e.g. '/opt/venv/bin/python -m zerotrain'), "
+                             "written as a shell command: quote a path with spaces in it")
     parser.add_argument("--image", default=defaults.image, help="Kubernetes: container image with zerotrain")
     parser.add_argument("--claim", default=defaults.claim,
                         help="Kubernetes: PersistentVolumeClaim (ReadWriteMany) mounted at the shared folder")
