@@ -107,7 +107,7 @@ class Source:
         builder_cache = None if cache_dir is None else str(Path(cache_dir).expanduser() / "datasets")
         if builder_cache is not None and not streaming:
             drop_damaged_copies(Path(builder_cache))
-        with _quiet_datasets():
+        with quiet_datasets():
             if streaming:
                 return datasets.load_dataset(self.builder, data_files=[str(f) for f in self.files], split="train",
                                              streaming=True, cache_dir=builder_cache, **self._builder_options())
@@ -191,11 +191,16 @@ class Source:
     def stream_error(self, exc: BaseException) -> DataError:
         """The one line for a failure of the builder while streaming these files (which file it was reading, the
         builder does not say): the first file zerotrain's own reader finds a fault in, by file and line; else the
-        builder's complaint about the first file."""
-        errors = [self._read_error(file, exc) for file in self.files if file.is_file()]
-        generic = [e for e in errors if ": cannot be read as " in str(e)]
-        precise = [e for e in errors if e not in generic]
-        return (precise or errors or [DataError(f"{self.path}: cannot be read ({type(exc).__name__}: {exc})")])[0]
+        builder's complaint about the first file. Files are read in order up to the first fault found."""
+        first: Optional[DataError] = None
+        for file in self.files:
+            if not file.is_file():
+                continue
+            error = self._read_error(file, exc)
+            if ": cannot be read as " not in str(error):
+                return error
+            first = first or error
+        return first or DataError(f"{self.path}: cannot be read ({type(exc).__name__}: {exc})")
 
     # ---- locations --------------------------------------------------------------------------------------------
     def where(self, row: int) -> str:
@@ -344,7 +349,7 @@ def cached_map(dataset, fn: Callable[..., dict[str, list]], key: str, cache_dir:
             return found
     else:
         file = None
-    with _quiet_datasets():
+    with quiet_datasets():
         return dataset.map(fn, batched=True, batch_size=batch_size, with_indices=with_indices, remove_columns=dataset.column_names,
                            new_fingerprint=key, cache_file_name=None if file is None else str(file),
                            keep_in_memory=file is None, load_from_cache_file=True, desc=f"tokenizing {name}")
@@ -418,7 +423,7 @@ def _open_cached(file: Path, rebuild: bool):
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     """No progress bars or info lines from ``datasets`` within the block; both are as they were after."""
     import datasets
 

@@ -90,7 +90,7 @@ class StreamedRows:
         chunks = iter(raw.iter(batch_size=self.chunk))
         while True:
             try:
-                with source._quiet_datasets():  # the builder logs its parse error before raising it
+                with source.quiet_datasets():  # the builder logs its parse error before raising it
                     columns = next(chunks)
             except StopIteration:
                 return
@@ -184,7 +184,7 @@ def streamed_source(src: source.Source, cache_dir: Optional[str], make_rows: Row
 def first_columns(src: source.Source, cache_dir: Optional[str]) -> list[str]:
     """The fields of a streamed source's first record (empty when it holds none), read without the rest."""
     try:
-        with source._quiet_datasets():  # the builder logs its parse error before raising it
+        with source.quiet_datasets():  # the builder logs its parse error before raising it
             first = next(iter(src.load(cache_dir, streaming=True)), None)
     except DataError:
         raise
