@@ -16,6 +16,7 @@
 #
 # sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 32 conversations (CPU), to check the
 # part end to end; ROWS="full_packed lora_padded" runs only those rows (the table marks the others missing).
+# SFT_CONVERSATIONS=N trains on N conversations (default 8000).
 set -uo pipefail
 OUT=${OUT:-/tmp/zerotrain-bench}
 D=${DATA:-.data}
@@ -55,7 +56,7 @@ if [ "${SIZE:-}" = tiny ]; then
   SFT_N=(32 8 400); SFT_MODEL=$OUT/sft_packing/llama_tiny_config.json; SFT_SEQ=128; SFT_MICRO=4; SFT_WARM=1; SFT_LRWARM=2
   SFT_PRECISION=fp32
 else
-  SFT_N=(8000 500 6000); SFT_MODEL=configs/llama_1.1b_config.json; SFT_SEQ=2048; SFT_MICRO=8; SFT_WARM=10; SFT_LRWARM=5
+  SFT_N=("${SFT_CONVERSATIONS:-8000}" 500 6000); SFT_MODEL=configs/llama_1.1b_config.json; SFT_SEQ=2048; SFT_MICRO=8; SFT_WARM=10; SFT_LRWARM=5
   SFT_PRECISION=bf16
 fi
 SFT=(--model.init random --model.config "$SFT_MODEL" --model.tokenizer "$D/tok32k"
