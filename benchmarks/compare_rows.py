@@ -30,9 +30,12 @@ def _pairs(values: list[str], flag: str) -> list[tuple[str, Path]]:
 
 
 def _environment(zerotrain_files: list[Path]) -> dict[str, Any]:
+    """The machine and versions the first readable benchmark file recorded, its library versions at the top level."""
     for path in zerotrain_files:
         if path.is_file():
-            return json.loads(path.read_text()).get("environment", {})
+            env = dict(json.loads(path.read_text()).get("environment", {}))
+            env.update({k: v for k, v in (env.pop("versions", None) or {}).items() if v is not None})
+            return env
     return {}
 
 
@@ -130,16 +133,12 @@ def main() -> None:
     p.add_argument("--title", required=True)
     p.add_argument("--zerotrain", action="append", default=[], help="LABEL=benchmark.json (zerotrain benchmark)")
     p.add_argument("--peer", action="append", default=[], help="LABEL=row.json (benchmarks/hf_trainer.py)")
+    p.add_argument("--commit", help="the commit the rows ran (default: the one the first benchmark file records)")
     args = p.parse_args()
     zerotrain, peers = _pairs(args.zerotrain, "--zerotrain"), _pairs(args.peer, "--peer")
     env = _environment([path for _, path in zerotrain])
-    if env:  # run where the rows were measured (otherwise this machine's version would be recorded)
-        try:
-            import transformers
-
-            env["transformers"] = transformers.__version__
-        except ImportError:
-            pass
+    if args.commit:  # the code that ran, where the benchmark recorded another checkout's
+        env["commit"] = args.commit
     if not env.get("commit"):
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         env["commit"] = done.stdout.strip() or None
