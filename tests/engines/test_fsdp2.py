@@ -307,6 +307,34 @@ def test_an_fsdp2_checkpoint_resumes_under_zero2_zero0_and_the_plain_engine_and_
     assert marker.stat().st_mtime_ns == before  # converted once
 
 
+def test_a_bf16_fsdp2_checkpoint_resumes_under_zero2_and_the_plain_engine(tmp_path):
+    """In bf16 the crossing carries the fp32 master weights and moments FSDP2 keeps: ZeRO-2 (whose bf16 optimizer
+    keeps fp32 masters too) continues the loss of the FSDP2 run that never stopped, and the plain engine (fp32
+    weights under autocast) within bf16's rounding. ZeRO-0 in bf16 wraps its optimizer where the crossing cannot
+    reach: one line naming the stages that load it."""
+    def toy(name: str, steps: int, **strategy):
+        cfg = toy_config(tmp_path, name, precision="bf16", **strategy)
+        cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
+        return cfg
+
+    straight = train_log(fit(ToyTask(toy("straight", 8, backend="fsdp2"))).run_dir)
+    fit(ToyTask(toy("split", 4, backend="fsdp2")))
+    step4 = tmp_path / "split" / "checkpoints" / "step00000004"
+    for name, strategy, rel in (("zero2", {"zero_stage": 2}, REL), ("plain", {"backend": "ddp"}, 1e-3)):
+        other = toy(name, 8, **strategy)
+        other.checkpoint.resume = str(step4)
+        resumed = train_log(fit(ToyTask(other)).run_dir)
+        assert sorted(resumed) == list(range(5, 9)), name
+        for step in range(5, 9):
+            assert resumed[step]["lr"] == straight[step]["lr"], f"{name} step {step}"
+            assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=rel), f"{name} {step}"
+    assert straight[8]["train_loss"] != pytest.approx(straight[4]["train_loss"], rel=1e-2)  # it trained
+    zero0 = toy("zero0", 8, zero_stage=0)
+    zero0.checkpoint.resume = str(step4)
+    with pytest.raises(UserError, match=r"written by another engine.*--strategy.zero_stage 1, 2 or 3"):
+        fit(ToyTask(zero0))
+
+
 def test_an_fsdp2_checkpoint_of_another_model_is_refused_by_zero2_in_one_line(tmp_path):
     """A checkpoint copied alone (no hparams.json beside it to compare the model flags with) of a wider model: ZeRO-2
     refuses it naming the file and the sizes, as FSDP2 and the plain engine do, where DeepSpeed's universal loader
