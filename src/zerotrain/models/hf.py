@@ -150,7 +150,7 @@ def read_config(source: ModelSource, overrides: Optional[dict[str, Any]] = None)
 
 def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool = True,
                min_vocab: Optional[int] = None, config_overrides: Optional[dict[str, Any]] = None,
-               partition_random: bool = True) -> nn.Module:
+               redrawn: bool = False) -> nn.Module:
     """The model of ``kind`` from ``source``, on CPU, in ``dtype``.
 
     ``pretrained=False`` builds the architecture without reading any weights (``zerotrain estimate``, and what
@@ -160,25 +160,27 @@ def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
     built, so a pretrained encoder gets a fresh classification head of the right size.
 
     Inside the training loop's model construction under ZeRO-3 the model is built partitioned (see the module's
-    docstring); ``partition_random=False`` builds a random model whole there all the same, for a caller that
-    redraws it from the seed outside the run.
+    docstring). A random model is laid out on the meta device and initialised once (:func:`_built_then_initialised`);
+    ``redrawn=True`` is for weights that are never saved and are drawn again from the seed outside the run (a
+    random LoRA base): they are built whole, by ``from_config`` directly, whose draw order does not change with
+    ZeRO-3 or with this module.
     """
     cls = auto_class(kind)
     overrides = dict(config_overrides or {})
     attention = {"attn_implementation": source.attn_implementation} if source.attn_implementation else {}
     try:
-        return _load(cls, kind, source, dtype, pretrained, min_vocab, overrides, attention, partition_random)
+        return _load(cls, kind, source, dtype, pretrained, min_vocab, overrides, attention, redrawn)
     except ImportError as exc:  # an attention kernel whose package is not installed (flash-attn)
         raise UserError(f"{source.flag}.attn_implementation {source.attn_implementation}: {_first_line(exc).rstrip('.')}; "
                         f"install it or pick another (sdpa, flex_attention, eager)") from None
 
 
 def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool, min_vocab: Optional[int],
-          overrides: dict[str, Any], attention: dict[str, str], partition_random: bool) -> nn.Module:
+          overrides: dict[str, Any], attention: dict[str, str], redrawn: bool) -> nn.Module:
     ds = zero3_config()
     if ds is not None and pretrained and source.init != "random":
         return _load_partitioned_pretrained(kind, cls, source, dtype, overrides, ds, attention)
-    partition = ds is not None and pretrained and partition_random
+    partition = ds is not None and pretrained and not redrawn
     if source.init == "random" or not pretrained:
         config = read_config(source, overrides)
         vocab = getattr(config, "vocab_size", None)
@@ -187,8 +189,10 @@ def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
                               f"vocab_size {vocab} is smaller than the tokenizer's {min_vocab} tokens; raise "
                               f"vocab_size in the config file or use a matching {source.flag}.tokenizer")
         try:
-            with built_partitioned(ds if partition else None):
-                return cls.from_config(config, dtype=dtype, **attention)
+            if partition or redrawn or not _init_weights_sets_buffers():
+                with built_partitioned(ds if partition else None):
+                    return cls.from_config(config, dtype=dtype, **attention)
+            return _built_then_initialised(cls, config, dtype, attention)
         except ValueError as exc:
             raise UserError(f"{source.flag}.config: {source.config or source.name_or_path!r} does not describe "
                             f"{_WHAT[kind]} ({_first_line(exc)})") from None
@@ -198,6 +202,32 @@ def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
             return cls.from_pretrained(where, dtype=dtype, **attention, **overrides)
     except (OSError, ValueError) as exc:
         raise _load_error(source, _WHAT[kind], exc) from None
+
+
+def _init_weights_sets_buffers() -> bool:
+    """Whether this transformers' ``init_weights`` also sets a model's computed buffers (rotary frequencies and the
+    like), as from transformers 5 on. Before, a model given memory after the meta device would keep them unset."""
+    from importlib.metadata import version
+
+    return int(version("transformers").split(".")[0]) >= 5
+
+
+def _built_then_initialised(cls: Any, config: Any, dtype: torch.dtype, attention: dict[str, str]) -> nn.Module:
+    """A random model laid out on the meta device, given memory on the default device, then initialised once by
+    transformers' ``init_weights`` (weights, computed buffers, tied weights).
+
+    ``from_config`` on a real device runs every layer's own PyTorch initialisation and then transformers'
+    ``_init_weights`` over it, so the first is thrown away: on a CPU about a third of the build (Llama-shaped 1.1B,
+    2 cores: 13-15 s built directly, 9 s this way). The weights follow the same distributions, drawn in another
+    order. Where the default device is the meta device (``zerotrain estimate`` sizes models there), nothing is
+    allocated or initialised."""
+    device = torch.get_default_device()
+    with torch.device("meta"):
+        model = cls.from_config(config, dtype=dtype, **attention)
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
 
 
 @contextlib.contextmanager

@@ -256,10 +256,11 @@ class CausalLMTask(Task[CausalLMConfig]):
     def load_base(self, pretrained: bool = True) -> nn.Module:
         """The causal LM as loaded, without LoRA.
 
-        A random base under LoRA is built whole under ZeRO-3 too: its frozen weights are never saved with the
-        adapter, and export and predict redraw them from the run's seed, in the whole model's draw order."""
+        A random base under LoRA is built whole, by ``from_config``, under ZeRO-3 too: its frozen weights are never
+        saved with the adapter, and export and predict redraw them from the run's seed, in the whole model's draw
+        order."""
         model = hf.load_model("causal-lm", self.source(), self._dtype(), pretrained, min_vocab=len(self.tokenizer),
-                              partition_random=self.lora_settings() is None)
+                              redrawn=self.lora_settings() is not None)
         if self._flex_attention_pays(model):
             model.set_attn_implementation("flex_attention")
         return model
