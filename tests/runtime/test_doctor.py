@@ -102,6 +102,17 @@ def test_prepare_ops_clears_the_lock_and_announces_the_build(ext_root):
     lines.clear()
     assert prepare_ops([SHM], say=lines.append) == [] and lines == []
 
+    # Built, with a lock taken just now: another process loading it (torch locks to check the library is
+    # current), no build to wait for; nothing said, the lock left to its owner. A stale one is still removed.
+    fresh = _lock(build_dir, age_s=0)
+    assert prepare_ops([SHM], say=lines.append) == [] and lines == []
+    assert fresh.exists()
+    _lock(build_dir, age_s=3600)
+    then = time.time() - 3600
+    os.utime(build_dir / f"{builder.name}.so", (then, then))  # nothing in the folder changed for an hour
+    assert prepare_ops([SHM], say=lines.append) == []
+    assert len(lines) == 1 and lines[0].startswith(f"removed {fresh}")
+
 
 @pytest.mark.slow
 def test_an_interrupted_build_does_not_hang_the_next_load(ext_root):

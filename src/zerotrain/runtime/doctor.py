@@ -274,8 +274,9 @@ def _processes_in(folder: Path) -> list[int]:
     return found
 
 
-def clear_stale_lock(build_dir: Path, what: str, now: Optional[float] = None) -> Optional[str]:
-    """Remove ``build_dir/lock`` when no build owns it; return the line that says what was done (None: no lock).
+def clear_stale_lock(build_dir: Path, what: str, now: Optional[float] = None, say_live: bool = True) -> Optional[str]:
+    """Remove ``build_dir/lock`` when no build owns it; return the line that says what was done (None: no lock, or
+    a lock that may be live when ``say_live`` is false).
 
     torch's build lock is a bare file (it records no owner): a build holds it from before its compiler starts
     until its library is loaded, and a build that was killed leaves it, after which torch waits for it to go,
@@ -294,6 +295,8 @@ def clear_stale_lock(build_dir: Path, what: str, now: Optional[float] = None) ->
     busy = _processes_in(build_dir)
     newest = max([lock_mtime] + [p.stat().st_mtime for p in build_dir.iterdir() if p.is_file()], default=lock_mtime)
     if busy or now - newest < LOCK_GRACE_S or not Path("/proc").is_dir():
+        if not say_live:
+            return None
         owner = f"processes {', '.join(map(str, busy[:4]))} work there" if busy else "it changed recently"
         return (f"waiting for another build of {what} to finish ({owner}): {lock} is its lock. If no build runs "
                 f"(an interrupted one leaves the lock behind), stop this run and remove it: rm {lock}")
@@ -323,9 +326,12 @@ def prepare_ops(ops: Iterable[str], say: Callable[[str], None] = log.info) -> li
             continue
         what, how_long = JIT_OPS.get(op, (op, "minutes"))
         build_dir = extensions_root() / builder.name
-        if not is_built(build_dir, builder.name):
+        built = is_built(build_dir, builder.name)
+        if not built:
             check_writable_root(extensions_root(), what)
-        line = clear_stale_lock(build_dir, what)
+        # A built op's lock that may be live is another process loading it: torch takes the same lock to check
+        # that the library is current, for moments, so there is nothing to wait for or to say
+        line = clear_stale_lock(build_dir, what, say_live=not built)
         if line:
             say(line)
         if not is_built(build_dir, builder.name):
