@@ -59,6 +59,8 @@ def poisoned(monkeypatch):
         calls.append(args[0])
         return real(*args, **kwargs)
 
+    if not hf._init_weights_sets_buffers():
+        pytest.skip("this transformers builds random models with from_config (the one-pass build is checked from 5.24)")
     monkeypatch.setattr(nn.Module, "to_empty", filled)
     monkeypatch.setattr(hf, "_built_then_initialised", counted)
     return calls

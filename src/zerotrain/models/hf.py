@@ -205,11 +205,13 @@ def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
 
 
 def _init_weights_sets_buffers() -> bool:
-    """Whether this transformers' ``init_weights`` also sets a model's computed buffers (rotary frequencies and the
-    like), as from transformers 5 on. Before, a model given memory after the meta device would keep them unset."""
+    """Whether this transformers' ``init_weights`` is known to set a model's computed buffers too (rotary
+    frequencies and the like): checked from 5.24 on (tests/models/test_random_init.py). Without that, a model given
+    memory after the meta device would keep them unset, so older versions build with ``from_config``."""
     from importlib.metadata import version
 
-    return int(version("transformers").split(".")[0]) >= 5
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version("transformers").split(".")[:2])
+    return (major, minor) >= (5, 24)
 
 
 def _built_then_initialised(cls: Any, config: Any, dtype: torch.dtype, attention: dict[str, str]) -> nn.Module:
