@@ -261,20 +261,20 @@ def test_a_zero_checkpoint_resumes_under_fsdp2_and_the_loss_continues(tmp_path, 
         "backend"] == "fsdp2"
 
 
-def cross_toy(tmp_path: Path, name: str, steps: int, **strategy):
-    """The toy recipe in fp32 without dropout (a resume on another process count re-seeds it)."""
-    cfg = toy_config(tmp_path, name, precision="fp32", **strategy)
+def cross_toy(tmp_path: Path, name: str, steps: int, precision: str = "fp32", **strategy):
+    """The toy recipe without dropout (a resume on another process count re-seeds it), fp32 unless named."""
+    cfg = toy_config(tmp_path, name, precision=precision, **strategy)
     cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
     return cfg
 
 
-def assert_continues(straight: dict, resumed: dict, steps: int, first: int = 1) -> None:
+def assert_continues(straight: dict, resumed: dict, steps: int, first: int = 1, rel: float = REL) -> None:
     """The resumed run's log rows (from step ``first``: a run folder of its own logs the steps it ran) are the
-    uninterrupted run's: every step once, the same rate, the loss within REL."""
+    uninterrupted run's: every step once, the same rate, the loss within ``rel``."""
     assert sorted(straight) == list(range(1, steps + 1)) and sorted(resumed) == list(range(first, steps + 1))
     for step in range(first, steps + 1):
         assert resumed[step]["lr"] == straight[step]["lr"], f"step {step}: the schedule did not continue"
-        assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=REL), f"step {step}"
+        assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=rel), f"step {step}"
     assert straight[steps]["train_loss"] != pytest.approx(straight[1]["train_loss"], rel=1e-2)  # it trained
 
 
@@ -312,24 +312,14 @@ def test_a_bf16_fsdp2_checkpoint_resumes_under_zero2_and_the_plain_engine(tmp_pa
     keeps fp32 masters too) continues the loss of the FSDP2 run that never stopped, and the plain engine (fp32
     weights under autocast) within bf16's rounding. ZeRO-0 in bf16 wraps its optimizer where the crossing cannot
     reach: one line naming the stages that load it."""
-    def toy(name: str, steps: int, **strategy):
-        cfg = toy_config(tmp_path, name, precision="bf16", **strategy)
-        cfg.model.dropout, cfg.trainer.max_steps = 0.0, steps
-        return cfg
-
-    straight = train_log(fit(ToyTask(toy("straight", 8, backend="fsdp2"))).run_dir)
-    fit(ToyTask(toy("split", 4, backend="fsdp2")))
+    straight = train_log(fit(ToyTask(cross_toy(tmp_path, "straight", 8, "bf16", backend="fsdp2"))).run_dir)
+    fit(ToyTask(cross_toy(tmp_path, "split", 4, "bf16", backend="fsdp2")))
     step4 = tmp_path / "split" / "checkpoints" / "step00000004"
     for name, strategy, rel in (("zero2", {"zero_stage": 2}, REL), ("plain", {"backend": "ddp"}, 1e-3)):
-        other = toy(name, 8, **strategy)
+        other = cross_toy(tmp_path, name, 8, "bf16", **strategy)
         other.checkpoint.resume = str(step4)
-        resumed = train_log(fit(ToyTask(other)).run_dir)
-        assert sorted(resumed) == list(range(5, 9)), name
-        for step in range(5, 9):
-            assert resumed[step]["lr"] == straight[step]["lr"], f"{name} step {step}"
-            assert resumed[step]["train_loss"] == pytest.approx(straight[step]["train_loss"], rel=rel), f"{name} {step}"
-    assert straight[8]["train_loss"] != pytest.approx(straight[4]["train_loss"], rel=1e-2)  # it trained
-    zero0 = toy("zero0", 8, zero_stage=0)
+        assert_continues(straight, train_log(fit(ToyTask(other)).run_dir), 8, first=5, rel=rel)
+    zero0 = cross_toy(tmp_path, "zero0", 8, "bf16", zero_stage=0)
     zero0.checkpoint.resume = str(step4)
     with pytest.raises(UserError, match=r"written by another engine.*--strategy.zero_stage 1, 2 or 3"):
         fit(ToyTask(zero0))
