@@ -182,3 +182,20 @@ def test_a_fit_with_no_timed_step_is_a_row_that_says_so(tmp_path):
     row = json.loads((tmp_path / "b" / "benchmark.json").read_text())["rows"][0]
     assert row["status"] == "ok" and row.get("throughput_sec_per_step") is None and row["tokens_per_s"] is None
     assert "| ddp | 1 | - |" in (tmp_path / "b" / "benchmark.md").read_text()
+
+
+def test_a_fit_killed_by_sigkill_names_the_kill_not_its_last_line():
+    """A fit the kernel's out-of-memory killer ends prints nothing of its own: the row says it was killed and
+    what to try, not the progress line it happened to print last."""
+    import sys
+
+    from zerotrain.plan.benchmark import _failure, run_bounded
+
+    script = "import os, signal; print('[zerotrain] 6 optimizer steps', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    code, out, err, timed_out = run_bounded([sys.executable, "-c", script], timeout_s=60)
+    assert not timed_out and code == -9
+    reason = _failure(err or out, code)
+    assert reason.startswith("killed by SIGKILL") and "--strategy.offload_pin_memory false" in reason
+    assert _failure("[zerotrain] 6 optimizer steps", 137).startswith("killed by SIGKILL")  # a shell's 128 + 9
+    assert _failure("Traceback\nzerotrain fit: error: --data.path: no such file", 2) == \
+        "zerotrain fit: error: --data.path: no such file"

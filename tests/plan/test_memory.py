@@ -43,7 +43,10 @@ def test_each_stage_partitions_what_it_should():
     # Offloaded ZeRO-2 partition (250 parameters): fp32 master weights and gradients, a bf16 copy, two moments
     # (its gradients go to the host bucket by bucket, through a buffer the size of the largest layer)
     assert mem("zero2_offload") == (2000 + bucket + 2 * 80, (4 + 4 + 2 + 8) * 250)
-    assert mem("zero3_offload") == (500 + 2 * 2 * 100 + bucket, 4000 + 500)
+    # ZeRO-3's offloaded partition: fp32 master weights and gradients, the flat bf16 gradient partition the reduced
+    # gradients land in, two moments (no gradients left on the GPU); with the 16-bit weights too, or without
+    assert mem("zero3_offload") == (2 * 2 * 100 + bucket, (4 + 4 + 2 + 8) * 250 + 500)
+    assert mem("zero3_offload_optimizer") == (500 + 2 * 2 * 100 + bucket, (4 + 4 + 2 + 8) * 250)
     # Plain PyTorch keeps the built fp32 weights; gradients twice over (DDP's buckets), Adam's two moments.
     assert mem("ddp") == (4000 + 8000 + 8000, 0)
     # Accumulating under ZeRO-1/2 offload: DeepSpeed's sum of the gradient partition on the host, in the weights' dtype
@@ -52,6 +55,24 @@ def test_each_stage_partitions_what_it_should():
         once, accumulated = (model_state_memory(c, STRATEGIES[name], 4, precision, Buckets(10), grad_accum=k).cpu_bytes
                              for k in (1, 4))
         assert accumulated - once == extra, (name, precision)
+
+
+def test_zero3_pins_its_offloaded_states_one_sub_group_at_a_time():
+    """ZeRO-3 pins the master weights and their gradients as one block per sub-group, so each rounds up on its own,
+    and the flat gradient partition as one block; Adam's moments are not pinned. 6.74B parameters pinned took a
+    125 GiB host past its limit in the first step (74 GiB before it): the model says 122 GiB, unpinned 113."""
+    from zerotrain.engines.states import Buckets as B
+
+    c = ParamCounts(total=3000, trainable=3000, largest_layer=100, total_bytes=6000, trainable_bytes=6000)
+    strategy = STRATEGIES["zero3_offload_optimizer"]
+    cpu = model_state_memory(c, strategy, 1, "bf16", B(10, pin_memory=True, sub_group_size=1000)).cpu_bytes
+    assert cpu == 2 * 3 * 4096 + 8192 + 8 * 3000  # 4000-byte groups in 4096-byte blocks; 6000 bytes in 8192
+    unpinned = model_state_memory(c, strategy, 1, "bf16", B(10, pin_memory=False, sub_group_size=1000)).cpu_bytes
+    assert unpinned == (4 + 4 + 2 + 8) * 3000
+    seven_b = ParamCounts(total=6_738_415_616, trainable=6_738_415_616, largest_layer=131_072_000,
+                          total_bytes=2 * 6_738_415_616, trainable_bytes=2 * 6_738_415_616)
+    gib = [model_state_memory(seven_b, strategy, 1, "bf16", B(pin_memory=pin)).cpu_bytes / 2**30 for pin in (True, False)]
+    assert [round(g) for g in gib] == [122, 113]
 
 
 def test_pinned_offload_partitions_round_up_to_a_power_of_two():
@@ -243,20 +264,20 @@ def test_nvme_offload_puts_the_states_on_disk_and_swap_buffers_on_the_host():
     nvme = STRATEGIES["zero3_offload"].__class__("deepspeed", 3, offload_optimizer="nvme", offload_param="nvme")
     cpu = model_state_memory(c, STRATEGIES["zero3_offload"], 1, "bf16")
     disk = model_state_memory(c, nvme, 1, "bf16")
-    assert cpu.nvme_bytes == 0 and cpu.cpu_bytes == 16 * 10**10 + 2 * 10**10
+    assert cpu.nvme_bytes == 0 and cpu.cpu_bytes == 16 * 10**10 + 2 * 10**10 + 2 * 10**10
     assert disk.nvme_bytes == 16 * 10**10 + 2 * 10**10
-    # 4 buffers x 1e9-element sub-groups x fp32; the fp32 gradient partition; 5 x 1e8 x bf16 weight buffers
-    assert disk.cpu_bytes == 4 * 4 * 10**9 + 4 * 10**10 + 5 * 10**8 * 2
+    # 4 buffers x 1e9-element sub-groups x fp32; the bf16 gradient partition; 5 x 1e8 x bf16 weight buffers
+    assert disk.cpu_bytes == 4 * 4 * 10**9 + 2 * 10**10 + 5 * 10**8 * 2
     assert disk.gpu_bytes == cpu.gpu_bytes  # the GPU side is the same
     small = Buckets.from_ds_config({"zero_optimization": {"sub_group_size": 10**8, "offload_optimizer": {
         "device": "nvme", "buffer_count": 6}, "offload_param": {"device": "nvme", "buffer_count": 3, "buffer_size": 10**7}}})
-    assert model_state_memory(c, nvme, 1, "bf16", small).cpu_bytes == 6 * 4 * 10**8 + 4 * 10**10 + 3 * 10**7 * 2
+    assert model_state_memory(c, nvme, 1, "bf16", small).cpu_bytes == 6 * 4 * 10**8 + 2 * 10**10 + 3 * 10**7 * 2
     pinned = Buckets(pin_memory=True)  # the gradient partition pinned: a power of two
-    assert model_state_memory(c, nvme, 1, "bf16", pinned).cpu_bytes == 4 * 4 * 10**9 + 2**36 + 5 * 10**8 * 2
+    assert model_state_memory(c, nvme, 1, "bf16", pinned).cpu_bytes == 4 * 4 * 10**9 + 2**35 + 5 * 10**8 * 2
     # On two GPUs each process holds half the states on disk; a sub-group is never more than a partition.
     tiny = ParamCounts(total=1000, trainable=1000, largest_layer=100, total_bytes=2000, trainable_bytes=2000)
     two = model_state_memory(tiny, nvme, 2, "bf16")
-    assert two.nvme_bytes == (16 * 1000 + 2 * 1000) / 2 and two.cpu_bytes == 4 * 4 * 500 + 4 * 500 + 5 * 10**8 * 2
+    assert two.nvme_bytes == (16 * 1000 + 2 * 1000) / 2 and two.cpu_bytes == 4 * 4 * 500 + 2 * 500 + 5 * 10**8 * 2
 
 
 def test_estimate_shows_a_configured_nvme_offload_with_its_disk(tmp_path, capsys):
@@ -361,8 +382,8 @@ def test_estimate_with_a_users_file_does_not_retry_unpinned(tmp_path):
 
 
 def test_the_unpinned_alternative_can_be_a_configured_nvme_offload(tmp_path, monkeypatch):
-    """ZeRO-3 with NVMe offload keeps the fp32 gradient partition on the host, pinned by default: a 9B toy on a
-    60 GiB host fits only unpinned, and the report names that row (not among the built-in strategies)."""
+    """ZeRO-3 with NVMe offload keeps the flat gradient partition on the host, pinned by default: a 9B toy on a
+    40 GiB host fits only unpinned, and the report names that row (not among the built-in strategies)."""
     from zerotrain.plan import estimate as estimate_mod
     from zerotrain.config.flags import parse_config
 
@@ -370,7 +391,7 @@ def test_the_unpinned_alternative_can_be_a_configured_nvme_offload(tmp_path, mon
     cfg = parse_config("toy", ["--model.width", str(2**29), "--strategy.zero_stage", "3",
                                "--strategy.offload_optimizer", "nvme", "--strategy.offload_param", "nvme",
                                "--strategy.nvme_path", str(tmp_path)])
-    report = estimate_mod.estimate("toy", cfg, gpu_memory_gib=80, host_memory_gib=60)
+    report = estimate_mod.estimate("toy", cfg, gpu_memory_gib=80, host_memory_gib=40)
     assert report.pick is None and report.unpinned is not None and report.unpinned.name == "zero3_nvme"
     line = estimate_mod.format_report(report).splitlines()[-1]
     assert "--strategy.offload_optimizer nvme" in line and line.endswith("--strategy.offload_pin_memory false")

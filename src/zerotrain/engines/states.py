@@ -31,7 +31,7 @@ prefetched). Offloading moves the optimizer state (and with ``offload_param`` th
 memory, where each process holds its partition; under ZeRO-1/2 with Adam that is 18 (bf16) or 20 (fp32) bytes
 a parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
 NVMe offload (ZeRO-Infinity) puts them on disk instead (``nvme_bytes``: 16 bytes a parameter for Adam, 2
-for bf16 weights) and keeps the fp32 gradient partition and DeepSpeed's pinned swap buffers on the host.
+for bf16 weights) and keeps the flat gradient partition and DeepSpeed's pinned swap buffers on the host.
 That accounting is read from DeepSpeed 0.19's swappers and not measured on a GPU (NVMe offload needs libaio),
 which its NVMe offload needs. With
 ``contiguous_gradients`` DeepSpeed's ZeRO stages also allocate a gradient reduce bucket of
@@ -313,17 +313,21 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     if strategy.offload_optimizer == "nvme":
         # ZeRO-3 swaps the fp32 master weights, gradients and the optimizer's states (Adam: 16 bytes a parameter,
         # an upper bound) to disk, one sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's
-        # OptimizerSwapper); the gradients are reduced into a flat fp32 partition that stays on the host
-        # (stage3.py, grad_partitions_flat_buffer), pinned with the offload's pin_memory.
+        # OptimizerSwapper); the gradients are reduced into a flat partition in the weights' dtype (DeepSpeed's
+        # default accumulation dtype) that stays on the host (stage3.py, grad_partitions_flat_buffer), pinned with
+        # the offload's pin_memory.
         held = pinned if buckets.pin_memory else float
         nvme += optim
         cpu += buckets.optimizer_swap_buffers * master * min(buckets.sub_group_size, counts.trainable / n)
-        cpu += held(master * counts.trainable / n)
-        optim = 0
+        cpu += held(element * counts.trainable / n)
+        optim = grads = 0
     elif strategy.offload_optimizer != "none":
-        cpu += (_offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states,
-                                     master, buckets.state_element)
-                if stage in (1, 2) else optim)
+        if stage in (1, 2):
+            cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states,
+                                        master, buckets.state_element)
+        else:
+            cpu += _offloaded_sub_groups(counts.trainable / n, element, buckets, optimizer_states)
+            grads = 0  # the gradient partition lives on the host with the optimizer (DeepSpeed's self.device)
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
             # DeepSpeed sums the micro-batches' gradients in a second copy on the host, in the weights' dtype
@@ -370,6 +374,21 @@ def _offloaded_partition(partition: float, element: int, pin: bool, states: int 
     master weights (and their gradients) and of the states, 2 where they are bf16 (:class:`Buckets`)."""
     held = pinned if pin else float
     return held(master * partition) + held(master * partition) + held(element * partition) + state * states * partition
+
+
+def _offloaded_sub_groups(partition: float, element: int, buckets: Buckets, states: int = ADAM_STATES) -> float:
+    """Host bytes of one ZeRO-3 optimizer-offload partition of ``partition`` parameters: the master weights and
+    their gradients, one block per sub-group of ``sub_group_size`` elements, each pinned when the offload pins; the
+    flat gradient partition that the reduced gradients land in, in the weights' dtype (DeepSpeed's default
+    accumulation dtype), one pinned block; and the optimizer's states, not pinned. DeepSpeed 0.19's ``stage3.py``:
+    ``fp32_partitioned_groups_flat`` and their ``.grad``, ``grad_partitions_flat_buffer``. Measured on one H100
+    host, 6.74B parameters pinned: 74 GiB before the first step (this model: 72.0 and the process), and the
+    first step's moments took the host past its 125 GiB."""
+    held = pinned if buckets.pin_memory else float
+    groups = max(1, math.ceil(partition / buckets.sub_group_size))
+    master = buckets.master_element
+    per_group = groups * held(master * partition / groups)
+    return 2 * per_group + held(element * partition) + buckets.state_element * states * partition
 
 
 def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,

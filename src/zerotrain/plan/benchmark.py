@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,7 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
     if returncode == 0 and summary.is_file():
         row.update(json.loads(summary.read_text()))
     else:
-        row["error"] = "out of memory" if returncode == OOM_EXIT else _failure(tail)
+        row["error"] = "out of memory" if returncode == OOM_EXIT else _failure(tail, returncode)
         print(tail, file=sys.stderr)
     row["nproc"] = row.get("world_size") or _nproc(fit_args)
     row.update(_standard_fields(recipe, row, run_dir, env))
@@ -339,10 +340,21 @@ def plot(result: dict[str, Any], path: Path) -> Optional[Path]:
     return path
 
 
-def _failure(log_tail: str) -> str:
-    """One line saying why a fit failed: OOM, else zerotrain's own error line, else the last line."""
+def _failure(log_tail: str, returncode: Optional[int] = None) -> str:
+    """One line saying why a fit failed: OOM, else a kill by a signal, else zerotrain's own error line, else the
+    last line. A fit killed by SIGKILL printed nothing of its own, and its last line is whatever it said before:
+    most often the kernel's out-of-memory killer ended it when host memory ran out (an offload's host states)."""
     if "out of memory" in log_tail.lower() or "out of gpu memory" in log_tail.lower():
         return "out of memory"
+    if returncode == -signal.SIGKILL or returncode == 128 + signal.SIGKILL:
+        return ("killed by SIGKILL with no error of its own: most often the kernel's out-of-memory killer, when host "
+                "memory runs out (dmesg says); an offload needs less host memory unpinned "
+                "(--strategy.offload_pin_memory false) or with bf16 states")
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
     lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
     ours = [line for line in lines if line.startswith("zerotrain")]
     return (ours or lines or ["no output"])[-1][:300]
