@@ -57,6 +57,19 @@ def test_each_stage_partitions_what_it_should():
         assert accumulated - once == extra, (name, precision)
 
 
+def test_a_host_keeps_room_for_the_process_beside_its_offloaded_states():
+    """Offloaded states that fill the host to the byte do not fit: the process itself needs memory too. The 6.74B's
+    122 GiB of pinned ZeRO-3 states on a 125 GiB host were killed in the first step."""
+    from zerotrain.plan.memory import GIB, PROCESS_HOST_BYTES, plan
+
+    c = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=2 * 10**9, trainable_bytes=2 * 10**9)
+    only = {"zero3_offload_optimizer": STRATEGIES["zero3_offload_optimizer"]}
+    states = model_state_memory(c, only["zero3_offload_optimizer"], 1, "bf16").cpu_bytes
+    for process, fits in ((0.0, True), (PROCESS_HOST_BYTES, False)):
+        [row] = plan(c, 1, "bf16", 80 * GIB, states + GIB, 1, strategies=only, process_bytes=process)
+        assert row.fits is fits
+
+
 def test_zero3_pins_its_offloaded_states_one_sub_group_at_a_time():
     """ZeRO-3 pins the master weights and their gradients as one block per sub-group, so each rounds up on its own,
     and the flat gradient partition as one block; Adam's moments are not pinned. 6.74B parameters pinned took a
@@ -350,15 +363,15 @@ def count_toy_trainable():
 
 
 def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
-    """A 1.1B toy on a 5 GiB GPU and a 20 GiB host: only ZeRO-2 offload fits the GPU, and its host states
-    fit only unpinned (28.5 GiB pinned, 19.1 GiB not). The report says so with the flags; a config that
-    pins the offload itself gets the plain 'nothing fits'."""
+    """A 1.1B toy on a 5 GiB GPU and a 24 GiB host: only ZeRO-2 offload fits the GPU, and its host states
+    fit only unpinned (28.5 GiB pinned, 19.1 GiB not, each beside the process's own 4 GiB). The report says so
+    with the flags; a config that pins the offload itself gets the plain 'nothing fits'."""
     from zerotrain.config.flags import parse_config
     from zerotrain.plan.estimate import estimate, format_report
 
     def report(*flags):
         cfg = parse_config("toy", ["--model.width", str(2**26), *flags])
-        return estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=20)
+        return estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=24)
 
     default = report()
     assert default.pick is None and default.unpinned is not None and default.unpinned.name == "zero2_offload"

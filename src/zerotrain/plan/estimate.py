@@ -27,6 +27,7 @@ from zerotrain.engines.states import Buckets, ParamCounts, count_params, model_s
 from zerotrain.errors import ConfigError
 from zerotrain.plan.memory import (
     GIB,
+    PROCESS_HOST_BYTES,
     MemoryPrediction,
     PlanRow,
     fits,
@@ -162,7 +163,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     rows = plan(counts, world, precision, gpu if gpu is not None else float("inf"), host,
                 procs_per_host=per_node, reserve_bytes=reserve_gib * GIB, buckets=buckets, autocast=autocast,
                 grad_accum=cfg.strategy.gradient_accumulation_steps, strategies=strategies, disk_bytes=disk,
-                optimizer_states=states)
+                optimizer_states=states, process_bytes=PROCESS_HOST_BYTES if probe is None else 0.0)
     predictions = None
     if probe is not None:
         predictions, judged = {}, []
