@@ -11,7 +11,8 @@
 # DATA/gutenberg/train.txt.xz DATA/tok32k.
 #
 # Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | causal_lm_8b (4 GPUs) | multinode (2 or 4
-#        GPUs) | sft_packing | offload_large_model | offload_5b | offload_7b | planner | kill_test (CPU) |
+#        GPUs) | sft_packing | offload_large_model | offload_5b | offload_7b |
+#        offload_7b_host125 | planner | kill_test (CPU) |
 #        restart_test (CPU) | gpu_tests
 #
 # sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 32 conversations (CPU), to check the
@@ -66,6 +67,13 @@ SFT=(--model.init random --model.config "$SFT_MODEL" --model.tokenizer "$D/tok32
      --trainer.micro_batch_size "$SFT_MICRO" --trainer.epochs 1 --trainer.warmup_steps_excluded "$SFT_WARM"
      --trainer.log_every_steps 5 --trainer.eval_every_steps 0 --trainer.export false --checkpoint.save_final false
      --logging.progress_bar false)
+# Llama-shaped 6.74B (configs/llama_7b_config.json, random weights), full AdamW, activation checkpointing, micro-batch 48
+L7=(--model.init random --model.config configs/llama_7b_config.json --model.tokenizer "$D/tok32k"
+    --data.train_path "$D/gutenberg/train.txt.xz" --data.format text --data.seq_len 2048 --data.max_train_lines 30000
+    --data.cache_dir "$OUT/cache" --precision.dtype bf16 --optimizer.lr 3e-4 --scheduler.warmup_steps 2
+    --trainer.micro_batch_size 48 --activation_checkpointing.enabled true --trainer.max_steps 5
+    --trainer.warmup_steps_excluded 2 --trainer.log_every_steps 1 --trainer.evaluate false --trainer.export false
+    --checkpoint.save_final false --logging.progress_bar false)
 plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
   local name=$1; shift
   z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials 3 > "$OUT/planner/$name.log" 2>&1
@@ -219,12 +227,6 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
     offload_7b)  # Llama-shaped 6.74B (configs/llama_7b_config.json, random weights), full AdamW with the optimizer on the
       # host, activation checkpointing, micro-batch 48 x 2,048, one GPU (~130 GiB of host memory: the 4-GPU machines);
       # then the Hugging Face Trainer with DeepSpeed's ZeRO-3 + CPU offload JSON as a user writes it
-      L7=(--model.init random --model.config configs/llama_7b_config.json --model.tokenizer "$D/tok32k"
-          --data.train_path "$D/gutenberg/train.txt.xz" --data.format text --data.seq_len 2048 --data.max_train_lines 30000
-          --data.cache_dir "$OUT/cache" --precision.dtype bf16 --optimizer.lr 3e-4 --scheduler.warmup_steps 2
-          --trainer.micro_batch_size 48 --activation_checkpointing.enabled true --trainer.max_steps 5
-          --trainer.warmup_steps_excluded 2 --trainer.log_every_steps 1 --trainer.evaluate false --trainer.export false
-          --checkpoint.save_final false --logging.progress_bar false)
       z benchmark causal-lm --strategies zero2_offload --predict false --out "$OUT/offload_7b/zerotrain" "${L7[@]}" \
         > "$OUT/offload_7b/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
       python3 benchmarks/hf_trainer.py --recipe causal-lm --out "$OUT/offload_7b/hf_trainer_zero3_offload.json" --warmup 1 \
@@ -235,6 +237,20 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
         --title "Llama-shaped 6.74B, one GPU, full AdamW, optimizer on the host, micro-batch 48 x 2048" \
         --zerotrain "zerotrain ZeRO-2 + CPU optimizer offload=$OUT/offload_7b/zerotrain/benchmark.json" \
         --peer "HF Trainer + DeepSpeed ZeRO-3 + CPU offload JSON=$OUT/offload_7b/hf_trainer_zero3_offload.json" | tail -n 6 ;;
+    offload_7b_host125)  # the same 6.74B on a one-GPU machine with a 125 GiB host: zerotrain's ZeRO-3 with the optimizer
+      # on the host (the layout whose host states fit best), micro-batch MICRO (default 32), then the HF Trainer with
+      # DeepSpeed's ZeRO-3 offload JSON as a user writes it (PEER_JSON; ds_zero3_offload_optimizer_auto.json keeps the
+      # weights on the GPU as zerotrain does); host and GPU memory every 5 s
+      L7H=("${L7[@]}" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps 6)
+      ( while sleep 5; do echo "$SECONDS $(free -g | awk '/Mem:/{print $3}') $(nvidia-smi --query-gpu=memory.used \
+          --format=csv,noheader,nounits | head -n 1)"; done > "$OUT/offload_7b_host125/memory_timeline.txt" ) &
+      SAMPLER=$!
+      z benchmark causal-lm --strategies zero3_offload_optimizer --predict false --out "$OUT/offload_7b_host125/zerotrain" \
+        "${L7H[@]}" > "$OUT/offload_7b_host125/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
+      python3 benchmarks/hf_trainer.py --recipe causal-lm --out "$OUT/offload_7b_host125/hf_trainer.json" --warmup 1 \
+        --trainer_args '{"gradient_checkpointing": true}' -- "${L7H[@]}" --trainer.max_steps 4 \
+        --strategy.deepspeed_config "${PEER_JSON:-benchmarks/ds_zero3_offload_auto.json}" > "$OUT/offload_7b_host125/hf_trainer.log" 2>&1
+      echo "hf_trainer rc=$?"; kill $SAMPLER ;;
     planner)  # zerotrain plan on each workload, its pick against every strategy measured (one GPU; bert_base_2gpu needs 2)
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
         --strategies ddp,zero0,zero1,zero2,zero3
