@@ -240,17 +240,23 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
     offload_7b_host125)  # the same 6.74B on a one-GPU machine with a 125 GiB host: zerotrain's ZeRO-3 with the optimizer
       # on the host (the layout whose host states fit best), micro-batch MICRO (default 32), then the HF Trainer with
       # DeepSpeed's ZeRO-3 offload JSON as a user writes it (PEER_JSON; ds_zero3_offload_optimizer_auto.json keeps the
-      # weights on the GPU as zerotrain does); host and GPU memory every 5 s
-      L7H=("${L7[@]}" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps 6)
+      # weights on the GPU as zerotrain does); host and GPU memory every 5 s. STATES=bf16: bf16 master weights and AdamW
+      # states (zerotrain's row only)
+      L7H=("${L7[@]}" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps 6
+           ${STATES:+--precision.master_weights "$STATES" --precision.optimizer_states "$STATES"})
       ( while sleep 5; do echo "$SECONDS $(free -g | awk '/Mem:/{print $3}') $(nvidia-smi --query-gpu=memory.used \
           --format=csv,noheader,nounits | head -n 1)"; done > "$OUT/offload_7b_host125/memory_timeline.txt" ) &
       SAMPLER=$!
       z benchmark causal-lm --strategies zero3_offload_optimizer --predict false --out "$OUT/offload_7b_host125/zerotrain" \
         "${L7H[@]}" > "$OUT/offload_7b_host125/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
-      python3 benchmarks/hf_trainer.py --recipe causal-lm --out "$OUT/offload_7b_host125/hf_trainer.json" --warmup 1 \
-        --trainer_args '{"gradient_checkpointing": true}' -- "${L7H[@]}" --trainer.max_steps 4 \
-        --strategy.deepspeed_config "${PEER_JSON:-benchmarks/ds_zero3_offload_auto.json}" > "$OUT/offload_7b_host125/hf_trainer.log" 2>&1
-      echo "hf_trainer rc=$?"; kill $SAMPLER ;;
+      if [ -z "${STATES:-}" ]; then
+        python3 benchmarks/hf_trainer.py --recipe causal-lm --out "$OUT/offload_7b_host125/hf_trainer.json" --warmup 1 \
+          --trainer_args '{"gradient_checkpointing": true}' -- "${L7H[@]}" --trainer.max_steps 4 \
+          --strategy.deepspeed_config "${PEER_JSON:-benchmarks/ds_zero3_offload_auto.json}" \
+          > "$OUT/offload_7b_host125/hf_trainer.log" 2>&1
+        echo "hf_trainer rc=$?"
+      fi
+      kill $SAMPLER ;;
     planner)  # zerotrain plan on each workload, its pick against every strategy measured (one GPU; bert_base_2gpu needs 2)
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
         --strategies ddp,zero0,zero1,zero2,zero3
