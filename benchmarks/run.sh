@@ -12,7 +12,7 @@
 #
 # Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | causal_lm_8b (4 GPUs) | multinode (2 or 4
 #        GPUs) | sft_packing | offload_large_model | offload_5b | offload_7b |
-#        offload_7b_host125 | planner | kill_test (CPU) |
+#        offload_7b_host125 | state_precision (CPU) | planner | kill_test (CPU) |
 #        restart_test (CPU) | gpu_tests
 #
 # sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 32 conversations (CPU), to check the
@@ -257,6 +257,31 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
         echo "hf_trainer rc=$?"
       fi
       kill $SAMPLER ;;
+    state_precision)  # CPU: what bf16 master weights and AdamW states cost in loss, against fp32 ones, on a model small
+      # enough for a CPU (4 layers x 256, a 4,096-token BPE of the Gutenberg text), ZeRO-2, bf16 compute, STEPS
+      # (default 300) optimizer steps of 8 x 256 tokens, learning rate 1e-3 after a tenth of them, decayed linearly to 0; the same seed and
+      # data order in both runs, the validation loss on 25 held-out batches (200 rows) at the end
+      S=$OUT/state_precision
+      [ -d "$D/tok4k" ] || python3 benchmarks/make_tokenizer.py "$D/gutenberg/train.txt.xz" "$D/tok4k" --vocab 4096 \
+        --max_lines 50000 > /dev/null
+      printf '%s\n' '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,' \
+        '"intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,' \
+        '"vocab_size": 4096, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": true,' \
+        '"bos_token_id": 1, "eos_token_id": 2}' > "$S/llama_small_config.json"
+      SP=(--model.init random --model.config "$S/llama_small_config.json" --model.tokenizer "$D/tok4k"
+          --data.train_path "$D/gutenberg/train.txt.xz" --data.val_path "$D/gutenberg/validation.txt.xz" --data.format text
+          --data.seq_len 256 --data.max_train_lines 60000 --trainer.eval_max_batches 25 --data.cache_dir "$OUT/cache"
+          --precision.dtype bf16 --strategy.zero_stage 2 --optimizer.lr 1e-3 --scheduler.name warmup_linear
+          --scheduler.warmup_steps $(( ${STEPS:-300} / 10 )) --trainer.micro_batch_size 8 --trainer.max_steps "${STEPS:-300}"
+          --trainer.log_every_steps 1 --trainer.eval_every_steps 0 --trainer.export false --checkpoint.save_final false
+          --logging.progress_bar false --trainer.output_dir "$S/runs")
+      z fit causal-lm "${SP[@]}" --trainer.run_name fp32_states > "$S/fp32_states.log" 2>&1; echo "fp32 states rc=$?"
+      z fit causal-lm "${SP[@]}" --trainer.run_name bf16_states --precision.master_weights bf16 \
+        --precision.optimizer_states bf16 > "$S/bf16_states.log" 2>&1; echo "bf16 states rc=$?"
+      python3 benchmarks/loss_curves.py --out "$S/state_precision" --last 50 \
+        --title "4 x 256 Llama, ZeRO-2, bf16 compute: fp32 against bf16 master weights and AdamW states" \
+        --run "fp32 master weights and states=$S/runs/fp32_states" \
+        --run "bf16 master weights and states=$S/runs/bf16_states" ;;
     planner)  # zerotrain plan on each workload, its pick against every strategy measured (one GPU; bert_base_2gpu needs 2)
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
         --strategies ddp,zero0,zero1,zero2,zero3
