@@ -100,11 +100,10 @@ def main() -> None:
         row.pop("env")
     result = {"title": args.title, "last": args.last, "command": " ".join(["python", *sys.argv]),
               "environment": environment, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
+    Path(args.out + ".md").write_text(markdown(result))
+    plot(result, Path(args.out + ".png"))
     print(markdown(result))
 
 

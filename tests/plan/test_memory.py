@@ -59,7 +59,8 @@ def test_each_stage_partitions_what_it_should():
 
 def test_a_host_keeps_room_for_the_process_beside_its_offloaded_states():
     """Offloaded states that fill the host to the byte do not fit: the process itself needs memory too. The 6.74B's
-    122 GiB of pinned ZeRO-3 states on a 125 GiB host were killed in the first step."""
+    119 GiB of pinned ZeRO-3 states on a 125 GiB host were killed in the first step. A row that offloads nothing is
+    not judged on the host."""
     from zerotrain.plan.memory import GIB, PROCESS_HOST_BYTES, plan
 
     c = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=2 * 10**9, trainable_bytes=2 * 10**9)
@@ -68,24 +69,31 @@ def test_a_host_keeps_room_for_the_process_beside_its_offloaded_states():
     for process, fits in ((0.0, True), (PROCESS_HOST_BYTES, False)):
         [row] = plan(c, 1, "bf16", 80 * GIB, states + GIB, 1, strategies=only, process_bytes=process)
         assert row.fits is fits
+    [gpu_only] = plan(c, 8, "bf16", 80 * GIB, GIB, 8, strategies={"zero2": STRATEGIES["zero2"]},
+                      process_bytes=PROCESS_HOST_BYTES)
+    assert gpu_only.fits
 
 
-def test_zero3_pins_its_offloaded_states_one_sub_group_at_a_time():
-    """ZeRO-3 pins the master weights and their gradients as one block per sub-group, so each rounds up on its own,
-    and the flat gradient partition as one block; Adam's moments are not pinned. 6.74B parameters pinned took a
-    125 GiB host past its limit in the first step (74 GiB before it): the model says 122 GiB, unpinned 113."""
+def test_zero3_pins_its_offloaded_gradients_one_sub_group_at_a_time():
+    """ZeRO-3 pins the master weights' gradients as one block per sub-group, so each rounds up on its own, and the
+    flat gradient partition as one block; the master weights and Adam's moments are not pinned. 6.74B parameters
+    pinned took a 125 GiB host past its limit in the first step (74 GiB in use before it): the model says 119 GiB of
+    states, 113 unpinned. A JSON's ``data_types.grad_accum_dtype`` sizes the flat partition."""
     from zerotrain.engines.states import Buckets as B
 
     c = ParamCounts(total=3000, trainable=3000, largest_layer=100, total_bytes=6000, trainable_bytes=6000)
     strategy = STRATEGIES["zero3_offload_optimizer"]
     cpu = model_state_memory(c, strategy, 1, "bf16", B(10, pin_memory=True, sub_group_size=1000)).cpu_bytes
-    assert cpu == 2 * 3 * 4096 + 8192 + 8 * 3000  # 4000-byte groups in 4096-byte blocks; 6000 bytes in 8192
+    assert cpu == 4 * 3000 + 3 * 4096 + 8192 + 8 * 3000  # 4000-byte gradient groups in 4096-byte blocks; 6000 in 8192
     unpinned = model_state_memory(c, strategy, 1, "bf16", B(10, pin_memory=False, sub_group_size=1000)).cpu_bytes
     assert unpinned == (4 + 4 + 2 + 8) * 3000
+    fp32_accum = B.from_ds_config({"data_types": {"grad_accum_dtype": "fp32"}, "zero_optimization": {"stage": 3}})
+    assert fp32_accum.grad_accum_element == 4 and B.from_ds_config({}).grad_accum_element is None
+    assert model_state_memory(c, strategy, 1, "bf16", fp32_accum).cpu_bytes == (4 + 4 + 4 + 8) * 3000
     seven_b = ParamCounts(total=6_738_415_616, trainable=6_738_415_616, largest_layer=131_072_000,
                           total_bytes=2 * 6_738_415_616, trainable_bytes=2 * 6_738_415_616)
     gib = [model_state_memory(seven_b, strategy, 1, "bf16", B(pin_memory=pin)).cpu_bytes / 2**30 for pin in (True, False)]
-    assert [round(g) for g in gib] == [122, 113]
+    assert [round(g) for g in gib] == [119, 113]
 
 
 def test_pinned_offload_partitions_round_up_to_a_power_of_two():
@@ -363,15 +371,15 @@ def count_toy_trainable():
 
 
 def test_estimate_names_the_unpinned_offload_when_nothing_fits_pinned():
-    """A 1.1B toy on a 5 GiB GPU and a 24 GiB host: only ZeRO-2 offload fits the GPU, and its host states
-    fit only unpinned (28.5 GiB pinned, 19.1 GiB not, each beside the process's own 4 GiB). The report says so
+    """A 1.1B toy on a 5 GiB GPU and a 26 GiB host: only ZeRO-2 offload fits the GPU, and its host states
+    fit only unpinned (28.5 GiB pinned, 19.1 GiB not, each beside the process's own 6 GiB). The report says so
     with the flags; a config that pins the offload itself gets the plain 'nothing fits'."""
     from zerotrain.config.flags import parse_config
     from zerotrain.plan.estimate import estimate, format_report
 
     def report(*flags):
         cfg = parse_config("toy", ["--model.width", str(2**26), *flags])
-        return estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=24)
+        return estimate("toy", cfg, gpu_memory_gib=5, host_memory_gib=26)
 
     default = report()
     assert default.pick is None and default.unpinned is not None and default.unpinned.name == "zero2_offload"

@@ -192,6 +192,9 @@ class Buckets:
     ``bf16.bf16_master_weights_and_grads`` (``--precision.master_weights bf16``)."""
     state_element: int = 4
     """Bytes of an element of the optimizer's states: 4 (fp32), 2 under ``bf16.bf16_optimizer_states``."""
+    grad_accum_element: Optional[int] = None
+    """Bytes of an element of ZeRO-3's flat gradient partition: ``data_types.grad_accum_dtype`` where a JSON sets
+    it, else (None) the weights' dtype, DeepSpeed's default."""
 
     @classmethod
     def for_fsdp2(cls, cfg: "RunConfig", device: str) -> "Buckets":
@@ -211,12 +214,14 @@ class Buckets:
         # DeepSpeed's ZeRO stages 1-3 keep bf16 master weights; stage 0 has none of its own
         master = 2 if bf16.get("bf16_master_weights_and_grads") is True and zero.get("stage", 0) in (1, 2, 3) else 4
         state = 2 if master == 2 and bf16.get("bf16_optimizer_states") is True else 4
+        accum = (ds.get("data_types") or {}).get("grad_accum_dtype") if isinstance(ds.get("data_types"), dict) else None
+        accum_element = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}.get(str(accum).lower())
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
                    bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)),
                    int(zero.get("sub_group_size", cls.sub_group_size)),
                    int(offload.get("buffer_count", cls.optimizer_swap_buffers)),
                    int(params.get("buffer_count", cls.param_swap_buffers)),
-                   int(params.get("buffer_size", cls.param_swap_buffer_size)), master, state)
+                   int(params.get("buffer_size", cls.param_swap_buffer_size)), master, state, accum_element)
 
 
 def pinned(nbytes: float) -> float:
@@ -319,14 +324,15 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         held = pinned if buckets.pin_memory else float
         nvme += optim
         cpu += buckets.optimizer_swap_buffers * master * min(buckets.sub_group_size, counts.trainable / n)
-        cpu += held(element * counts.trainable / n)
+        cpu += held((buckets.grad_accum_element or element) * counts.trainable / n)
         optim = grads = 0
     elif strategy.offload_optimizer != "none":
         if stage in (1, 2):
             cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states,
                                         master, buckets.state_element)
         else:
-            cpu += _offloaded_sub_groups(counts.trainable / n, element, buckets, optimizer_states)
+            cpu += _offloaded_sub_groups(counts.trainable / n, buckets.grad_accum_element or element, master,
+                                         buckets, optimizer_states)
             grads = 0  # the gradient partition lives on the host with the optimizer (DeepSpeed's self.device)
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
@@ -376,19 +382,23 @@ def _offloaded_partition(partition: float, element: int, pin: bool, states: int 
     return held(master * partition) + held(master * partition) + held(element * partition) + state * states * partition
 
 
-def _offloaded_sub_groups(partition: float, element: int, buckets: Buckets, states: int = ADAM_STATES) -> float:
-    """Host bytes of one ZeRO-3 optimizer-offload partition of ``partition`` parameters: the master weights and
-    their gradients, one block per sub-group of ``sub_group_size`` elements, each pinned when the offload pins; the
-    flat gradient partition that the reduced gradients land in, in the weights' dtype (DeepSpeed's default
-    accumulation dtype), one pinned block; and the optimizer's states, not pinned. DeepSpeed 0.19's ``stage3.py``:
-    ``fp32_partitioned_groups_flat`` and their ``.grad``, ``grad_partitions_flat_buffer``. Measured on one H100
-    host, 6.74B parameters pinned: 74 GiB before the first step (this model: 72.0 and the process), and the
-    first step's moments took the host past its 125 GiB."""
+def _offloaded_sub_groups(partition: float, flat_element: int, master: int, buckets: Buckets,
+                          states: int = ADAM_STATES) -> float:
+    """Host bytes of one ZeRO-3 optimizer-offload partition of ``partition`` parameters (DeepSpeed 0.19's ``stage3.py``):
+    - the master weights (``fp32_partitioned_groups_flat``, ``master`` bytes an element), not pinned;
+    - their gradients, one block per sub-group of ``sub_group_size`` elements, each pinned when the offload pins;
+    - the flat gradient partition that the reduced gradients land in (``grad_partitions_flat_buffer``,
+      ``flat_element`` bytes: the accumulation dtype), one block, pinned likewise;
+    - the optimizer's states, allocated at the first step, not pinned.
+
+    Pinned blocks round up to a power of two, and sub-groups round each on their own. Measured on one H100 host with
+    6.74B parameters: pinned with fp32 states, 74 GiB in use on the machine before the first step (this model: 69.1
+    of states), and the first step's moments took the host past its 125 GiB (119.3); with bf16 master weights and
+    states, an RSS peak of 69.9 GiB (67.6 of states)."""
     held = pinned if buckets.pin_memory else float
     groups = max(1, math.ceil(partition / buckets.sub_group_size))
-    master = buckets.master_element
-    per_group = groups * held(master * partition / groups)
-    return 2 * per_group + held(element * partition) + buckets.state_element * states * partition
+    grads = groups * held(master * partition / groups)
+    return master * partition + grads + held(flat_element * partition) + buckets.state_element * states * partition
 
 
 def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,
