@@ -199,3 +199,11 @@ def test_a_fit_killed_by_sigkill_names_the_kill_not_its_last_line():
     assert _failure("[zerotrain] 6 optimizer steps", 137).startswith("killed by SIGKILL")  # a shell's 128 + 9
     assert _failure("Traceback\nzerotrain fit: error: --data.path: no such file", 2) == \
         "zerotrain fit: error: --data.path: no such file"
+
+
+def test_a_timed_out_fit_is_a_row_that_says_it_timed_out(tmp_path):
+    """run_bounded marks a timeout with the code -1, which is not a signal: the row says the fit timed out."""
+    from zerotrain.plan.benchmark import run_one
+
+    row = run_one("toy", ["--trainer.max_steps", "5", "--trainer.device", "cpu"], tmp_path / "runs", "slow", timeout_s=1)
+    assert row["status"].startswith("failed: timed out after 1 s"), row["status"]

@@ -78,7 +78,8 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
     if returncode == 0 and summary.is_file():
         row.update(json.loads(summary.read_text()))
     else:
-        row["error"] = "out of memory" if returncode == OOM_EXIT else _failure(tail, returncode)
+        # -1 is run_bounded's mark of a timeout, not a signal: the tail already says it timed out
+        row["error"] = "out of memory" if returncode == OOM_EXIT else _failure(tail, None if timed_out else returncode)
         print(tail, file=sys.stderr)
     row["nproc"] = row.get("world_size") or _nproc(fit_args)
     row.update(_standard_fields(recipe, row, run_dir, env))

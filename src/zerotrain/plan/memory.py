@@ -55,11 +55,12 @@ def plan(counts: ParamCounts, world_size: int, precision: str, gpu_bytes: float,
          optimizer_states: int = ADAM_STATES, process_bytes: float = 0.0) -> list[PlanRow]:
     """Every strategy with its model-state memory and whether it fits: GPU states within ``gpu_bytes``
     minus ``reserve_bytes`` (kept for activations), the offloaded states of the processes of one host, each beside
-    ``process_bytes`` of its own (:data:`PROCESS_HOST_BYTES` where nothing measured it; a row that offloads nothing is
-    not judged on the host), within ``host_bytes``, and what they put on NVMe within ``disk_bytes``. ``buckets`` and ``autocast`` are
-    per strategy name, from the DeepSpeed JSON each would run with (absent: DeepSpeed's default bucket, no
-    autocast). ``strategies``: :data:`~zerotrain.plan.strategies.STRATEGIES` unless given, in order: the first that
-    fits is the planner's pick. ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
+    ``process_bytes`` of its own (:data:`PROCESS_HOST_BYTES` where nothing measured it; a row that offloads nothing
+    is not judged on the host), within ``host_bytes``, and what they put on NVMe within ``disk_bytes``.
+    ``buckets`` and ``autocast`` are per strategy name, from the DeepSpeed JSON each would run with (absent:
+    DeepSpeed's default bucket, no autocast). ``strategies``: :data:`~zerotrain.plan.strategies.STRATEGIES` unless
+    given, in order: the first that fits is the planner's pick. ``optimizer_states``:
+    :func:`~zerotrain.engines.states.optimizer_states`."""
     rows = []
     for name, strategy in (STRATEGIES if strategies is None else strategies).items():
         mem = model_state_memory(counts, strategy, world_size, precision, buckets.get(name, Buckets()),
