@@ -297,6 +297,9 @@ def test_nothing_fits_says_what_is_missing(tmp_path):
     assert all(r.dropped for r in rows)
     err = _nothing_fits(rows, cfg)
     assert isinstance(err, UserError) and "GPU memory: needs" in str(err) and "--launch.nproc_per_node" in str(err)
+    assert "--strategy.nvme_path DIR" in str(err)  # the disk is the one resource not yet offered
+    with_disk = parse_config("toy", [*TOY, "--trainer.output_dir", str(tmp_path), "--strategy.nvme_path", str(tmp_path)])
+    assert "--strategy.nvme_path" not in str(_nothing_fits(rows, with_disk))
 
 
 @pytest.mark.slow

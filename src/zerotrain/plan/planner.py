@@ -215,9 +215,11 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
 def _nothing_fits(rows: list[Row], cfg: RunConfig) -> UserError:
     """Say what is missing for the configuration that needs the least."""
     least = min(rows, key=lambda r: (r.memory.gpu_bytes, r.memory.host_bytes))
+    disk = ("" if cfg.strategy.nvme_path else ", put the states on a fast local disk (--strategy.nvme_path DIR makes "
+            "ZeRO-3 with NVMe offload a candidate; zerotrain doctor says whether it runs here)")
     return UserError(f"nothing fits this machine: the smallest configuration ({least.candidate.label}) is short of "
-                     f"{least.dropped}. Add GPUs (--launch.nproc_per_node, --launch.nnodes) or host memory, or train "
-                     "fewer parameters (a smaller model, or the lora recipe)")
+                     f"{least.dropped}. Add GPUs (--launch.nproc_per_node, --launch.nnodes) or host memory{disk}, or "
+                     "train fewer parameters (a smaller model, or the lora recipe)")
 
 
 def _disk_problem(recipe: str, cfg: RunConfig, precision: str) -> Optional[str]:
