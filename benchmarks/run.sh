@@ -12,7 +12,7 @@
 #
 # Parts: imdb | engine_overhead | mlm_bert_base | scaling | lora | causal_lm_1b | causal_lm_8b (4 GPUs) | multinode (2 or 4
 #        GPUs) | sft_packing | offload_large_model | offload_5b | offload_7b |
-#        offload_7b_host125 | state_precision (CPU) | planner | kill_test (CPU) |
+#        offload_7b_host125 | state_precision (CPU) | engines | planner | kill_test (CPU) |
 #        restart_test (CPU) | gpu_tests
 #
 # sft_packing also needs DATA/tok32k; SIZE=tiny runs it on a 2-layer model and 32 conversations (CPU), to check the
@@ -282,6 +282,20 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
         --title "4 x 256 Llama, ZeRO-2, bf16 compute: fp32 against bf16 master weights and AdamW states" \
         --run "fp32 master weights and states=$S/runs/fp32_states" \
         --run "bf16 master weights and states=$S/runs/bf16_states" ;;
+    engines)  # DeepSpeed's ZeRO-1/2/3 against PyTorch's FSDP2 (with and without resharding after forward): zerotrain plan
+      # measures every one at the configured micro-batch beside its own pick, for BERT-base MLM and the 1.1B causal LM on
+      # one GPU, again on two GPUs where there are two (files in $OUT/planner/, tables by benchmarks/plan_tables.py)
+      mkdir -p "$OUT/planner"
+      ENGINES=zero1,zero2,zero3,fsdp2,fsdp2_no_reshard
+      plan engines_bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 --strategies "$ENGINES"
+      plan engines_llama_1b_1gpu causal-lm "${LLAMA[@]}" --trainer.warmup_steps_excluded 5 --trial_steps 10 \
+        --strategies "$ENGINES"
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        plan engines_bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 --strategies "$ENGINES"
+        plan engines_llama_1b_2gpu causal-lm "${LLAMA[@]}" --trainer.warmup_steps_excluded 5 --trial_steps 10 \
+          --launch.nproc_per_node 2 --strategies "$ENGINES"
+      fi
+      python3 benchmarks/plan_tables.py "$OUT"/planner/engines_*/plan.json ;;
     planner)  # zerotrain plan on each workload, its pick against every strategy measured (one GPU; bert_base_2gpu needs 2)
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
         --strategies ddp,zero0,zero1,zero2,zero3
