@@ -11,8 +11,10 @@ is most of the cost, and CI's time is short.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,16 +99,25 @@ def test_a_ray_run_restarted_after_a_lost_worker_ends_with_the_weights_of_a_plai
                      storage_path=str(tmp_path / "ray_storage"), name="lost_worker", max_failures=1).fit()
     assert result.error is None
     assert (out / "rank1-died").exists()  # the first attempt lost a worker
-    logs = capfd.readouterr()
     stored = tmp_path / "ray_storage" / "lost_worker"
-    # The restarted group resumed from the last checkpoint Ray held (step 4, or step 2 if rank 1 died before Ray
-    # registered step 4's report), in Ray's storage, not from the start.
-    assert f"resumed from {stored}/checkpoint_" in logs.out + logs.err
+    # The restarted group resumed, not started over: from the last checkpoint Ray held, in Ray's storage, or, where
+    # Ray had registered none of the first attempt's reports when the worker died, from the run folder's newest
+    # (zerotrain.ray's documented fallback). Ray forwards the workers' output to the driver in the background: the
+    # line can arrive after fit() returns, so the test waits for it a while.
+    resumed = re.compile(rf"resumed from ({re.escape(str(stored))}/checkpoint_|"
+                         rf"{re.escape(str(out / 'lost_worker' / 'checkpoints'))}/step)")
+    said, deadline = "", time.monotonic() + 30
+    while not resumed.search(said) and time.monotonic() < deadline:
+        logs = capfd.readouterr()
+        said += logs.out + logs.err
+        time.sleep(0.5)
+    assert resumed.search(said), said[-3000:]
 
     # What Ray holds came through ray.train.report: the newest --checkpoint.keep_last (2) checkpoints with the
     # metrics of their steps; the last one is step 6's.
     assert result.metrics["step"] == 6 and "train_loss" in result.metrics and "val_mse" in result.metrics
-    assert sorted(m["step"] for _, m in result.best_checkpoints) == [4, 6]
+    held = sorted(m["step"] for _, m in result.best_checkpoints)  # [4, 6], or [6] where the first attempt's never registered
+    assert held in ([4, 6], [6]), held
     final = Path(result.checkpoint.path)
     assert final.parent == stored
 
