@@ -429,8 +429,9 @@ def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, preci
 
     Checked against the live tensor storages of the engine's own steps on the CPU with Gloo, 1 and 2 processes,
     fp32 and bf16, both ``reshard_after_forward`` settings (tests/plan/test_fsdp2_memory.py): within 2% at one
-    process; at two, Gloo's collectives add copies of their own (up to 0.7 bytes a parameter in fp32) that NCCL's
-    in-place ones do not, and the figure is up to 7% short there. Not measured on a GPU: the block prefetched on
+    process; at two, Gloo's reduce-scatter first copies its whole input (one block's unsharded gradients), which
+    NCCL's does not, and whether that copy is still alive at the peak depends on Gloo's worker thread: with it
+    added, within 8% over repeated runs (without it, from 6% to 10% short). Not measured on a GPU: the block prefetched on
     the all-gather stream, and the CUDA caching allocator's rounding, which :func:`zerotrain.plan.memory.fits`
     keeps room for. ``buckets``: only its ``pin_memory`` is read (:meth:`Buckets.for_fsdp2`)."""
     n = world_size
