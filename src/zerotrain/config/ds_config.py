@@ -289,8 +289,14 @@ tensorboard wandb csv_monitor comet elasticity checkpoint data_types communicati
 seq_parallel_communication_data_type autotuning compression_training memory_breakdown timers pipeline
 comms_logger disable_allgather dataloader_drop_last nebula weight_quantization hybrid_engine eigenvalue
 progressive_layer_drop quantize_training use_data_before_expert_parallelism use_node_local_storage
-graph_harvesting compile tensor_parallel zenflow gradient_accumulation_dtype
+graph_harvesting compile tensor_parallel
 """.split())
+
+# Blocks DeepSpeed reads only inside another one: at the top level they would be ignored as silently as a typo.
+NESTED_KEYS = {"zenflow": "zero_optimization.zenflow", "offload_optimizer": "zero_optimization.offload_optimizer",
+               "offload_param": "zero_optimization.offload_param", "stage": "zero_optimization.stage",
+               "gradient_accumulation_dtype": "data_types.grad_accum_dtype",
+               "grad_accum_dtype": "data_types.grad_accum_dtype"}
 
 
 def _zero_keys() -> frozenset[str]:
@@ -319,7 +325,12 @@ def check_user_keys(user: dict[str, Any], path: str | Path) -> None:
             if key in valid or str(key).startswith("_"):
                 continue
             close = difflib.get_close_matches(str(key), sorted(valid), n=1, cutoff=0.6)
-            hint = f"did you mean {prefix}{close[0]}?" if close else "see https://www.deepspeed.ai/docs/config-json/"
+            if not prefix and key in NESTED_KEYS:
+                hint = f"DeepSpeed reads it as {NESTED_KEYS[key]}: move it there"
+            elif close:
+                hint = f"did you mean {prefix}{close[0]}?"
+            else:
+                hint = "see https://www.deepspeed.ai/docs/config-json/"
             raise UserError(f"{flag}: {path}: unknown key {prefix}{key} (DeepSpeed would ignore it): {hint}")
 
 

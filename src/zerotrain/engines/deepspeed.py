@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,22 @@ from zerotrain.train.state import load_safely, weights_only_torch_load
 logger = logging.getLogger(__name__)
 
 
+@contextlib.contextmanager
+def _refusal_names(user_file: Optional[str]) -> Iterator[None]:
+    """A combination of settings in the user's own DeepSpeed file that DeepSpeed refuses only while it builds the
+    engine (its checks there raise ``ValueError``, ``AssertionError`` or a raised ``Warning``) ends in one line
+    that names the file and quotes DeepSpeed. zerotrain checks what it can before (``ds_config.check_user_*``);
+    without a user file the configuration is zerotrain's own, and such an error is a bug to see whole."""
+    try:
+        yield
+    except (ValueError, AssertionError, Warning) as exc:
+        if not user_file:
+            raise
+        said = " ".join(str(exc).split()) or type(exc).__name__
+        raise UserError(f"--strategy.deepspeed_config: {user_file}: DeepSpeed refused it while building the engine: "
+                        f"{said}") from exc
+
+
 class DeepSpeedEngine(Engine):
     """``deepspeed.initialize`` with zerotrain's schedule. With ``clip`` (see ``ds_config.engine_clips``)
     the engine clips the gradients itself before DeepSpeed's step, keeping the norm on the device."""
@@ -53,8 +70,9 @@ class DeepSpeedEngine(Engine):
         prepare_ops(ops_for(ds))  # a first run compiles DeepSpeed's optimizer op in there: say so, clear a stale lock
         # No optimizer block: --optimizer.name is a class path, built here and handed to DeepSpeed
         client = None if "optimizer" in ds else optimizers.build(params, cfg.optimizer, device.type)
-        self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds, optimizer=client,
-                                                lr_scheduler=scheduler)
+        with _refusal_names(cfg.strategy.deepspeed_config):
+            self.ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds, optimizer=client,
+                                                    lr_scheduler=scheduler)
         if cfg.compile.enabled:
             if ds.get("zero_optimization", {}).get("stage", 0) == 3:
                 # ZeRO-3 gathers each block's parameters in module hooks that a compiled block would trace
