@@ -24,6 +24,7 @@ from zerotrain.config.ds_config import (
     resolve_precision,
     validate_ds_config,
 )
+from helpers import REPO
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.runtime.doctor import LIBAIO_INSTALL
 from zerotrain.tasks.toy import ToyConfig
@@ -669,3 +670,17 @@ def test_a_users_file_decides_the_state_precision(tmp_path):
     reflect_ds_config(recorded, ds, "bf16")
     assert (recorded.precision.master_weights, recorded.precision.optimizer_states) == ("bf16", "bf16")
     make_ds_config(_states_cfg(deepspeed_config=str(low)), 1, "cuda", "bf16")  # flags that agree pass
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "benchmarks").glob("ds_*.json")))
+def test_the_shipped_peer_files_pass_the_checks_a_users_file_gets(name):
+    """The DeepSpeed files the benchmarks hand to zerotrain and its peers: every key where DeepSpeed reads it,
+    every value of the type DeepSpeed expects (a misplaced block would be ignored, and a row would measure
+    something else than its name says)."""
+    from zerotrain.config.ds_config import check_user_keys, check_user_types
+
+    path = REPO / "benchmarks" / name
+    user = load_user_config(path)
+    check_user_keys(user, path)
+    check_user_types(user, path)
+    assert user["zero_optimization"]["stage"] in (2, 3)
