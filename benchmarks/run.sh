@@ -266,7 +266,10 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
     state_precision)  # CPU: what bf16 master weights and AdamW states cost in loss, against fp32 ones, on a model small
       # enough for a CPU (4 layers x 256, a 4,096-token BPE of the Gutenberg text), ZeRO-2, bf16 compute, STEPS
       # (default 300) optimizer steps of 8 x 256 tokens, learning rate 1e-3 after a tenth of them, decayed linearly to 0; the same seed and
-      # data order in both runs, the validation loss on 25 held-out batches (200 rows) at the end
+      # data order in every run, the validation loss on 25 held-out batches (200 rows) at the end. ROWS (default
+      # "fp32 bf16"): fp32 (master weights and moments), bf16 (both), fp32_host and bf16_master_host (the optimizer on
+      # the host as DeepSpeedCPUAdam, the only place DeepSpeed keeps fp32 moments beside bf16 master weights).
+      # SEED (default 42) seeds the weights and the data order; runs of another seed are named ..._seedN
       S=$OUT/state_precision
       [ -d "$D/tok4k" ] || python3 benchmarks/make_tokenizer.py "$D/gutenberg/train.txt.xz" "$D/tok4k" --vocab 4096 \
         --max_lines 50000 > /dev/null
@@ -280,14 +283,25 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
           --precision.dtype bf16 --strategy.zero_stage 2 --optimizer.lr 1e-3 --scheduler.name warmup_linear
           --scheduler.warmup_steps $(( ${STEPS:-300} / 10 )) --trainer.micro_batch_size 8 --trainer.max_steps "${STEPS:-300}"
           --trainer.log_every_steps 1 --trainer.eval_every_steps 0 --trainer.export false --checkpoint.save_final false
-          --logging.progress_bar false --trainer.output_dir "$S/runs")
-      z fit causal-lm "${SP[@]}" --trainer.run_name fp32_states > "$S/fp32_states.log" 2>&1; echo "fp32 states rc=$?"
-      z fit causal-lm "${SP[@]}" --trainer.run_name bf16_states --precision.master_weights bf16 \
-        --precision.optimizer_states bf16 > "$S/bf16_states.log" 2>&1; echo "bf16 states rc=$?"
-      python3 benchmarks/loss_curves.py --out "$S/state_precision" --last 50 \
-        --title "4 x 256 Llama, ZeRO-2, bf16 compute: fp32 against bf16 master weights and AdamW states" \
-        --run "fp32 master weights and states=$S/runs/fp32_states" \
-        --run "bf16 master weights and states=$S/runs/bf16_states" ;;
+          --logging.progress_bar false --trainer.output_dir "$S/runs" --trainer.seed "${SEED:-42}")
+      SUFFIX=$([ "${SEED:-42}" = 42 ] || echo "_seed$SEED")
+      CURVES=()
+      for row in ${ROWS:-fp32 bf16}; do
+        case $row in
+          fp32) extra=(); label="fp32 master weights and states";;
+          bf16) extra=(--precision.master_weights bf16 --precision.optimizer_states bf16)
+                label="bf16 master weights and states";;
+          fp32_host) extra=(--strategy.offload_optimizer cpu); label="fp32 master weights and states, CPU Adam";;
+          bf16_master_host) extra=(--strategy.offload_optimizer cpu --precision.master_weights bf16)
+                label="bf16 master weights, fp32 states, CPU Adam";;
+          *) echo "state_precision: unknown row $row (fp32, bf16, fp32_host, bf16_master_host)"; continue;;
+        esac
+        z fit causal-lm "${SP[@]}" "${extra[@]}" --trainer.run_name "${row}_states$SUFFIX" \
+          > "$S/${row}_states$SUFFIX.log" 2>&1; echo "$row states rc=$?"
+        CURVES+=(--run "$label${SUFFIX:+ (seed ${SEED})}=$S/runs/${row}_states$SUFFIX")
+      done
+      python3 benchmarks/loss_curves.py --out "$S/state_precision$SUFFIX" --last 50 \
+        --title "4 x 256 Llama, ZeRO-2, bf16 compute: master weights and AdamW states in fp32 and bf16" "${CURVES[@]}" ;;
     engines)  # DeepSpeed's ZeRO-1/2/3 against PyTorch's FSDP2 (with and without resharding after forward): zerotrain plan
       # measures every one at the configured micro-batch beside its own pick, for BERT-base MLM and the 1.1B causal LM on
       # one GPU, again on two GPUs where there are two (files in $OUT/planner/, tables by benchmarks/plan_tables.py)

@@ -119,6 +119,8 @@ def trainer(recipe: str, argv: list[str] = (), num_workers: int = 2, use_gpu: bo
     wrote it. ``storage_path``, ``name``: Ray's ``RunConfig`` (where Ray keeps its copies of the checkpoints,
     and the run's name, which is the run folder's without ``--trainer.run_name``). ``max_failures``: how many
     times Ray restarts the worker group after a worker fails (``FailureConfig``; -1: without end).
+    ``resources_per_worker``: Ray's, and its ``"CPU"`` count is also the worker's ``OMP_NUM_THREADS`` (Ray's
+    default, 1 CPU, leaves DeepSpeed's CPU Adam on one core: give an offloading worker its share of the cores).
     Call ``.fit()`` on the result to train.
     """
     train = _ray_train()

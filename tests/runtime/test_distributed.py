@@ -12,6 +12,7 @@ from zerotrain.runtime.launcher import (
     adopt_slurm_env,
     launched_by_a_launcher,
     sanitize_cuda_arch_list,
+    threads_per_worker,
 )
 
 CLEAN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
@@ -97,3 +98,15 @@ def test_launcher_env_of_a_real_job_passes(env):
         env.setenv(name, value)
     check_launcher_env()  # raises nothing
     assert launched_by_a_launcher(LaunchConfig())
+
+
+def test_each_worker_gets_its_share_of_the_physical_cores(monkeypatch):
+    """The cores this process may run on, two hardware threads to a core, shared out: not torchrun's 1 a worker,
+    which would leave DeepSpeed's CPU Adam on one core per GPU."""
+    import psutil
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 64 if logical else 32)
+    assert [threads_per_worker(n) for n in (1, 2, 4, 8, 32)] == [16, 8, 4, 2, 1]
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 32)  # no hardware threads
+    assert [threads_per_worker(n) for n in (1, 3, 64)] == [32, 10, 1]

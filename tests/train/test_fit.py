@@ -101,8 +101,12 @@ def test_incomplete_checkpoint_is_ignored(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_two_processes_on_gloo(tmp_path, stage):
-    """``--launch.nproc_per_node 2`` starts two ranks itself; both see the same data split in halves."""
+def test_two_processes_on_gloo(tmp_path, stage, monkeypatch):
+    """``--launch.nproc_per_node 2`` starts two ranks itself; both see the same data split in halves, and each has
+    half the cores for its CPU threads."""
+    from zerotrain.runtime.launcher import threads_per_worker
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = zerotrain_cmd(["fit", "toy", "--trainer.max_steps", "4", "--trainer.log_every_steps", "1", "--trainer.num_workers",
                 "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "two", "--strategy.zero_stage",
                 str(stage), "--launch.nproc_per_node", "2", "--logging.progress_bar", "false",
@@ -114,6 +118,7 @@ def test_two_processes_on_gloo(tmp_path, stage):
     assert ds["train_batch_size"] == 2 * ds["train_micro_batch_size_per_gpu"]
     env = json.loads((run / "env.json").read_text())
     assert env["launcher_env"]["WORLD_SIZE"] == "2"
+    assert env["omp_num_threads"] == str(threads_per_worker(2)) and env["cpu_threads"] == threads_per_worker(2)
     assert len(train_log(run)) == 4
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["val_mse"] > 0

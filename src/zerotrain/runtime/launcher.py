@@ -214,6 +214,18 @@ def resume_after_restart(cfg) -> list[str]:
     return ["--checkpoint.resume", "auto"] if complete_checkpoints(run_dir / "checkpoints") else []
 
 
+def threads_per_worker(nproc: int) -> int:
+    """The CPU threads each of ``nproc`` workers on this node gets: the physical cores this process may run on,
+    shared out evenly (at least 1). torchrun gives every worker 1 when ``OMP_NUM_THREADS`` is unset, which leaves
+    DeepSpeed's CPU Adam (OpenMP) on one core per GPU under optimizer offload, the step's longest part there; one
+    process alone gets PyTorch's default, the physical cores, and this keeps that share per worker."""
+    import psutil
+
+    logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_core = max(1, (psutil.cpu_count(logical=True) or 1) // (psutil.cpu_count(logical=False) or 1))
+    return max(1, logical // per_core // max(1, nproc))
+
+
 def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     """Re-run this command in ``nproc_per_node`` processes on this node through ``torch.distributed.run``.
 
@@ -249,6 +261,9 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     shared_store = os.environ.get(_OWN_STORE_ENV)
     if launch.max_restarts:
         os.environ[_OWN_STORE_ENV] = "1"
+    own_threads = "OMP_NUM_THREADS" not in os.environ and launch.nproc_per_node > 1  # a user's value is kept
+    if own_threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(launch.nproc_per_node))
     watcher = StoppedWorkers().start()
     restarts = RestartReport(launch, folder, watcher).start()
     code = 0
@@ -277,6 +292,8 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     finally:
         watcher.stop()
         restarts.stop()
+        if own_threads:
+            os.environ.pop("OMP_NUM_THREADS", None)
         if shared_store is None:
             os.environ.pop(_OWN_STORE_ENV, None)
         else:

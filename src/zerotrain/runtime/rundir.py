@@ -447,6 +447,8 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "gpus": gpus,
         "cpu_count": os.cpu_count(),
+        "cpu_threads": torch.get_num_threads(),  # this process's: CPU Adam and host-side ops run on these
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "launcher_env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                                     "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES")
                          if k in os.environ},
