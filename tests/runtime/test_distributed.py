@@ -10,6 +10,7 @@ import pytest
 from zerotrain.config import LaunchConfig
 from zerotrain.runtime.launcher import (
     adopt_slurm_env,
+    few_threads_line,
     launched_by_a_launcher,
     sanitize_cuda_arch_list,
     threads_per_worker,
@@ -110,3 +111,23 @@ def test_each_worker_gets_its_share_of_the_physical_cores(monkeypatch):
     assert [threads_per_worker(n) for n in (1, 2, 4, 8, 32)] == [16, 8, 4, 2, 1]
     monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 32)  # no hardware threads
     assert [threads_per_worker(n) for n in (1, 3, 64)] == [32, 10, 1]
+
+
+def test_one_thread_for_a_host_optimizer_is_said_with_the_share_to_set(monkeypatch):
+    import psutil
+    import torch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(psutil, "cpu_count", lambda logical=True: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert few_threads_line(True) == (
+        "the optimizer steps on the host with 1 CPU thread in each process (OMP_NUM_THREADS=1), and this node has 4 "
+        "cores for each: set OMP_NUM_THREADS=4 in the launcher's environment (Ray: resources_per_worker CPU)")
+    assert few_threads_line(False) is None  # the optimizer on the GPU: the threads hardly matter
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert few_threads_line(True) is None  # one core each: nothing to spare
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert few_threads_line(True) is None

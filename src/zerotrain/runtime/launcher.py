@@ -226,6 +226,22 @@ def threads_per_worker(nproc: int) -> int:
     return max(1, logical // per_core // max(1, nproc))
 
 
+def few_threads_line(host_optimizer: bool) -> Optional[str]:
+    """A warning where the optimizer steps on the host (offload) with one CPU thread in this process while this
+    node has cores to spare for each of its processes: another launcher (torchrun, srun, Ray) left
+    ``OMP_NUM_THREADS`` at 1. None otherwise."""
+    import torch
+
+    if not host_optimizer or torch.get_num_threads() > 1:
+        return None
+    share = threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    if share <= 1:
+        return None
+    return (f"the optimizer steps on the host with 1 CPU thread in each process (OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}), and this node has {share} cores for each: set "
+            f"OMP_NUM_THREADS={share} in the launcher's environment (Ray: resources_per_worker CPU)")
+
+
 def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     """Re-run this command in ``nproc_per_node`` processes on this node through ``torch.distributed.run``.
 

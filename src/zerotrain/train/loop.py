@@ -60,7 +60,7 @@ from zerotrain.metrics.tracking import StepLogger, Tracker, log, progress_bar
 from zerotrain.runtime import rundir
 from zerotrain.runtime.collectives import all_gather_object, barrier, main_process_first, run_on_main
 from zerotrain.runtime.distributed import Runtime, setup
-from zerotrain.runtime.launcher import Progress
+from zerotrain.runtime.launcher import Progress, few_threads_line
 from zerotrain.runtime.preemption import armed
 from zerotrain.tasks import registry as recipes
 from zerotrain.tasks.base import Splits, Task
@@ -289,6 +289,12 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
 
         if cfg.strategy.deepspeed_config and engine.ds_config is not None:
             reflect_ds_config(cfg, engine.ds_config, engine.precision)  # hparams.json records what the file set
+        if rt.is_main and rt.device.type == "cuda":
+            st = cfg.strategy  # FSDP2's CPU offload moves the step with the parameters
+            host_step = st.offload_optimizer != "none" or (st.backend == "fsdp2" and st.offload_param != "none")
+            few = few_threads_line(host_step)
+            if few:
+                log.warning(few)
         if resume_from is not None:  # the checkpoint's shape, before anything in the run folder is rewritten
             shape = shape_of(engine, name)
             check_compatible(resume_from, shape)
