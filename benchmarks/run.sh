@@ -250,7 +250,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       SAMPLER=$!
       z benchmark causal-lm --strategies zero3_offload_optimizer --predict false --out "$OUT/offload_7b_host125/zerotrain" \
         "${L7H[@]}" > "$OUT/offload_7b_host125/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
-      if [ -n "${OVERLAP:-}" ]; then
+      if [ -n "${OVERLAP:-}" ] && [ -z "${STATES:-}" ]; then  # the file keeps fp32 states
         z fit causal-lm "${L7H[@]}" --strategy.deepspeed_config benchmarks/ds_zero3_superoffload_auto.json \
           --trainer.output_dir "$OUT/offload_7b_host125/superoffload" > "$OUT/offload_7b_host125/superoffload.log" 2>&1
         echo "superoffload rc=$?"
@@ -300,7 +300,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
           > "$S/${row}_states$SUFFIX.log" 2>&1; echo "$row states rc=$?"
         CURVES+=(--run "$label${SUFFIX:+ (seed ${SEED})}=$S/runs/${row}_states$SUFFIX")
       done
-      python3 benchmarks/loss_curves.py --out "$S/state_precision$SUFFIX" --last 50 \
+      [ ${#CURVES[@]} -gt 0 ] && python3 benchmarks/loss_curves.py --out "$S/state_precision$SUFFIX" --last 50 \
         --title "4 x 256 Llama, ZeRO-2, bf16 compute: master weights and AdamW states in fp32 and bf16" "${CURVES[@]}" ;;
     engines)  # DeepSpeed's ZeRO-1/2/3 against PyTorch's FSDP2 (with and without resharding after forward): zerotrain plan
       # measures every one at the configured micro-batch beside its own pick, for BERT-base MLM and the 1.1B causal LM on

@@ -32,20 +32,43 @@ from zerotrain.train.state import load_safely, weights_only_torch_load
 logger = logging.getLogger(__name__)
 
 
+class DeepSpeedRefused(UserError):
+    """DeepSpeed refused the user's file while building the engine. Its checks may depend on the rank (a
+    partition's size), so each rank that met one says it."""
+
+    said_by_each_rank = True
+
+
 @contextlib.contextmanager
 def _refusal_names(user_file: Optional[str]) -> Iterator[None]:
     """A combination of settings in the user's own DeepSpeed file that DeepSpeed refuses only while it builds the
-    engine (its checks there raise ``ValueError``, ``AssertionError`` or a raised ``Warning``) ends in one line
-    that names the file and quotes DeepSpeed. zerotrain checks what it can before (``ds_config.check_user_*``);
-    without a user file the configuration is zerotrain's own, and such an error is a bug to see whole."""
+    engine (its checks there raise ``ValueError``, ``AssertionError`` or a bare ``Warning``) ends in one line
+    that names the file, quotes DeepSpeed and names DeepSpeed's module that raised it. Only an error raised in
+    DeepSpeed's own code is taken for a refusal: one from zerotrain's code that DeepSpeed calls (the learning-rate
+    schedule) or any other library, or without a user file, is a bug to see whole."""
     try:
         yield
     except (ValueError, AssertionError, Warning) as exc:
-        if not user_file:
+        where = _raised_in_deepspeed(exc)
+        if not user_file or where is None or (isinstance(exc, Warning) and type(exc) is not Warning):
             raise
         said = " ".join(str(exc).split()) or type(exc).__name__
-        raise UserError(f"--strategy.deepspeed_config: {user_file}: DeepSpeed refused it while building the engine: "
-                        f"{said}") from exc
+        raise DeepSpeedRefused(f"--strategy.deepspeed_config: {user_file}: DeepSpeed refused it while building the "
+                               f"engine ({where}): {said}") from exc
+
+
+def _raised_in_deepspeed(exc: BaseException) -> Optional[str]:
+    """``deepspeed/<path>`` of the frame that raised ``exc`` when it is DeepSpeed's, else None."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return None
+    parts = Path(tb.tb_frame.f_code.co_filename).parts
+    if "deepspeed" not in parts:
+        return None
+    inner = parts[len(parts) - 1 - parts[::-1].index("deepspeed"):]
+    return "/".join(inner)
 
 
 class DeepSpeedEngine(Engine):

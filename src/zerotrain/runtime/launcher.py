@@ -222,19 +222,21 @@ def threads_per_worker(nproc: int) -> int:
     import psutil
 
     logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per_core = max(1, (psutil.cpu_count(logical=True) or 1) // (psutil.cpu_count(logical=False) or 1))
+    threads, cores = psutil.cpu_count(logical=True), psutil.cpu_count(logical=False)  # either may be None
+    per_core = max(1, threads // cores) if threads and cores else 1
     return max(1, logical // per_core // max(1, nproc))
 
 
 def few_threads_line(host_optimizer: bool) -> Optional[str]:
     """A warning where the optimizer steps on the host (offload) with one CPU thread in this process while this
-    node has cores to spare for each of its processes: another launcher (torchrun, srun, Ray) left
-    ``OMP_NUM_THREADS`` at 1. None otherwise."""
+    node has cores to spare for each of its processes: another launcher (torchrun, Ray) set ``OMP_NUM_THREADS``
+    to 1. The processes on this node: torchrun's ``LOCAL_WORLD_SIZE``, else one per visible GPU. None otherwise."""
     import torch
 
     if not host_optimizer or torch.get_num_threads() > 1:
         return None
-    share = threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    share = threads_per_worker(int(local) if local and local.isdigit() else max(1, torch.cuda.device_count()))
     if share <= 1:
         return None
     return (f"the optimizer steps on the host with 1 CPU thread in each process (OMP_NUM_THREADS="
@@ -277,11 +279,11 @@ def spawn_local_workers(launch: LaunchConfig, argv: list[str]) -> int:
     shared_store = os.environ.get(_OWN_STORE_ENV)
     if launch.max_restarts:
         os.environ[_OWN_STORE_ENV] = "1"
+    watcher = StoppedWorkers().start()
+    restarts = RestartReport(launch, folder, watcher).start()
     own_threads = "OMP_NUM_THREADS" not in os.environ and launch.nproc_per_node > 1  # a user's value is kept
     if own_threads:
         os.environ["OMP_NUM_THREADS"] = str(threads_per_worker(launch.nproc_per_node))
-    watcher = StoppedWorkers().start()
-    restarts = RestartReport(launch, folder, watcher).start()
     code = 0
     try:
         try:
