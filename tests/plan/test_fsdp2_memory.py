@@ -82,16 +82,8 @@ def _activation_bytes(precision: str) -> float:
         return float(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - base)
 
 
-def _gloo_copy(counts, precision: str) -> float:
-    """What Gloo adds at two processes and NCCL does not: its reduce-scatter copies its whole input first (one
-    block's unsharded gradients, in the reduce dtype). Whether that copy is still alive at the step's peak
-    depends on when Gloo's worker thread frees it, so it is added to the prediction, not left to chance."""
-    return (2.0 if precision == "bf16" else 4.0) * counts.largest_block
-
-
 def measured_and_predicted(precision: str, reshard: bool, accumulation: int) -> tuple[float, float]:
-    """(measured peak, predicted peak) of one process of the current process group; at several processes the
-    prediction includes :func:`_gloo_copy`."""
+    """(measured peak, predicted peak) of one process of the current process group."""
     from zerotrain.engines.fsdp2 import FSDP2Engine
 
     torch.manual_seed(0)
@@ -107,8 +99,7 @@ def measured_and_predicted(precision: str, reshard: bool, accumulation: int) -> 
     states = model_state_memory(counts, Strategy("fsdp2", reshard_after_forward=reshard), dist.get_world_size(),
                                 precision, grad_accum=accumulation, device="cpu")
     act = _activation_bytes(precision)
-    gloo = _gloo_copy(counts, precision) if dist.get_world_size() > 1 else 0.0
-    return peak, step_peak(states, act, act, accumulation) + gloo
+    return peak, step_peak(states, act, act, accumulation)
 
 
 CASES = [(p, r) for p in ("fp32", "bf16") for r in (True, False)]

@@ -429,9 +429,9 @@ def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, preci
 
     Checked against the live tensor storages of the engine's own steps on the CPU with Gloo, 1 and 2 processes,
     fp32 and bf16, both ``reshard_after_forward`` settings (tests/plan/test_fsdp2_memory.py): within 2% at one
-    process; at two, Gloo's reduce-scatter first copies its whole input (one block's unsharded gradients), which
-    NCCL's does not, and whether that copy is still alive at the peak depends on Gloo's worker thread: with it
-    added, within 8% over repeated runs (without it, from 6% to 10% short). Not measured on a GPU: the block prefetched on
+    process; at two, within 8% over repeated runs, with Gloo's copy of each reduce-scatter's input (one block's
+    unsharded gradients, counted on the CPU at several processes; NCCL makes none), which Gloo's worker thread
+    frees at a time that varies from run to run (without it the figure was 6% to 10% short). Not measured on a GPU: the block prefetched on
     the all-gather stream, and the CUDA caching allocator's rounding, which :func:`zerotrain.plan.memory.fits`
     keeps room for. ``buckets``: only its ``pin_memory`` is read (:meth:`Buckets.for_fsdp2`)."""
     n = world_size
@@ -449,6 +449,8 @@ def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, preci
         held += as_built * ahead * block / n  # each gathered block's shard, copied up from the host first
     extra = 0.0 if strategy.reshard_after_forward else max(0.0, e * counts.total - e * min(counts.total, root + ahead * block))
     bucket = e * min(counts.trainable, block + root)
+    if device == "cpu" and n > 1:  # Gloo's reduce-scatter first copies its whole input; NCCL's does not
+        bucket += e * min(counts.trainable, block)
     accumulated = e * counts.trainable if grad_accum > 1 else 0.0
     cpu = 0.0
     if offload:
