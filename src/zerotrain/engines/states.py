@@ -214,7 +214,8 @@ class Buckets:
         # DeepSpeed's ZeRO stages 1-3 keep bf16 master weights; stage 0 has none of its own
         master = 2 if bf16.get("bf16_master_weights_and_grads") is True and zero.get("stage", 0) in (1, 2, 3) else 4
         state = 2 if master == 2 and bf16.get("bf16_optimizer_states") is True else 4
-        accum = (ds.get("data_types") or {}).get("grad_accum_dtype") if isinstance(ds.get("data_types"), dict) else None
+        data_types = ds.get("data_types")
+        accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
         accum_element = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}.get(str(accum).lower())
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
                    bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)),
@@ -431,8 +432,8 @@ def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, preci
     fp32 and bf16, both ``reshard_after_forward`` settings (tests/plan/test_fsdp2_memory.py): within 2% at one
     process; at two, within 8% over repeated runs, with Gloo's copy of each reduce-scatter's input (one block's
     unsharded gradients, counted on the CPU at several processes; NCCL makes none), which Gloo's worker thread
-    frees at a time that varies from run to run (without it the figure was 6% to 10% short). Not measured on a GPU: the block prefetched on
-    the all-gather stream, and the CUDA caching allocator's rounding, which :func:`zerotrain.plan.memory.fits`
+    frees at a time that varies from run to run (without it the figure was 6% to 10% short). Not measured on a
+    GPU: the block prefetched on the all-gather stream, and the CUDA caching allocator's rounding, which :func:`zerotrain.plan.memory.fits`
     keeps room for. ``buckets``: only its ``pin_memory`` is read (:meth:`Buckets.for_fsdp2`)."""
     n = world_size
     offload = "cpu" in (strategy.offload_optimizer, strategy.offload_param)
