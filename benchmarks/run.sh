@@ -76,7 +76,7 @@ L7=(--model.init random --model.config configs/llama_7b_config.json --model.toke
     --checkpoint.save_final false --logging.progress_bar false)
 plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
   local name=$1; shift
-  z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials 3 > "$OUT/planner/$name.log" 2>&1
+  z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials "${TRIALS:-3}" > "$OUT/planner/$name.log" 2>&1
   echo "plan $name rc=$?"
 }
 
@@ -242,8 +242,18 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       # DeepSpeed's ZeRO-3 offload JSON as a user writes it (PEER_JSON; ds_zero3_offload_optimizer_auto.json keeps the
       # weights on the GPU as zerotrain does); host and GPU memory every 5 s. STATES=bf16: bf16 master weights and AdamW
       # states (zerotrain's row only). OVERLAP=1: zerotrain's row again with DeepSpeed's SuperOffload
-      # (ds_zero3_superoffload_auto.json: each sub-group's CPU Adam step during the backward pass, no clipping)
-      L7H=("${L7[@]}" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps 6
+      # (ds_zero3_superoffload_auto.json: each sub-group's CPU Adam step during the backward pass, no clipping).
+      # ACCUM=k: k micro-batches a step (the host's optimizer step shared by k times the tokens); STEPS (default 6)
+      # steps, the first min(2, STEPS - 1) not timed; LAYERS=n: the same model with n layers instead of 32; PINNED=false:
+      # the host states in pageable memory (no power-of-two blocks)
+      H=$OUT/offload_7b_host125; MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}
+      if [ -n "${LAYERS:-}" ]; then
+        MODEL7=$H/llama_${LAYERS}_layers_config.json
+        sed "s/\"num_hidden_layers\": 32/\"num_hidden_layers\": $LAYERS/" configs/llama_7b_config.json > "$MODEL7"
+      fi
+      L7H=("${L7[@]}" --model.config "$MODEL7" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps "$STEPS7"
+           --trainer.warmup_steps_excluded $(( STEPS7 > 2 ? 2 : STEPS7 - 1 ))
+           --strategy.gradient_accumulation_steps "${ACCUM:-1}" ${PINNED:+--strategy.offload_pin_memory "$PINNED"}
            ${STATES:+--precision.master_weights "$STATES" --precision.optimizer_states "$STATES"})
       ( while sleep 5; do echo "$SECONDS $(free -g | awk '/Mem:/{print $3}') $(nvidia-smi --query-gpu=memory.used \
           --format=csv,noheader,nounits | head -n 1)"; done > "$OUT/offload_7b_host125/memory_timeline.txt" ) &
@@ -304,17 +314,20 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
         --title "4 x 256 Llama, ZeRO-2, bf16 compute: master weights and AdamW states in fp32 and bf16" "${CURVES[@]}" ;;
     engines)  # DeepSpeed's ZeRO-1/2/3 against PyTorch's FSDP2 (with and without resharding after forward): zerotrain plan
       # measures every one at the configured micro-batch beside its own pick, for BERT-base MLM and the 1.1B causal LM on
-      # one GPU, again on two GPUs where there are two (files in $OUT/planner/, tables by benchmarks/plan_tables.py)
+      # one GPU, again on two GPUs where there are two (files in $OUT/planner/, tables by benchmarks/plan_tables.py).
+      # MODELS (default "bert_base llama_1b") picks the workloads; TRIALS (default 3) the planner's own trials
       mkdir -p "$OUT/planner"
       ENGINES=zero1,zero2,zero3,fsdp2,fsdp2_no_reshard
-      plan engines_bert_base_1gpu mlm "${BERT[@]}" --trial_steps 10 --strategies "$ENGINES"
-      plan engines_llama_1b_1gpu causal-lm "${LLAMA[@]}" --trainer.warmup_steps_excluded 5 --trial_steps 10 \
-        --strategies "$ENGINES"
-      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
-        plan engines_bert_base_2gpu mlm "${BERT[@]}" --trial_steps 10 --launch.nproc_per_node 2 --strategies "$ENGINES"
-        plan engines_llama_1b_2gpu causal-lm "${LLAMA[@]}" --trainer.warmup_steps_excluded 5 --trial_steps 10 \
-          --launch.nproc_per_node 2 --strategies "$ENGINES"
-      fi
+      GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      for m in ${MODELS:-bert_base llama_1b}; do
+        case $m in
+          bert_base) W=(mlm "${BERT[@]}" --trial_steps 10);;
+          llama_1b) W=(causal-lm "${LLAMA[@]}" --trainer.warmup_steps_excluded 5 --trial_steps 10);;
+          *) echo "engines: unknown model $m (bert_base, llama_1b)"; continue;;
+        esac
+        plan "engines_${m}_1gpu" "${W[@]}" --strategies "$ENGINES"
+        [ "$GPUS" -ge 2 ] && plan "engines_${m}_2gpu" "${W[@]}" --launch.nproc_per_node 2 --strategies "$ENGINES"
+      done
       python3 benchmarks/plan_tables.py "$OUT"/planner/engines_*/plan.json ;;
     planner)  # zerotrain plan on each workload, its pick against every strategy measured (one GPU; bert_base_2gpu needs 2)
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
