@@ -241,18 +241,16 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       # on the host (the layout whose host states fit best), micro-batch MICRO (default 32), then the HF Trainer with
       # DeepSpeed's ZeRO-3 offload JSON as a user writes it (PEER_JSON; ds_zero3_offload_optimizer_auto.json keeps the
       # weights on the GPU as zerotrain does); host and GPU memory every 5 s. STATES=bf16: bf16 master weights and AdamW
-      # states (zerotrain's row only). OVERLAP=1: zerotrain's row again with DeepSpeed's SuperOffload
-      # (ds_zero3_superoffload_auto.json: each sub-group's CPU Adam step during the backward pass, no clipping).
-      # ACCUM=k: k micro-batches a step (the host's optimizer step shared by k times the tokens); STEPS (default 6)
-      # steps, the first min(2, STEPS - 1) not timed; LAYERS=n: the same model with n layers instead of 32; PINNED=false:
-      # the host states in pageable memory (no power-of-two blocks)
-      H=$OUT/offload_7b_host125; MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}
+      # states (zerotrain's row only). ACCUM=k: k micro-batches a step (the host's optimizer step shared by k times
+      # the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed; LAYERS=n: the same model with n
+      # layers instead of 32; PINNED=false: the host states in pageable memory (no power-of-two blocks)
+      MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}
       if [ -n "${LAYERS:-}" ]; then
-        MODEL7=$H/llama_${LAYERS}_layers_config.json
+        MODEL7=$OUT/offload_7b_host125/llama_${LAYERS}_layers_config.json
         sed "s/\"num_hidden_layers\": 32/\"num_hidden_layers\": $LAYERS/" configs/llama_7b_config.json > "$MODEL7"
       fi
       L7H=("${L7[@]}" --model.config "$MODEL7" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps "$STEPS7"
-           --trainer.warmup_steps_excluded $(( STEPS7 > 2 ? 2 : STEPS7 - 1 ))
+           --trainer.warmup_steps_excluded $(( STEPS7 > 2 ? 2 : STEPS7 - 1 )) --scheduler.warmup_steps $(( STEPS7 > 2 ? 2 : 1 ))
            --strategy.gradient_accumulation_steps "${ACCUM:-1}" ${PINNED:+--strategy.offload_pin_memory "$PINNED"}
            ${STATES:+--precision.master_weights "$STATES" --precision.optimizer_states "$STATES"})
       ( while sleep 5; do echo "$SECONDS $(free -g | awk '/Mem:/{print $3}') $(nvidia-smi --query-gpu=memory.used \
@@ -260,11 +258,6 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       SAMPLER=$!
       z benchmark causal-lm --strategies zero3_offload_optimizer --predict false --out "$OUT/offload_7b_host125/zerotrain" \
         "${L7H[@]}" > "$OUT/offload_7b_host125/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
-      if [ -n "${OVERLAP:-}" ] && [ -z "${STATES:-}" ]; then  # the file keeps fp32 states
-        z fit causal-lm "${L7H[@]}" --strategy.deepspeed_config benchmarks/ds_zero3_superoffload_auto.json \
-          --trainer.output_dir "$OUT/offload_7b_host125/superoffload" > "$OUT/offload_7b_host125/superoffload.log" 2>&1
-        echo "superoffload rc=$?"
-      fi
       if [ -z "${STATES:-}" ]; then
         python3 benchmarks/hf_trainer.py --recipe causal-lm --out "$OUT/offload_7b_host125/hf_trainer.json" --warmup 1 \
           --trainer_args '{"gradient_checkpointing": true}' -- "${L7H[@]}" --trainer.max_steps 4 \

@@ -207,6 +207,7 @@ CASES = [
     Case("json-block-misplaced", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/zenflow_top.json"),
     Case("json-refused-while-building", "ds-json",  # after the model's build line: DeepSpeed checks it with the model
          "fit toy $FIT --strategy.deepspeed_config {tmp}/zenflow_interval.json", shows="zerotrain fit: error: "),
+    Case("json-super-offload", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/super_offload.json"),
     Case("json-yaml-body", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/yaml_body.json"),
     Case("json-flag-conflict-lr", "ds-json", "fit toy $FIT --optimizer.lr 0.5 --strategy.deepspeed_config {tmp}/lr.json"),
     Case("json-flag-conflict-micro", "ds-json",
@@ -425,6 +426,8 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
         "scheduler_unknown.json": {"scheduler": {"type": "CosineAnnealing", "params": {}}},
         "comm_fp8.json": {"communication_data_type": "fp8"},
         "zenflow_top.json": {"zenflow": {"topk_ratio": 0.1}},
+        "super_offload.json": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                                                        "super_offload": True}}},
         "zenflow_interval.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                                         "zenflow": {"select_interval": 4}}},
         "lr.json": {"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}},

@@ -203,6 +203,7 @@ def load_user_config(path: str | Path) -> dict[str, Any]:
                         + (" (it reads as YAML: write the file as JSON)" if isinstance(loaded, dict) else ""))
     check_user_keys(loaded, p)
     check_user_types(loaded, p)
+    check_user_features(loaded, p)
     return loaded
 
 
@@ -276,6 +277,23 @@ def check_user_types(user: dict[str, Any], path: str | Path) -> None:
             raise refuse(f"{block}.params", params, "an object ({...})")
         if known is not None and isinstance(name, str) and name not in known:
             raise refuse(f"{block}.type", name, "one of " + ", ".join(sorted(known)))
+
+
+def check_user_features(user: dict[str, Any], path: str | Path) -> None:
+    """Refuse, in one line, a DeepSpeed feature under which a run could not keep zerotrain's promises.
+
+    SuperOffload (``zero_optimization.offload_optimizer.super_offload``, DeepSpeed 0.19) steps CPU Adam in a worker
+    process of its own, which holds Adam's moments: DeepSpeed's checkpoint saves the optimizer of the training
+    process, which has none, so a resume would restart the moments at zero; and the worker is not stopped when
+    training ends, so the run never exits."""
+    zero = user.get("zero_optimization")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    if isinstance(offload, dict) and offload.get("super_offload") is True:
+        raise UserError(f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.super_offload is "
+                        "true, which zerotrain refuses: SuperOffload keeps Adam's moments in a worker process that "
+                        "DeepSpeed's checkpoints do not save (a resume would restart them at zero), and that process "
+                        "keeps the run from exiting. Drop it; to keep the GPU busier while the optimizer steps on the "
+                        "host, accumulate more micro-batches a step (--strategy.gradient_accumulation_steps)")
 
 
 # DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed reads the keys it
