@@ -12,13 +12,14 @@ A step is the sum of (seconds, all per rank):
 * **communication** (several ranks): the gradient all-reduce (or reduce-scatter + all-gather, the
   same volume), ZeRO-3's two weight all-gathers per step, at :data:`LINK_BYTES_PER_S`, minus what
   overlaps the backward pass;
-* **ZeRO's host work**: DeepSpeed's ZeRO stages spend host time per parameter tensor each step
+* **the engine's host work**: DeepSpeed's ZeRO stages spend host time per parameter tensor each step
   (gradient bookkeeping, partition copies) that a plain step does not: :data:`ZERO_HOST_S_PER_TENSOR`.
 
 FSDP2 is timed like ZeRO-3 with its own volumes: the optimizer over this rank's shard (on the host with CPU
 offload, where torch's own AdamW runs, at DeepSpeed's CPU Adam speed for want of a measurement), the gradients'
 reduce-scatter in the reduce dtype, and the parameters' all-gathers in the compute dtype, two a step or one
-without resharding after the forward pass; its host work per step is not measured and not charged.
+without resharding after the forward pass; its host work per tensor, once a step and for each all-gather,
+is :data:`FSDP2_HOST_S_PER_TENSOR`.
 
 The model only ranks candidates; the planner's short trials decide. Constants not measured by the
 probe are stated with where they came from.
@@ -42,10 +43,17 @@ EXPOSED_COMMUNICATION = {"ddp": 0.3, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
 backward runs; DeepSpeed's ZeRO-0/1/2 reduce after it (``overlap_comm`` off, zerotrain's default);
 ZeRO-3 prefetches the next layer's weights while one computes."""
 
-ZERO_HOST_S_PER_TENSOR = {1: 65e-6, 2: 115e-6, 3: 200e-6}
-"""Host seconds per trainable tensor per step that ZeRO-1/2 add over ZeRO-0: measured on one H100 at
-BERT-base (BENCHMARKS.md: 62.1 and 72.1 ms against 49.1 ms, ~200 tensors). ZeRO-3: not measured,
-set above ZeRO-2 (it also gathers and releases every weight)."""
+ZERO_HOST_S_PER_TENSOR = {1: 65e-6, 2: 115e-6, 3: 800e-6}
+"""Host seconds per trainable tensor per step that ZeRO-1/2/3 add over ZeRO-0. ZeRO-1/2: measured on one H100 at
+BERT-base (BENCHMARKS.md: 62.1 and 72.1 ms against 49.1 ms, ~200 tensors). ZeRO-3, which also gathers and
+releases every weight: BERT-base (153 tensors) on one H100 took 122 ms a step beyond the compute and optimizer
+step its probe measured (157.5 ms against 35.3; 155 ms beyond an earlier probe's 42.4)."""
+
+FSDP2_HOST_S_PER_TENSOR = (170e-6, 98e-6)
+"""FSDP2's host seconds per trainable tensor: once a step (the optimizer and the clip over DTensors, the
+reduce-scatter's bookkeeping), and for each all-gather (two a micro-batch, one kept after forward). Fitted to
+BERT-base (153 tensors) on one H100, where FSDP2's step took 56 ms beyond the compute and optimizer step its probe
+measured, and 41 ms with the parameters kept gathered after forward (91.3 and 76.4 ms against 35.3)."""
 
 CPU_ADAM_PARAMS_PER_S = 1.7e9
 """DeepSpeed's CPU Adam on the GPU hosts' 16 cores: the 5.06B-parameter ZeRO-2 offload run spent
@@ -57,11 +65,11 @@ class StepTime:
     compute: float
     optimizer: float
     communication: float
-    zero_host: float
+    engine_host: float
 
     @property
     def total(self) -> float:
-        return self.compute + self.optimizer + self.communication + self.zero_host
+        return self.compute + self.optimizer + self.communication + self.engine_host
 
 
 def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkpointing: bool, counts: ParamCounts,
@@ -94,8 +102,8 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
         if stage == 3:
             volume += 2 * (n - 1) / n * 2 * counts.total
         communication = volume / link * EXPOSED_COMMUNICATION["ddp" if strategy.backend == "ddp" else stage]
-    zero_host = ZERO_HOST_S_PER_TENSOR.get(stage, 0.0) * counts.tensors
-    return StepTime(compute, optimizer, communication, zero_host)
+    engine_host = ZERO_HOST_S_PER_TENSOR.get(stage, 0.0) * counts.tensors
+    return StepTime(compute, optimizer, communication, engine_host)
 
 
 def _fsdp2_step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkpointing: bool,
@@ -120,4 +128,6 @@ def _fsdp2_step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int,
         # parameters for every micro-batch's forward (and backward, when resharded)
         volume = (n - 1) / n * element * (counts.trainable + grad_accum * gathers * counts.total)
         communication = volume / link * EXPOSED_COMMUNICATION[3]
-    return StepTime(compute, optimizer, communication, 0.0)
+    once, per_gather = FSDP2_HOST_S_PER_TENSOR
+    engine_host = counts.tensors * (once + grad_accum * gathers * per_gather)
+    return StepTime(compute, optimizer, communication, engine_host)
