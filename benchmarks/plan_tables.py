@@ -1,10 +1,11 @@
 """The planner page's tables (docs/benchmarks/planner_h100_202611.md), regenerated from `zerotrain plan` files
 (and from `zerotrain benchmark` files, whose rows carry predicted memory too).
 
-    python benchmarks/plan_tables.py benchmarks/results/planner_h100_202611/plan_*.json
+    python benchmarks/plan_tables.py benchmarks/results/planner_h100_202611/plan_*.json [--plot trials.png]
 
 Prints two Markdown tables: the plan's pick against the fastest configuration measured in the same
-run, and the predicted peak memory of every trial (or benchmark row) against what it measured.
+run, and the predicted peak memory of every trial (or benchmark row) against what it measured. ``--plot``
+also draws every plan's trials, measured tokens/s by engine family, the planner's own pick marked.
 """
 
 from __future__ import annotations
@@ -49,5 +50,40 @@ def tables(paths: list[Path]) -> str:
     return "\n".join(out) + "\n"
 
 
+def plot(paths: list[Path], out: Path) -> None:
+    """One panel a plan: its trials' measured tokens/s, coloured by engine family; the planner's pick hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = [(p, r) for p, r in ((p, json.loads(p.read_text())) for p in paths) if "summary" in r]
+    ok = [[r for r in plan["rows"] if (r.get("measured") or {}).get("status") == "ok"] for _, plan in plans]
+    fig, axes = plt.subplots(len(plans), 1, figsize=(8, sum(1.4 + 0.35 * len(t) for t in ok)), squeeze=False)
+    colours = {"DeepSpeed ZeRO": "tab:blue", "FSDP2": "tab:orange"}
+    for ax, (path, plan), done in zip(axes[:, 0], plans, ok):
+        trials = sorted(done, key=lambda r: r["measured"]["tokens_per_s"])
+        bars = ax.barh([r["candidate"] for r in trials], [r["measured"]["tokens_per_s"] for r in trials],
+                       color=[colours.get(r["family"], "tab:gray") for r in trials])
+        for bar, row in zip(bars, trials):
+            if row["candidate"] == plan["summary"]["planned_strategy"]:
+                bar.set_hatch("//")
+        s = plan["summary"]
+        ax.set_title(f"{path.stem.removeprefix('plan_')}: {s['n_gpus']} x {s['gpu']} (hatched: the planner's pick)",
+                     fontsize=9)
+        ax.set_xlabel("measured tokens/s")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    axes[-1, 0].legend(handles, list(colours), loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 if __name__ == "__main__":
-    print(tables([Path(p) for p in sys.argv[1:]]))
+    args = sys.argv[1:]
+    png = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        png, args = Path(args[i + 1]), args[:i] + args[i + 2:]
+    print(tables([Path(p) for p in args]))
+    if png is not None:
+        plot([Path(p) for p in args], png)

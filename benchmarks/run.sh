@@ -321,7 +321,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
         plan "engines_${m}_1gpu" "${W[@]}" --strategies "$ENGINES"
         [ "$GPUS" -ge 2 ] && plan "engines_${m}_2gpu" "${W[@]}" --launch.nproc_per_node 2 --strategies "$ENGINES"
       done
-      python3 benchmarks/plan_tables.py "$OUT"/planner/engines_*/plan.json ;;
+      python3 benchmarks/plan_tables.py "$OUT"/planner/engines_*/plan.json --plot "$OUT/planner/engines.png" ;;
     planner)  # zerotrain plan on each workload, its pick against every strategy measured (one GPU; bert_base_2gpu needs 2)
       plan imdb_b imdb --config configs/imdb_b.yaml --data.path "$D/imdb" --data.tokenizer "$TOK" --trial_steps 20 \
         --strategies ddp,zero0,zero1,zero2,zero3
