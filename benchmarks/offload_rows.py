@@ -40,7 +40,10 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     for spec in a.run:
-        label, params, folder = spec.rsplit("=", 2)
+        parts = spec.split("=", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            raise SystemExit(f"--run {spec!r}: expected LABEL=PARAMETERS=RUN_FOLDER (the label without '=')")
+        label, params, folder = parts
         rows.append(row(label, int(params), Path(folder)))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps({"title": a.title, "rows": rows}, indent=2) + "\n")

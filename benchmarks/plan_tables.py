@@ -15,6 +15,11 @@ import sys
 from pathlib import Path
 
 
+def _name(path: Path) -> str:
+    """A plan's workload: ``plan_NAME.json`` as committed, or ``NAME/plan.json`` as zerotrain plan writes it."""
+    return path.parent.name if path.stem == "plan" else path.stem.removeprefix("plan_")
+
+
 def _pct(predicted: float, measured: float | None) -> str:
     return f"{100 * (predicted / measured - 1):+.0f}%" if measured else "-"
 
@@ -37,13 +42,13 @@ def tables(paths: list[Path]) -> str:
            "|---|---|---|---|---|---|---|---|---|"]
     for path, plan in plans:
         s = plan["summary"]
-        out.append(f"| {path.stem.removeprefix('plan_')} | [{path.name}]({path}) | {s['gpu']} | {s['n_gpus']} | "
+        out.append(f"| {_name(path)} | [{path.name}]({path}) | {s['gpu']} | {s['n_gpus']} | "
                    f"{s['planned_strategy']} | {s['planned_tokens_per_s']:,.0f} | {s['best_strategy']} | "
                    f"{s['best_tokens_per_s']:,.0f} | {s['planned_vs_best']:.2f} |")
     out += ["", "| workload | trial | predicted GPU GiB | measured GPU GiB | error | predicted host GiB "
             "| measured host GiB | error |", "|---|---|---|---|---|---|---|---|"]
     for path, result in results:
-        name = path.stem.removeprefix("plan_") if "summary" in result else f"{result['recipe']} ({path.parent.name})"
+        name = _name(path) if "summary" in result else f"{result['recipe']} ({path.parent.name})"
         for label, p_gpu, gpu, p_host, host in _measured_rows(path, result):
             out.append(f"| {name} | {label} | {p_gpu:.2f} | {gpu or 0:.2f} | {_pct(p_gpu, gpu)} | {p_host:.2f} | "
                        f"{host or 0:.2f} | {_pct(p_host, host)} |")
@@ -58,6 +63,8 @@ def plot(paths: list[Path], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     plans = [(p, r) for p, r in ((p, json.loads(p.read_text())) for p in paths) if "summary" in r]
+    if not plans:
+        raise SystemExit("--plot: none of the files is a plan (plan.json of zerotrain plan)")
     ok = [[r for r in plan["rows"] if (r.get("measured") or {}).get("status") == "ok"] for _, plan in plans]
     fig, axes = plt.subplots(len(plans), 1, figsize=(8, sum(1.4 + 0.35 * len(t) for t in ok)), squeeze=False)
     colours = {"DeepSpeed ZeRO": "tab:blue", "FSDP2": "tab:orange"}
@@ -69,7 +76,7 @@ def plot(paths: list[Path], out: Path) -> None:
             if row["candidate"] == plan["summary"]["planned_strategy"]:
                 bar.set_hatch("//")
         s = plan["summary"]
-        ax.set_title(f"{path.stem.removeprefix('plan_')}: {s['n_gpus']} x {s['gpu']} (hatched: the planner's pick)",
+        ax.set_title(f"{_name(path)}: {s['n_gpus']} x {s['gpu']} (hatched: the planner's pick)",
                      fontsize=9)
         ax.set_xlabel("measured tokens/s")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
@@ -83,6 +90,8 @@ if __name__ == "__main__":
     png = None
     if "--plot" in args:
         i = args.index("--plot")
+        if i + 1 == len(args):
+            raise SystemExit("--plot needs the PNG's path")
         png, args = Path(args[i + 1]), args[:i] + args[i + 2:]
     print(tables([Path(p) for p in args]))
     if png is not None:

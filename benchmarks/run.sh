@@ -74,7 +74,8 @@ L7=(--model.init random --model.config configs/llama_7b_config.json --model.toke
     --trainer.micro_batch_size 48 --activation_checkpointing.enabled true --trainer.max_steps 5
     --trainer.warmup_steps_excluded 2 --trainer.log_every_steps 1 --trainer.evaluate false --trainer.export false
     --checkpoint.save_final false --logging.progress_bar false)
-plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine
+plan() {  # plan NAME RECIPE FLAGS...: the planner's pick against every listed strategy, measured on this machine;
+  # TRIALS (default 3): the planner's own trials
   local name=$1; shift
   z plan "$@" --out "$OUT/planner/$name" --compare_strategies --trials "${TRIALS:-3}" > "$OUT/planner/$name.log" 2>&1
   echo "plan $name rc=$?"
@@ -241,13 +242,15 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       # on the host (the layout whose host states fit best), micro-batch MICRO (default 32), then the HF Trainer with
       # DeepSpeed's ZeRO-3 offload JSON as a user writes it (PEER_JSON; ds_zero3_offload_optimizer_auto.json keeps the
       # weights on the GPU as zerotrain does); host and GPU memory every 5 s. STATES=bf16: bf16 master weights and AdamW
-      # states (zerotrain's row only). ACCUM=k: k micro-batches a step (the host's optimizer step shared by k times
-      # the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed; LAYERS=n: the same model with n
-      # layers instead of 32; PINNED=false: the host states in pageable memory (no power-of-two blocks)
+      # states (zerotrain's row only; the peer runs without STATES). ACCUM=k: k micro-batches a step (the host's
+      # optimizer step shared by k times the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed and
+      # the learning rate warmed up over as many; LAYERS=n: the same model with n layers instead of 32; PINNED=false:
+      # the host states in pageable memory (no power-of-two blocks). The peer's JSON sets its own pinning.
       MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}
       if [ -n "${LAYERS:-}" ]; then
         MODEL7=$OUT/offload_7b_host125/llama_${LAYERS}_layers_config.json
         sed "s/\"num_hidden_layers\": 32/\"num_hidden_layers\": $LAYERS/" configs/llama_7b_config.json > "$MODEL7"
+        grep -q "\"num_hidden_layers\": $LAYERS," "$MODEL7" || { echo "LAYERS=$LAYERS: not written to $MODEL7"; exit 2; }
       fi
       L7H=("${L7[@]}" --model.config "$MODEL7" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps "$STEPS7"
            --trainer.warmup_steps_excluded $(( STEPS7 > 2 ? 2 : STEPS7 - 1 )) --scheduler.warmup_steps $(( STEPS7 > 2 ? 2 : 1 ))
@@ -308,7 +311,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
     engines)  # DeepSpeed's ZeRO-1/2/3 against PyTorch's FSDP2 (with and without resharding after forward): zerotrain plan
       # measures every one at the configured micro-batch beside its own pick, for BERT-base MLM and the 1.1B causal LM on
       # one GPU, again on two GPUs where there are two (files in $OUT/planner/, tables by benchmarks/plan_tables.py).
-      # MODELS (default "bert_base llama_1b") picks the workloads; TRIALS (default 3) the planner's own trials
+      # MODELS (default "bert_base llama_1b") picks the workloads
       mkdir -p "$OUT/planner"
       ENGINES=zero1,zero2,zero3,fsdp2,fsdp2_no_reshard
       GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')

@@ -284,16 +284,16 @@ def check_user_features(user: dict[str, Any], path: str | Path) -> None:
 
     SuperOffload (``zero_optimization.offload_optimizer.super_offload``, DeepSpeed 0.19) steps CPU Adam in a worker
     process of its own, which holds Adam's moments: DeepSpeed's checkpoint saves the optimizer of the training
-    process, which has none, so a resume would restart the moments at zero; and the worker is not stopped when
-    training ends, so the run never exits."""
+    process, which has none, so a resume would restart the moments at zero. A run with it on an H100 also did not
+    exit after training."""
     zero = user.get("zero_optimization")
     offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
     if isinstance(offload, dict) and offload.get("super_offload") is True:
         raise UserError(f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.super_offload is "
                         "true, which zerotrain refuses: SuperOffload keeps Adam's moments in a worker process that "
-                        "DeepSpeed's checkpoints do not save (a resume would restart them at zero), and that process "
-                        "keeps the run from exiting. Drop it; to keep the GPU busier while the optimizer steps on the "
-                        "host, accumulate more micro-batches a step (--strategy.gradient_accumulation_steps)")
+                        "DeepSpeed's checkpoints do not save (a resume would restart them at zero). Drop it; to keep "
+                        "the GPU busier while the optimizer steps on the host, accumulate more micro-batches a step "
+                        "(--strategy.gradient_accumulation_steps, or gradient_accumulation_steps in the file)")
 
 
 # DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed reads the keys it

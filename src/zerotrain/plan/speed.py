@@ -12,14 +12,14 @@ A step is the sum of (seconds, all per rank):
 * **communication** (several ranks): the gradient all-reduce (or reduce-scatter + all-gather, the
   same volume), ZeRO-3's two weight all-gathers per step, at :data:`LINK_BYTES_PER_S`, minus what
   overlaps the backward pass;
-* **the engine's host work**: DeepSpeed's ZeRO stages spend host time per parameter tensor each step
-  (gradient bookkeeping, partition copies) that a plain step does not: :data:`ZERO_HOST_S_PER_TENSOR`.
+* **the engine's overhead**: DeepSpeed's ZeRO stages spend time per parameter tensor (gradient bookkeeping,
+  partition copies, ZeRO-3's gathers) that a plain step does not: :data:`ZERO_S_PER_TENSOR`.
 
 FSDP2 is timed like ZeRO-3 with its own volumes: the optimizer over this rank's shard (on the host with CPU
 offload, where torch's own AdamW runs, at DeepSpeed's CPU Adam speed for want of a measurement), the gradients'
 reduce-scatter in the reduce dtype, and the parameters' all-gathers in the compute dtype, two a step or one
-without resharding after the forward pass; its host work per tensor, once a step and for each all-gather,
-is :data:`FSDP2_HOST_S_PER_TENSOR`.
+without resharding after the forward pass; its overhead per tensor, once a step and for each all-gather,
+is :data:`FSDP2_S_PER_TENSOR`.
 
 The model only ranks candidates; the planner's short trials decide. Constants not measured by the
 probe are stated with where they came from.
@@ -43,17 +43,26 @@ EXPOSED_COMMUNICATION = {"ddp": 0.3, 0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
 backward runs; DeepSpeed's ZeRO-0/1/2 reduce after it (``overlap_comm`` off, zerotrain's default);
 ZeRO-3 prefetches the next layer's weights while one computes."""
 
-ZERO_HOST_S_PER_TENSOR = {1: 65e-6, 2: 115e-6, 3: 800e-6}
-"""Host seconds per trainable tensor per step that ZeRO-1/2/3 add over ZeRO-0. ZeRO-1/2: measured on one H100 at
-BERT-base (BENCHMARKS.md: 62.1 and 72.1 ms against 49.1 ms, ~200 tensors). ZeRO-3, which also gathers and
-releases every weight: BERT-base (153 tensors) on one H100 took 122 ms a step beyond the compute and optimizer
-step its probe measured (157.5 ms against 35.3; 155 ms beyond an earlier probe's 42.4)."""
+ZERO_S_PER_TENSOR = {1: 65e-6, 2: 115e-6, 3: 800e-6}
+"""Seconds per trainable tensor that the ZeRO stages add over ZeRO-0, beyond the compute and optimizer step the
+probe measures: once a step for ZeRO-1/2 (gradient bookkeeping, partition copies), once a micro-batch for ZeRO-3
+(which also gathers and releases every weight in each forward and backward). ZeRO-1/2 on several ranks: measured
+on one H100 at BERT-base before zerotrain skipped the one-rank reduction (62.1 and 72.1 ms against 49.1 ms, ~200
+tensors). ZeRO-3: BERT-base (153 tensors) on one H100 took 122 ms a step beyond its probe's 35.3 ms (155 ms
+beyond an earlier probe's 42.4)."""
 
-FSDP2_HOST_S_PER_TENSOR = (170e-6, 98e-6)
-"""FSDP2's host seconds per trainable tensor: once a step (the optimizer and the clip over DTensors, the
-reduce-scatter's bookkeeping), and for each all-gather (two a micro-batch, one kept after forward). Fitted to
-BERT-base (153 tensors) on one H100, where FSDP2's step took 56 ms beyond the compute and optimizer step its probe
-measured, and 41 ms with the parameters kept gathered after forward (91.3 and 76.4 ms against 35.3)."""
+ZERO_S_PER_TENSOR_ONE_RANK = {1: 6e-6, 2: 6e-6}
+"""ZeRO-1/2 on one rank, where zerotrain skips DeepSpeed's reduction (an identity there; ``zerotrain doctor`` lists
+the patch): BERT-base on one H100 took 1.2 and 0.7 ms a step beyond its probe's 35.3 ms (153 tensors), the same
+within the trials' noise."""
+
+FSDP2_S_PER_TENSOR = (170e-6, 98e-6)
+"""Seconds per trainable tensor that FSDP2 adds beyond the compute and optimizer step the probe measures: once a
+step, and for each all-gather (two a micro-batch, one with the parameters kept after forward). Fitted to BERT-base
+(153 tensors) on one H100, where FSDP2's step took 56 ms beyond its probe's 35.3 ms, and 41 ms kept after forward
+(91.3 and 76.4 ms). Where the time goes (the hooks around each block, the DTensor optimizer and clip, waits on
+the GPU) was not profiled."""
+
 
 CPU_ADAM_PARAMS_PER_S = 1.7e9
 """DeepSpeed's CPU Adam on the GPU hosts' 16 cores: the 5.06B-parameter ZeRO-2 offload run spent
@@ -65,11 +74,11 @@ class StepTime:
     compute: float
     optimizer: float
     communication: float
-    engine_host: float
+    engine_overhead: float
 
     @property
     def total(self) -> float:
-        return self.compute + self.optimizer + self.communication + self.engine_host
+        return self.compute + self.optimizer + self.communication + self.engine_overhead
 
 
 def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkpointing: bool, counts: ParamCounts,
@@ -102,8 +111,9 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
         if stage == 3:
             volume += 2 * (n - 1) / n * 2 * counts.total
         communication = volume / link * EXPOSED_COMMUNICATION["ddp" if strategy.backend == "ddp" else stage]
-    engine_host = ZERO_HOST_S_PER_TENSOR.get(stage, 0.0) * counts.tensors
-    return StepTime(compute, optimizer, communication, engine_host)
+    per_tensor = (ZERO_S_PER_TENSOR_ONE_RANK if n == 1 else {}).get(stage, ZERO_S_PER_TENSOR.get(stage, 0.0))
+    engine_overhead = per_tensor * counts.tensors * (grad_accum if stage == 3 else 1)
+    return StepTime(compute, optimizer, communication, engine_overhead)
 
 
 def _fsdp2_step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkpointing: bool,
@@ -128,6 +138,6 @@ def _fsdp2_step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int,
         # parameters for every micro-batch's forward (and backward, when resharded)
         volume = (n - 1) / n * element * (counts.trainable + grad_accum * gathers * counts.total)
         communication = volume / link * EXPOSED_COMMUNICATION[3]
-    once, per_gather = FSDP2_HOST_S_PER_TENSOR
-    engine_host = counts.tensors * (once + grad_accum * gathers * per_gather)
-    return StepTime(compute, optimizer, communication, engine_host)
+    once, per_gather = FSDP2_S_PER_TENSOR
+    engine_overhead = counts.tensors * (once + grad_accum * gathers * per_gather)
+    return StepTime(compute, optimizer, communication, engine_overhead)
