@@ -122,7 +122,8 @@ class Row:
                 "offload_pin_memory": False if self.candidate.unpinned else None, **self.memory.as_row(),
                 "predicted_step_s": self.time.total, "predicted_samples_per_s": global_batch / self.time.total,
                 "predicted_step_parts_s": {"compute": self.time.compute, "optimizer": self.time.optimizer,
-                                           "communication": self.time.communication, "engine_overhead": self.time.engine_overhead},
+                                           "communication": self.time.communication,
+                                           "engine_overhead": self.time.engine_overhead},
                 "dropped": self.dropped, "measured": self.measured or None}
 
 
