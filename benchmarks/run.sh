@@ -243,8 +243,8 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       # DeepSpeed's ZeRO-3 offload JSON as a user writes it (PEER_JSON; ds_zero3_offload_optimizer_auto.json keeps the
       # weights on the GPU as zerotrain does); host and GPU memory every 5 s. STATES=bf16: bf16 master weights and AdamW
       # states (zerotrain's row only; the peer runs without STATES). ACCUM=k: k micro-batches a step (the host's
-      # optimizer step shared by k times the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed and
-      # the learning rate warmed up over as many; LAYERS=n: the same model with n layers instead of 32; PINNED=false:
+      # optimizer step shared by k times the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed, the
+      # learning rate warmed up over 2 (1 when STEPS <= 2); LAYERS=n: the same model with n layers instead of 32; PINNED=false:
       # the host states in pageable memory (no power-of-two blocks). The peer's JSON sets its own pinning.
       MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}
       if [ -n "${LAYERS:-}" ]; then

@@ -226,6 +226,8 @@ def test_speed_model_charges_offload_zero_bookkeeping_and_communication():
     assert total("ddp") == pytest.approx(total("zero0"))  # one GPU: the same work
     assert total("zero0") < total("zero1") == total("zero2") < total("zero2_offload")  # one rank: no reduction
     assert total("zero1", 2) < total("zero2", 2)
+    offloaded = step_time(STRATEGIES["zero2_offload"], 8, 1, False, counts, probe, 1, 1, False)
+    assert offloaded.engine_overhead == pytest.approx(200 * 115e-6)  # DeepSpeed reduces under offload, one rank too
     assert total("ddp", 2) > total("ddp", 1)  # the all-reduce
     checkpointed = step_time(STRATEGIES["ddp"], 8, 1, True, counts, probe, 1, 1, False)
     assert checkpointed.compute > step_time(STRATEGIES["ddp"], 8, 1, False, counts, probe, 1, 1, False).compute

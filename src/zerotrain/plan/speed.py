@@ -46,14 +46,14 @@ ZeRO-3 prefetches the next layer's weights while one computes."""
 ZERO_S_PER_TENSOR = {1: 65e-6, 2: 115e-6, 3: 800e-6}
 """Seconds per trainable tensor that the ZeRO stages add over ZeRO-0, beyond the compute and optimizer step the
 probe measures: once a step for ZeRO-1/2 (gradient bookkeeping, partition copies), once a micro-batch for ZeRO-3
-(which also gathers and releases every weight in each forward and backward). ZeRO-1/2 on several ranks: measured
-on one H100 at BERT-base before zerotrain skipped the one-rank reduction (62.1 and 72.1 ms against 49.1 ms, ~200
-tensors). ZeRO-3: BERT-base (153 tensors) on one H100 took 122 ms a step beyond its probe's 35.3 ms (155 ms
+(which also gathers and releases every weight in each forward and backward). ZeRO-1/2: measured on one H100 at
+BERT-base while DeepSpeed still reduced on one rank (62.1 and 72.1 ms against 49.1 ms, ~200 tensors); they stand for
+several ranks and for an offload, where it still does, and have not been measured there. ZeRO-3: BERT-base (153 tensors) on one H100 took 122 ms a step beyond its probe's 35.3 ms (155 ms
 beyond an earlier probe's 42.4)."""
 
 ZERO_S_PER_TENSOR_ONE_RANK = {1: 6e-6, 2: 6e-6}
-"""ZeRO-1/2 on one rank, where zerotrain skips DeepSpeed's reduction (an identity there; ``zerotrain doctor`` lists
-the patch): BERT-base on one H100 took 1.2 and 0.7 ms a step beyond its probe's 35.3 ms (153 tensors), the same
+"""ZeRO-1/2 on one rank without offload, where zerotrain skips DeepSpeed's reduction (an identity there; ``zerotrain
+doctor`` lists the patch): BERT-base on one H100 took 1.2 and 0.7 ms a step beyond its probe's 35.3 ms (153 tensors), the same
 within the trials' noise."""
 
 FSDP2_S_PER_TENSOR = (170e-6, 98e-6)
@@ -111,7 +111,8 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
         if stage == 3:
             volume += 2 * (n - 1) / n * 2 * counts.total
         communication = volume / link * EXPOSED_COMMUNICATION["ddp" if strategy.backend == "ddp" else stage]
-    per_tensor = (ZERO_S_PER_TENSOR_ONE_RANK if n == 1 else {}).get(stage, ZERO_S_PER_TENSOR.get(stage, 0.0))
+    one_rank = n == 1 and strategy.offload_optimizer == "none"  # offloaded, DeepSpeed reduces on one rank too
+    per_tensor = (ZERO_S_PER_TENSOR_ONE_RANK if one_rank else {}).get(stage, ZERO_S_PER_TENSOR.get(stage, 0.0))
     engine_overhead = per_tensor * counts.tensors * (grad_accum if stage == 3 else 1)
     return StepTime(compute, optimizer, communication, engine_overhead)
 
