@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,7 @@ def test_two_processes_on_gloo(tmp_path, stage, monkeypatch):
     env = json.loads((run / "env.json").read_text())
     assert env["launcher_env"]["WORLD_SIZE"] == "2"
     assert env["omp_num_threads"] == str(threads_per_worker(2)) and env["cpu_threads"] == threads_per_worker(2)
+    assert env["cpu_affinity"] == len(os.sched_getaffinity(0))
     assert len(train_log(run)) == 4
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["val_mse"] > 0

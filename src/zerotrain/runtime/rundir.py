@@ -448,6 +448,8 @@ def environment() -> dict[str, Any]:
         "gpus": gpus,
         "cpu_count": os.cpu_count(),
         "cpu_threads": torch.get_num_threads(),  # this process's: CPU Adam and host-side ops run on these
+        # the CPUs this process may run on (taskset, cpuset): OpenMP sizes its default thread count by them
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "launcher_env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                                     "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES")
