@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -47,6 +48,11 @@ def groups_time_out_after(minutes: float) -> Callable[[], None]:
     return undo
 
 
+SETTLE_S = 0.1
+"""Seconds for the communication library's worker threads to free the last collective's tensors before a group
+is destroyed (:func:`destroy_process_groups`)."""
+
+
 def destroy_process_groups() -> None:
     """Destroy this process's torch.distributed groups, and DeepSpeed's references to them with them.
 
@@ -56,7 +62,16 @@ def destroy_process_groups() -> None:
     registered``. ``deepspeed.comm.destroy_process_group`` destroys the world and drops those references
     (DeepSpeed 0.19.8 and later). Without DeepSpeed's backend (DeepSpeed not imported, or never initialised in
     this process) no DeepSpeed group exists and torch's own call does it; DeepSpeed is not imported for it.
+
+    First the caller sleeps :data:`SETTLE_S` with the GIL released. A Gloo worker thread frees each finished
+    collective's work after the caller has its result, and freeing a tensor whose Python object the work came to
+    own takes the GIL. A group's destructor joins those threads with the GIL held: it runs here, or later when
+    the last holder of the group goes (DDP's reducer). When it came before a worker thread had the GIL, the process
+    hung after the run's last line (seen on torch 2.13 with two CPU ranks: the main thread in
+    ``~ProcessGroupGloo`` joining, the worker in ``~AsyncBroadcastWork`` waiting for the GIL). The sleep lets the
+    workers finish first; it narrows the race, which only torch can close.
     """
+    time.sleep(SETTLE_S)
     comm = sys.modules.get("deepspeed.comm.comm")  # where DeepSpeed keeps its backend (cdb)
     if comm is not None and getattr(comm, "cdb", None) is not None:
         comm.destroy_process_group()
