@@ -264,25 +264,6 @@ def test_the_backward_clock_finds_autograds_thread_for_the_gpu_and_it_runs():
     assert (HostClock.read(backward=clock) - start).backward_cpu_s > 0
 
 
-def test_causal_lm_packed_documents_take_flex_attention_and_train(tmp_path):
-    """On a GPU, document-masked packed rows take flex_attention by default (sdpa would get a dense mask), and the
-    compiled model trains with it: the loss falls."""
-    from conftest import REPO
-
-    out = zerotrain_cmd(["fit", "causal-lm", "--config", str(REPO / "configs" / "causal_lm_tiny.yaml"),
-                         "--model.config", str(REPO / "configs" / "tiny_llama_config.json"),
-                         "--model.tokenizer", str(REPO / "examples" / "data" / "roberta-tokenizer"),
-                         "--data.train_path", str(REPO / "examples" / "data" / "imdb-sample" / "train.jsonl.gz"),
-                         "--data.cache_dir", str(tmp_path / "cache"), "--precision.dtype", "bf16",
-                         "--compile.enabled", "true", "--trainer.output_dir", str(tmp_path),
-                         "--trainer.run_name", "flex", "--logging.progress_bar", "false"], cwd=tmp_path, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "attn_implementation=flex_attention" in out.stderr + out.stdout
-    rows = [json.loads(line) for line in (tmp_path / "flex" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["train_loss"] for r in rows if "train_loss" in r]
-    assert len(losses) >= 3 and losses[-1] < losses[0]
-
-
 def _tiny_lm(tmp_path: Path, run: str, *flags: str) -> subprocess.CompletedProcess:
     """The shipped tiny causal-lm config on the GPU, checkpointed every 3 steps."""
     from conftest import REPO
@@ -295,6 +276,17 @@ def _tiny_lm(tmp_path: Path, run: str, *flags: str) -> subprocess.CompletedProce
                           "--checkpoint.every_steps", "3", "--trainer.output_dir", str(tmp_path),
                           "--trainer.run_name", run, "--logging.progress_bar", "false", *flags],
                          cwd=tmp_path, timeout=900)
+
+
+def test_causal_lm_packed_documents_take_flex_attention_and_train(tmp_path):
+    """On a GPU, document-masked packed rows take flex_attention by default (sdpa would get a dense mask), and the
+    compiled model trains with it: the loss falls."""
+    out = _tiny_lm(tmp_path, "flex", "--precision.dtype", "bf16", "--compile.enabled", "true")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "attn_implementation=flex_attention" in out.stderr + out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "flex" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    assert len(losses) >= 3 and losses[-1] < losses[0]
 
 
 FSDP2 = ("--strategy.backend", "fsdp2", "--strategy.zero_stage", "0")  # the tiny config's stage 2 is DeepSpeed's
