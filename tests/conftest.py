@@ -89,8 +89,24 @@ def cpu_adam_built() -> None:
                     f"({reason[-600:]})")
 
 
+@pytest.fixture(scope="session")
+def aio_built(cpu_adam_built) -> None:
+    """DeepSpeed's async I/O op (NVMe offload's reads and writes, compiled against libaio), built once per
+    session, and the CPU Adam op NVMe optimizer offload steps with. Where libaio or its headers are missing,
+    the tests that need it are skipped with ``zerotrain doctor``'s line saying what to install (the op is real:
+    there is no NVMe offload to test without it). Tests using it must be marked ``slow``."""
+    from zerotrain.runtime.doctor import nvme_offload_status
+
+    status = nvme_offload_status()
+    if status != "ready":
+        pytest.skip(f"NVMe offload tests need DeepSpeed's async I/O op, and NVMe offload {status}")
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().create_op_builder("AsyncIOBuilder").load()
+
+
 # A test that requests the fixture must carry the marker, so that `-m "not data"` / `-m "not slow"` select right.
-MARKER_OF_FIXTURE = {"shared_data": "data", "cpu_adam_built": "slow"}
+MARKER_OF_FIXTURE = {"shared_data": "data", "cpu_adam_built": "slow", "aio_built": "slow"}
 
 
 def pytest_runtest_setup(item):

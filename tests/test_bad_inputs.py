@@ -101,6 +101,9 @@ CASES = [
          "--precision.optimizer_states bf16"),
     Case("bf16-master-fp32-states-on-gpu", "flag", "fit toy $FIT --strategy.zero_stage 2 --precision.dtype bf16 "
          "--precision.master_weights bf16"),
+    Case("bf16-master-on-nvme", "flag", "fit toy $FIT --strategy.zero_stage 3 --strategy.offload_optimizer nvme "
+         "--strategy.nvme_path {tmp}/swap --precision.dtype bf16 --precision.master_weights bf16 "
+         "--precision.optimizer_states bf16"),
     Case("ddp-with-zero", "flag", "fit toy $FIT --strategy.backend ddp --strategy.zero_stage 2"),
     Case("ddp-with-json", "flag", "fit toy $FIT --strategy.backend ddp --strategy.deepspeed_config {tmp}/ok.json"),
     Case("fsdp2-with-zero", "flag", "fit toy $FIT --strategy.backend fsdp2 --strategy.zero_stage 3"),
@@ -208,6 +211,7 @@ CASES = [
     Case("json-refused-while-building", "ds-json",  # after the model's build line: DeepSpeed checks it with the model
          "fit toy $FIT --strategy.deepspeed_config {tmp}/zenflow_interval.json", shows="zerotrain fit: error: "),
     Case("json-super-offload", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/super_offload.json"),
+    Case("json-bf16-master-on-nvme", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/bf16_master_nvme.json"),
     Case("json-yaml-body", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/yaml_body.json"),
     Case("json-flag-conflict-lr", "ds-json", "fit toy $FIT --optimizer.lr 0.5 --strategy.deepspeed_config {tmp}/lr.json"),
     Case("json-flag-conflict-micro", "ds-json",
@@ -428,6 +432,9 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
         "zenflow_top.json": {"zenflow": {"topk_ratio": 0.1}},
         "super_offload.json": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
                                                                                         "super_offload": True}}},
+        "bf16_master_nvme.json": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+                                  "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+                                                                                          "nvme_path": "/tmp"}}},
         "zenflow_interval.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                                         "zenflow": {"select_interval": 4}}},
         "lr.json": {"optimizer": {"type": "AdamW", "params": {"lr": 0.001}}},

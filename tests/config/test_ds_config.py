@@ -628,7 +628,9 @@ def test_state_precision_maps_to_deepspeeds_bf16_keys(master, states, offload):
     (dict(dtype="fp16"), "--precision.master_weights bf16 needs --precision.dtype bf16, got fp16"),
     (dict(states="fp32"), "--precision.master_weights bf16 and fp32 optimizer states needs the optimizer on the host"),
     (dict(states="fp32", zero_stage=3, offload_optimizer="nvme", nvme_path="/n"),
-     "--precision.master_weights bf16 and fp32 optimizer states cannot go to NVMe"),
+     "--precision.master_weights bf16 cannot go to NVMe: DeepSpeed 0.19 stops at the first step"),
+    (dict(zero_stage=3, offload_optimizer="nvme", nvme_path="/n"),
+     "--precision.master_weights bf16 cannot go to NVMe: DeepSpeed 0.19 stops at the first step"),
     (dict(offload_optimizer="cpu", name="sgd"), "--precision.master_weights bf16 under --strategy.offload_optimizer cpu needs --optimizer.name "
                                                 "adamw or adam (DeepSpeedCPUAdam), got sgd"),
 ])

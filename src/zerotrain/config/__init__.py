@@ -559,8 +559,8 @@ def check_state_precision(cfg: "RunConfig") -> None:
     DeepSpeed's rules (its ``bf16.bf16_master_weights_and_grads`` and ``bf16.bf16_optimizer_states``): ZeRO stage
     1-3 only; bf16 states only beside bf16 master weights; bf16 master weights with fp32 states only with the
     optimizer offloaded as DeepSpeedCPUAdam; under optimizer offload, DeepSpeedCPUAdam (it stores the moments in
-    bf16 itself). NVMe optimizer offload swaps every optimizer tensor in the master weights' dtype, so there fp32
-    states beside bf16 master weights are refused too. The 16-bit weights must be bf16: fp16 has its own master
+    bf16 itself). NVMe optimizer offload is refused beside bf16 master weights: DeepSpeed 0.19.8 sizes its swap
+    buffers in bf16 there and swaps fp32 masters through them, and stops at the first step. The 16-bit weights must be bf16: fp16 has its own master
     weights scheme, and fp32 training has no 16-bit copy to keep. With a user's DeepSpeed file, its ``bf16`` block
     decides (``zerotrain.config.ds_config`` refuses flags that say otherwise)."""
     p, st = cfg.precision, cfg.strategy
@@ -582,9 +582,10 @@ def check_state_precision(cfg: "RunConfig") -> None:
     if p.optimizer_states == "fp32" and not offloaded:
         raise ConfigError(flag, "and fp32 optimizer states needs the optimizer on the host (DeepSpeedCPUAdam): add "
                           "--strategy.offload_optimizer cpu, or --precision.optimizer_states bf16")
-    if p.optimizer_states == "fp32" and st.offload_optimizer == "nvme":
-        raise ConfigError(flag, "and fp32 optimizer states cannot go to NVMe (DeepSpeed swaps every optimizer tensor "
-                          "in the master weights' dtype): add --precision.optimizer_states bf16, or offload to cpu")
+    if st.offload_optimizer == "nvme":
+        raise ConfigError(flag, "cannot go to NVMe: DeepSpeed 0.19 stops at the first step of such a run (its swap "
+                          "buffers take bf16, the master weights it swaps stay fp32). Keep fp32 master weights on "
+                          "NVMe (drop --precision.master_weights), or use --strategy.offload_optimizer cpu")
     if offloaded and cfg.optimizer.name not in ("adam", "adamw"):
         raise ConfigError(flag, f"under --strategy.offload_optimizer {st.offload_optimizer} needs --optimizer.name "
                           f"adamw or adam (DeepSpeedCPUAdam), got {cfg.optimizer.name}")

@@ -285,9 +285,19 @@ def check_user_features(user: dict[str, Any], path: str | Path) -> None:
     SuperOffload (``zero_optimization.offload_optimizer.super_offload``, DeepSpeed 0.19) steps CPU Adam in a worker
     process of its own, which holds Adam's moments: DeepSpeed's checkpoint saves the optimizer of the training
     process, which has none, so a resume would restart the moments at zero. A run with it on an H100 also did not
-    exit after training."""
+    exit after training.
+
+    bf16 master weights (``bf16.bf16_master_weights_and_grads``) with the optimizer on NVMe: DeepSpeed 0.19.8
+    sizes its swap buffers in bf16 and swaps fp32 masters through them, and stops at the first step."""
     zero = user.get("zero_optimization")
     offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    bf16 = user.get("bf16")
+    if (isinstance(offload, dict) and offload.get("device") == "nvme" and isinstance(bf16, dict)
+            and bf16.get("bf16_master_weights_and_grads") is True):
+        raise UserError(f"--strategy.deepspeed_config: {path}: bf16.bf16_master_weights_and_grads is true beside "
+                        "zero_optimization.offload_optimizer.device nvme, which DeepSpeed 0.19 stops at on the first "
+                        "step (its swap buffers take bf16, the master weights it swaps stay fp32): drop "
+                        "bf16_master_weights_and_grads (and bf16_optimizer_states), or offload the optimizer to cpu")
     if isinstance(offload, dict) and offload.get("super_offload") is True:
         raise UserError(f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.super_offload is "
                         "true, which zerotrain refuses: SuperOffload keeps Adam's moments in a worker process that "

@@ -18,7 +18,7 @@ from zerotrain.config.ds_config import (
 )
 from zerotrain.engines import optimizers
 from zerotrain.engines.base import Engine, _compile
-from zerotrain.engines.ds_private.engine import zero3_consolidated_state_dict
+from zerotrain.engines.ds_private.engine import load_nvme_offloaded_optimizer, zero3_consolidated_state_dict
 from zerotrain.engines.ds_private.patches import Applied, apply_patches
 from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.engines.ds_private.universal import loading_universal
@@ -190,6 +190,8 @@ class DeepSpeedEngine(Engine):
         try:
             with weights_only_torch_load(folder, allow):
                 path, _ = self.ds.load_checkpoint(str(folder.parent), tag=folder.name)
+                if path is not None and self.ds.zero_nvme_offload_optimizer():
+                    path = path if load_nvme_offloaded_optimizer(self.ds, str(folder.parent), folder.name) else None
         finally:
             del ckpt_engine.load  # the class's own method again
         if path is None:

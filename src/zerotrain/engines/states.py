@@ -32,11 +32,9 @@ memory, where each process holds its partition; under ZeRO-1/2 with Adam that is
 a parameter or more, as pinned blocks round up to a power of two (:func:`_offloaded_partition`). ZeRO-3's
 NVMe offload (ZeRO-Infinity) puts them on disk instead (``nvme_bytes``: 16 bytes a parameter for Adam, 2
 for bf16 weights) and keeps the flat gradient partition and DeepSpeed's pinned swap buffers on the host.
-That accounting is read from DeepSpeed 0.19's swappers and not measured on a GPU (NVMe offload needs libaio),
-which its NVMe offload needs. With
-``contiguous_gradients`` DeepSpeed's ZeRO stages also allocate a gradient reduce bucket of
-``reduce_bucket_size`` elements, two of them for stages 1-2 with ``overlap_comm`` (one 5e8-element bf16
-bucket is 0.93 GiB, however small the model).
+That accounting is read from DeepSpeed 0.19's swappers. With ``contiguous_gradients`` DeepSpeed's ZeRO
+stages also allocate a gradient reduce bucket of ``reduce_bucket_size`` elements, two of them for stages 1-2
+with ``overlap_comm`` (one 5e8-element bf16 bucket is 0.93 GiB, however small the model).
 
 Not all of it is held at once. Stages 1-2 allocate the bucket when the backward pass writes its
 first gradient (the gradients are copied into it as they arrive) and free it when that pass ends;

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+from deepspeed import comm as dist
+
+from zerotrain.errors import UserError
 
 
 def zero3_consolidated_state_dict(engine: Any) -> dict[str, torch.Tensor]:
@@ -12,3 +16,71 @@ def zero3_consolidated_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     calls it; rank 0's result holds the tensors). DeepSpeed's ``save_16bit_model`` writes the same dict to a
     file; zerotrain writes safetensors itself."""
     return engine._zero3_consolidated_16bit_state_dict()
+
+
+
+
+
+def load_nvme_offloaded_optimizer(engine: Any, load_dir: str, tag: str) -> bool:
+    """Finish loading checkpoint ``load_dir/tag`` into a ZeRO-3 ``engine`` whose optimizer lives on NVMe, after
+    ``engine.load_checkpoint`` has copied the checkpoint's swapped tensors into the swap folder (on every rank;
+    False where DeepSpeed finds no partition files).
+
+    DeepSpeed 0.19's ``load_checkpoint`` stops there under NVMe offload, and a resumed run then differs from one
+    that never stopped: the swapper reads a sub-group's moments from disk only once it knows them, which it
+    learns from the optimizer's state after a step, so the first step after a resume starts fresh zero moments;
+    the sub-groups too small to swap (under DeepSpeed's minimum I/O size) keep their fp32 master weights and
+    moments in memory, saved only in the partition file and never read back; and the 16-bit weights the forward
+    pass reads are not refreshed from the masters, so that step runs on the weights as built. (Its own optimizer
+    loader cannot be run instead: it leaves the swapped moments as the checkpoint's empty placeholders, and CPU
+    Adam crashes on them.) Here, from the partition file: the optimizer's scalars (Adam's step count, the fp16
+    loss scale) and the held sub-groups; each swapped moment gets a stand-in of its full size that owns no memory
+    (the swapper sizes its reads by it), so that the next swap-in reads the copied file into it. Then, sub-group
+    by sub-group as the optimizer's step does after its update, the masters are swapped in, copied into the
+    16-bit weights (swapped out again where the weights live on NVMe too) and swapped out."""
+    opt = engine.optimizer
+    missing = [name for name in swapped_master_files(engine) if not (Path(load_dir) / tag / name).is_file()]
+    if missing:
+        raise UserError(f"--checkpoint.resume: {Path(load_dir) / tag} lacks {missing[0]}, the NVMe-swapped fp32 "
+                        "weights this run would read: DeepSpeed names these files by a count of the parameters "
+                        "built in the process, so a checkpoint resumes only in a fresh process that builds the "
+                        "same model (start a new `zerotrain fit`), never after another ZeRO-3 model was built")
+    states = engine._get_all_zero_checkpoints(load_dir, tag)
+    if states is None:
+        return False
+    saved = states[dist.get_rank(group=opt.dp_process_group)]
+    opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow = (saved[name] for name in (
+        "loss_scaler", "dynamic_loss_scale", "overflow"))
+    opt.optimizer_swapper.purge_state()  # forget any moments it knows: the loaded ones take their place
+    opt._set_fp32_optimizer_param_groups()
+    opt.optimizer.load_state_dict(saved["optimizer_state_dict"])
+    opt._clear_fp32_optimizer_param_groups()
+    for sub_group, master in enumerate(opt.fp32_partitioned_groups_flat):
+        if opt._swappable_optimizer_subgroup(sub_group):
+            numel = int(opt.fp16_partitioned_groups_flat_numel[sub_group])
+            state = opt.optimizer.state[master]
+            for name, value in state.items():
+                if torch.is_tensor(value) and value.numel() == 0:  # saved while swapped out
+                    state[name] = torch.empty(1, dtype=value.dtype).expand(numel)
+    for master, kept in zip(opt.fp32_partitioned_groups_flat, saved["fp32_flat_groups"]):
+        master.data.copy_(kept.data)  # held sub-groups; a swapped one is empty on both sides
+    timers: set[str] = set()
+    opt._partition_all_parameters()
+    for sub_group in range(len(opt.fp16_groups)):
+        opt._prepare_sub_group(sub_group, timers)
+        opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+        opt._release_sub_group(sub_group, timers)
+    opt._post_step(timers)
+    return True
+
+
+def swapped_master_files(engine: Any) -> list[str]:
+    """The checkpoint-relative files that hold this rank's NVMe-swapped fp32 master weights, one per swapped
+    sub-group, as DeepSpeed 0.19's ``save_checkpoint`` copies them (``offloaded_tensors/rank<NN>/<ds_id>.tensor.swp``)."""
+    from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
+
+    opt = engine.optimizer
+    rank = engine.local_rank if engine.use_node_local_storage() else engine.global_rank
+    folder = f"offloaded_tensors/rank{dp_index_to_str(rank)}"
+    return [f"{folder}/{master.ds_id}.tensor.swp" for sub_group, master in enumerate(opt.fp32_partitioned_groups_flat)
+            if opt._swappable_optimizer_subgroup(sub_group)]
