@@ -246,6 +246,8 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       # optimizer step shared by k times the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed, the
       # learning rate warmed up over 2 (1 when STEPS <= 2); LAYERS=n: the same model with n layers instead of 32; PINNED=false:
       # the host states in pageable memory (no power-of-two blocks). The peer's JSON sets its own pinning.
+      # NVME=DIR: ZeRO-Infinity instead, the fp32 master weights, AdamW states and the 16-bit weights swapped to DIR
+      # (zerotrain's zero3_nvme row; no peer), the megabytes under DIR in the memory timeline's fourth column.
       MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}
       if [ -n "${LAYERS:-}" ]; then
         MODEL7=$OUT/offload_7b_host125/llama_${LAYERS}_layers_config.json
@@ -255,13 +257,16 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       L7H=("${L7[@]}" --model.config "$MODEL7" --trainer.micro_batch_size "${MICRO:-32}" --trainer.max_steps "$STEPS7"
            --trainer.warmup_steps_excluded $(( STEPS7 > 2 ? 2 : STEPS7 - 1 )) --scheduler.warmup_steps $(( STEPS7 > 2 ? 2 : 1 ))
            --strategy.gradient_accumulation_steps "${ACCUM:-1}" ${PINNED:+--strategy.offload_pin_memory "$PINNED"}
-           ${STATES:+--precision.master_weights "$STATES" --precision.optimizer_states "$STATES"})
+           ${STATES:+--precision.master_weights "$STATES" --precision.optimizer_states "$STATES"}
+           ${NVME:+--strategy.nvme_path "$NVME"})
       ( while sleep 5; do echo "$SECONDS $(free -g | awk '/Mem:/{print $3}') $(nvidia-smi --query-gpu=memory.used \
-          --format=csv,noheader,nounits | head -n 1)"; done > "$OUT/offload_7b_host125/memory_timeline.txt" ) &
+          --format=csv,noheader,nounits | head -n 1) $(du -sm "${NVME:-/nonexistent}" 2>/dev/null | cut -f1)"
+        done > "$OUT/offload_7b_host125/memory_timeline.txt" ) &
       SAMPLER=$!
-      z benchmark causal-lm --strategies zero3_offload_optimizer --predict false --out "$OUT/offload_7b_host125/zerotrain" \
-        "${L7H[@]}" > "$OUT/offload_7b_host125/zerotrain.log" 2>&1; echo "zerotrain rc=$?"
-      if [ -z "${STATES:-}" ]; then
+      z benchmark causal-lm --strategies "$([ -n "${NVME:-}" ] && echo zero3_nvme || echo zero3_offload_optimizer)" \
+        --predict false --out "$OUT/offload_7b_host125/zerotrain" "${L7H[@]}" > "$OUT/offload_7b_host125/zerotrain.log" 2>&1
+      echo "zerotrain rc=$?"
+      if [ -z "${STATES:-}${NVME:-}" ]; then
         python3 benchmarks/hf_trainer.py --recipe causal-lm --out "$OUT/offload_7b_host125/hf_trainer.json" --warmup 1 \
           --trainer_args '{"gradient_checkpointing": true}' -- "${L7H[@]}" --trainer.max_steps 4 \
           --strategy.deepspeed_config "${PEER_JSON:-benchmarks/ds_zero3_offload_auto.json}" \
