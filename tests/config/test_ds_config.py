@@ -686,3 +686,31 @@ def test_the_shipped_peer_files_pass_the_checks_a_users_file_gets(name):
     check_user_keys(user, path)
     check_user_types(user, path)
     assert user["zero_optimization"]["stage"] in (2, 3)
+
+
+def test_nvme_weight_buffers_hold_the_largest_parameter():
+    """DeepSpeed swaps each NVMe-offloaded parameter through one buffer (100M elements by default) and stops at the
+    build where one is larger, as a 32,000 x 4,096 embedding is: the buffers grow to the largest parameter."""
+    cfg = make_cfg(zero_stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path="/n")
+    block = lambda ds: ds["zero_optimization"]["offload_param"]  # noqa: E731
+    assert block(make_ds_config(cfg, 1, "cuda", "bf16", {"largest_param_numel": 131_072_000}))["buffer_size"] \
+        == 131_072_000
+    assert block(make_ds_config(cfg, 1, "cuda", "bf16", {"largest_param_numel": 5_000}))["buffer_size"] == 100_000_000
+    assert "buffer_size" not in block(make_ds_config(cfg, 1, "cuda", "bf16"))  # no fact: DeepSpeed's default
+
+
+def test_a_users_nvme_weight_buffer_under_the_largest_parameter_is_refused_in_one_line(tmp_path):
+    zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},
+            "offload_param": {"device": "nvme", "nvme_path": "/n"}}
+    unset = write(tmp_path, json.dumps({"zero_optimization": zero}), "unset.json")
+    cfg = make_cfg(deepspeed_config=str(unset))
+    ds = make_ds_config(cfg, 1, "cuda", "bf16", {"largest_param_numel": 131_072_000})
+    assert ds["zero_optimization"]["offload_param"]["buffer_size"] == 131_072_000  # unset: sized as zerotrain's own
+    zero["offload_param"]["buffer_size"] = 1e8
+    small = write(tmp_path, json.dumps({"zero_optimization": zero}), "small.json")
+    with pytest.raises(ConfigError) as refused:
+        make_ds_config(make_cfg(deepspeed_config=str(small)), 1, "cuda", "bf16", {"largest_param_numel": 131_072_000})
+    assert str(refused.value) == (
+        f"--strategy.deepspeed_config {small} zero_optimization.offload_param.buffer_size is 100000000, under the "
+        "model's largest parameter (131,072,000 elements), which DeepSpeed swaps through one buffer: set it to "
+        "131072000 or more, or remove it")

@@ -59,6 +59,28 @@ def _offload_block(kind: str, nvme_path: str | None, pin_memory: bool) -> dict[s
     return {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory}
 
 
+PARAM_SWAP_BUFFER_SIZE = 100_000_000
+"""DeepSpeed 0.19's ``offload_param.buffer_size``: the elements of each pinned buffer NVMe-offloaded weights pass through."""
+
+
+def _size_param_swap_buffers(ds: dict[str, Any], largest: int | None, path: str | None) -> None:
+    """Make each buffer NVMe-offloaded weights pass through hold the largest parameter (``largest`` elements).
+
+    DeepSpeed swaps a parameter through one buffer and stops at the model's build where one is larger: a Llama
+    7B's 32,000 x 4,096 embedding is 131M elements, over its default of 100M. A size a user's file sets is kept
+    where it is large enough, refused in one line where it is not."""
+    block = (ds.get("zero_optimization") or {}).get("offload_param")
+    if not largest or not isinstance(block, dict) or block.get("device") != "nvme":
+        return
+    size = block.get("buffer_size")
+    if size is None or not path:
+        block["buffer_size"] = max(int(size or PARAM_SWAP_BUFFER_SIZE), largest)
+    elif int(float(size)) < largest:
+        raise ConfigError(f"--strategy.deepspeed_config {path}", f"zero_optimization.offload_param.buffer_size "
+                          f"is {size}, under the model's largest parameter ({largest:,} elements), which DeepSpeed "
+                          f"swaps through one buffer: set it to {largest} or more, or remove it")
+
+
 def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision) -> dict[str, Any]:
     """The DeepSpeed config for ``cfg`` on ``world_size`` data-parallel ranks of ``device`` (cuda/cpu).
 
@@ -673,6 +695,7 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
                               "remove the block, or leave --optimizer.name unset")
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
+    _size_param_swap_buffers(ds, (extra or {}).get("largest_param_numel"), cfg.strategy.deepspeed_config)
     validate_ds_config(ds, world_size, device)
     s, stage = cfg.strategy, (ds.get("zero_optimization") or {}).get("stage", 0)
     if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead" and stage != 3 \

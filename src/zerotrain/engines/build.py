@@ -47,7 +47,7 @@ def build_engine(model: nn.Module, cfg: RunConfig, device: torch.device, precisi
 
 
 def model_construction(cfg: RunConfig, device: torch.device, precision: ResolvedPrecision, total_steps: int,
-                       world_size: int) -> ContextManager[bool]:
+                       world_size: int, facts: Optional[dict[str, Any]] = None) -> ContextManager[bool]:
     """The block the recipe's model is built in; it yields whether models are built partitioned there.
 
     Under DeepSpeed ZeRO-3 (the generated JSON's stage or the user's file's), Hugging Face models loaded in the
@@ -57,8 +57,9 @@ def model_construction(cfg: RunConfig, device: torch.device, precision: Resolved
     """
     if cfg.strategy.backend != "deepspeed":
         return contextlib.nullcontext(False)
-    # Without the model's hints: what they fill (bucket sizes) does not change how parameters are partitioned.
-    ds = _ds_config(cfg, device, precision, total_steps, world_size, None)
+    # Without the model's hints (what they fill, bucket sizes, does not change how parameters are partitioned),
+    # with ``facts`` that do: the largest parameter, which sizes the buffers NVMe-offloaded weights pass through.
+    ds = _ds_config(cfg, device, precision, total_steps, world_size, facts)
     if (ds.get("zero_optimization") or {}).get("stage", 0) != 3:
         return contextlib.nullcontext(False)
     return partitioned_construction(ds)

@@ -284,7 +284,7 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         n_train = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
         param_counts = count_params(model)
         engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
-                              task.deepspeed_hints(model))
+                              {**task.deepspeed_hints(model), **_swap_facts(cfg, model)})
         seed_everything(tr.seed + 1000 * rt.rank)
 
         if cfg.strategy.deepspeed_config and engine.ds_config is not None:
@@ -332,8 +332,12 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int) -> t
     Every rank's figures go to summary.json (``model_load_host_rss_before_gib`` / ``..._peak_gib``, in rank
     order) and rank 0 logs them: whether loading a big model fits the host is read there, per process.
     """
+    facts = {}
+    if cfg.strategy.offload_param == "nvme":
+        with torch.device("meta"):  # the largest parameter, which the weights' swap buffers must hold
+            facts = _swap_facts(cfg, task.build_model(pretrained=False))
     t0 = time.perf_counter()
-    with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size), \
+    with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size, facts), \
             HostPeak(interval_s=0.01) as host:
         model = task.build_model()
     seconds = time.perf_counter() - t0
@@ -346,6 +350,13 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int) -> t
              " / ".join(f"{v:.2f}" for v in peak), " / ".join(f"{v:.2f}" for v in before))
     return model, {"model_load_s": seconds, "model_load_partitioned": partitioned,
                    "model_load_host_rss_before_gib": list(before), "model_load_host_rss_peak_gib": list(peak)}
+
+
+def _swap_facts(cfg: RunConfig, model: torch.nn.Module) -> dict[str, int]:
+    """``largest_param_numel`` where the weights are swapped to NVMe (each swap buffer holds a whole parameter)."""
+    if cfg.strategy.offload_param != "nvme":
+        return {}
+    return {"largest_param_numel": max(full_numel(p) for p in model.parameters())}
 
 
 @contextlib.contextmanager
