@@ -68,6 +68,10 @@ def test_an_nvme_offloaded_run_resumes_bitwise(tmp_path, tiny_tokenizer_dir, aio
     marker = json.loads((resumed / "checkpoints" / "step00000004" / "COMPLETE.json").read_text())
     swapped = [name for name in marker["files"] if name.startswith("offloaded_tensors/")]
     assert any("exp_avg_sq" in name for name in swapped) == (size == "swapped"), sorted(marker["files"])
+    # Each run swapped into a folder of its own under the path given, removed when the run ended.
+    offload = json.loads((resumed / "ds_config.json").read_text())["zero_optimization"]["offload_optimizer"]
+    assert Path(offload["nvme_path"]).parent == tmp_path / "swap" and offload["nvme_path"] != str(tmp_path / "swap")
+    assert list((tmp_path / "swap").iterdir()) == []
 
 
 def test_a_resume_in_a_process_that_built_another_model_is_refused_in_one_line(tmp_path, tiny_tokenizer_dir,

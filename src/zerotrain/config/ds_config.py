@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +58,21 @@ def _offload_block(kind: str, nvme_path: str | None, pin_memory: bool) -> dict[s
     if kind == "cpu":
         return {"device": "cpu", "pin_memory": pin_memory}
     return {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory}
+
+
+def nvme_run_folder(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """The folder a run's NVMe offload swaps into: ``--strategy.nvme_path``/``<run name>-<hash of the run folder>``,
+    None where nothing goes to NVMe or a user's DeepSpeed file names the path.
+
+    DeepSpeed swaps into fixed names under the path it is given (and empties its weights' folder when it starts),
+    so two runs given the same disk would overwrite each other's states; one folder per run folder keeps them
+    apart, and the same run (a resume) finds its own. The run removes it when it ends: the checkpoints hold copies
+    of what a resume needs, and a 7B model's swap files are over 100 GB."""
+    s = cfg.strategy
+    if s.deepspeed_config or not s.nvme_path or "nvme" not in (s.offload_optimizer, s.offload_param):
+        return None
+    where = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return Path(s.nvme_path).expanduser() / f"{run_dir.name}-{where}"
 
 
 PARAM_SWAP_BUFFER_SIZE = 100_000_000
@@ -696,6 +712,11 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
     _size_param_swap_buffers(ds, (extra or {}).get("largest_param_numel"), cfg.strategy.deepspeed_config)
+    if (extra or {}).get("nvme_folder") and not cfg.strategy.deepspeed_config:
+        for name in ("offload_optimizer", "offload_param"):
+            block = ds["zero_optimization"].get(name)
+            if isinstance(block, dict) and block.get("device") == "nvme":
+                block["nvme_path"] = extra["nvme_folder"]
     validate_ds_config(ds, world_size, device)
     s, stage = cfg.strategy, (ds.get("zero_optimization") or {}).get("stage", 0)
     if cfg.compile.enabled and cfg.compile.mode == "reduce-overhead" and stage != 3 \

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from zerotrain.checkpoint.manager import (
     shape_of,
 )
 from zerotrain.config import RunConfig, check_warmup
-from zerotrain.config.ds_config import REFLECTED, batch_shape, check_nvme_io, reflect_ds_config
+from zerotrain.config.ds_config import REFLECTED, batch_shape, check_nvme_io, nvme_run_folder, reflect_ds_config
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
 from zerotrain.data.streaming import Drawn, StreamedRows
@@ -221,6 +222,9 @@ def _train(run: Run, report: Optional[Report] = None) -> FitResult:
         if state.step == start_step:
             log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
         summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
+        swapped = nvme_run_folder(run.cfg, run.run_dir)
+        if swapped is not None and rt.local_rank == 0:  # every rank of the node is past _finish's barrier
+            shutil.rmtree(swapped, ignore_errors=True)  # scratch: the checkpoints hold copies of what resumes
     finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
         heap.close()  # first: it cannot fail, and the closings below may
         profiler.close()  # a profiler left recording would crash the process at exit
@@ -277,14 +281,14 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
         loader.start_workers()  # before the model and the engine fill this process's memory
     with _closed_on_error(loader):
-        model, model_load = _build_model(task, cfg, rt, total_steps)
+        model, model_load = _build_model(task, cfg, rt, total_steps, run_dir)
         # Counted on the whole model, before an engine may shard it (a partitioned one: its full sizes).
         flops_per_token = task.flops_per_token(model)
         n_params = sum(full_numel(p) for p in model.parameters())
         n_train = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
         param_counts = count_params(model)
         engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
-                              {**task.deepspeed_hints(model), **_swap_facts(cfg, model)})
+                              {**task.deepspeed_hints(model), **_swap_facts(cfg, run_dir, model)})
         seed_everything(tr.seed + 1000 * rt.rank)
 
         if cfg.strategy.deepspeed_config and engine.ds_config is not None:
@@ -325,17 +329,19 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
                    n_params, param_counts, model_load)
 
 
-def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int) -> tuple[Any, dict[str, Any]]:
+def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int, run_dir: Path
+                 ) -> tuple[Any, dict[str, Any]]:
     """The recipe's model, built where the engine wants it (partitioned under ZeRO-3: see
     :func:`zerotrain.engines.build.model_construction`), with the host memory each process used meanwhile.
 
     Every rank's figures go to summary.json (``model_load_host_rss_before_gib`` / ``..._peak_gib``, in rank
     order) and rank 0 logs them: whether loading a big model fits the host is read there, per process.
     """
-    facts = {}
+    meta = None
     if cfg.strategy.offload_param == "nvme":
         with torch.device("meta"):  # the largest parameter, which the weights' swap buffers must hold
-            facts = _swap_facts(cfg, task.build_model(pretrained=False))
+            meta = task.build_model(pretrained=False)
+    facts = _swap_facts(cfg, run_dir, meta)
     t0 = time.perf_counter()
     with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size, facts), \
             HostPeak(interval_s=0.01) as host:
@@ -352,11 +358,15 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int) -> t
                    "model_load_host_rss_before_gib": list(before), "model_load_host_rss_peak_gib": list(peak)}
 
 
-def _swap_facts(cfg: RunConfig, model: torch.nn.Module) -> dict[str, int]:
-    """``largest_param_numel`` where the weights are swapped to NVMe (each swap buffer holds a whole parameter)."""
-    if cfg.strategy.offload_param != "nvme":
-        return {}
-    return {"largest_param_numel": max(full_numel(p) for p in model.parameters())}
+def _swap_facts(cfg: RunConfig, run_dir: Path, model: Optional[torch.nn.Module]) -> dict[str, Any]:
+    """What an NVMe offload's DeepSpeed config needs beyond the flags: ``nvme_folder``, the run's own folder under
+    ``--strategy.nvme_path`` (:func:`~zerotrain.config.ds_config.nvme_run_folder`), and, where the weights are
+    swapped, ``largest_param_numel`` (each swap buffer holds a whole parameter; ``model`` may be on the meta device)."""
+    folder = nvme_run_folder(cfg, run_dir)
+    facts: dict[str, Any] = {"nvme_folder": str(folder)} if folder else {}
+    if cfg.strategy.offload_param == "nvme" and model is not None:
+        facts["largest_param_numel"] = max(full_numel(p) for p in model.parameters())
+    return facts
 
 
 @contextlib.contextmanager
