@@ -39,7 +39,7 @@ def _flags(tmp_path: Path, tok: Path, run: str, steps: int) -> list[str]:
             "--data.cache_dir", str(tmp_path / "cache"), "--trainer.micro_batch_size", "2",
             "--trainer.max_steps", str(steps), "--trainer.log_every_steps", "1", "--trainer.num_workers", "0",
             "--trainer.output_dir", str(tmp_path), "--trainer.run_name", run, "--logging.progress_bar", "false",
-            "--optimizer.lr", "1e-2", "--checkpoint.every_steps", "4", "--strategy.zero_stage", "3",
+            "--optimizer.lr", "1e-2", "--checkpoint.every_steps", "2", "--strategy.zero_stage", "3",
             "--strategy.offload_optimizer", "nvme", "--strategy.nvme_path", str(tmp_path / "swap")]
 
 
@@ -55,7 +55,7 @@ def test_an_nvme_offloaded_run_resumes_bitwise(tmp_path, tiny_tokenizer_dir, aio
         return tmp_path / name
 
     straight = run("straight", 8)
-    run("split", 4)
+    run("split", 2)  # at step 2: CPU Adam's powers of the betas differ in float32 if computed afresh at step 3
     resumed = run("split", 8, "--checkpoint.resume", "auto")
 
     a, b = train_log(straight), train_log(resumed)
@@ -65,7 +65,7 @@ def test_an_nvme_offloaded_run_resumes_bitwise(tmp_path, tiny_tokenizer_dir, aio
     assert a[8]["train_loss"] < a[1]["train_loss"]
     # Swapped states: the checkpoint holds the disk's copy of them (DeepSpeed writes them beside its own files),
     # listed in the folder's manifest like every other file. Held ones are in the partition file alone.
-    marker = json.loads((resumed / "checkpoints" / "step00000004" / "COMPLETE.json").read_text())
+    marker = json.loads((resumed / "checkpoints" / "step00000008" / "COMPLETE.json").read_text())
     swapped = [name for name in marker["files"] if name.startswith("offloaded_tensors/")]
     assert any("exp_avg_sq" in name for name in swapped) == (size == "swapped"), sorted(marker["files"])
     # Each run swapped into a folder of its own under the path given, removed when the run ended.

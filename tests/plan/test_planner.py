@@ -257,6 +257,21 @@ def test_an_unpinned_offload_moves_its_states_at_the_pageable_copy_speed():
         step_time(plain, 8, 1, False, counts, probe, 1, 1, False)
 
 
+def test_an_nvme_offload_pays_the_disk_beside_the_host():
+    """ZeRO-3 with the weights and the optimizer on NVMe costs what its CPU twin does plus the bytes it swaps at the
+    disk's speed: 32 a trainable parameter for the optimizer, 3 x 2 a parameter for the bf16 weights."""
+    from zerotrain.plan.speed import NVME_BYTES_PER_S
+
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=2 * 10**9,
+                         trainable_bytes=2 * 10**9, tensors=200)
+    probe = fake_probe()
+
+    def optimizer_s(name: str) -> float:
+        return step_time(STRATEGIES[name], 8, 1, False, counts, probe, 1, 1, False).optimizer
+
+    assert optimizer_s("zero3_nvme") == pytest.approx(optimizer_s("zero3_offload") + (32e9 + 6e9) / NVME_BYTES_PER_S)
+
+
 def test_trials_are_the_fastest_that_fit_two_per_strategy_at_most():
     counts = ParamCounts(total=10**6, trainable=10**6, largest_layer=10**5, total_bytes=4 * 10**6,
                          trainable_bytes=4 * 10**6)

@@ -18,7 +18,11 @@ from zerotrain.config.ds_config import (
 )
 from zerotrain.engines import optimizers
 from zerotrain.engines.base import Engine, _compile
-from zerotrain.engines.ds_private.engine import load_nvme_offloaded_optimizer, zero3_consolidated_state_dict
+from zerotrain.engines.ds_private.engine import (
+    load_nvme_offloaded_optimizer,
+    replay_cpu_adam_steps,
+    zero3_consolidated_state_dict,
+)
 from zerotrain.engines.ds_private.patches import Applied, apply_patches
 from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.engines.ds_private.universal import loading_universal
@@ -196,6 +200,7 @@ class DeepSpeedEngine(Engine):
             del ckpt_engine.load  # the class's own method again
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
+        replay_cpu_adam_steps(self.ds.basic_optimizer)
 
     def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
         """Load a ZeRO checkpoint of another process count through DeepSpeed's universal checkpoint.
@@ -263,6 +268,7 @@ class DeepSpeedEngine(Engine):
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {universal}")
+        replay_cpu_adam_steps(self.ds.basic_optimizer)
 
     def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.ds.zero_optimization_partition_weights():

@@ -9,6 +9,8 @@ A step is the sum of (seconds, all per rank):
   moving its gradients down (fp32: DeepSpeed casts them on the GPU first) and its weights back up
   (16-bit where the model runs in 16 bits), at the host-device speed the probe measured from pinned
   memory, or from pageable memory for an unpinned offload;
+* **the disk**, for an offload to NVMe: the bytes DeepSpeed swaps a step (:func:`nvme_bytes_per_step`) at
+  :data:`NVME_BYTES_PER_S`, beside the host's part above;
 * **communication** (several ranks): the gradient all-reduce (or reduce-scatter + all-gather, the
   same volume), ZeRO-3's two weight all-gathers per step, at :data:`LINK_BYTES_PER_S`, minus what
   overlaps the backward pass;
@@ -69,6 +71,25 @@ CPU_ADAM_PARAMS_PER_S = 1.7e9
 ~3 s a step, most of it in the optimizer."""
 
 
+NVME_BYTES_PER_S = 1.5e9
+"""Reads and writes of the GPU hosts' disk: 1.6 GB/s written, 1.4 GB/s read by ``dd`` with direct I/O on an H100
+machine (``benchmarks/results/offload_7b_h100_202612/zero_infinity_12_layers/disk_speed.txt``). A local NVMe drive is
+several times faster: the planner's trials decide."""
+
+
+def nvme_bytes_per_step(strategy: Strategy, counts: ParamCounts, share: float, half: bool) -> float:
+    """Bytes one rank moves to and from the disk a step under DeepSpeed 0.19's NVMe offload. The optimizer on NVMe:
+    its fp32 gradients written in the backward pass and read for the step, its fp32 master weights and Adam's moments
+    read and written (4 + 4 + 4 + 4 + 8 + 8). The weights on NVMe: read for the forward and the backward pass, written
+    once updated (3 x the model's element size). An estimate from what is swapped, not from a timed step."""
+    moved = 0.0
+    if strategy.offload_optimizer == "nvme":
+        moved += 32 * counts.trainable * share
+    if strategy.offload_param == "nvme":
+        moved += 3 * (2 if half else 4) * counts.total * share
+    return moved
+
+
 @dataclass(frozen=True)
 class StepTime:
     compute: float
@@ -103,6 +124,7 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
         optimizer = probe.optimizer_step_s * share
     if strategy.offload_param != "none":
         optimizer += 2 * (2 if half else 4) * counts.total * share / link_to_host  # weights up for forward and backward
+    optimizer += nvme_bytes_per_step(strategy, counts, share, half) / NVME_BYTES_PER_S
     communication = 0.0
     if n > 1:
         link = LINK_BYTES_PER_S["gloo" if probe.device == "cpu" else "network" if nnodes > 1 else "nvlink"]
