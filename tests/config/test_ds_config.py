@@ -696,6 +696,9 @@ def test_nvme_weight_buffers_hold_the_largest_parameter():
     assert block(make_ds_config(cfg, 1, "cuda", "bf16", {"largest_param_numel": 131_072_000}))["buffer_size"] \
         == 131_072_000
     assert block(make_ds_config(cfg, 1, "cuda", "bf16", {"largest_param_numel": 5_000}))["buffer_size"] == 100_000_000
+    # each rank swaps its share: 4 ranks of a 525M-element embedding need buffers of 131.25M
+    assert block(make_ds_config(cfg, 4, "cuda", "bf16", {"largest_param_numel": 525_000_001}))["buffer_size"] \
+        == 131_250_001
     assert "buffer_size" not in block(make_ds_config(cfg, 1, "cuda", "bf16"))  # no fact: DeepSpeed's default
 
 
@@ -711,6 +714,6 @@ def test_a_users_nvme_weight_buffer_under_the_largest_parameter_is_refused_in_on
     with pytest.raises(ConfigError) as refused:
         make_ds_config(make_cfg(deepspeed_config=str(small)), 1, "cuda", "bf16", {"largest_param_numel": 131_072_000})
     assert str(refused.value) == (
-        f"--strategy.deepspeed_config {small} zero_optimization.offload_param.buffer_size is 100000000, under the "
-        "model's largest parameter (131,072,000 elements), which DeepSpeed swaps through one buffer: set it to "
-        "131072000 or more, or remove it")
+        f"--strategy.deepspeed_config {small} zero_optimization.offload_param.buffer_size is 100000000, under a "
+        "rank's share of the model's largest parameter (131,072,000 elements), which DeepSpeed swaps through one "
+        "buffer: set it to 131072000 or more, or remove it")

@@ -87,3 +87,22 @@ def test_a_resume_in_a_process_that_built_another_model_is_refused_in_one_line(t
     err = capfd.readouterr().err
     assert code != 0
     assert "lacks offloaded_tensors/rank00/" in err and "fresh process" in err, err[-2000:]
+
+
+def test_a_users_file_with_weight_buffers_under_the_largest_parameter_is_refused_in_one_line(
+        tmp_path, tiny_tokenizer_dir, aio_built):
+    """The buffers NVMe-offloaded weights pass through must hold a whole parameter (a rank's share): a user's
+    DeepSpeed file that sets them smaller is refused before the model is built (DeepSpeed would assert there)."""
+    _inputs(tmp_path, HELD)
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "swap")},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "swap"), "buffer_size": 1000}}}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    flags = _flags(tmp_path, tiny_tokenizer_dir, "small", 2)
+    flags = flags[:flags.index("--strategy.zero_stage")]  # the file decides the stage and the offloads
+    out = zerotrain_cmd(["fit", "causal-lm", *flags, "--strategy.deepspeed_config", str(tmp_path / "ds.json")],
+                        cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert "zero_optimization.offload_param.buffer_size is 1000, under a rank's share of the model's largest " \
+           "parameter (2,048 elements)" in line, out.stderr[-3000:]

@@ -259,17 +259,23 @@ def test_an_unpinned_offload_moves_its_states_at_the_pageable_copy_speed():
 
 def test_an_nvme_offload_pays_the_disk_beside_the_host():
     """ZeRO-3 with the weights and the optimizer on NVMe costs what its CPU twin does plus the bytes it swaps at the
-    disk's speed: 32 a trainable parameter for the optimizer, 3 x 2 a parameter for the bf16 weights."""
+    disk's speed: 32 a trainable parameter for the optimizer, (2 x accumulation + 1) x 2 a parameter for the bf16
+    weights."""
     from zerotrain.plan.speed import NVME_BYTES_PER_S
 
     counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=2 * 10**9,
                          trainable_bytes=2 * 10**9, tensors=200)
     probe = fake_probe()
 
-    def optimizer_s(name: str) -> float:
-        return step_time(STRATEGIES[name], 8, 1, False, counts, probe, 1, 1, False).optimizer
+    def optimizer_s(name: str, accum: int = 1, world: int = 1) -> float:
+        return step_time(STRATEGIES[name], 8, accum, False, counts, probe, world, 1, False).optimizer
 
     assert optimizer_s("zero3_nvme") == pytest.approx(optimizer_s("zero3_offload") + (32e9 + 6e9) / NVME_BYTES_PER_S)
+    # the weights are read for each micro-batch; the 4 processes of a host share its disk (their shares add up)
+    assert optimizer_s("zero3_nvme", accum=4) == pytest.approx(
+        optimizer_s("zero3_offload", accum=4) + (32e9 + 18e9) / NVME_BYTES_PER_S)
+    assert optimizer_s("zero3_nvme", world=4) - optimizer_s("zero3_offload", world=4) == pytest.approx(
+        (32e9 + 6e9) / NVME_BYTES_PER_S)
 
 
 def test_trials_are_the_fastest_that_fit_two_per_strategy_at_most():

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,22 +80,33 @@ PARAM_SWAP_BUFFER_SIZE = 100_000_000
 """DeepSpeed 0.19's ``offload_param.buffer_size``: the elements of each pinned buffer NVMe-offloaded weights pass through."""
 
 
-def _size_param_swap_buffers(ds: dict[str, Any], largest: int | None, path: str | None) -> None:
-    """Make each buffer NVMe-offloaded weights pass through hold the largest parameter (``largest`` elements).
+def weights_on_nvme(cfg: RunConfig) -> bool:
+    """Whether the run swaps its weights to NVMe: ``--strategy.offload_param nvme``, or a user's DeepSpeed file's
+    ``zero_optimization.offload_param.device``."""
+    if not cfg.strategy.deepspeed_config:
+        return cfg.strategy.offload_param == "nvme"
+    zero = load_user_config(cfg.strategy.deepspeed_config).get("zero_optimization")
+    return isinstance(zero, dict) and _offload_device(zero.get("offload_param")) == "nvme"
 
-    DeepSpeed swaps a parameter through one buffer and stops at the model's build where one is larger: a Llama
-    7B's 32,000 x 4,096 embedding is 131M elements, over its default of 100M. A size a user's file sets is kept
-    where it is large enough, refused in one line where it is not."""
+
+def _size_param_swap_buffers(ds: dict[str, Any], largest: int | None, world_size: int, path: str | None) -> None:
+    """Make each buffer NVMe-offloaded weights pass through hold a rank's share of the largest parameter
+    (``largest`` elements over ``world_size`` ranks).
+
+    DeepSpeed swaps each rank's partition of a parameter through one buffer and stops at the model's build where
+    one is larger: a Llama 7B's 32,000 x 4,096 embedding is 131M elements on one GPU, over its default of 100M. A
+    size a user's file sets is kept where it is large enough, refused in one line where it is not."""
     block = (ds.get("zero_optimization") or {}).get("offload_param")
     if not largest or not isinstance(block, dict) or block.get("device") != "nvme":
         return
+    share = math.ceil(largest / world_size)  # DeepSpeed pads a parameter to a multiple of the ranks
     size = block.get("buffer_size")
     if size is None or not path:
-        block["buffer_size"] = max(int(size or PARAM_SWAP_BUFFER_SIZE), largest)
-    elif int(float(size)) < largest:
+        block["buffer_size"] = max(int(size or PARAM_SWAP_BUFFER_SIZE), share)
+    elif int(float(size)) < share:
         raise ConfigError(f"--strategy.deepspeed_config {path}", f"zero_optimization.offload_param.buffer_size "
-                          f"is {size}, under the model's largest parameter ({largest:,} elements), which DeepSpeed "
-                          f"swaps through one buffer: set it to {largest} or more, or remove it")
+                          f"is {size}, under a rank's share of the model's largest parameter ({share:,} elements), "
+                          f"which DeepSpeed swaps through one buffer: set it to {share} or more, or remove it")
 
 
 def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision) -> dict[str, Any]:
@@ -330,7 +342,7 @@ def check_user_features(user: dict[str, Any], path: str | Path) -> None:
     zero = user.get("zero_optimization")
     offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
     bf16 = user.get("bf16")
-    if (isinstance(offload, dict) and offload.get("device") == "nvme" and isinstance(bf16, dict)
+    if (isinstance(offload, dict) and offload.get("device") == "nvme" and _enabled(bf16)
             and bf16.get("bf16_master_weights_and_grads") is True):
         raise UserError(f"--strategy.deepspeed_config: {path}: bf16.bf16_master_weights_and_grads is true beside "
                         "zero_optimization.offload_optimizer.device nvme, which DeepSpeed 0.19 stops at on the first "
@@ -711,7 +723,7 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
                               "remove the block, or leave --optimizer.name unset")
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
-    _size_param_swap_buffers(ds, (extra or {}).get("largest_param_numel"), cfg.strategy.deepspeed_config)
+    _size_param_swap_buffers(ds, (extra or {}).get("largest_param_numel"), world_size, cfg.strategy.deepspeed_config)
     if (extra or {}).get("nvme_folder") and not cfg.strategy.deepspeed_config:
         for name in ("offload_optimizer", "offload_param"):
             block = ds["zero_optimization"].get(name)

@@ -19,6 +19,7 @@ from zerotrain.config.ds_config import (
 from zerotrain.engines import optimizers
 from zerotrain.engines.base import Engine, _compile
 from zerotrain.engines.ds_private.engine import (
+    check_nvme_checkpoint,
     load_nvme_offloaded_optimizer,
     replay_cpu_adam_steps,
     zero3_consolidated_state_dict,
@@ -188,6 +189,8 @@ class DeepSpeedEngine(Engine):
         # weights-only load that also admits the few DeepSpeed classes its files hold (DS_SAFE_GLOBALS);
         # any torch.load DeepSpeed makes around it directly is forced weights-only too.
 
+        if self.ds.zero_nvme_offload_optimizer():
+            check_nvme_checkpoint(self.ds, folder)
         allow = ds_safe_globals()
         ckpt_engine = self.ds.checkpoint_engine
         ckpt_engine.load = lambda path, map_location=None: load_safely(Path(path), map_location, allow)

@@ -72,21 +72,22 @@ CPU_ADAM_PARAMS_PER_S = 1.7e9
 
 
 NVME_BYTES_PER_S = 1.5e9
-"""Reads and writes of the GPU hosts' disk: 1.6 GB/s written, 1.4 GB/s read by ``dd`` with direct I/O on an H100
+"""Reads and writes of a host's disk, shared by its processes: 1.6 GB/s written, 1.4 GB/s read by ``dd`` with direct I/O on an H100
 machine (``benchmarks/results/offload_7b_h100_202612/zero_infinity_12_layers/disk_speed.txt``). A local NVMe drive is
 several times faster: the planner's trials decide."""
 
 
-def nvme_bytes_per_step(strategy: Strategy, counts: ParamCounts, share: float, half: bool) -> float:
+def nvme_bytes_per_step(strategy: Strategy, counts: ParamCounts, share: float, half: bool, grad_accum: int) -> float:
     """Bytes one rank moves to and from the disk a step under DeepSpeed 0.19's NVMe offload. The optimizer on NVMe:
     its fp32 gradients written in the backward pass and read for the step, its fp32 master weights and Adam's moments
-    read and written (4 + 4 + 4 + 4 + 8 + 8). The weights on NVMe: read for the forward and the backward pass, written
-    once updated (3 x the model's element size). An estimate from what is swapped, not from a timed step."""
+    read and written (4 + 4 + 4 + 4 + 8 + 8). The weights on NVMe: read for each micro-batch's forward and backward
+    pass, written once updated (2 x accumulation + 1 times the model's element size). An estimate from what is
+    swapped, not from a timed step."""
     moved = 0.0
     if strategy.offload_optimizer == "nvme":
         moved += 32 * counts.trainable * share
     if strategy.offload_param == "nvme":
-        moved += 3 * (2 if half else 4) * counts.total * share
+        moved += (2 * grad_accum + 1) * (2 if half else 4) * counts.total * share
     return moved
 
 
@@ -124,7 +125,8 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
         optimizer = probe.optimizer_step_s * share
     if strategy.offload_param != "none":
         optimizer += 2 * (2 if half else 4) * counts.total * share / link_to_host  # weights up for forward and backward
-    optimizer += nvme_bytes_per_step(strategy, counts, share, half) / NVME_BYTES_PER_S
+    # The processes of a host share its disk
+    optimizer += nvme_bytes_per_step(strategy, counts, share, half, grad_accum) * (n / nnodes) / NVME_BYTES_PER_S
     communication = 0.0
     if n > 1:
         link = LINK_BYTES_PER_S["gloo" if probe.device == "cpu" else "network" if nnodes > 1 else "nvlink"]

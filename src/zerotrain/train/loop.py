@@ -34,7 +34,14 @@ from zerotrain.checkpoint.manager import (
     shape_of,
 )
 from zerotrain.config import RunConfig, check_warmup
-from zerotrain.config.ds_config import REFLECTED, batch_shape, check_nvme_io, nvme_run_folder, reflect_ds_config
+from zerotrain.config.ds_config import (
+    REFLECTED,
+    batch_shape,
+    check_nvme_io,
+    nvme_run_folder,
+    reflect_ds_config,
+    weights_on_nvme,
+)
 from zerotrain.data.loader import make_loader, micro_batch_stream
 from zerotrain.data.sampling import EpochBatches
 from zerotrain.data.streaming import Drawn, StreamedRows
@@ -222,9 +229,6 @@ def _train(run: Run, report: Optional[Report] = None) -> FitResult:
         if state.step == start_step:
             log.info("the run had already reached step %d of %d: nothing to train", start_step, run.total_steps)
         summary = _finish(run, state, checkpointer, evaluator, tracker, meter, results, start_step)
-        swapped = nvme_run_folder(run.cfg, run.run_dir)
-        if swapped is not None and rt.local_rank == 0:  # every rank of the node is past _finish's barrier
-            shutil.rmtree(swapped, ignore_errors=True)  # scratch: the checkpoints hold copies of what resumes
     finally:  # however the run ends: what it logged is flushed, the logger's files and threads closed
         heap.close()  # first: it cannot fail, and the closings below may
         profiler.close()  # a profiler left recording would crash the process at exit
@@ -233,6 +237,9 @@ def _train(run: Run, report: Optional[Report] = None) -> FitResult:
         heartbeat.close()
         tracker.close()
         meter.close()
+        swapped = nvme_run_folder(run.cfg, run.run_dir)
+        if swapped is not None and rt.local_rank == 0:  # ended here or failed everywhere: nothing reads it again
+            shutil.rmtree(swapped, ignore_errors=True)  # scratch: the checkpoints hold copies of what resumes
     log.info("done: %s", run.run_dir)
     return FitResult(run_dir=run.run_dir, final_step=state.step, metrics=summary, is_main=rt.is_main)
 
@@ -338,7 +345,7 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int, run_
     order) and rank 0 logs them: whether loading a big model fits the host is read there, per process.
     """
     meta = None
-    if cfg.strategy.offload_param == "nvme":
+    if weights_on_nvme(cfg):
         with torch.device("meta"):  # the largest parameter, which the weights' swap buffers must hold
             meta = task.build_model(pretrained=False)
     facts = _swap_facts(cfg, run_dir, meta)
@@ -364,7 +371,7 @@ def _swap_facts(cfg: RunConfig, run_dir: Path, model: Optional[torch.nn.Module])
     swapped, ``largest_param_numel`` (each swap buffer holds a whole parameter; ``model`` may be on the meta device)."""
     folder = nvme_run_folder(cfg, run_dir)
     facts: dict[str, Any] = {"nvme_folder": str(folder)} if folder else {}
-    if cfg.strategy.offload_param == "nvme" and model is not None:
+    if model is not None and weights_on_nvme(cfg):
         facts["largest_param_numel"] = max(full_numel(p) for p in model.parameters())
     return facts
 

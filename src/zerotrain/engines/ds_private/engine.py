@@ -39,16 +39,10 @@ def load_nvme_offloaded_optimizer(engine: Any, load_dir: str, tag: str) -> bool:
     16-bit weights (swapped out again where the weights live on NVMe too) and swapped out."""
     from deepspeed import comm as dist
 
-    opt = engine.optimizer
-    missing = [name for name in swapped_master_files(engine) if not (Path(load_dir) / tag / name).is_file()]
-    if missing:
-        raise UserError(f"--checkpoint.resume: {Path(load_dir) / tag} lacks {missing[0]}, the NVMe-swapped fp32 "
-                        "weights this run would read: DeepSpeed names these files by a count of the parameters "
-                        "built in the process, so a checkpoint resumes only in a fresh process that builds the "
-                        "same model (start a new `zerotrain fit`), never after another ZeRO-3 model was built")
     states = engine._get_all_zero_checkpoints(load_dir, tag)
     if states is None:
         return False
+    opt = engine.optimizer
     saved = states[dist.get_rank(group=opt.dp_process_group)]
     opt.loss_scaler, opt.dynamic_loss_scale, opt.overflow = (saved[name] for name in (
         "loss_scaler", "dynamic_loss_scale", "overflow"))
@@ -75,6 +69,22 @@ def load_nvme_offloaded_optimizer(engine: Any, load_dir: str, tag: str) -> bool:
     return True
 
 
+def check_nvme_checkpoint(engine: Any, folder: Path) -> None:
+    """Refuse, in one line and before anything is copied, checkpoint ``folder`` for an ``engine`` whose optimizer
+    lives on NVMe where its swapped files are not the ones this rank's optimizer would read.
+
+    DeepSpeed names them by a count of the parameters built in the process (``<first>_<last>.tensor.swp``), so
+    the checkpoint resumes in a process that builds the same model first, as it was built when the checkpoint was
+    written. A process that built another ZeRO-3 model before (a notebook, a loop of fits), or a checkpoint written
+    by one, does not match; nor does a checkpoint written without the optimizer on NVMe (no swapped files)."""
+    missing = [name for name in swapped_master_files(engine) if not (folder / name).is_file()]
+    if missing:
+        raise UserError(f"--checkpoint.resume: {folder} lacks {missing[0]}, the NVMe-swapped fp32 weights this rank "
+                        "would read. DeepSpeed names these files by a count of the parameters the process built, so "
+                        "an NVMe checkpoint resumes only in a fresh process (a new `zerotrain fit`) and only if it "
+                        "was written by one, with the same model and the optimizer on NVMe")
+
+
 def swapped_master_files(engine: Any) -> list[str]:
     """The checkpoint-relative files that hold this rank's NVMe-swapped fp32 master weights, one per swapped
     sub-group, as DeepSpeed 0.19's ``save_checkpoint`` copies them (``offloaded_tensors/rank<NN>/<ds_id>.tensor.swp``)."""
@@ -99,7 +109,7 @@ def replay_cpu_adam_steps(optimizer: Any) -> None:
     the multiplying path every time: n calls that touch no data (about a second per million steps)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    if not isinstance(optimizer, DeepSpeedCPUAdam):
+    if type(optimizer) is not DeepSpeedCPUAdam:  # a subclass (ZenFlow's) may count its steps otherwise
         return
     steps = [int(state["step"]) for state in optimizer.state.values() if "step" in state]
     if not steps:
