@@ -23,7 +23,14 @@ import torch
 
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import _enabled, make_ds_config
-from zerotrain.engines.states import Buckets, ParamCounts, count_params, model_state_memory, optimizer_states
+from zerotrain.engines.states import (
+    Buckets,
+    ParamCounts,
+    count_params,
+    full_numel,
+    model_state_memory,
+    optimizer_states,
+)
 from zerotrain.errors import ConfigError
 from zerotrain.plan.memory import (
     GIB,
@@ -118,16 +125,21 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         cfg.precision.dtype = "bf16"  # what auto resolves to on any GPU since Ampere; the model is built in it
     precision = cfg.precision.dtype
     device = probe.device if probe is not None else "cuda"
+    task = recipes.get(recipe)(cfg)
+    with torch.device("meta"):
+        model = task.build_model(pretrained=False)
     # Each strategy's DeepSpeed JSON as its run would get it (from the flags, or from
-    # --strategy.deepspeed_config): its bucket sizes, and whether it keeps fp32 weights under autocast.
-    own = make_ds_config(cfg, world, device, precision)  # type: ignore[arg-type]
+    # --strategy.deepspeed_config): its bucket sizes, NVMe swap buffers (sized by the largest parameter, as the
+    # run sizes them), and whether it keeps fp32 weights under autocast.
+    facts = {"largest_param_numel": max(full_numel(p) for p in model.parameters())}
+    own = make_ds_config(cfg, world, device, precision, facts)  # type: ignore[arg-type]
     ds_jsons = {}
     candidates = available(cfg)
     for name, strategy in candidates.items():
         if strategy.backend != "deepspeed":
             continue
         try:
-            ds_jsons[name] = make_ds_config(strategy.apply(cfg), world, device, precision)  # type: ignore[arg-type]
+            ds_jsons[name] = make_ds_config(strategy.apply(cfg), world, device, precision, facts)  # type: ignore[arg-type]
         except ConfigError:
             # A user's JSON can pin what this strategy would change (e.g. "stage": "auto" next to an
             # offload that only stages 1-3 take): the row is sized from the JSON the run would get.
@@ -138,9 +150,6 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     states = optimizer_states(cfg.optimizer, own)
     autocast = {name: _enabled(ds.get("torch_autocast")) for name, ds in ds_jsons.items()}
 
-    task = recipes.get(recipe)(cfg)
-    with torch.device("meta"):
-        model = task.build_model(pretrained=False)
     counts = count_params(model)
     shape = task.transformer_shape(model) if probe is None else None
     modelled = None

@@ -192,7 +192,9 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
             raise UserError(f"the plan's candidate {cand.label} is not a valid configuration: {exc}") from None
         buckets, autocast, ds = Buckets(), False, None
         if run_cfg.strategy.backend == "deepspeed":
-            ds = make_ds_config(run_cfg, world, device, probe.precision)  # type: ignore[arg-type]
+            # NVMe weights' swap buffers hold the largest parameter (the largest layer's bounds it), as in the run
+            ds = make_ds_config(run_cfg, world, device, probe.precision,  # type: ignore[arg-type]
+                                {"largest_param_numel": counts.largest_layer})
             buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
         elif run_cfg.strategy.backend == "fsdp2":
             buckets = Buckets.for_fsdp2(run_cfg, device)
