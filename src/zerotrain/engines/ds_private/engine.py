@@ -1,4 +1,6 @@
-"""Private reads of DeepSpeed's engine that zerotrain's engine needs and the public API does not offer."""
+"""Private reads of DeepSpeed's engine, and the loads its ``load_checkpoint`` leaves unfinished, that zerotrain's
+engine needs and the public API does not offer. They call DeepSpeed's private methods as 0.19.8 has them (the
+release the NVMe and CPU-offload resume tests pass on)."""
 
 from __future__ import annotations
 
