@@ -560,8 +560,8 @@ def check_state_precision(cfg: "RunConfig") -> None:
     1-3 only; bf16 states only beside bf16 master weights; bf16 master weights with fp32 states only with the
     optimizer offloaded as DeepSpeedCPUAdam; under optimizer offload, DeepSpeedCPUAdam (it stores the moments in
     bf16 itself). NVMe optimizer offload is refused beside bf16 master weights: DeepSpeed 0.19.8 sizes its swap
-    buffers in bf16 there and swaps fp32 masters through them, and stops at the first step. The 16-bit weights must be bf16: fp16 has its own master
-    weights scheme, and fp32 training has no 16-bit copy to keep. With a user's DeepSpeed file, its ``bf16`` block
+    buffers in bf16 there and swaps fp32 masters through them, and stops at the first step. The 16-bit weights
+    must be bf16: fp16 has its own master weights scheme, and fp32 training has no 16-bit copy to keep. With a user's DeepSpeed file, its ``bf16`` block
     decides (``zerotrain.config.ds_config`` refuses flags that say otherwise)."""
     p, st = cfg.precision, cfg.strategy
     if p.optimizer_states == "bf16" and p.master_weights != "bf16":

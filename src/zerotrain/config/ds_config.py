@@ -77,7 +77,8 @@ def nvme_run_folder(cfg: RunConfig, run_dir: Path) -> Path | None:
 
 
 PARAM_SWAP_BUFFER_SIZE = 100_000_000
-"""DeepSpeed 0.19's ``offload_param.buffer_size``: the elements of each pinned buffer NVMe-offloaded weights pass through."""
+"""DeepSpeed 0.19's default ``offload_param.buffer_size``: the elements of each pinned buffer NVMe-offloaded
+weights pass through."""
 
 
 def weights_on_nvme(cfg: RunConfig) -> bool:

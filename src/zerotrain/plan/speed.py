@@ -49,14 +49,14 @@ ZERO_S_PER_TENSOR = {1: 65e-6, 2: 115e-6, 3: 800e-6}
 """Seconds per trainable tensor that the ZeRO stages add over ZeRO-0, beyond the compute and optimizer step the
 probe measures: once a step for ZeRO-1/2 (gradient bookkeeping, partition copies), once a micro-batch for ZeRO-3
 (which also gathers and releases every weight in each forward and backward). ZeRO-1/2: measured on one H100 at
-BERT-base while DeepSpeed still reduced on one rank (62.1 and 72.1 ms against 49.1 ms, ~200 tensors); they stand for
-several ranks and for an offload, where it still does, and have not been measured there. ZeRO-3: BERT-base (153 tensors) on one H100 took 122 ms a step beyond its probe's 35.3 ms (155 ms
-beyond an earlier probe's 42.4)."""
+BERT-base while DeepSpeed still reduced on one rank (62.1 and 72.1 ms against 49.1 ms, ~200 tensors); they stand
+for several ranks and for an offload, where it still does, and have not been measured there. ZeRO-3: BERT-base
+(153 tensors) on one H100 took 122 ms a step beyond its probe's 35.3 ms (155 ms beyond an earlier probe's 42.4)."""
 
 ZERO_S_PER_TENSOR_ONE_RANK = {1: 6e-6, 2: 6e-6}
-"""ZeRO-1/2 on one rank without offload, where zerotrain skips DeepSpeed's reduction (an identity there; ``zerotrain
-doctor`` lists the patch): BERT-base on one H100 took 1.2 and 0.7 ms a step beyond its probe's 35.3 ms (153 tensors), the same
-within the trials' noise."""
+"""ZeRO-1/2 on one rank without offload, where zerotrain skips DeepSpeed's reduction (an identity there;
+``zerotrain doctor`` lists the patch): BERT-base on one H100 took 1.2 and 0.7 ms a step beyond its probe's 35.3 ms
+(153 tensors), the same within the trials' noise."""
 
 FSDP2_S_PER_TENSOR = (170e-6, 98e-6)
 """Seconds per trainable tensor that FSDP2 adds beyond the compute and optimizer step the probe measures: once a
@@ -72,9 +72,9 @@ CPU_ADAM_PARAMS_PER_S = 1.7e9
 
 
 NVME_BYTES_PER_S = 1.5e9
-"""Reads and writes of a host's disk, shared by its processes: 1.6 GB/s written, 1.4 GB/s read by ``dd`` with direct I/O on an H100
-machine (``benchmarks/results/offload_7b_h100_202612/zero_infinity_12_layers/disk_speed.txt``). A local NVMe drive is
-several times faster: the planner's trials decide."""
+"""Reads and writes of a host's disk, shared by its processes: 1.6 GB/s written, 1.4 GB/s read by ``dd`` with
+direct I/O on an H100 machine (``benchmarks/results/offload_7b_h100_202612/zero_infinity_12_layers/disk_speed.txt``).
+A local NVMe drive is several times faster: the planner's trials decide."""
 
 
 def nvme_bytes_per_step(strategy: Strategy, counts: ParamCounts, share: float, half: bool, grad_accum: int) -> float:

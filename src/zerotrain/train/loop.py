@@ -288,14 +288,14 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
         loader = make_loader(splits.train, sampler, task.collator(), tr.num_workers, tr.seed, persistent=True)
         loader.start_workers()  # before the model and the engine fill this process's memory
     with _closed_on_error(loader):
-        model, model_load = _build_model(task, cfg, rt, total_steps, run_dir)
+        model, model_load, swap_facts = _build_model(task, cfg, rt, total_steps, run_dir)
         # Counted on the whole model, before an engine may shard it (a partitioned one: its full sizes).
         flops_per_token = task.flops_per_token(model)
         n_params = sum(full_numel(p) for p in model.parameters())
         n_train = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
         param_counts = count_params(model)
         engine = build_engine(model, cfg, rt.device, rt.precision, total_steps, steps_per_epoch, rt.world_size,
-                              {**task.deepspeed_hints(model), **_swap_facts(cfg, run_dir, model)})
+                              {**task.deepspeed_hints(model), **swap_facts})
         seed_everything(tr.seed + 1000 * rt.rank)
 
         if cfg.strategy.deepspeed_config and engine.ds_config is not None:
@@ -337,9 +337,10 @@ def _build(task: Task, rt: Runtime, lock: Optional[rundir.RunLock] = None) -> Ru
 
 
 def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int, run_dir: Path
-                 ) -> tuple[Any, dict[str, Any]]:
+                 ) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The recipe's model, built where the engine wants it (partitioned under ZeRO-3: see
-    :func:`zerotrain.engines.build.model_construction`), with the host memory each process used meanwhile.
+    :func:`zerotrain.engines.build.model_construction`), with the host memory each process used meanwhile, and
+    the NVMe facts (:func:`_swap_facts`) its DeepSpeed config was made with, for the engine's to be made alike.
 
     Every rank's figures go to summary.json (``model_load_host_rss_before_gib`` / ``..._peak_gib``, in rank
     order) and rank 0 logs them: whether loading a big model fits the host is read there, per process.
@@ -362,13 +363,13 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int, run_
              ", partitioned over the ranks (ZeRO-3)" if partitioned else "",
              " / ".join(f"{v:.2f}" for v in peak), " / ".join(f"{v:.2f}" for v in before))
     return model, {"model_load_s": seconds, "model_load_partitioned": partitioned,
-                   "model_load_host_rss_before_gib": list(before), "model_load_host_rss_peak_gib": list(peak)}
+                   "model_load_host_rss_before_gib": list(before), "model_load_host_rss_peak_gib": list(peak)}, facts
 
 
 def _swap_facts(cfg: RunConfig, run_dir: Path, model: Optional[torch.nn.Module]) -> dict[str, Any]:
     """What an NVMe offload's DeepSpeed config needs beyond the flags: ``nvme_folder``, the run's own folder under
     ``--strategy.nvme_path`` (:func:`~zerotrain.config.ds_config.nvme_run_folder`), and, where the weights are
-    swapped, ``largest_param_numel`` (each swap buffer holds a whole parameter; ``model`` may be on the meta device)."""
+    swapped, ``largest_param_numel`` (each swap buffer holds a rank's share of it; ``model`` on the meta device)."""
     folder = nvme_run_folder(cfg, run_dir)
     facts: dict[str, Any] = {"nvme_folder": str(folder)} if folder else {}
     if model is not None and weights_on_nvme(cfg):

@@ -20,8 +20,6 @@ def zero3_consolidated_state_dict(engine: Any) -> dict[str, torch.Tensor]:
 
 
 
-
-
 def load_nvme_offloaded_optimizer(engine: Any, load_dir: str, tag: str) -> bool:
     """Finish loading checkpoint ``load_dir/tag`` into a ZeRO-3 ``engine`` whose optimizer lives on NVMe, after
     ``engine.load_checkpoint`` has copied the checkpoint's swapped tensors into the swap folder (on every rank;
@@ -89,7 +87,8 @@ def check_nvme_checkpoint(engine: Any, folder: Path) -> None:
 
 def swapped_master_files(engine: Any) -> list[str]:
     """The checkpoint-relative files that hold this rank's NVMe-swapped fp32 master weights, one per swapped
-    sub-group, as DeepSpeed 0.19's ``save_checkpoint`` copies them (``offloaded_tensors/rank<NN>/<ds_id>.tensor.swp``)."""
+    sub-group, as DeepSpeed 0.19's ``save_checkpoint`` copies them
+    (``offloaded_tensors/rank<NN>/<ds_id>.tensor.swp``)."""
     from deepspeed.checkpoint.ds_to_universal import dp_index_to_str
 
     opt = engine.optimizer
