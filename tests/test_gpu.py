@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,20 @@ def test_each_strategy_trains_in_bf16(tmp_path, flags):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "gpu" / "summary.json").read_text())
     assert summary["precision"] == "bf16" and summary["gpu_mem_peak_gib"] > 0
+
+
+def test_an_offloaded_run_steps_on_every_cpu_thread_with_pinning_loader_workers(tmp_path, cpu_adam_built):
+    """CPU Adam runs on the training thread's CPU threads; loader workers that pin memory must leave them at
+    PyTorch's default (the count a fresh process has), not the pin-memory thread's one."""
+    default = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
+                             text=True, check=True)
+    out = zerotrain_cmd(["fit", "toy", "--trainer.max_steps", "3", "--trainer.num_workers", "2",
+                         "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "gpu",
+                         "--logging.progress_bar", "false", "--precision.dtype", "bf16",
+                         "--strategy.zero_stage", "2", "--strategy.offload_optimizer", "cpu"], cwd=tmp_path, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    env = json.loads((tmp_path / "gpu" / "env.json").read_text())
+    assert env["cpu_threads"] == int(default.stdout) > 1
 
 
 def test_fp16_reports_the_loss_scale(tmp_path):

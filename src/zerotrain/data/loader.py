@@ -80,6 +80,17 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
+def settle_cpu_threads() -> int:
+    """Fix the calling thread's CPU thread count (PyTorch's and OpenMP's) at PyTorch's default, and return it.
+
+    A loader that pins memory with worker processes starts a thread whose first act is
+    ``torch.set_num_threads(1)``. PyTorch keeps that number process-wide as the count of every thread that
+    has not yet run a parallel host op, so a training thread whose first such op comes later runs all of
+    them on one core: DeepSpeed's CPU Adam under optimizer offload included (every GPU run recorded
+    ``cpu_threads`` 1 of 16 in its env.json). A thread asks once and keeps its answer."""
+    return torch.get_num_threads()
+
+
 class _StopSignalSafeLoader(DataLoader):
     """A DataLoader whose worker processes start with the stop signals blocked: a SIGTERM to the
     process group in the moment between a worker's fork and its :func:`_ignore_stop_signals` would
@@ -87,6 +98,8 @@ class _StopSignalSafeLoader(DataLoader):
     the signal as soon as the workers are started."""
 
     def __iter__(self) -> Iterator[Any]:
+        if self.pin_memory and self.num_workers > 0:
+            settle_cpu_threads()  # before the pin-memory thread starts
         if self.num_workers == 0 or threading.current_thread() is not threading.main_thread():
             return super().__iter__()
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
