@@ -66,9 +66,11 @@ step, and for each all-gather (two a micro-batch, one with the parameters kept a
 the GPU) was not profiled."""
 
 
-CPU_ADAM_PARAMS_PER_S = 1.7e9
-"""DeepSpeed's CPU Adam on the GPU hosts' 16 cores: the 5.06B-parameter ZeRO-2 offload run spent
-~3 s a step, most of it in the optimizer."""
+CPU_ADAM_PARAMS_PER_S = 4.8e9
+"""DeepSpeed's CPU Adam on an H100 host's 16 cores: a step over 10^9 fp32 parameters took 0.21 s on its 16
+threads, 0.89 s on one (``benchmarks/cpu_adam_threads.py``; result in
+``benchmarks/results/offload_7b_h100_202612/cpu_threads_ab_8_layers/cpu_adam_threads.txt``). It is bound by the
+host's memory bandwidth, not its cores: 16 threads gave 4.3 times one."""
 
 
 NVME_BYTES_PER_S = 1.5e9
