@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -207,3 +208,32 @@ def test_a_timed_out_fit_is_a_row_that_says_it_timed_out(tmp_path):
 
     row = run_one("toy", ["--trainer.max_steps", "5", "--trainer.device", "cpu"], tmp_path / "runs", "slow", timeout_s=1)
     assert row["status"].startswith("failed: timed out after 1 s"), row["status"]
+
+
+@pytest.mark.slow
+def test_a_sweep_killed_from_outside_leaves_what_its_fit_had_said(tmp_path):
+    """A deadline that kills the sweep and its fit together (one process group) would take the fit's output with the
+    sweep's temp files: the spool keeps it beside the runs. A fit that ends leaves no spool behind."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import child_env
+    from zerotrain.plan.benchmark import run_bounded
+
+    spool = tmp_path / "trial.output"
+    fit = "import time; print('step 1 finished', flush=True); time.sleep(120)"
+    sweep = (f"import sys; from pathlib import Path; from zerotrain.plan.benchmark import run_bounded; "
+             f"run_bounded([sys.executable, '-c', {fit!r}], 300, spool=Path({str(spool)!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", sweep], env=child_env(["-c", sweep], {}), start_new_session=True)
+    deadline = time.monotonic() + 60
+    while "step 1 finished" not in ((spool / "stdout").read_text() if (spool / "stdout").exists() else ""):
+        assert time.monotonic() < deadline and proc.poll() is None, "the fit's line never reached the spool"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (spool / "stdout").read_text() == "step 1 finished\n"
+
+    done = tmp_path / "done.output"
+    code, out, _, _ = run_bounded([sys.executable, "-c", "print('all steps')"], 60, spool=done)
+    assert code == 0 and out == "all steps\n" and not done.exists()

@@ -7,15 +7,17 @@ one run into the next; the figures come from each run's ``summary.json``, writte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import IO, TYPE_CHECKING, Any, Iterator, Optional
 
 from zerotrain.config import upgrade_layout
 from zerotrain.config.flags import parse_config
@@ -60,7 +62,7 @@ def run_one(recipe: str, fit_args: list[str], runs_dir: Path, run_name: str, tim
     cmd = [sys.executable, "-m", "zerotrain", "fit", recipe, *fit_args, "--trainer.output_dir", str(runs_dir),
            "--trainer.run_name", run_name, "--logging.progress_bar", "false"]
     t0, started = time.perf_counter(), time.time()
-    returncode, out, err, timed_out = run_bounded(cmd, timeout_s)
+    returncode, out, err, timed_out = run_bounded(cmd, timeout_s, spool=runs_dir / f"{run_name}.output")
     tail, log = (err or out)[-4000:], out + err
     if timed_out:
         tail = f"timed out after {timeout_s} s: {err[-2000:]}"
@@ -90,7 +92,8 @@ STOP_GRACE_S = 30
 """How long a timed-out fit and its workers get, after SIGTERM, before SIGKILL."""
 
 
-def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S) -> tuple[int, str, str, bool]:
+def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S,
+                spool: Optional[Path] = None) -> tuple[int, str, str, bool]:
     """Run ``cmd``; (return code, -1 where it timed out; stdout; stderr; whether it timed out).
 
     A fit of several processes is a launcher whose workers run in process groups of their own (torchelastic
@@ -98,8 +101,12 @@ def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S)
     running, holding their GPUs and the rendezvous port while the next trial starts. On a timeout, or
     when this process is interrupted, the whole tree gets SIGTERM, then SIGKILL after ``grace_s``.
     The output goes to files, not pipes, so a process that outlives its parent cannot hold the read open.
+
+    ``spool``: a folder for those files (``stdout``, ``stderr``) instead of the temp folder, removed once they
+    are read. A sweep ended from outside (Ctrl-C, a job's deadline, a kill) leaves it, holding what the fit had
+    said: the only account of a fit stopped mid-step.
     """
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    with _output_files(spool) as (out, err):
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         timed_out = False
         try:
@@ -114,6 +121,20 @@ def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S)
         out.seek(0)
         err.seek(0)
         return -1 if timed_out else proc.returncode, out.read(), err.read(), timed_out
+
+
+@contextlib.contextmanager
+def _output_files(spool: Optional[Path]) -> Iterator[tuple[IO[str], IO[str]]]:
+    """stdout and stderr files for :func:`run_bounded`: anonymous temp files, or ``spool``'s, which stay where
+    the block ends by an exception."""
+    if spool is None:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            yield out, err
+        return
+    spool.mkdir(parents=True, exist_ok=True)
+    with open(spool / "stdout", "w+") as out, open(spool / "stderr", "w+") as err:
+        yield out, err
+    shutil.rmtree(spool, ignore_errors=True)
 
 
 def stop_process_tree(pid: int, grace_s: float) -> None:
