@@ -221,19 +221,24 @@ def test_a_sweep_killed_from_outside_leaves_what_its_fit_had_said(tmp_path):
     from helpers import child_env
     from zerotrain.plan.benchmark import run_bounded
 
-    spool = tmp_path / "trial.output"
+    def said() -> list[str]:
+        return [f.read_text() for f in tmp_path.glob("trial.output.*/stdout")]
+
     fit = "import time; print('step 1 finished', flush=True); time.sleep(120)"
     sweep = (f"import sys; from pathlib import Path; from zerotrain.plan.benchmark import run_bounded; "
-             f"run_bounded([sys.executable, '-c', {fit!r}], 300, spool=Path({str(spool)!r}))")
+             f"run_bounded([sys.executable, '-c', {fit!r}], 300, spool=Path({str(tmp_path / 'trial.output')!r}))")
     proc = subprocess.Popen([sys.executable, "-c", sweep], env=child_env(["-c", sweep], {}), start_new_session=True)
     deadline = time.monotonic() + 60
-    while "step 1 finished" not in ((spool / "stdout").read_text() if (spool / "stdout").exists() else ""):
-        assert time.monotonic() < deadline and proc.poll() is None, "the fit's line never reached the spool"
+    while said() != ["step 1 finished\n"]:
+        assert time.monotonic() < deadline and proc.poll() is None, f"the fit's line never reached the spool: {said()}"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert (spool / "stdout").read_text() == "step 1 finished\n"
+    assert said() == ["step 1 finished\n"]
 
-    done = tmp_path / "done.output"
-    code, out, _, _ = run_bounded([sys.executable, "-c", "print('all steps')"], 60, spool=done)
-    assert code == 0 and out == "all steps\n" and not done.exists()
+    code, out, _, _ = run_bounded([sys.executable, "-c", "print('all steps')"], 60, spool=tmp_path / "done.output")
+    assert code == 0 and out == "all steps\n" and not list(tmp_path.glob("done.output*"))
+    # A folder that cannot be made: the temp folder serves, and the fit itself says what is wrong
+    (tmp_path / "a_file").write_text("")
+    code, out, _, _ = run_bounded([sys.executable, "-c", "print('ran')"], 60, spool=tmp_path / "a_file" / "x.output")
+    assert code == 0 and out == "ran\n"

@@ -257,6 +257,26 @@ def test_an_unpinned_offload_moves_its_states_at_the_pageable_copy_speed():
         step_time(plain, 8, 1, False, counts, probe, 1, 1, False)
 
 
+def test_the_processes_of_a_host_share_its_cpu_adam():
+    """CPU Adam is bound by the host's memory bandwidth: two ranks on one host step their halves in the time one
+    rank steps the whole; on two hosts, in half of it."""
+    import dataclasses
+
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                         trainable_bytes=4 * 10**9, tensors=200)
+    probe = dataclasses.replace(fake_probe(), h2d_bytes_per_s=20e9)
+    offload = STRATEGIES["zero2_offload"]
+
+    def adam_s(world: int, nnodes: int) -> float:
+        moved = 6 * counts.trainable / world / 20e9  # fp32 gradients down, bf16 weights up
+        return step_time(offload, 8, 1, False, counts, probe, world, nnodes, False).optimizer - moved
+
+    one = counts.trainable / CPU_ADAM_PARAMS_PER_S
+    assert adam_s(1, 1) == pytest.approx(one)
+    assert adam_s(2, 1) == pytest.approx(one)
+    assert adam_s(2, 2) == pytest.approx(one / 2)
+
+
 def test_an_nvme_offload_pays_the_disk_beside_the_host():
     """ZeRO-3 with the weights and the optimizer on NVMe costs what its CPU twin does plus the bytes it swaps at the
     disk's speed: 32 a trainable parameter for the optimizer, (2 x accumulation + 1) x 2 a parameter for the bf16

@@ -80,15 +80,20 @@ def _ignore_stop_signals(worker_id: int) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def settle_cpu_threads() -> int:
-    """Fix the calling thread's CPU thread count (PyTorch's and OpenMP's) at PyTorch's default, and return it.
+def _keeping_cpu_threads(batches: Iterator[Any], threads: int) -> Iterator[Any]:
+    """``batches``, with PyTorch's CPU thread count set back to ``threads`` once the first has arrived.
 
     A loader that pins memory with worker processes starts a thread whose first act is
-    ``torch.set_num_threads(1)``. PyTorch keeps that number process-wide as the count of every thread that
-    has not yet run a parallel host op, so a training thread whose first such op comes later runs all of
-    them on one core: DeepSpeed's CPU Adam under optimizer offload included (every GPU run recorded
-    ``cpu_threads`` 1 of 16 in its env.json). A thread asks once and keeps its answer."""
-    return torch.get_num_threads()
+    ``torch.set_num_threads(1)``, before it hands over any batch. PyTorch keeps that number process-wide, as
+    the count of every thread that has not yet run a parallel host op: a training thread whose first such op
+    came later, autograd's threads, any thread started later. Every GPU run had thus stepped DeepSpeed's CPU
+    Adam on one core (``cpu_threads`` 1 of 16 in its env.json). ``threads`` is the training thread's count,
+    read before the pin thread started."""
+    for batch in batches:
+        torch.set_num_threads(threads)
+        yield batch
+        break
+    yield from batches
 
 
 class _StopSignalSafeLoader(DataLoader):
@@ -98,8 +103,12 @@ class _StopSignalSafeLoader(DataLoader):
     the signal as soon as the workers are started."""
 
     def __iter__(self) -> Iterator[Any]:
-        if self.pin_memory and self.num_workers > 0:
-            settle_cpu_threads()  # before the pin-memory thread starts
+        if not (self.pin_memory and self.num_workers > 0):
+            return self._start()
+        threads = torch.get_num_threads()  # before the pin-memory thread starts
+        return _keeping_cpu_threads(self._start(), threads)
+
+    def _start(self) -> Iterator[Any]:
         if self.num_workers == 0 or threading.current_thread() is not threading.main_thread():
             return super().__iter__()
         previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)

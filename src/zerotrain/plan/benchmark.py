@@ -102,9 +102,10 @@ def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S,
     when this process is interrupted, the whole tree gets SIGTERM, then SIGKILL after ``grace_s``.
     The output goes to files, not pipes, so a process that outlives its parent cannot hold the read open.
 
-    ``spool``: a folder for those files (``stdout``, ``stderr``) instead of the temp folder, removed once they
-    are read. A sweep ended from outside (Ctrl-C, a job's deadline, a kill) leaves it, holding what the fit had
-    said: the only account of a fit stopped mid-step.
+    ``spool``: those files go to a new folder ``<spool>.<random>`` (``stdout``, ``stderr``) instead of the temp
+    folder, removed once they are read. A sweep ended from outside (Ctrl-C, a job's deadline, a kill) leaves it,
+    holding what the fit had said: the only account of a fit stopped mid-step. Where it cannot be created, the
+    temp folder serves, and the fit reports the folder it cannot write.
     """
     with _output_files(spool) as (out, err):
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
@@ -125,16 +126,22 @@ def run_bounded(cmd: list[str], timeout_s: float, grace_s: float = STOP_GRACE_S,
 
 @contextlib.contextmanager
 def _output_files(spool: Optional[Path]) -> Iterator[tuple[IO[str], IO[str]]]:
-    """stdout and stderr files for :func:`run_bounded`: anonymous temp files, or ``spool``'s, which stay where
-    the block ends by an exception."""
-    if spool is None:
+    """stdout and stderr files for :func:`run_bounded`: in a new folder named after ``spool``, which stays where
+    the block ends by an exception, else anonymous temp files."""
+    folder = None
+    if spool is not None:
+        try:
+            spool.parent.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(dir=spool.parent, prefix=f"{spool.name}."))
+        except OSError:
+            folder = None
+    if folder is None:
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
             yield out, err
         return
-    spool.mkdir(parents=True, exist_ok=True)
-    with open(spool / "stdout", "w+") as out, open(spool / "stderr", "w+") as err:
+    with open(folder / "stdout", "w+") as out, open(folder / "stderr", "w+") as err:
         yield out, err
-    shutil.rmtree(spool, ignore_errors=True)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def stop_process_tree(pid: int, grace_s: float) -> None:

@@ -70,7 +70,8 @@ CPU_ADAM_PARAMS_PER_S = 4.8e9
 """DeepSpeed's CPU Adam on an H100 host's 16 cores: a step over 10^9 fp32 parameters took 0.21 s on its 16
 threads, 0.89 s on one (``benchmarks/cpu_adam_threads.py``; result in
 ``benchmarks/results/offload_7b_h100_202612/cpu_threads_ab_8_layers/cpu_adam_threads.txt``). It is bound by the
-host's memory bandwidth, not its cores: 16 threads gave 4.3 times one."""
+host's memory bandwidth, not its cores: 16 threads gave 4.3 times one. The rate is the host's, shared by the
+processes on it, each stepping its own partition at the same time."""
 
 
 NVME_BYTES_PER_S = 1.5e9
@@ -122,7 +123,7 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
     link_to_host = (probe.h2d_bytes_per_s if pinned else probe.h2d_pageable_bytes_per_s or probe.h2d_bytes_per_s) or 10e9
     if strategy.offload_optimizer != "none":
         moved = (4 + (2 if half else 4)) * counts.trainable * share  # fp32 gradients down, the model's weights up
-        optimizer = counts.trainable * share / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
+        optimizer = counts.trainable * share * (n / nnodes) / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
     else:
         optimizer = probe.optimizer_step_s * share
     if strategy.offload_param != "none":
@@ -155,7 +156,7 @@ def _fsdp2_step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int,
     link_to_host = (probe.h2d_bytes_per_s if pinned else probe.h2d_pageable_bytes_per_s or probe.h2d_bytes_per_s) or 10e9
     if "cpu" in (strategy.offload_optimizer, strategy.offload_param):
         moved = grad_accum * gathers * 4 * counts.total / n + 4 * counts.trainable / n
-        optimizer = counts.trainable / n / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
+        optimizer = counts.trainable / nnodes / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
     else:
         optimizer = probe.optimizer_step_s / n
     communication = 0.0
