@@ -238,7 +238,7 @@ def test_a_sweep_killed_from_outside_leaves_what_its_fit_had_said(tmp_path):
 
     code, out, _, _ = run_bounded([sys.executable, "-c", "print('all steps')"], 60, spool=tmp_path / "done.output")
     assert code == 0 and out == "all steps\n" and not list(tmp_path.glob("done.output*"))
-    # A folder that cannot be made: the temp folder serves, and the fit itself says what is wrong
+    # A folder that cannot be made (a file stands in its way): the temp folder serves
     (tmp_path / "a_file").write_text("")
     code, out, _, _ = run_bounded([sys.executable, "-c", "print('ran')"], 60, spool=tmp_path / "a_file" / "x.output")
     assert code == 0 and out == "ran\n"

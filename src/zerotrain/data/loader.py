@@ -86,8 +86,8 @@ def _keeping_cpu_threads(batches: Iterator[Any], threads: int) -> Iterator[Any]:
     A loader that pins memory with worker processes starts a thread whose first act is
     ``torch.set_num_threads(1)``, before it hands over any batch. PyTorch keeps that number process-wide, as
     the count of every thread that has not yet run a parallel host op: a training thread whose first such op
-    came later, autograd's threads, any thread started later. Every GPU run had thus stepped DeepSpeed's CPU
-    Adam on one core (``cpu_threads`` 1 of 16 in its env.json). ``threads`` is the training thread's count,
+    came later, autograd's threads, any thread started later. DeepSpeed's CPU Adam, stepped by the training
+    thread under optimizer offload, would then run on one core. ``threads`` is the training thread's count,
     read before the pin thread started."""
     for batch in batches:
         torch.set_num_threads(threads)
