@@ -122,6 +122,7 @@ def test_a_random_model_is_built_partitioned_with_transformers_initialisation(tm
     cfg = _config(tmp_path, init="random", config=str(tmp_path / "llama.json"), tokenizer=str(tiny_tokenizer_dir))
     result = fit(CausalLMTask(cfg))
     assert result.metrics["model_load_partitioned"] is True
+    assert CausalLMTask(cfg).builds_partitioned() is True  # what the memory model reads
     assert result.metrics["n_params"] > 0  # counted in full, though each parameter was an empty partition
     weights = dict(_tensors(sorted((result.run_dir / "model").glob("*.safetensors"))))
     q = weights["model.layers.0.self_attn.q_proj.weight"]
@@ -147,6 +148,7 @@ def test_lora_trains_on_a_partitioned_pretrained_base(tmp_path, tiny_tokenizer_d
     cfg.optimizer.lr, cfg.trainer.max_steps = 5e-2, 3
     result = fit(CausalLMTask(cfg))
     assert result.metrics["model_load_partitioned"] is True
+    assert CausalLMTask(cfg).builds_partitioned() is True  # what the memory model reads
     assert (result.run_dir / "model" / "adapter" / "adapter_model.safetensors").is_file()
     merged = dict(_tensors(sorted((result.run_dir / "model").glob("*.safetensors"))))
     moved = 0

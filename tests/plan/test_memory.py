@@ -470,3 +470,37 @@ def test_estimate_names_the_nvme_disk_when_nothing_else_fits(tmp_path, capsys):
     assert "| zero3_nvme |" in out and "on NVMe per process (GiB)" in out
     assert f"GiB free on the disk of {tmp_path / 'swap'} (--strategy.nvme_path)" in out
     assert "--strategy.nvme_path DIR" not in out
+
+
+def test_a_model_built_partitioned_under_zero3_never_sits_whole_on_the_host():
+    """The host's peak counts the model as the recipe builds it on the CPU, except under ZeRO-3 for a recipe that
+    builds it partitioned (its probe says so): no host holds it whole then. Other engines build it whole."""
+    import dataclasses
+
+    from helpers import fake_probe
+
+    from zerotrain.plan.memory import GIB, predict
+
+    counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=4 * 10**9,
+                         trainable_bytes=4 * 10**9, tensors=200)
+    probe = dataclasses.replace(fake_probe(), host_before_model_bytes=1 * GIB)
+
+    def host(strategy: str, partitioned) -> float:
+        p = dataclasses.replace(probe, builds_partitioned=partitioned)
+        return predict(counts, STRATEGIES[strategy], 8, False, 1, "bf16", p).host_bytes
+
+    assert host("zero3", True) == pytest.approx(2 * GIB)  # the process as probed, nothing built whole
+    assert host("zero3", None) == host("zero3", False) == pytest.approx(1 * GIB + 4e9)  # an older probe: held
+    assert host("zero2", True) == pytest.approx(1 * GIB + 4e9)
+    assert host("zero3_offload", False) - host("zero3_offload", True) == pytest.approx(1 * GIB + 4e9 - 2 * GIB)
+
+
+@pytest.mark.parametrize("init, lora, partitioned", [
+    ("random", False, True), ("random", True, False), ("pretrained", True, True), ("pretrained", False, True)])
+def test_which_causal_lm_builds_are_partitioned_under_zero3(init, lora, partitioned):
+    """The rule the memory model reads: pretrained weights are read into the partitions; a random init is built
+    partitioned unless LoRA draws its weights again (whole) after the build."""
+    from zerotrain.models import hf
+
+    source = hf.ModelSource("model", init, None)
+    assert hf.builds_partitioned(source, redrawn=lora) is partitioned

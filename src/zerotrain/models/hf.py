@@ -148,6 +148,13 @@ def read_config(source: ModelSource, overrides: Optional[dict[str, Any]] = None)
     return config
 
 
+def builds_partitioned(source: ModelSource, redrawn: bool = False) -> bool:
+    """Whether :func:`load_model` (``pretrained``) builds the model partitioned over the ranks inside a ZeRO-3
+    construction block, so that no process ever holds it whole: pretrained weights always, a random init
+    unless ``redrawn`` (its weights drawn again after the build, which needs them whole)."""
+    return source.init != "random" or not redrawn
+
+
 def load_model(kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: bool = True,
                min_vocab: Optional[int] = None, config_overrides: Optional[dict[str, Any]] = None,
                redrawn: bool = False) -> nn.Module:
@@ -180,7 +187,7 @@ def _load(cls, kind: Kind, source: ModelSource, dtype: torch.dtype, pretrained: 
     ds = zero3_config()
     if ds is not None and pretrained and source.init != "random":
         return _load_partitioned_pretrained(kind, cls, source, dtype, overrides, ds, attention)
-    partition = ds is not None and pretrained and not redrawn
+    partition = ds is not None and pretrained and builds_partitioned(source, redrawn)
     if source.init == "random" or not pretrained:
         config = read_config(source, overrides)
         vocab = getattr(config, "vocab_size", None)

@@ -137,6 +137,9 @@ class Probe:
     """The sweep over padded lengths behind ``host_base_bytes`` (CUDA): ``lengths`` the split can produce,
     ``stepped`` of them, ``bytes`` of resident memory they added (scaled up to all of them when fewer
     were stepped). None: not swept (CPU, one length, or an older probe file)."""
+    builds_partitioned: Optional[bool] = None
+    """The recipe's :meth:`~zerotrain.tasks.base.Task.builds_partitioned`: under ZeRO-3 no host holds the whole
+    model (None in older probe files: counted as held)."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -561,7 +564,8 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  gpu_context_bytes=context,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device),
                  h2d_pageable_bytes_per_s=_h2d_bytes_per_s(device, pinned=False), kernel_workspace_bytes=workspace,
-                 host_lengths=swept or None, host_workers_bytes=workers, notes=notes)
+                 host_lengths=swept or None, host_workers_bytes=workers,
+                 builds_partitioned=task.with_config(cfg).builds_partitioned(), notes=notes)
 
 
 def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,

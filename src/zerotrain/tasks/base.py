@@ -101,6 +101,12 @@ class Task(ABC, Generic[C]):
         ``zerotrain estimate`` sizes on the meta device and what a finished run's weights load into.
         """
 
+    def builds_partitioned(self) -> bool:
+        """Whether :meth:`build_model`, under DeepSpeed ZeRO-3, builds the model partitioned over the ranks
+        (:func:`zerotrain.engines.build.model_construction`), so that no process holds it whole on its host.
+        The memory model leaves the whole model out of such a run's host peak. Default: False."""
+        return False
+
     @abstractmethod
     def build_datasets(self) -> Splits:
         """Return the datasets. Items are whatever :meth:`collator` accepts.

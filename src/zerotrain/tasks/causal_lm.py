@@ -285,6 +285,9 @@ class CausalLMTask(Task[CausalLMConfig]):
             return base
         return hf.add_lora(base, lora, self.peft_task_type, checkpointing)
 
+    def builds_partitioned(self) -> bool:
+        return hf.builds_partitioned(self.source(), redrawn=self.lora_settings() is not None)
+
     def build_model(self, pretrained: bool = True) -> nn.Module:
         model = self._wrap(self.load_base(pretrained))
         if self.lora_settings() is not None:

@@ -179,6 +179,9 @@ class ClassifyTask(Task[ClassifyConfig]):
             d.label_names = list(self._names)
         return self._names
 
+    def builds_partitioned(self) -> bool:
+        return hf.builds_partitioned(self.cfg.model.source())
+
     def build_model(self, pretrained: bool = True) -> nn.Module:
         names = self.label_names()
         m = self.cfg.model

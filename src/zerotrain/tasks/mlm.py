@@ -175,6 +175,9 @@ class MLMTask(Task[MLMConfig]):
     def run_tokenizer(self):
         return self.tokenizer
 
+    def builds_partitioned(self) -> bool:
+        return self.cfg.model.uses_hf()  # zerotrain's own encoder is built whole
+
     def build_model(self, pretrained: bool = True) -> nn.Module:
         m = self.cfg.model
         if m.uses_hf():
