@@ -128,7 +128,9 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     # The recipe builds its model on the CPU in the dtypes as built before the engine moves it (and
     # frees it): the host's peak is then, or in the steady state of training, whichever is larger. Under
     # ZeRO-3 a recipe may build it partitioned instead (Task.builds_partitioned): no host holds it whole.
-    # The Llama-shaped 1.1B on one H100: 3.55 GiB measured, 5.14 predicted with the whole model counted.
+    # On one H100, the Llama-shaped 6.74B with its bf16 states offloaded peaked at 69.8 GiB of RSS, its states
+    # (67.6 predicted) and about 2 GiB of process: the 25 GiB of the model in fp32 were never there. The 1.1B
+    # without offload peaked at 3.55 GiB, 1.45 above its probe's process (2.10): not accounted for.
     before_model = probe.host_before_model_bytes
     if before_model is None:  # a probe file from before that was measured: the sum, an upper bound
         before_model = probe.host_base_bytes
