@@ -491,16 +491,33 @@ def test_a_model_built_partitioned_under_zero3_never_sits_whole_on_the_host():
 
     assert host("zero3", True) == pytest.approx(2 * GIB)  # the process as probed, nothing built whole
     assert host("zero3", None) == host("zero3", False) == pytest.approx(1 * GIB + 4e9)  # an older probe: held
-    assert host("zero2", True) == pytest.approx(1 * GIB + 4e9)
+    assert host("zero2", True) == host("fsdp2", True) == pytest.approx(1 * GIB + 4e9)
     assert host("zero3_offload", False) - host("zero3_offload", True) == pytest.approx(1 * GIB + 4e9 - 2 * GIB)
 
 
 @pytest.mark.parametrize("init, lora, partitioned", [
     ("random", False, True), ("random", True, False), ("pretrained", True, True), ("pretrained", False, True)])
 def test_which_causal_lm_builds_are_partitioned_under_zero3(init, lora, partitioned):
-    """The rule the memory model reads: pretrained weights are read into the partitions; a random init is built
+    """What the memory model reads: pretrained weights are read into the partitions; a random init is built
     partitioned unless LoRA draws its weights again (whole) after the build."""
-    from zerotrain.models import hf
+    from zerotrain.tasks.causal_lm import CausalLMConfig, CausalLMTask
 
-    source = hf.ModelSource("model", init, None)
-    assert hf.builds_partitioned(source, redrawn=lora) is partitioned
+    cfg = CausalLMConfig()
+    cfg.model.init, cfg.model.lora.r = init, 4 if lora else 0
+    assert CausalLMTask(cfg).builds_partitioned() is partitioned
+
+
+def test_the_other_recipes_say_how_they_build_under_zero3():
+    """LoRA's own recipe reads a pretrained base into the partitions; the MLM's own encoder is built whole, a
+    Hugging Face masked LM partitioned; a classifier is a Hugging Face model."""
+    from zerotrain.tasks.classify import ClassifyConfig, ClassifyTask
+    from zerotrain.tasks.lora import LoRAConfig, LoRATask
+    from zerotrain.tasks.mlm import MLMConfig, MLMTask
+    from zerotrain.tasks.toy import ToyConfig, ToyTask
+
+    assert LoRATask(LoRAConfig()).builds_partitioned() is True
+    own, hf_mlm = MLMConfig(), MLMConfig()
+    hf_mlm.model.name_or_path = "roberta-base"
+    assert (MLMTask(own).builds_partitioned(), MLMTask(hf_mlm).builds_partitioned()) == (False, True)
+    assert ClassifyTask(ClassifyConfig()).builds_partitioned() is True
+    assert ToyTask(ToyConfig()).builds_partitioned() is False  # the default: counted whole, the safe side
