@@ -130,7 +130,8 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     # ZeRO-3 a recipe may build it partitioned instead (Task.builds_partitioned): no host holds it whole.
     # On one H100, the Llama-shaped 6.74B with its bf16 states offloaded peaked at 69.8 GiB of RSS, its states
     # (67.6 predicted) and about 2 GiB of process: the 25 GiB of the model in fp32 were never there. The 1.1B
-    # without offload peaked at 3.55 GiB, 1.45 above its probe's process (2.10): not accounted for.
+    # without offload built at 1.44 GiB and trained at 2.09 (its probe's process: 2.10), but peaked at 3.55 GiB
+    # once: a transient after the build, not located, that this leaves out.
     before_model = probe.host_before_model_bytes
     if before_model is None:  # a probe file from before that was measured: the sum, an upper bound
         before_model = probe.host_base_bytes
