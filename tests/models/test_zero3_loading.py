@@ -131,6 +131,29 @@ def test_a_random_model_is_built_partitioned_with_transformers_initialisation(tm
 
 
 @pytest.mark.slow
+def test_a_task_that_misstates_how_it_builds_is_told_in_one_line(tmp_path, tiny_tokenizer_dir, capfd):
+    """The memory model reads Task.builds_partitioned; a custom task whose answer the build contradicts (here a
+    subclass that says whole while its Hugging Face model is built partitioned) is warned, with what to change."""
+    from zerotrain.tasks.causal_lm import CausalLMTask
+    from zerotrain.train.loop import fit
+
+    class SaysWhole(CausalLMTask):
+        def builds_partitioned(self) -> bool:
+            return False
+
+    (tmp_path / "llama.json").write_text(json.dumps(dict(TINY, model_type="llama")))
+    cfg = _config(tmp_path, init="random", config=str(tmp_path / "llama.json"), tokenizer=str(tiny_tokenizer_dir))
+    assert fit(SaysWhole(cfg)).metrics["model_load_partitioned"] is True
+    err = capfd.readouterr().err
+    assert ("SaysWhole.builds_partitioned() says False, but under ZeRO-3 its model was built partitioned: zerotrain "
+            "plan and estimate predict this run's host memory high by the whole model; override builds_partitioned "
+            "to return True") in err
+    cfg.trainer.run_name = "told"
+    fit(CausalLMTask(cfg))
+    assert "builds_partitioned()" not in capfd.readouterr().err
+
+
+@pytest.mark.slow
 def test_lora_trains_on_a_partitioned_pretrained_base(tmp_path, tiny_tokenizer_dir):
     """The base is read into its partitions, peft wraps it, the adapters train, and the weights without an
     adapter are exported as they were read."""

@@ -351,12 +351,17 @@ def _build_model(task: Task, cfg: RunConfig, rt: Runtime, total_steps: int, run_
             meta = task.build_model(pretrained=False)
     facts = _swap_facts(cfg, run_dir, meta)
     t0 = time.perf_counter()
-    with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size, facts), \
+    with model_construction(cfg, rt.device, rt.precision, total_steps, rt.world_size, facts) as zero3, \
             HostPeak(interval_s=0.01) as host:
         model = task.build_model()
     seconds = time.perf_counter() - t0
     # What the recipe's loader made of it (a model it builds whole stays whole): a partitioned parameter has ds_numel
     partitioned = any(hasattr(p, "ds_numel") for p in model.parameters())
+    if zero3 and rt.is_main and partitioned != task.builds_partitioned():
+        log.warning("%s.builds_partitioned() says %s, but under ZeRO-3 its model was built %s: zerotrain plan and "
+                    "estimate predict this run's host memory %s by the whole model; override builds_partitioned to "
+                    "return %s", type(task).__name__, not partitioned, "partitioned" if partitioned else "whole",
+                    "high" if partitioned else "low", partitioned)
     mine = (host.before_gib, host.peak_gib)
     before, peak = zip(*(all_gather_object(mine) if rt.world_size > 1 else [mine]))
     log.info("model built in %.1f s%s: host memory at most %s GiB per process (%s before)", seconds,
