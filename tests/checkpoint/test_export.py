@@ -143,13 +143,13 @@ def test_shards_shrink_to_a_quarter_of_the_free_host_memory_saying_so():
 
     from zerotrain.checkpoint.weights import _shard_size_for_host
 
-    from zerotrain.checkpoint.weights import _parse_size
+    from zerotrain.checkpoint.weights import parse_size
 
-    assert _parse_size("5GB") == 5 * 10**9 and _parse_size("2GiB") == 2**31 and _parse_size(600) == 600
-    assert _parse_size("1.5MB") == 1_500_000 and _parse_size("1000") == 1000
-    assert _parse_size("5e9") == 5 * 10**9 and _parse_size("100B") == 100 and _parse_size(5e9) == 5 * 10**9
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2**31 and parse_size(600) == 600
+    assert parse_size("1.5MB") == 1_500_000 and parse_size("1000") == 1000
+    assert parse_size("5e9") == 5 * 10**9 and parse_size("100B") == 100 and parse_size(5e9) == 5 * 10**9
     with pytest.raises(ValueError):
-        _parse_size("five gigabytes")
+        parse_size("five gigabytes")
     lines: list[str] = []
     with mock.patch("psutil.virtual_memory", return_value=SimpleNamespace(available=100 * 10**9)):
         assert _shard_size_for_host("5GB", lines.append) == 5 * 10**9 and not lines

@@ -534,21 +534,30 @@ def test_the_probe_measures_the_data_workers_a_run_starts():
     assert found.host_workers_bytes == 0.0  # TOY runs with --trainer.num_workers 0
 
 
-def test_a_zero3_export_gathers_the_whole_model_on_the_host():
-    """Under ZeRO-3 the end-of-run export consolidates every partition into one 16-bit state dict on rank 0's
-    host, beside what training holds there; other stages export from the live tensors, a shard at a time."""
+def test_a_zero3_export_gathers_a_shard_at_a_time_on_the_host_and_lora_the_whole_model():
+    """Under ZeRO-3 the end-of-run export gathers the 16-bit model onto rank 0's host a shard at a time (there
+    twice while it is written), beside what training holds there; a LoRA export merges the whole model; other
+    stages export from the live tensors, a shard at a time."""
+    from zerotrain.plan.memory import EXPORT_SHARD_BYTES
+
     counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=2 * 10**9,
                          trainable_bytes=2 * 10**9)
     probe = dataclasses.replace(fake_probe(), host_base_bytes=3 * GIB, host_before_model_bytes=1 * GIB)
     z3 = predict(counts, STRATEGIES["zero3"], 1, False, 1, "bf16", probe)
     exported = predict(counts, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True)
-    assert z3.host_bytes == pytest.approx(3 * GIB) and exported.host_bytes == pytest.approx(3 * GIB + 2e9)
+    assert z3.host_bytes == pytest.approx(3 * GIB) and exported.host_bytes == pytest.approx(3 * GIB + 2 * 2e9)
+    big = dataclasses.replace(counts, total=10 * 10**9, trainable=10 * 10**9)  # 20 GB in bf16: shards of 5 GB
+    assert predict(big, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True).rank0_extra_bytes == \
+        pytest.approx(2 * EXPORT_SHARD_BYTES) == pytest.approx(1e10)
+    lora = dataclasses.replace(big, trainable=10**7)
+    assert predict(lora, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True).rank0_extra_bytes == \
+        pytest.approx(2e10)
     z2 = predict(counts, STRATEGIES["zero2"], 1, False, 1, "bf16", probe, export=True)
     assert z2.host_bytes == pytest.approx(3 * GIB)
-    # Rank 0 alone gathers the model: four processes need 4 x 3 GiB + 2e9 bytes of host, not 4 x (3 GiB + 2e9).
-    assert exported.rank0_extra_bytes == pytest.approx(2e9)
-    assert fits(exported, probe, 12 * GIB + 2.1e9, 4) is None
-    assert "host memory" in fits(exported, probe, 12 * GIB + 1.9e9, 4)
+    # Rank 0 alone gathers: four processes need 4 x 3 GiB + 4e9 bytes of host, not 4 x (3 GiB + 4e9).
+    assert exported.rank0_extra_bytes == pytest.approx(4e9)
+    assert fits(exported, probe, 12 * GIB + 4.1e9, 4) is None
+    assert "host memory" in fits(exported, probe, 12 * GIB + 3.9e9, 4)
 
 
 def test_when_no_pinned_offload_fits_the_plan_tries_the_offloads_unpinned(tmp_path, monkeypatch):

@@ -334,3 +334,78 @@ def test_a_chat_template_with_transformers_own_tags_is_taken(files, tag):
     rendered = CausalLMTask(cfg)._chat_tokenizer().apply_chat_template(
         [{"role": "user", "content": _sentence(0, 3)}], tokenize=False)
     assert rendered.strip() == _sentence(0, 3)
+
+
+@pytest.mark.parametrize("model", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_save_pretrained_writes(
+        files, model, monkeypatch):
+    """Under ZeRO-3 the end-of-run export gathers each tensor when its shard is written, never the whole model:
+    between two shards written, exactly the next shard's tensors were read. The folder is the one
+    ``save_pretrained`` writes from the same weights (names, tied copies left out, config), and loads with the
+    run's logits. GPT-2 ties its output layer to its embedding."""
+    import safetensors.torch
+    from transformers import AutoModelForCausalLM
+
+    import zerotrain.models.hf
+    from zerotrain.checkpoint.weights import GatheredStateDict
+    from zerotrain.runtime.rundir import load_run
+
+    events: list[tuple[str, object]] = []
+    read, save = GatheredStateDict.__getitem__, safetensors.torch.save_file
+    monkeypatch.setattr(GatheredStateDict, "__getitem__", lambda self, k: events.append(("read", k)) or read(self, k))
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda shard, path, **kw: events.append(("save", set(shard))) or save(shard, path, **kw))
+    monkeypatch.setattr(zerotrain.models.hf, "DEFAULT_MAX_SHARD_SIZE", 20_000)  # bytes: several shards
+    tmp_path, tok = files
+    cfg = config(tmp_path, tok, model, steps=2, zero_stage=3)
+    cfg.checkpoint.every_steps, cfg.checkpoint.save_final, cfg.data.val_path = 0, False, None
+    result = fit(CausalLMTask(cfg))
+
+    saves = [i for i, (kind, _) in enumerate(events) if kind == "save"]
+    assert len(saves) >= 3
+    start = 0
+    for i in saves:
+        assert {name for _, name in events[start:i]} == events[i][1], "a shard's tensors were read apart from it"
+        start = i + 1
+    folder = result.run_dir / "model"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    written = {**{k: v for shard in sorted(set(index["weight_map"].values()))
+                  for k, v in safetensors.torch.load_file(folder / shard).items()}}
+    hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    reference = tmp_path / "reference"
+    hf_model.save_pretrained(reference)  # transformers' own writer, from the same weights
+    expected = safetensors.torch.load_file(reference / "model.safetensors")
+    assert sorted(written) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(written[name], expected[name], rtol=0, atol=0, msg=name)
+    ours, theirs = (json.loads((f / "config.json").read_text()) for f in (folder, reference))
+    assert {k: v for k, v in ours.items() if k != "transformers_version"} == \
+        {k: v for k, v in theirs.items() if k != "transformers_version"}
+    x = torch.tensor([[0, 5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(input_ids=x).logits, load_run(result.run_dir).model(input_ids=x).logits)
+
+
+@pytest.mark.slow  # two ZeRO-3 ranks through `python -m zerotrain`
+def test_a_two_rank_zero3_run_exports_its_model_as_its_last_checkpoint_exports(files):
+    """With two ranks, rank 0 writes the Hugging Face folder while the other rank joins each tensor's gather:
+    the folder holds what ``zerotrain export --format hf`` makes of the last checkpoint (GPT-2: tied weights)."""
+    from transformers import AutoModelForCausalLM
+
+    tmp_path, tok = files
+    args = ["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / "gpt2.json"),
+            "--model.tokenizer", str(tok), "--data.train_path", str(tmp_path / "train.txt"), "--data.seq_len", "32",
+            "--data.cache_dir", str(tmp_path / "cache"), "--trainer.micro_batch_size", "2", "--trainer.max_steps", "3",
+            "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "r",
+            "--logging.progress_bar", "false", "--strategy.zero_stage", "3", "--launch.nproc_per_node", "2"]
+    fitted = zerotrain_cmd(args, cwd=tmp_path)
+    assert fitted.returncode == 0, fitted.stderr[-3000:]
+    assert "[zerotrain] export: wrote" in fitted.stderr and "gathered whole" not in fitted.stderr  # a shard at a time
+    exported = zerotrain_cmd(["export", str(tmp_path / "r"), "--out", str(tmp_path / "e"), "--format", "hf"],
+                             cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    x = torch.tensor([[0, 5, 6, 7, 8, 9]])
+    finished = AutoModelForCausalLM.from_pretrained(tmp_path / "r" / "model").eval()
+    from_checkpoint = AutoModelForCausalLM.from_pretrained(tmp_path / "e").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(finished(input_ids=x).logits, from_checkpoint(input_ids=x).logits, rtol=0, atol=0)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -34,8 +35,48 @@ def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
-def lazy_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype, LazyTensor]]:
-    """A state dict already in hand (on any device), in the shape :func:`write_safetensors` reads."""
+class GatheredStateDict(Mapping):
+    """A model's whole state dict whose tensors are made only when read, one at a time: the weights of a model
+    too big to hold twice, gathered from its partitions on demand (ZeRO-3's export).
+
+    ``specs`` gives each name's full shape and dtype; ``read(name)`` makes that tensor (on the host). Reading
+    a value may be a collective the other ranks serve: see :func:`zerotrain.runtime.collectives.run_on_main`.
+    A writer that goes through :func:`lazy_tensors` reads each value once, when its shard is written; anything
+    that iterates the values (``dict(weights)``) holds them all, as a state dict would.
+
+    ``serve``: where reads are collectives, what the other ranks call with each name rank 0 reads."""
+
+    def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], read: Callable[[str], torch.Tensor],
+                 serve: Optional[Callable[[str], Any]] = None):
+        self.specs, self._read, self.serve = specs, read, serve
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.specs:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def renamed(self, rename: Callable[[str], str]) -> "GatheredStateDict":
+        """The same tensors under the names ``rename`` gives, still read on demand."""
+        old = {rename(k): k for k in self.specs}
+        return GatheredStateDict({new: self.specs[k] for new, k in old.items()}, lambda name: self._read(old[name]),
+                                 self.serve)
+
+    def without(self, names: set[str]) -> "GatheredStateDict":
+        """The same tensors less ``names``."""
+        return GatheredStateDict({k: v for k, v in self.specs.items() if k not in names}, self._read, self.serve)
+
+
+def lazy_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[torch.Size, torch.dtype, LazyTensor]]:
+    """A state dict in the shape :func:`write_safetensors` reads: one in hand (on any device), or a
+    :class:`GatheredStateDict`, each of whose tensors is then read when its shard is written."""
+    if isinstance(state_dict, GatheredStateDict):
+        return {k: (shape, dtype, (lambda k=k: state_dict[k])) for k, (shape, dtype) in state_dict.specs.items()}
     return {k: (v.shape, v.dtype, _const(v)) for k, v in state_dict.items()}
 
 
@@ -88,7 +129,7 @@ MIN_SHARD_BYTES = 2**26
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def _parse_size(size: str | int | float) -> int:
+def parse_size(size: str | int | float) -> int:
     """``5GB``, ``500MB``, ``2GiB``, ``5e9``, ``100B`` or a number of bytes (Hugging Face's ``max_shard_size``
     spellings). Raises ValueError for anything else."""
     if isinstance(size, (int, float)):
@@ -109,7 +150,7 @@ def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[
     written: a model of ``total_bytes`` that fits in one smaller shard is written as one file either way."""
     import psutil
 
-    wanted = _parse_size(max_shard_size)
+    wanted = parse_size(max_shard_size)
     free = psutil.virtual_memory().available
     if 4 * wanted <= free:
         return wanted

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from zerotrain.checkpoint.export import export_run
-from zerotrain.checkpoint.weights import _parse_size
+from zerotrain.checkpoint.weights import parse_size
 from zerotrain.errors import UserError
 
 
@@ -35,7 +35,7 @@ def run(argv: list[str]) -> int:
 
 
     try:
-        if _parse_size(args.max_shard_size) <= 0:
+        if parse_size(args.max_shard_size) <= 0:
             raise ValueError
     except ValueError:
         raise UserError(f"--max_shard_size must be a positive size such as 5GB, 500MB or 2GiB, got "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Optional
@@ -197,9 +198,11 @@ class Engine(ABC):
                         "load it. Resume it with the --strategy.backend that wrote it")
 
     @abstractmethod
-    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """Full model weights on rank 0 (gathered to its host under ZeRO-3, else the live tensors on their
-        device), None elsewhere. Collective."""
+    def consolidated_state_dict(self) -> Optional[Mapping[str, torch.Tensor]]:
+        """Full model weights on rank 0 (the live tensors on their device, or gathered to its host), None
+        elsewhere. Collective. An engine whose model is too big to gather whole (ZeRO-3) returns a
+        :class:`~zerotrain.checkpoint.weights.GatheredStateDict` on every rank instead: rank 0 reads it inside
+        ``run_on_main(..., serve=weights.serve)``, a tensor at a time, and the other ranks serve its reads."""
 
     def eval_context(self) -> ContextManager:
         """Context for forward passes outside train_step (evaluation): the same precision as training."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
 import torch
@@ -22,7 +23,7 @@ from zerotrain.engines.ds_private.engine import (
     check_nvme_checkpoint,
     load_nvme_offloaded_optimizer,
     replay_cpu_adam_steps,
-    zero3_consolidated_state_dict,
+    zero3_gathered_state_dict,
 )
 from zerotrain.engines.ds_private.patches import Applied, apply_patches
 from zerotrain.engines.ds_private.safe_load import ds_safe_globals
@@ -273,10 +274,9 @@ class DeepSpeedEngine(Engine):
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {universal}")
         replay_cpu_adam_steps(self.ds.basic_optimizer)
 
-    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+    def consolidated_state_dict(self) -> Optional[Mapping[str, torch.Tensor]]:
         if self.ds.zero_optimization_partition_weights():
-            sd = zero3_consolidated_state_dict(self.ds)
-            return sd if self.rank == 0 else None
+            return zero3_gathered_state_dict(self.ds)  # every rank: the others serve rank 0's reads
         if self.rank != 0:
             return None
         # Left where they are: the writer copies one shard at a time to the host (a 5B model is 10 GB in bf16).

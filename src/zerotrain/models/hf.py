@@ -32,11 +32,13 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Literal, Optional
 
 import torch
 from torch import nn
 
+from zerotrain.checkpoint.weights import DEFAULT_MAX_SHARD_SIZE, GatheredStateDict, lazy_tensors, write_safetensors
 from zerotrain.data.io import hub_offline, looks_local
 from zerotrain.engines.partitioning import zero3_config
 from zerotrain.engines.states import full_numel
@@ -598,13 +600,15 @@ def merged_copy(rebuild: Callable[[], nn.Module], state_dict: dict[str, torch.Te
 
 
 # ---- a Hugging Face folder -------------------------------------------------------------------------
-def strip_module_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_module_prefix(state_dict: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     if state_dict and all(k.startswith("module.") for k in state_dict):
+        if isinstance(state_dict, GatheredStateDict):  # still read a tensor at a time
+            return state_dict.renamed(lambda k: k[len("module."):])
         return {k[len("module."):]: v for k, v in state_dict.items()}
     return state_dict
 
 
-def save_hf_folder(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]], out_dir: Path, tokenizer: Any,
+def save_hf_folder(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], out_dir: Path, tokenizer: Any,
                    generation: bool = False) -> None:
     """``out_dir`` as ``save_pretrained`` writes it (config, safetensors weights, tokenizer, and with
     ``generation`` a ``generation_config.json`` whose eos/pad/bos are the tokenizer's), which ``AutoModelFor*``
@@ -612,12 +616,17 @@ def save_hf_folder(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor
 
     ``state_dict`` (the consolidated weights; None: the model's own) is written through ``model``'s
     ``save_pretrained``, which drops tied copies (GPT-2's ``lm_head`` is its embedding) as transformers does.
+    A :class:`GatheredStateDict` (a ZeRO-3 model's) is written a shard at a time instead, with the same
+    files, so that the host never holds the whole model; where the model saves its weights under other names
+    than it holds them (transformers' conversion mappings), it is gathered whole and saved as above.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = True  # off for checkpointed training; generation wants it
-    kwargs = {"state_dict": strip_module_prefix(state_dict)} if state_dict is not None else {}
-    model.save_pretrained(str(out_dir), safe_serialization=True, **kwargs)
+    state_dict = strip_module_prefix(state_dict) if state_dict is not None else None
+    if not (isinstance(state_dict, GatheredStateDict) and _save_weights_streamed(model, state_dict, out_dir)):
+        kwargs = {"state_dict": dict(state_dict)} if state_dict is not None else {}
+        model.save_pretrained(str(out_dir), safe_serialization=True, **kwargs)
     tokenizer.save_pretrained(str(out_dir))
     if generation:
         from transformers import GenerationConfig
@@ -625,6 +634,31 @@ def save_hf_folder(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor
         gen = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id, do_sample=False)
         gen.save_pretrained(str(out_dir))
+
+
+def _save_weights_streamed(model: nn.Module, weights: GatheredStateDict, out_dir: Path) -> bool:
+    """``save_pretrained``'s config and weights for ``model`` from ``weights``, read a shard at a time: the keys
+    it would write (less what the model ignores on save and the tied copies, found as transformers finds them,
+    here on the meta device), its ``dtype`` and ``architectures`` in the config. False, writing nothing, where
+    the model would rename or convert its weights on save, which needs them all at once."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in weights.specs.items()}
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        meta.pop(key, None)
+    meta = remove_tied_weights_from_state_dict(meta, model)
+    if set(revert_weight_conversion(model, dict(meta))) != set(meta):
+        logger.info("export: %s saves its weights under other names: gathered whole on the host to write them",
+                    type(model).__name__)
+        return False
+    floating = next((t.dtype for t in meta.values() if t.is_floating_point()), torch.float32)
+    model.config.dtype = str(floating).split(".")[1]
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(str(out_dir))
+    write_safetensors(lazy_tensors(weights.without(set(weights.specs) - set(meta))), out_dir, dtype=None,
+                      max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress=lambda line: logger.info("export: %s", line))
+    return True
 
 
 def is_hf_folder(folder: Path) -> bool:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import torch
 
+from zerotrain.checkpoint.weights import DEFAULT_MAX_SHARD_SIZE, parse_size
 from zerotrain.engines.states import (
     ADAM_STATES,
     Buckets,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from zerotrain.plan.probe import Probe
 
 GIB = 2**30
+EXPORT_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)  # the most a ZeRO-3 export gathers at once
 
 
 @dataclass(frozen=True)
@@ -148,11 +150,14 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
         rank0_extra = float(counts.total_bytes)
         host += rank0_extra
     if export and strategy.backend == "deepspeed" and strategy.zero_stage == 3:
-        # ZeRO-3's export gathers every partition into one state dict on rank 0's host (DeepSpeed's 16-bit
-        # consolidation) while the run's own states are still there. LoRA 1.2B on one H200: 4.40 GiB at the end;
-        # the engine had freed the CPU-built model (1.57 GiB once started), and the bf16 model is 2.19 GiB.
+        # ZeRO-3's export gathers the model's 16-bit tensors onto rank 0's host a shard at a time, while the run's
+        # own states are still there; a shard is there twice while it is written (its tensors and safetensors'
+        # bytes). A LoRA adapter's export (peft) and the merged model still gather the whole model.
         element = 2 if sixteen_bit(strategy, precision, autocast) else 4
-        rank0_extra = max(0.0, probe.host_base_bytes + states.cpu_bytes + element * counts.total - host)
+        gathered = element * counts.total
+        if counts.trainable == counts.total:
+            gathered = 2 * min(gathered, EXPORT_SHARD_BYTES)
+        rank0_extra = max(0.0, probe.host_base_bytes + states.cpu_bytes + gathered - host)
         host += rank0_extra
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations

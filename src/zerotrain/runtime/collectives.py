@@ -3,7 +3,7 @@ first whose errors reach every rank. Plain torch.distributed, no zerotrain state
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -88,17 +88,23 @@ def main_process_first(is_main: bool):
     return _MainProcessFirst(is_main)
 
 
-def run_on_main(fn):
+def run_on_main(fn, serve: Optional[Callable[[Any], Any]] = None):
     """Call ``fn()`` on rank 0 only and return its result on every rank (it must pickle).
 
     If ``fn`` raises, every rank raises the same error, as in :func:`main_process_first`. Use it for
     checks only rank 0 makes, e.g. ``run_on_main(lambda: rundir.check_writable(tr.output_dir))``.
-    Without torch.distributed, or in a group of one, it is ``fn()``.
+    ``serve``: for an ``fn`` that needs the other ranks in collectives of its own (gathering a partitioned
+    model's weights), the other ranks call ``serve(request)`` for each :func:`ask_others` ``fn`` makes,
+    in order, while they wait. Without torch.distributed, or in a group of one, it is ``fn()``.
     """
     if not _collectives_needed():
         return fn()
     if torch.distributed.get_rank() != 0:
-        failed, result = broadcast_object(None)
+        while (message := broadcast_object(None))[0] == _ASKED:
+            if serve is None:
+                raise RuntimeError("rank 0 asked for a collective that this rank's run_on_main was given no serve for")
+            serve(message[1])
+        _, failed, result = message
         if failed is not None:
             raise _rebuild_error(failed)
         return result
@@ -106,10 +112,20 @@ def run_on_main(fn):
         result = fn()
         _check_picklable(result)
     except Exception as exc:
-        broadcast_object((_describe_error(exc), None))
+        broadcast_object((_DONE, _describe_error(exc), None))
         raise
-    broadcast_object((None, result))
+    broadcast_object((_DONE, None, result))
     return result
+
+
+_ASKED, _DONE = "asked", "done"
+
+
+def ask_others(request: Any) -> None:
+    """From inside :func:`run_on_main`'s ``fn`` on rank 0: every other rank calls its ``serve(request)`` now, so
+    that a collective ``fn`` starts next has them all in. Alone, nothing."""
+    if _collectives_needed():
+        broadcast_object((_ASKED, request))
 
 
 def raise_any_rank_error(exc: Optional[Exception]) -> None:

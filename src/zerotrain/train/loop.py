@@ -33,6 +33,7 @@ from zerotrain.checkpoint.manager import (
     preflight_space,
     shape_of,
 )
+from zerotrain.checkpoint.weights import GatheredStateDict
 from zerotrain.config import RunConfig, check_warmup
 from zerotrain.config.ds_config import (
     REFLECTED,
@@ -434,7 +435,7 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
         results.update(test)
         log.info("test: %s", fmt(test))
     if run.cfg.trainer.export:
-        weights = run.engine.consolidated_state_dict()  # a collective under ZeRO-3: every rank calls it
+        weights = run.engine.consolidated_state_dict()  # every rank calls it (collective)
 
         def export() -> None:
             t0 = time.perf_counter()
@@ -448,7 +449,8 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
             log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",
                      run.run_dir / "model", results["export_s"], host.peak_gib, host.before_gib)
 
-        run_on_main(export)  # a full disk on rank 0 stops every rank with its one line
+        # A full disk on rank 0 stops every rank with its one line; under ZeRO-3 the others gather with rank 0
+        run_on_main(export, serve=weights.serve if isinstance(weights, GatheredStateDict) else None)
     summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},
                **memory_snapshot(run.rt.device), "device": meter.device_name, "world_size": run.rt.world_size,
                "precision": run.engine.precision, "final_step": state.step, "n_params": run.n_params,

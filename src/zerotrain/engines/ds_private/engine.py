@@ -9,15 +9,43 @@ from typing import Any
 
 import torch
 
+from zerotrain.checkpoint.weights import GatheredStateDict
 from zerotrain.errors import UserError
+from zerotrain.runtime.collectives import ask_others
 
 
-def zero3_consolidated_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    """The full 16-bit state dict of a ZeRO-3 ``engine``, gathered from every rank (a collective: every rank
-    calls it; rank 0's result holds the tensors). DeepSpeed's ``save_16bit_model`` writes the same dict to a
-    file; zerotrain writes safetensors itself."""
-    return engine._zero3_consolidated_16bit_state_dict()
+def zero3_gathered_state_dict(engine: Any) -> GatheredStateDict:
+    """The full 16-bit state dict of a ZeRO-3 ``engine``, each tensor gathered from every rank's partition when
+    rank 0 reads it, so that the host holds one tensor (a writer's shard) rather than the model, as DeepSpeed's
+    own ``_zero3_consolidated_16bit_state_dict`` does. Every rank gets one: rank 0 reads it inside
+    :func:`run_on_main`, whose other ranks call its ``serve`` with each name read, and join that gather.
 
+    Names and tied entries are the module's ``state_dict``'s; a parameter's full shape is ``ds_shape`` (DeepSpeed
+    leaves an empty placeholder in ``shape``). Buffers are whole on every rank and read without a collective.
+    Parameters that DeepSpeed keeps whole on every rank (its persistence threshold) are gathered as a no-op and
+    partitioned on release, as its own consolidation leaves them: nothing runs the model after the export."""
+    import deepspeed
+
+    entries = engine.module.state_dict(keep_vars=True)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def partitioned(t: torch.Tensor) -> bool:
+        return hasattr(t, "ds_id")
+
+    def gather(name: str) -> torch.Tensor | None:
+        param = entries[name]
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.detach().to("cpu", copy=True) if rank == 0 else None
+
+    def read(name: str) -> torch.Tensor:
+        t = entries[name]
+        if not partitioned(t):
+            return t.detach().to("cpu", copy=True)
+        ask_others(name)
+        return gather(name)
+
+    specs = {k: (torch.Size(t.ds_shape) if partitioned(t) else t.shape, t.dtype) for k, t in entries.items()}
+    return GatheredStateDict(specs, read, serve=gather)
 
 
 def load_nvme_offloaded_optimizer(engine: Any, load_dir: str, tag: str) -> bool:
