@@ -534,30 +534,54 @@ def test_the_probe_measures_the_data_workers_a_run_starts():
     assert found.host_workers_bytes == 0.0  # TOY runs with --trainer.num_workers 0
 
 
-def test_a_zero3_export_gathers_a_shard_at_a_time_on_the_host_and_lora_the_whole_model():
-    """Under ZeRO-3 the end-of-run export gathers the 16-bit model onto rank 0's host a shard at a time (there
-    twice while it is written), beside what training holds there; a LoRA export merges the whole model; other
-    stages export from the live tensors, a shard at a time."""
+def test_a_zero3_export_gathers_a_shard_at_a_time_where_the_model_exports_so_else_the_whole_model():
+    """Under ZeRO-3 the end-of-run export gathers the 16-bit model onto rank 0's host, beside what training holds
+    there: a shard at a time (there twice while it is written) where the probe found the model exports so, else
+    whole (a LoRA model, a model transformers converts on save, an older probe file); other stages export from
+    the live tensors, a shard at a time."""
     from zerotrain.plan.memory import EXPORT_SHARD_BYTES
 
     counts = ParamCounts(total=10**9, trainable=10**9, largest_layer=10**7, total_bytes=2 * 10**9,
                          trainable_bytes=2 * 10**9)
-    probe = dataclasses.replace(fake_probe(), host_base_bytes=3 * GIB, host_before_model_bytes=1 * GIB)
+    probe = dataclasses.replace(fake_probe(), host_base_bytes=3 * GIB, host_before_model_bytes=1 * GIB,
+                                exports_streamed=True)
     z3 = predict(counts, STRATEGIES["zero3"], 1, False, 1, "bf16", probe)
     exported = predict(counts, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True)
     assert z3.host_bytes == pytest.approx(3 * GIB) and exported.host_bytes == pytest.approx(3 * GIB + 2 * 2e9)
     big = dataclasses.replace(counts, total=10 * 10**9, trainable=10 * 10**9)  # 20 GB in bf16: shards of 5 GB
     assert predict(big, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True).rank0_extra_bytes == \
         pytest.approx(2 * EXPORT_SHARD_BYTES) == pytest.approx(1e10)
-    lora = dataclasses.replace(big, trainable=10**7)
-    assert predict(lora, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True).rank0_extra_bytes == \
-        pytest.approx(2e10)
+    for whole in (False, None):
+        gathered = dataclasses.replace(probe, exports_streamed=whole)
+        assert predict(big, STRATEGIES["zero3"], 1, False, 1, "bf16", gathered, export=True).rank0_extra_bytes == \
+            pytest.approx(2e10)
     z2 = predict(counts, STRATEGIES["zero2"], 1, False, 1, "bf16", probe, export=True)
     assert z2.host_bytes == pytest.approx(3 * GIB)
     # Rank 0 alone gathers: four processes need 4 x 3 GiB + 4e9 bytes of host, not 4 x (3 GiB + 4e9).
     assert exported.rank0_extra_bytes == pytest.approx(4e9)
     assert fits(exported, probe, 12 * GIB + 4.1e9, 4) is None
     assert "host memory" in fits(exported, probe, 12 * GIB + 3.9e9, 4)
+
+
+def test_which_models_export_a_shard_at_a_time():
+    """A Hugging Face model without conversions on save and a model of zerotrain's own stream their export; a peft
+    model (adapter and merged model) and a mixture of experts whose experts transformers re-splits on save do not."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torch import nn
+
+    from zerotrain.models.hf import exports_streamed
+
+    def tiny(model_type: str, **extra):
+        config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, **extra)
+        return AutoModelForCausalLM.from_config(config)
+
+    llama = tiny("llama")
+    assert exports_streamed(llama) and exports_streamed(nn.Linear(4, 4))
+    assert not exports_streamed(get_peft_model(llama, LoraConfig(r=2, target_modules=["q_proj"])))
+    assert not exports_streamed(tiny("mixtral", num_local_experts=2, num_experts_per_tok=1))
 
 
 def test_when_no_pinned_offload_fits_the_plan_tries_the_offloads_unpinned(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ TWO_RANKS = textwrap.dedent('''
 
     from zerotrain.runtime.distributed import free_port
 
-    from zerotrain.runtime.collectives import main_process_first, run_on_main
+    from zerotrain.runtime.collectives import ask_others, main_process_first, run_on_main
     from zerotrain.errors import ConfigError, DataError
 
 
@@ -58,6 +58,32 @@ TWO_RANKS = textwrap.dedent('''
         raise DataError("only rank 0 checks this")
 
 
+    def served(rank, fail):
+        """Rank 0 asks the others into two collectives of its own (as a ZeRO-3 export's gathers), then returns or
+        fails."""
+        asked = []
+
+        def serve(request):
+            asked.append(request)
+            dist.all_reduce(torch.tensor([float(rank + 1)]))
+
+        def fn():
+            sums = []
+            for request in ("first", "second"):
+                ask_others(request)
+                t = torch.tensor([float(rank + 1)])
+                dist.all_reduce(t)
+                sums.append(t.item())
+            if fail:
+                raise DataError("the disk filled after two tensors")
+            return sums
+
+        try:
+            return {"result": run_on_main(fn, serve=serve), "served": asked}
+        except Exception as exc:
+            return {"served": asked, **seen(exc)}
+
+
     def worker(rank, port, out):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         res = {
@@ -77,6 +103,7 @@ TWO_RANKS = textwrap.dedent('''
             run_on_main(fail_on_main)
         except Exception as exc:
             res["run_on_main_error"] = seen(exc)
+        res["served"], res["served_then_failed"] = served(rank, False), served(rank, True)
         total = torch.ones(1)
         dist.all_reduce(total)  # the group is still in step after all of the above
         res["all_reduce"] = total.item()
@@ -248,3 +275,16 @@ def test_an_error_found_by_rank0_alone_after_init_is_one_line_and_status_2(tmp_p
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1
     assert errors[0].startswith(f"zerotrain fit: error: --trainer.output_dir: cannot write to {afile / 'runs'}")
+
+
+@pytest.mark.slow
+def test_the_other_ranks_join_the_collectives_rank0_asks_for_and_share_its_error(two_ranks):
+    """run_on_main's serve: each ask_others on rank 0 has the other ranks call serve(request) in order, which
+    joins the collective rank 0 starts next; an error after them still reaches every rank."""
+    assert two_ranks[0]["served"] == {"result": [3.0, 3.0], "served": []}
+    assert two_ranks[1]["served"] == {"result": [3.0, 3.0], "served": ["first", "second"]}
+    for rank in (0, 1):
+        failed = two_ranks[rank]["served_then_failed"]
+        assert failed["served"] == ([] if rank == 0 else ["first", "second"])
+        assert (failed["type"], failed["message"]) == ("zerotrain.errors.DataError", "the disk filled after two tensors")
+    assert [two_ranks[r]["all_reduce"] for r in (0, 1)] == [2.0, 2.0]

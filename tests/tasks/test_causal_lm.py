@@ -336,19 +336,19 @@ def test_a_chat_template_with_transformers_own_tags_is_taken(files, tag):
     assert rendered.strip() == _sentence(0, 3)
 
 
-@pytest.mark.parametrize("model", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_save_pretrained_writes(
         files, model, monkeypatch):
     """Under ZeRO-3 the end-of-run export gathers each tensor when its shard is written, never the whole model:
-    between two shards written, exactly the next shard's tensors were read. The folder is the one
-    ``save_pretrained`` writes from the same weights (names, tied copies left out, config), and loads with the
-    run's logits. GPT-2 ties its output layer to its embedding."""
+    between two shards written, exactly the next shard's tensors were read. The folder holds the tensors of the
+    run's last checkpoint (exported from its files apart), under the names and with the config ``save_pretrained``
+    writes for them (tied copies left out: GPT-2 ties its output layer to its embedding)."""
     import safetensors.torch
     from transformers import AutoModelForCausalLM
 
     import zerotrain.models.hf
+    from zerotrain.checkpoint.export import export_run
     from zerotrain.checkpoint.weights import GatheredStateDict
-    from zerotrain.runtime.rundir import load_run
 
     events: list[tuple[str, object]] = []
     read, save = GatheredStateDict.__getitem__, safetensors.torch.save_file
@@ -358,7 +358,7 @@ def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_sa
     monkeypatch.setattr(zerotrain.models.hf, "DEFAULT_MAX_SHARD_SIZE", 20_000)  # bytes: several shards
     tmp_path, tok = files
     cfg = config(tmp_path, tok, model, steps=2, zero_stage=3)
-    cfg.checkpoint.every_steps, cfg.checkpoint.save_final, cfg.data.val_path = 0, False, None
+    cfg.checkpoint.every_steps, cfg.data.val_path = 0, None
     result = fit(CausalLMTask(cfg))
 
     saves = [i for i, (kind, _) in enumerate(events) if kind == "save"]
@@ -371,9 +371,11 @@ def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_sa
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     written = {**{k: v for shard in sorted(set(index["weight_map"].values()))
                   for k, v in safetensors.torch.load_file(folder / shard).items()}}
-    hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    # The same weights from the final checkpoint's files (fp32: the 16-bit weights are the fp32 masters), written by
+    # transformers' own save_pretrained
+    export_run(result.run_dir, out=tmp_path / "from_checkpoint", fmt="hf")
     reference = tmp_path / "reference"
-    hf_model.save_pretrained(reference)  # transformers' own writer, from the same weights
+    AutoModelForCausalLM.from_pretrained(tmp_path / "from_checkpoint").save_pretrained(reference)
     expected = safetensors.torch.load_file(reference / "model.safetensors")
     assert sorted(written) == sorted(expected)
     for name in expected:
@@ -381,9 +383,6 @@ def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_sa
     ours, theirs = (json.loads((f / "config.json").read_text()) for f in (folder, reference))
     assert {k: v for k, v in ours.items() if k != "transformers_version"} == \
         {k: v for k, v in theirs.items() if k != "transformers_version"}
-    x = torch.tensor([[0, 5, 6, 7, 8, 9]])
-    with torch.no_grad():
-        torch.testing.assert_close(hf_model(input_ids=x).logits, load_run(result.run_dir).model(input_ids=x).logits)
 
 
 @pytest.mark.slow  # two ZeRO-3 ranks through `python -m zerotrain`

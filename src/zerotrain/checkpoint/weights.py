@@ -42,7 +42,7 @@ class GatheredStateDict(Mapping):
     ``specs`` gives each name's full shape and dtype; ``read(name)`` makes that tensor (on the host). Reading
     a value may be a collective the other ranks serve: see :func:`zerotrain.runtime.collectives.run_on_main`.
     A writer that goes through :func:`lazy_tensors` reads each value once, when its shard is written; anything
-    that iterates the values (``dict(weights)``) holds them all, as a state dict would.
+    that iterates the values (``dict(weights)``) holds them all, as a state dict would. It is read-only.
 
     ``serve``: where reads are collectives, what the other ranks call with each name rank 0 reads."""
 
@@ -54,6 +54,9 @@ class GatheredStateDict(Mapping):
         if name not in self.specs:
             raise KeyError(name)
         return self._read(name)
+
+    def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's would
+        return name in self.specs
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)

@@ -616,9 +616,11 @@ def save_hf_folder(model: nn.Module, state_dict: Optional[Mapping[str, torch.Ten
 
     ``state_dict`` (the consolidated weights; None: the model's own) is written through ``model``'s
     ``save_pretrained``, which drops tied copies (GPT-2's ``lm_head`` is its embedding) as transformers does.
-    A :class:`GatheredStateDict` (a ZeRO-3 model's) is written a shard at a time instead, with the same
-    files, so that the host never holds the whole model; where the model saves its weights under other names
-    than it holds them (transformers' conversion mappings), it is gathered whole and saved as above.
+    A :class:`GatheredStateDict` (a ZeRO-3 model's) is written a shard at a time instead, so that the host never
+    holds the whole model: the tensors, names and config ``save_pretrained`` writes, in zerotrain's shards (5 GB)
+    and without transformers' extras (custom-code files, the index's parameter count); where the model saves its
+    weights under other names than it holds them (transformers' conversion mappings), it is gathered whole and
+    saved as above.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     if getattr(model, "config", None) is not None:
@@ -638,27 +640,53 @@ def save_hf_folder(model: nn.Module, state_dict: Optional[Mapping[str, torch.Ten
 
 def _save_weights_streamed(model: nn.Module, weights: GatheredStateDict, out_dir: Path) -> bool:
     """``save_pretrained``'s config and weights for ``model`` from ``weights``, read a shard at a time: the keys
-    it would write (less what the model ignores on save and the tied copies, found as transformers finds them,
-    here on the meta device), its ``dtype`` and ``architectures`` in the config. False, writing nothing, where
-    the model would rename or convert its weights on save, which needs them all at once."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
-    meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in weights.specs.items()}
-    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
-        meta.pop(key, None)
-    meta = remove_tied_weights_from_state_dict(meta, model)
-    if set(revert_weight_conversion(model, dict(meta))) != set(meta):
-        logger.info("export: %s saves its weights under other names: gathered whole on the host to write them",
-                    type(model).__name__)
+    it would write, its ``dtype`` and ``architectures`` in the config. False, writing nothing, where
+    :func:`_saved_keys` cannot say which keys those are."""
+    kept = _saved_keys(model, weights.specs)
+    if kept is None:
+        logger.info("export: %s saves its weights under other names than it holds them: gathered whole on the "
+                    "host to write them", type(model).__name__)
         return False
-    floating = next((t.dtype for t in meta.values() if t.is_floating_point()), torch.float32)
-    model.config.dtype = str(floating).split(".")[1]
+    model.config.dtype = str(getattr(model, "dtype", torch.float32)).split(".")[1]
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(str(out_dir))
-    write_safetensors(lazy_tensors(weights.without(set(weights.specs) - set(meta))), out_dir, dtype=None,
+    write_safetensors(lazy_tensors(weights.without(set(weights.specs) - kept)), out_dir, dtype=None,
                       max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress=lambda line: logger.info("export: %s", line))
     return True
+
+
+def _saved_keys(model: nn.Module, specs: Mapping[str, tuple[torch.Size, torch.dtype]]) -> Optional[set[str]]:
+    """The state-dict keys ``save_pretrained`` writes for ``model`` (``specs``: name -> shape and dtype of its
+    full state dict): less what the model ignores on save and the tied copies, found as transformers finds them,
+    here on the meta device. None where the model renames or converts its weights on save (transformers'
+    conversion mappings: Mixtral's and other mixtures of experts' fused experts), which needs them all at once,
+    or where this transformers cannot tell (4.x has neither function)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in specs.items()}
+        for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+            meta.pop(key, None)
+        meta = remove_tied_weights_from_state_dict(meta, model)
+        if set(revert_weight_conversion(model, dict(meta))) != set(meta):
+            return None
+        return set(meta)
+    except Exception:  # noqa: BLE001 - an older transformers, or a conversion meta tensors cannot go through
+        return None
+
+
+def exports_streamed(model: nn.Module) -> bool:
+    """Whether a ZeRO-3 run of ``model`` (as its recipe builds it) exports a shard at a time, for the memory
+    model: True for models written with :func:`~zerotrain.checkpoint.weights.write_safetensors` or
+    :func:`save_hf_folder`'s streamed path; False for a peft model (the adapter and merged model need every
+    weight) and a Hugging Face model whose saved keys :func:`_saved_keys` cannot give."""
+    if getattr(model, "peft_config", None) is not None:
+        return False
+    if getattr(model, "config", None) is None or not hasattr(model, "save_pretrained"):
+        return True
+    specs = {k: (t.shape, t.dtype) for k, t in model.state_dict().items()}
+    return _saved_keys(model, specs) is not None
 
 
 def is_hf_folder(folder: Path) -> bool:

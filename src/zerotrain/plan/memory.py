@@ -119,7 +119,8 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
             grad_accum: int = 1, export: bool = False, optimizer_states: int = ADAM_STATES) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring). ``export``: the
-    run ends with ``--trainer.export`` (under ZeRO-3 and FSDP2 it gathers the whole model on rank 0's host).
+    run ends with ``--trainer.export`` (on rank 0's host: FSDP2 gathers the whole model, ZeRO-3 a shard at a time
+    where the probe says the model exports so).
     ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum,
                                 optimizer_states, device=probe.device)
@@ -150,12 +151,12 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
         rank0_extra = float(counts.total_bytes)
         host += rank0_extra
     if export and strategy.backend == "deepspeed" and strategy.zero_stage == 3:
-        # ZeRO-3's export gathers the model's 16-bit tensors onto rank 0's host a shard at a time, while the run's
-        # own states are still there; a shard is there twice while it is written (its tensors and safetensors'
-        # bytes). A LoRA adapter's export (peft) and the merged model still gather the whole model.
+        # ZeRO-3's export gathers the model's 16-bit tensors onto rank 0's host while the run's own states are
+        # still there: a shard at a time where the model exports so (there twice while it is written: its tensors
+        # and safetensors' bytes), else whole (a LoRA run's adapter and merged model, transformers' conversions).
         element = 2 if sixteen_bit(strategy, precision, autocast) else 4
         gathered = element * counts.total
-        if counts.trainable == counts.total:
+        if probe.exports_streamed:
             gathered = 2 * min(gathered, EXPORT_SHARD_BYTES)
         rank0_extra = max(0.0, probe.host_base_bytes + states.cpu_bytes + gathered - host)
         host += rank0_extra

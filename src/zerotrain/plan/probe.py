@@ -52,6 +52,7 @@ from zerotrain.data.loader import make_loader
 from zerotrain.engines.base import to_device
 from zerotrain.engines.states import count_params
 from zerotrain.errors import UserError
+from zerotrain.models import hf
 from zerotrain.models.shape import TransformerShape
 from zerotrain.plan.activations import activation_bytes
 from zerotrain.runtime import distributed
@@ -140,6 +141,9 @@ class Probe:
     builds_partitioned: Optional[bool] = None
     """The recipe's :meth:`~zerotrain.tasks.base.Task.builds_partitioned`: under ZeRO-3 no host holds the whole
     model (None in older probe files: counted as held)."""
+    exports_streamed: Optional[bool] = None
+    """Whether the recipe's model exports a shard at a time under ZeRO-3 (:func:`zerotrain.models.hf.exports_streamed`;
+    None in older probe files: counted as gathered whole)."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -492,6 +496,7 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
         variant_cfg.activation_checkpointing.enabled = ckpt
         variant_task = task.with_config(variant_cfg)  # one clone builds and steps: a task may keep facts of its model
         model = variant_task.build_model()
+        streamed = hf.exports_streamed(model)
         model.train()
         # A model whose fp32 weights and Adam states do not fit is traced only as DeepSpeed's bf16/fp16
         # blocks hold it (16-bit weights, the fp32 states partitioned or offloaded), built on the CPU.
@@ -565,7 +570,8 @@ def measure(task: Task, device: torch.device, precision: str, max_micro: int,
                  h2d_bytes_per_s=_h2d_bytes_per_s(device),
                  h2d_pageable_bytes_per_s=_h2d_bytes_per_s(device, pinned=False), kernel_workspace_bytes=workspace,
                  host_lengths=swept or None, host_workers_bytes=workers,
-                 builds_partitioned=task.with_config(cfg).builds_partitioned(), notes=notes)
+                 builds_partitioned=task.with_config(cfg).builds_partitioned(), exports_streamed=streamed,
+                 notes=notes)
 
 
 def run_probe(recipe: str, fit_args: list[str], out: Path, max_micro: int, timeout_s: int = 1800,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Optional, Sequence, TypeVar
@@ -184,13 +185,16 @@ class Task(ABC, Generic[C]):
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         return {"hidden_size": hidden} if hidden else {}
 
-    def export(self, model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
+    def export(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], out_dir: Path) -> None:
         """Write the trained model to ``out_dir`` (called once, on the main process, after the last step).
 
         ``model`` is the unwrapped module (under ZeRO-3 its parameters are partitioned: use
         ``state_dict``, the full consolidated weights). ``state_dict`` holds the live tensors, on their
-        device (the model's own parameters, except under ZeRO-3): copy one before changing it. The
-        default writes ``model.safetensors``; recipes override it to write Hugging Face or peft layouts.
+        device (the model's own parameters): copy one before changing it. Under ZeRO-3 it is a read-only
+        :class:`~zerotrain.checkpoint.weights.GatheredStateDict` whose every read gathers that tensor to the host:
+        pass it to :func:`~zerotrain.checkpoint.weights.lazy_tensors` to write it a shard at a time, or make a
+        ``dict`` of it once (the whole model on the host). The default writes ``model.safetensors``; recipes
+        override it to write Hugging Face or peft layouts.
 
         Past 5 GB (less when the host has little memory free: a quarter of what is free) the weights go to
         Hugging Face's shards (``model-0000i-of-0000n.safetensors`` and the index), copied to the host one shard

@@ -518,6 +518,7 @@ class CausalLMTask(Task[CausalLMConfig]):
         if self.lora_settings() is None:
             hf.save_hf_folder(model, state_dict, out_dir, self.tokenizer, generation=True)
         else:
+            state_dict = dict(state_dict)  # gathered once, whole: peft reads every weight, the merged model needs them
             hf.write_adapter(model, state_dict, out_dir / "adapter", self.tokenizer)
             merged = hf.merged_copy(lambda: self._wrap(self.load_base(pretrained=False)), state_dict)
             hf.save_hf_folder(merged, None, out_dir, self.tokenizer, generation=True)

@@ -205,7 +205,8 @@ class LoRATask(CausalLMTask):
         ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``).
         """
         out_dir = Path(out_dir)
-        state_dict = hf.strip_module_prefix(state_dict)
+        # Gathered once, whole: peft reads every weight for the adapter, and the merged model needs them all
+        state_dict = dict(hf.strip_module_prefix(state_dict))
         adapter_dir = out_dir / "adapter"
         hf.write_adapter(model, state_dict, adapter_dir, self.tokenizer)
         logger.info("LoRA adapter written to %s", adapter_dir)

@@ -16,21 +16,23 @@ from zerotrain.runtime.collectives import ask_others
 
 def zero3_gathered_state_dict(engine: Any) -> GatheredStateDict:
     """The full 16-bit state dict of a ZeRO-3 ``engine``, each tensor gathered from every rank's partition when
-    rank 0 reads it, so that the host holds one tensor (a writer's shard) rather than the model, as DeepSpeed's
-    own ``_zero3_consolidated_16bit_state_dict`` does. Every rank gets one: rank 0 reads it inside
+    rank 0 reads it, so that the host holds what the writer holds (a shard), not the model, which DeepSpeed's
+    ``_zero3_consolidated_16bit_state_dict`` gathers whole. Every rank gets one: rank 0 reads it inside
     :func:`run_on_main`, whose other ranks call its ``serve`` with each name read, and join that gather.
 
     Names and tied entries are the module's ``state_dict``'s; a parameter's full shape is ``ds_shape`` (DeepSpeed
-    leaves an empty placeholder in ``shape``). Buffers are whole on every rank and read without a collective.
-    Parameters that DeepSpeed keeps whole on every rank (its persistence threshold) are gathered as a no-op and
-    partitioned on release, as its own consolidation leaves them: nothing runs the model after the export."""
+    leaves an empty placeholder in ``shape``). Buffers, and the parameters DeepSpeed keeps whole on every rank
+    (under its persistence threshold), are read as they are, without a collective; the others are gathered with
+    ``deepspeed.zero.GatheredParameters`` and partitioned again once copied."""
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     entries = engine.module.state_dict(keep_vars=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
     def partitioned(t: torch.Tensor) -> bool:
-        return hasattr(t, "ds_id")
+        return hasattr(t, "ds_id") and not (getattr(t, "ds_persist", False)
+                                            and t.ds_status == ZeroParamStatus.AVAILABLE)
 
     def gather(name: str) -> torch.Tensor | None:
         param = entries[name]
@@ -44,7 +46,7 @@ def zero3_gathered_state_dict(engine: Any) -> GatheredStateDict:
         ask_others(name)
         return gather(name)
 
-    specs = {k: (torch.Size(t.ds_shape) if partitioned(t) else t.shape, t.dtype) for k, t in entries.items()}
+    specs = {k: (torch.Size(t.ds_shape) if hasattr(t, "ds_shape") else t.shape, t.dtype) for k, t in entries.items()}
     return GatheredStateDict(specs, read, serve=gather)
 
 
