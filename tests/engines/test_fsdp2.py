@@ -202,6 +202,12 @@ def test_two_processes_resumed_on_one_continue_the_uninterrupted_run(lm_files):
     assert "FSDP2 over 2 process(es), 2 blocks sharded one by one" in out.stdout + out.stderr
     ckpt = tmp_path / "split" / "checkpoints" / "step00000003"
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(json.loads((ckpt / "COMPLETE.json").read_text())["files"])
+    # Rank 0 wrote the model, each tensor gathered from both ranks' shards as it was written: the checkpoint's weights
+    from safetensors.torch import load_file
+
+    finished = load_file(tmp_path / "split" / "model" / "model.safetensors")
+    saved = load_file(export_run(tmp_path / "split", tmp_path / "exported").out_dir / "model" / "model.safetensors")
+    assert sorted(finished) == sorted(saved) and all(torch.equal(finished[k], saved[k]) for k in saved)
 
     again = lm_config(tmp_path, tok, "split", 6, accumulation=2)
     again.checkpoint.resume = "auto"

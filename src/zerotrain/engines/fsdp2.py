@@ -42,11 +42,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from zerotrain.checkpoint import dcp
 from zerotrain.checkpoint.universal import optimizer_step, parameter_states, run_states
+from zerotrain.checkpoint.weights import GatheredStateDict
 from zerotrain.config import RunConfig
 from zerotrain.config.ds_config import ResolvedPrecision
 from zerotrain.engines import optimizers
 from zerotrain.engines.base import Engine, _compile
 from zerotrain.engines.compiling import repeated_blocks
+from zerotrain.runtime.collectives import ask_others
 from zerotrain.train.schedule import make_scheduler
 from zerotrain.train.state import load_safely
 
@@ -191,7 +193,19 @@ class FSDP2Engine(Engine):
         for g, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             g["lr"] = lr
 
-    def consolidated_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        # Every rank takes part in the gathers; rank 0 keeps the whole model on its host
-        sd = get_model_state_dict(self._module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return sd if self.rank == 0 else None
+    def consolidated_state_dict(self) -> GatheredStateDict:
+        """Each parameter gathered whole (``DTensor.full_tensor``, on the mesh's device) when rank 0 reads it, the
+        other ranks joining that gather: the host holds what the writer holds, not the model. Names are
+        ``get_model_state_dict``'s (without the wrappers' prefixes); its sharded form gathers nothing."""
+        sharded = get_model_state_dict(self._module, options=StateDictOptions(full_state_dict=False))
+
+        def whole(name: str) -> torch.Tensor:
+            t = sharded[name]
+            return t.to(t.device_mesh.device_type).full_tensor() if isinstance(t, DTensor) else t
+
+        def read(name: str) -> torch.Tensor:
+            if isinstance(sharded[name], DTensor):
+                ask_others(name)
+            return whole(name).detach().to("cpu", copy=True)
+
+        return GatheredStateDict({k: (t.shape, t.dtype) for k, t in sharded.items()}, read, serve=whole)

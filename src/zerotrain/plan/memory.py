@@ -119,8 +119,8 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
             grad_accum: int = 1, export: bool = False, optimizer_states: int = ADAM_STATES) -> MemoryPrediction:
     """Peak GPU and host memory of rank 0 for one configuration: :func:`model_state_memory` plus the
     activations ``probe`` measured at this micro-batch, plus the host side (module docstring). ``export``: the
-    run ends with ``--trainer.export`` (on rank 0's host: FSDP2 gathers the whole model, ZeRO-3 a shard at a time
-    where the probe says the model exports so).
+    run ends with ``--trainer.export`` (FSDP2 and ZeRO-3 gather the model on rank 0's host, a shard at a time where
+    the probe says the model exports so).
     ``optimizer_states``: :func:`~zerotrain.engines.states.optimizer_states`."""
     states = model_state_memory(counts, strategy, world_size, precision, buckets, autocast, grad_accum,
                                 optimizer_states, device=probe.device)
@@ -145,20 +145,18 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     else:
         host = max(before_model + built, probe.host_base_bytes) + states.cpu_bytes
     rank0_extra = 0.0
-    if export and strategy.backend == "fsdp2":
-        # FSDP2's export gathers the full state dict, as the model was built (fp32), onto rank 0's host
-        # (get_model_state_dict with full_state_dict and cpu_offload) while the run's own states are there.
-        rank0_extra = float(counts.total_bytes)
-        host += rank0_extra
-    if export and strategy.backend == "deepspeed" and strategy.zero_stage == 3:
-        # ZeRO-3's export gathers the model's 16-bit tensors onto rank 0's host while the run's own states are
-        # still there: a shard at a time where the model exports so (there twice while it is written: its tensors
-        # and safetensors' bytes), else whole (a LoRA run's adapter and merged model, transformers' conversions).
-        element = 2 if sixteen_bit(strategy, precision, autocast) else 4
-        gathered = element * counts.total
+    if export and (strategy.backend == "fsdp2" or zero3):
+        # The export gathers the model onto rank 0's host while the run's own states are still there: FSDP2 its
+        # state dict as built (fp32), ZeRO-3 its 16-bit weights. A shard at a time where the model exports so
+        # (there twice while it is written: its tensors and safetensors' bytes), else whole (a LoRA run's adapter
+        # and merged model, transformers' conversions on save, a probe file from before it said).
+        element = 4 if strategy.backend == "fsdp2" or not sixteen_bit(strategy, precision, autocast) else 2
+        gathered = element * counts.total if zero3 else float(counts.total_bytes)
         if probe.exports_streamed:
             gathered = 2 * min(gathered, EXPORT_SHARD_BYTES)
-        rank0_extra = max(0.0, probe.host_base_bytes + states.cpu_bytes + gathered - host)
+        # ZeRO-3's engine has freed the model it was built from (DeepSpeed's partitioning); FSDP2's build is counted
+        # on top, as measured
+        rank0_extra = gathered if not zero3 else max(0.0, probe.host_base_bytes + states.cpu_bytes + gathered - host)
         host += rank0_extra
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations
