@@ -92,13 +92,24 @@ def weights_on_nvme(cfg: RunConfig) -> bool:
 
 def _size_param_swap_buffers(ds: dict[str, Any], largest: int | None, world_size: int, path: str | None) -> None:
     """Make each buffer NVMe-offloaded weights pass through hold a rank's share of the largest parameter
-    (``largest`` elements over ``world_size`` ranks).
+    (``largest`` elements over ``world_size`` ranks), and let no weight hold its buffer past its module.
 
     DeepSpeed swaps each rank's partition of a parameter through one buffer and stops at the model's build where
     one is larger: a Llama 7B's 32,000 x 4,096 embedding is 131M elements on one GPU, over its default of 100M. A
-    size a user's file sets is kept where it is large enough, refused in one line where it is not."""
-    block = (ds.get("zero_optimization") or {}).get("offload_param")
-    if not largest or not isinstance(block, dict) or block.get("device") != "nvme":
+    size a user's file sets is kept where it is large enough, refused in one line where it is not.
+
+    From the second step on, DeepSpeed keeps a weight it will use again within ``stage3_max_reuse_distance``
+    elements (default 1e9) gathered, in its swap buffer; with activation checkpointing a 1.07B Llama kept all
+    five of them so, and its second step stopped at "Not enough buffers 0 for swapping 1". Where that distance is
+    unset it is 0: each weight is read again from the disk where it is used again (2 bytes a parameter, beside the
+    24 that the optimizer's states move each step)."""
+    zero = ds.get("zero_optimization") or {}
+    block = zero.get("offload_param")
+    if not isinstance(block, dict) or block.get("device") != "nvme":
+        return
+    if "stage3_max_reuse_distance" not in zero and "max_reuse_distance" not in zero:
+        zero["stage3_max_reuse_distance"] = 0
+    if not largest:
         return
     share = math.ceil(largest / world_size)  # DeepSpeed pads a parameter to a multiple of the ranks
     size = block.get("buffer_size")
