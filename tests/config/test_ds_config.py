@@ -705,7 +705,7 @@ def test_nvme_weight_buffers_hold_the_largest_parameter():
 def test_nvme_weights_are_not_kept_in_their_swap_buffers_for_reuse_unless_a_users_file_says(tmp_path):
     """From its second step DeepSpeed keeps weights it will reuse within stage3_max_reuse_distance elements in their
     swap buffers, which ran out at 1.07B parameters: with weights on NVMe the distance is 0, unless a user's file
-    sets it; weights on the GPU or the host keep DeepSpeed's default."""
+    sets it ("auto" is no setting); weights on the GPU or the host keep DeepSpeed's default."""
     zero = lambda ds: ds["zero_optimization"]  # noqa: E731
     nvme = make_cfg(zero_stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path="/n")
     assert zero(make_ds_config(nvme, 1, "cuda", "bf16", {"largest_param_numel": 10**6}))["stage3_max_reuse_distance"] == 0
@@ -715,10 +715,11 @@ def test_nvme_weights_are_not_kept_in_their_swap_buffers_for_reuse_unless_a_user
         assert "stage3_max_reuse_distance" not in zero(make_ds_config(cfg, 1, "cuda", "bf16"))
     blocks = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"},
               "offload_param": {"device": "nvme", "nvme_path": "/n"}}
-    for name, users in (("unset", {}), ("set", {"stage3_max_reuse_distance": 1e8})):
+    for name, users, kept in (("unset", {}, 0), ("auto", {"stage3_max_reuse_distance": "auto"}, 0),
+                              ("set", {"stage3_max_reuse_distance": 1e8}, 1e8), ("other_name", {"max_reuse_distance": 5}, 5)):
         path = write(tmp_path, json.dumps({"zero_optimization": {**blocks, **users}}), f"{name}.json")
-        got = zero(make_ds_config(make_cfg(deepspeed_config=str(path)), 1, "cuda", "bf16"))["stage3_max_reuse_distance"]
-        assert got == users.get("stage3_max_reuse_distance", 0)
+        got = zero(make_ds_config(make_cfg(deepspeed_config=str(path)), 1, "cuda", "bf16"))
+        assert got.get("stage3_max_reuse_distance", got.get("max_reuse_distance")) == kept, name
 
 
 def test_a_users_nvme_weight_buffer_under_the_largest_parameter_is_refused_in_one_line(tmp_path):

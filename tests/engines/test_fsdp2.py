@@ -208,6 +208,8 @@ def test_two_processes_resumed_on_one_continue_the_uninterrupted_run(lm_files):
     finished = load_file(tmp_path / "split" / "model" / "model.safetensors")
     saved = load_file(export_run(tmp_path / "split", tmp_path / "exported").out_dir / "model" / "model.safetensors")
     assert sorted(finished) == sorted(saved) and all(torch.equal(finished[k], saved[k]) for k in saved)
+    config = json.loads((tmp_path / "split" / "model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]  # not the class FSDP2 made of it
 
     again = lm_config(tmp_path, tok, "split", 6, accumulation=2)
     again.checkpoint.resume = "auto"

@@ -37,7 +37,7 @@ def _cast(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 class GatheredStateDict(Mapping):
     """A model's whole state dict whose tensors are made only when read, one at a time: the weights of a model
-    too big to hold twice, gathered from its partitions on demand (ZeRO-3's export).
+    too big to hold twice, gathered from its partitions on demand (ZeRO-3's and FSDP2's export).
 
     ``specs`` gives each name's full shape and dtype; ``read(name)`` makes that tensor (on the host). Reading
     a value may be a collective the other ranks serve: see :func:`zerotrain.runtime.collectives.run_on_main`.

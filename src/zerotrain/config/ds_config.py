@@ -92,24 +92,13 @@ def weights_on_nvme(cfg: RunConfig) -> bool:
 
 def _size_param_swap_buffers(ds: dict[str, Any], largest: int | None, world_size: int, path: str | None) -> None:
     """Make each buffer NVMe-offloaded weights pass through hold a rank's share of the largest parameter
-    (``largest`` elements over ``world_size`` ranks), and let no weight hold its buffer past its module.
+    (``largest`` elements over ``world_size`` ranks).
 
     DeepSpeed swaps each rank's partition of a parameter through one buffer and stops at the model's build where
     one is larger: a Llama 7B's 32,000 x 4,096 embedding is 131M elements on one GPU, over its default of 100M. A
-    size a user's file sets is kept where it is large enough, refused in one line where it is not.
-
-    From the second step on, DeepSpeed keeps a weight it will use again within ``stage3_max_reuse_distance``
-    elements (default 1e9) gathered, in its swap buffer; with activation checkpointing a 1.07B Llama kept all
-    five of them so, and its second step stopped at "Not enough buffers 0 for swapping 1". Where that distance is
-    unset it is 0: each weight is read again from the disk where it is used again (2 bytes a parameter, beside the
-    24 that the optimizer's states move each step)."""
-    zero = ds.get("zero_optimization") or {}
-    block = zero.get("offload_param")
-    if not isinstance(block, dict) or block.get("device") != "nvme":
-        return
-    if "stage3_max_reuse_distance" not in zero and "max_reuse_distance" not in zero:
-        zero["stage3_max_reuse_distance"] = 0
-    if not largest:
+    size a user's file sets is kept where it is large enough, refused in one line where it is not."""
+    block = (ds.get("zero_optimization") or {}).get("offload_param")
+    if not largest or not isinstance(block, dict) or block.get("device") != "nvme":
         return
     share = math.ceil(largest / world_size)  # DeepSpeed pads a parameter to a multiple of the ranks
     size = block.get("buffer_size")
@@ -119,6 +108,27 @@ def _size_param_swap_buffers(ds: dict[str, Any], largest: int | None, world_size
         raise ConfigError(f"--strategy.deepspeed_config {path}", f"zero_optimization.offload_param.buffer_size "
                           f"is {size}, under a rank's share of the model's largest parameter ({share:,} elements), "
                           f"which DeepSpeed swaps through one buffer: set it to {share} or more, or remove it")
+
+
+def _no_reuse_of_nvme_weights(ds: dict[str, Any], users_zero: dict[str, Any] | None) -> None:
+    """Under NVMe-offloaded weights, ``stage3_max_reuse_distance`` 0 where zerotrain writes the config, and where a
+    user's file (``users_zero``: its ``zero_optimization`` block, before "auto" was resolved) leaves it unset or "auto".
+
+    From the second step on, DeepSpeed keeps a weight it will use again within that many elements (default 1e9)
+    gathered, in its swap buffer: with activation checkpointing a 1.07B Llama held five such weights, every buffer
+    it had, and its second step stopped at "Not enough buffers 0 for swapping 1". At 0 no weight is kept by
+    distance: each is read from the disk again where it is used again (2 bytes a parameter, beside the 24 that the
+    optimizer's states move each step). A value a user's file sets is kept."""
+    zero = ds.get("zero_optimization") or {}
+    block = zero.get("offload_param")
+    if not isinstance(block, dict) or block.get("device") != "nvme":
+        return
+    keys = ("stage3_max_reuse_distance", "max_reuse_distance")
+    if users_zero is not None and any(users_zero.get(k, "auto") != "auto" for k in keys):
+        return
+    for key in keys:
+        zero.pop(key, None)
+    zero["stage3_max_reuse_distance"] = 0
 
 
 def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: ResolvedPrecision) -> dict[str, Any]:
@@ -736,6 +746,8 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
     else:
         ds = build_ds_config(cfg, world_size, device, precision)
     _size_param_swap_buffers(ds, (extra or {}).get("largest_param_numel"), world_size, cfg.strategy.deepspeed_config)
+    path = cfg.strategy.deepspeed_config
+    _no_reuse_of_nvme_weights(ds, (load_user_config(path).get("zero_optimization") or {}) if path else None)
     if (extra or {}).get("nvme_folder") and not cfg.strategy.deepspeed_config:
         for name in ("offload_optimizer", "offload_param"):
             block = ds["zero_optimization"].get(name)

@@ -200,7 +200,7 @@ class Engine(ABC):
     @abstractmethod
     def consolidated_state_dict(self) -> Optional[Mapping[str, torch.Tensor]]:
         """Full model weights on rank 0 (the live tensors on their device, or gathered to its host), None
-        elsewhere. Collective. An engine whose model is too big to gather whole (ZeRO-3) returns a
+        elsewhere. Collective. An engine whose model is sharded (ZeRO-3, FSDP2) returns a
         :class:`~zerotrain.checkpoint.weights.GatheredStateDict` on every rank instead: rank 0 reads it inside
         ``run_on_main(..., serve=weights.serve)``, a tensor at a time, and the other ranks serve its reads."""
 

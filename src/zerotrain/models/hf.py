@@ -616,7 +616,7 @@ def save_hf_folder(model: nn.Module, state_dict: Optional[Mapping[str, torch.Ten
 
     ``state_dict`` (the consolidated weights; None: the model's own) is written through ``model``'s
     ``save_pretrained``, which drops tied copies (GPT-2's ``lm_head`` is its embedding) as transformers does.
-    A :class:`GatheredStateDict` (a ZeRO-3 model's) is written a shard at a time instead, so that the host never
+    A :class:`GatheredStateDict` (a ZeRO-3 or FSDP2 model's) is written a shard at a time instead, so the host never
     holds the whole model: the tensors, names and config ``save_pretrained`` writes, in zerotrain's shards (5 GB)
     and without transformers' extras (custom-code files, the index's parameter count); where the model saves its
     weights under other names than it holds them (transformers' conversion mappings), it is gathered whole and
@@ -648,7 +648,7 @@ def _save_weights_streamed(model: nn.Module, weights: GatheredStateDict, out_dir
                     "host to write them", type(model).__name__)
         return False
     model.config.dtype = str(getattr(model, "dtype", torch.float32)).split(".")[1]
-    model.config.architectures = [type(model).__name__]
+    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the class it shards
     model.config.save_pretrained(str(out_dir))
     write_safetensors(lazy_tensors(weights.without(set(weights.specs) - kept)), out_dir, dtype=None,
                       max_shard_size=DEFAULT_MAX_SHARD_SIZE, progress=lambda line: logger.info("export: %s", line))
@@ -677,7 +677,7 @@ def _saved_keys(model: nn.Module, specs: Mapping[str, tuple[torch.Size, torch.dt
 
 
 def exports_streamed(model: nn.Module) -> bool:
-    """Whether a ZeRO-3 run of ``model`` (as its recipe builds it) exports a shard at a time, for the memory
+    """Whether a ZeRO-3 or FSDP2 run of ``model`` (as its recipe builds it) exports a shard at a time, for the memory
     model: True for models written with :func:`~zerotrain.checkpoint.weights.write_safetensors` or
     :func:`save_hf_folder`'s streamed path; False for a peft model (the adapter and merged model need every
     weight) and a Hugging Face model whose saved keys :func:`_saved_keys` cannot give."""

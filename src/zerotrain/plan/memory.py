@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from zerotrain.plan.probe import Probe
 
 GIB = 2**30
-EXPORT_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)  # the most a ZeRO-3 export gathers at once
+EXPORT_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)  # the most a ZeRO-3 or FSDP2 export gathers at once
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ class MemoryPrediction:
     workers_bytes: float = 0.0
     """The rank's data-loading workers, beside ``host_bytes`` (which is the rank's own process, as measured)."""
     rank0_extra_bytes: float = 0.0
-    """The share of ``host_bytes`` that rank 0 alone holds (ZeRO-3's export): not multiplied by the processes."""
+    """The share of ``host_bytes`` that rank 0 alone holds (ZeRO-3's and FSDP2's export): not multiplied by the
+    processes."""
 
     def as_row(self) -> dict[str, float]:
         return {"predicted_gpu_mem_gib": self.gpu_bytes / GIB, "predicted_host_mem_gib": self.host_bytes / GIB,
@@ -147,13 +148,15 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
     rank0_extra = 0.0
     if export and (strategy.backend == "fsdp2" or zero3):
         # The export gathers the model onto rank 0's host while the run's own states are still there: FSDP2 its
-        # state dict as built (fp32), ZeRO-3 its 16-bit weights. A shard at a time where the model exports so
-        # (there twice while it is written: its tensors and safetensors' bytes), else whole (a LoRA run's adapter
-        # and merged model, transformers' conversions on save, a probe file from before it said).
-        element = 4 if strategy.backend == "fsdp2" or not sixteen_bit(strategy, precision, autocast) else 2
-        gathered = element * counts.total if zero3 else float(counts.total_bytes)
+        # state dict as built (fp32), ZeRO-3 its 16-bit weights. A shard at a time where the model exports so (the
+        # 6.74B's 4.94 GB shard added 4.61 GiB: safetensors writes from the tensors, no second copy), else whole (a
+        # LoRA run's adapter and merged model, transformers' conversions on save, a probe file from before it said).
+        if zero3:
+            gathered = (2 if sixteen_bit(strategy, precision, autocast) else 4) * counts.total
+        else:
+            gathered = float(counts.total_bytes)
         if probe.exports_streamed:
-            gathered = 2 * min(gathered, EXPORT_SHARD_BYTES)
+            gathered = min(gathered, EXPORT_SHARD_BYTES)
         # ZeRO-3's engine has freed the model it was built from (DeepSpeed's partitioning); FSDP2's build is counted
         # on top, as measured
         rank0_extra = gathered if not zero3 else max(0.0, probe.host_base_bytes + states.cpu_bytes + gathered - host)

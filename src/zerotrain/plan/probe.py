@@ -142,8 +142,8 @@ class Probe:
     """The recipe's :meth:`~zerotrain.tasks.base.Task.builds_partitioned`: under ZeRO-3 no host holds the whole
     model (None in older probe files: counted as held)."""
     exports_streamed: Optional[bool] = None
-    """Whether the recipe's model exports a shard at a time under ZeRO-3 (:func:`zerotrain.models.hf.exports_streamed`;
-    None in older probe files: counted as gathered whole)."""
+    """Whether the recipe's model exports a shard at a time under ZeRO-3 and FSDP2
+    (:func:`~zerotrain.models.hf.exports_streamed`; None in older probe files: counted as gathered whole)."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

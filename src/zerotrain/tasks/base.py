@@ -190,7 +190,7 @@ class Task(ABC, Generic[C]):
 
         ``model`` is the unwrapped module (under ZeRO-3 its parameters are partitioned: use
         ``state_dict``, the full consolidated weights). ``state_dict`` holds the live tensors, on their
-        device (the model's own parameters): copy one before changing it. Under ZeRO-3 it is a read-only
+        device (the model's own parameters): copy one before changing it. Under ZeRO-3 and FSDP2 it is a read-only
         :class:`~zerotrain.checkpoint.weights.GatheredStateDict` whose every read gathers that tensor to the host:
         pass it to :func:`~zerotrain.checkpoint.weights.lazy_tensors` to write it a shard at a time, or make a
         ``dict`` of it once (the whole model on the host). The default writes ``model.safetensors``; recipes

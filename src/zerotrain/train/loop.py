@@ -449,7 +449,7 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
             log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",
                      run.run_dir / "model", results["export_s"], host.peak_gib, host.before_gib)
 
-        # A full disk on rank 0 stops every rank with its one line; under ZeRO-3 the others gather with rank 0
+        # A full disk on rank 0 stops every rank with its one line; under ZeRO-3 and FSDP2 the others gather with it
         run_on_main(export, serve=weights.serve if isinstance(weights, GatheredStateDict) else None)
     summary = {**results, **{f"throughput_{k}": v for k, v in meter.summary().items()},
                **memory_snapshot(run.rt.device), "device": meter.device_name, "world_size": run.rt.world_size,
