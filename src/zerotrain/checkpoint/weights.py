@@ -148,8 +148,9 @@ def _shard_size_for_host(max_shard_size: str | int, progress: Optional[Callable[
                          total_bytes: Optional[int] = None) -> int:
     """``max_shard_size``, or less when this host has little memory free. A shard may be on the host twice while
     it is written (the tensors copied from the GPU, and, in older safetensors releases, their serialised bytes;
-    0.8 writes from the tensors: a 4.94 GB shard added 4.61 GiB), so shards are kept to a quarter of the free memory: the end of a big run whose optimizer fills the host (5B parameters under CPU
-    offload: 120 of 125 GiB) still exports, in more files. ``progress`` is told only when that changes the files
+    0.8 writes from the tensors: a 4.94 GB shard added 4.61 GiB), so shards are kept to a quarter of the free
+    memory: the end of a big run whose optimizer fills the host (5B parameters under CPU offload: 120 of 125 GiB)
+    still exports, in more files. ``progress`` is told only when that changes the files
     written: a model of ``total_bytes`` that fits in one smaller shard is written as one file either way."""
     import psutil
 
