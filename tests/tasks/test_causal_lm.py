@@ -215,15 +215,20 @@ def test_flops_per_token_counts_weights_and_attention(files):
     assert task.flops_per_token(model) == 6 * n + 12 * 2 * 32 * 32
 
 
+def two_rank_zero3_fit(tmp_path: Path, tok: Path, model: str, run_name: str, steps: int, *extra: str) -> list[str]:
+    """``zerotrain fit causal-lm`` of the ``files`` fixture's ``model`` on two ZeRO-3 ranks, as a user types it."""
+    return ["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / f"{model}.json"),
+            "--model.tokenizer", str(tok), "--data.train_path", str(tmp_path / "train.txt"), "--data.seq_len", "32",
+            "--data.cache_dir", str(tmp_path / "cache"), "--strategy.zero_stage", "3", "--trainer.micro_batch_size",
+            "2", "--trainer.max_steps", str(steps), "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path),
+            "--trainer.run_name", run_name, "--launch.nproc_per_node", "2", "--logging.progress_bar", "false", *extra]
+
+
 @pytest.mark.slow
 def test_two_processes_train_under_zero3(files):
     tmp_path, tok = files
-    args = ["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / "llama.json"),
-            "--model.tokenizer", str(tok), "--data.train_path", str(tmp_path / "train.txt"), "--data.seq_len", "32",
-            "--data.cache_dir", str(tmp_path / "cache"), "--strategy.zero_stage", "3", "--optimizer.lr", "1e-2",
-            "--trainer.micro_batch_size", "2", "--trainer.max_steps", "6", "--trainer.log_every_steps", "1",
-            "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "two",
-            "--launch.nproc_per_node", "2", "--logging.progress_bar", "false"]
+    args = two_rank_zero3_fit(tmp_path, tok, "llama", "two", 6, "--optimizer.lr", "1e-2",
+                              "--trainer.log_every_steps", "1")
     out = zerotrain_cmd(args, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     log = train_log(tmp_path / "two")
@@ -392,11 +397,7 @@ def test_a_two_rank_zero3_run_exports_its_model_as_its_last_checkpoint_exports(f
     from transformers import AutoModelForCausalLM
 
     tmp_path, tok = files
-    args = ["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / "gpt2.json"),
-            "--model.tokenizer", str(tok), "--data.train_path", str(tmp_path / "train.txt"), "--data.seq_len", "32",
-            "--data.cache_dir", str(tmp_path / "cache"), "--trainer.micro_batch_size", "2", "--trainer.max_steps", "3",
-            "--trainer.num_workers", "0", "--trainer.output_dir", str(tmp_path), "--trainer.run_name", "r",
-            "--logging.progress_bar", "false", "--strategy.zero_stage", "3", "--launch.nproc_per_node", "2"]
+    args = two_rank_zero3_fit(tmp_path, tok, "gpt2", "r", 3)
     fitted = zerotrain_cmd(args, cwd=tmp_path)
     assert fitted.returncode == 0, fitted.stderr[-3000:]
     assert "[zerotrain] export: wrote" in fitted.stderr and "gathered whole" not in fitted.stderr  # a shard at a time

@@ -117,8 +117,9 @@ def _no_reuse_of_nvme_weights(ds: dict[str, Any], users_zero: dict[str, Any] | N
     From the second step on, DeepSpeed keeps a weight it will use again within that many elements (default 1e9)
     gathered, in its swap buffer: with activation checkpointing a 1.07B Llama held five such weights, every buffer
     it had, and its second step stopped at "Not enough buffers 0 for swapping 1". At 0 no weight is kept by
-    distance: each is read from the disk again where it is used again (2 bytes a parameter, beside the 24 that the
-    optimizer's states move each step). A value a user's file sets is kept."""
+    distance: each is read from the disk again where it is used again (2 bytes a parameter, beside the 32 that the
+    fp32 master weights, gradients and moments move each step, read and written). A value a user's file sets is
+    kept."""
     zero = ds.get("zero_optimization") or {}
     block = zero.get("offload_param")
     if not isinstance(block, dict) or block.get("device") != "nvme":
