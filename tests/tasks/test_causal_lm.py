@@ -215,6 +215,14 @@ def test_flops_per_token_counts_weights_and_attention(files):
     assert task.flops_per_token(model) == 6 * n + 12 * 2 * 32 * 32
 
 
+def unkept(tmp_path: Path) -> Path:
+    """A DeepSpeed file under which ZeRO-3 partitions every weight: by default it keeps those under 1e5 elements, all of
+    a tiny model's, whole on every rank, and a gather of them is no collective."""
+    path = tmp_path / "zero3_no_persistent.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    return path
+
+
 def two_rank_zero3_fit(tmp_path: Path, tok: Path, model: str, run_name: str, steps: int, *extra: str) -> list[str]:
     """``zerotrain fit causal-lm`` of the ``files`` fixture's ``model`` on two ZeRO-3 ranks, as a user types it."""
     return ["fit", "causal-lm", "--model.init", "random", "--model.config", str(tmp_path / f"{model}.json"),
@@ -348,6 +356,7 @@ def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_sa
     between two shards written, exactly the next shard's tensors were read. The folder holds the tensors of the
     run's last checkpoint (exported from its files apart), under the names and with the config ``save_pretrained``
     writes for them (tied copies left out: GPT-2 ties its output layer to its embedding)."""
+    import deepspeed
     import safetensors.torch
     from transformers import AutoModelForCausalLM
 
@@ -361,11 +370,19 @@ def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_sa
     monkeypatch.setattr(safetensors.torch, "save_file",
                         lambda shard, path, **kw: events.append(("save", set(shard))) or save(shard, path, **kw))
     monkeypatch.setattr(zerotrain.models.hf, "DEFAULT_MAX_SHARD_SIZE", 20_000)  # bytes: several shards
+    gather = deepspeed.zero.GatheredParameters
+    monkeypatch.setattr(deepspeed.zero, "GatheredParameters",
+                        lambda params, **kw: events.append(("gather", len(params))) or gather(params, **kw))
     tmp_path, tok = files
-    cfg = config(tmp_path, tok, model, steps=2, zero_stage=3)
+    cfg = config(tmp_path, tok, model, steps=2, zero_stage=3, deepspeed_config=str(unkept(tmp_path)))
     cfg.checkpoint.every_steps, cfg.data.val_path = 0, None
     result = fit(CausalLMTask(cfg))
 
+    events = events[next(i for i, (kind, _) in enumerate(events) if kind == "read"):]  # the export's
+    # Every tensor read was gathered on its own: the weights are all partitioned here
+    gathers = [n for kind, n in events if kind == "gather"]
+    assert gathers and set(gathers) == {1} and len(gathers) == sum(kind == "read" for kind, _ in events)
+    events = [e for e in events if e[0] != "gather"]
     saves = [i for i, (kind, _) in enumerate(events) if kind == "save"]
     assert len(saves) >= 3
     start = 0
@@ -392,12 +409,13 @@ def test_a_zero3_export_reads_the_weights_one_shard_at_a_time_and_writes_what_sa
 
 @pytest.mark.slow  # two ZeRO-3 ranks through `python -m zerotrain`
 def test_a_two_rank_zero3_run_exports_its_model_as_its_last_checkpoint_exports(files):
-    """With two ranks, rank 0 writes the Hugging Face folder while the other rank joins each tensor's gather:
-    the folder holds what ``zerotrain export --format hf`` makes of the last checkpoint (GPT-2: tied weights)."""
+    """With two ranks, rank 0 writes the Hugging Face folder while the other rank joins each tensor's gather (every
+    weight partitioned: a rank that did not join would leave rank 0 in its all-gather): the folder holds what
+    ``zerotrain export --format hf`` makes of the last checkpoint (GPT-2: tied weights)."""
     from transformers import AutoModelForCausalLM
 
     tmp_path, tok = files
-    args = two_rank_zero3_fit(tmp_path, tok, "gpt2", "r", 3)
+    args = two_rank_zero3_fit(tmp_path, tok, "gpt2", "r", 3, "--strategy.deepspeed_config", str(unkept(tmp_path)))
     fitted = zerotrain_cmd(args, cwd=tmp_path)
     assert fitted.returncode == 0, fitted.stderr[-3000:]
     assert "[zerotrain] export: wrote" in fitted.stderr and "gathered whole" not in fitted.stderr  # a shard at a time

@@ -44,7 +44,8 @@ class GatheredStateDict(Mapping):
     A writer that goes through :func:`lazy_tensors` reads each value once, when its shard is written; anything
     that iterates the values (``dict(weights)``) holds them all, as a state dict would. It is read-only.
 
-    ``serve``: where reads are collectives, what the other ranks call with each name rank 0 reads."""
+    ``serve``: where reads are collectives, what the other ranks call with each name whose read rank 0 makes a
+    collective (it asks them: :func:`~zerotrain.runtime.collectives.ask_others`)."""
 
     def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], read: Callable[[str], torch.Tensor],
                  serve: Optional[Callable[[str], Any]] = None):

@@ -194,7 +194,7 @@ def build_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Res
     if s.offload_param != "none":
         zero["offload_param"] = _offload_block(s.offload_param, s.nvme_path, pin)
     if s.zero_stage == 3:
-        # Lets save_16bit_model / the export gather full weights instead of writing empty shards.
+        # Lets DeepSpeed's save_16bit_model (a user's own call on the engine) gather full weights, not empty shards
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     ds["zero_optimization"] = zero
     if s.fast_path:

@@ -644,8 +644,9 @@ def _save_weights_streamed(model: nn.Module, weights: GatheredStateDict, out_dir
     :func:`_saved_keys` cannot say which keys those are."""
     kept = _saved_keys(model, weights.specs)
     if kept is None:
-        logger.info("export: %s saves its weights under other names than it holds them: gathered whole on the "
-                    "host to write them", type(model).__name__)
+        logger.info("export: which tensors save_pretrained writes for %s cannot be told without them (a conversion "
+                    "on save, or a transformers before 5): gathered whole on the host to write them",
+                    type(model).__name__)
         return False
     model.config.dtype = str(getattr(model, "dtype", torch.float32)).split(".")[1]
     model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the class it shards
@@ -669,8 +670,9 @@ def _saved_keys(model: nn.Module, specs: Mapping[str, tuple[torch.Size, torch.dt
         for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
             meta.pop(key, None)
         meta = remove_tied_weights_from_state_dict(meta, model)
-        if set(revert_weight_conversion(model, dict(meta))) != set(meta):
-            return None
+        reverted = revert_weight_conversion(model, dict(meta))
+        if {k: tuple(t.shape) for k, t in reverted.items()} != {k: tuple(t.shape) for k, t in meta.items()}:
+            return None  # renamed, split, fused or padded on save
         return set(meta)
     except Exception:  # noqa: BLE001 - an older transformers, or a conversion meta tensors cannot go through
         return None

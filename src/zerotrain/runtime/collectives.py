@@ -95,7 +95,8 @@ def run_on_main(fn, serve: Optional[Callable[[Any], Any]] = None):
     checks only rank 0 makes, e.g. ``run_on_main(lambda: rundir.check_writable(tr.output_dir))``.
     ``serve``: for an ``fn`` that needs the other ranks in collectives of its own (gathering a partitioned
     model's weights), the other ranks call ``serve(request)`` for each :func:`ask_others` ``fn`` makes,
-    in order, while they wait. Without torch.distributed, or in a group of one, it is ``fn()``.
+    in order, while they wait (a ``serve`` that raises leaves rank 0 in that collective until its timeout). Without
+    torch.distributed, or in a group of one, it is ``fn()``.
     """
     if not _collectives_needed():
         return fn()

@@ -18,7 +18,7 @@ def zero3_gathered_state_dict(engine: Any) -> GatheredStateDict:
     """The full 16-bit state dict of a ZeRO-3 ``engine``, each tensor gathered from every rank's partition when
     rank 0 reads it, so that the host holds what the writer holds (a shard), not the model, which DeepSpeed's
     ``_zero3_consolidated_16bit_state_dict`` gathers whole. Every rank gets one: rank 0 reads it inside
-    :func:`run_on_main`, whose other ranks call its ``serve`` with each name read, and join that gather.
+    :func:`run_on_main`, whose other ranks call its ``serve`` with each name rank 0 gathers, and join that gather.
 
     Names and tied entries are the module's ``state_dict``'s; a parameter's full shape is ``ds_shape`` (DeepSpeed
     leaves an empty placeholder in ``shape``). Buffers, and the parameters DeepSpeed keeps whole on every rank
