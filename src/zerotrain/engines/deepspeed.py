@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
