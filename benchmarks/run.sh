@@ -245,7 +245,8 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       # states (zerotrain's row only; the peer runs without STATES). ACCUM=k: k micro-batches a step (the host's
       # optimizer step shared by k times the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed, the
       # learning rate warmed up over 2 (1 when STEPS <= 2); LAYERS=n: the same model with n layers instead of 32; PINNED=false:
-      # the host states in pageable memory (no power-of-two blocks). The peer's JSON sets its own pinning.
+      # the host states in pageable memory (no power-of-two blocks). The peer's JSON sets its own pinning. RATIO=r: only the
+      # share r of the optimizer on the host, the rest on the GPU (--strategy.offload_optimizer_ratio).
       # NVME=DIR: ZeRO-Infinity instead, the fp32 master weights, AdamW states and the 16-bit weights swapped to DIR
       # (zerotrain's zero3_nvme row; no peer), the megabytes under DIR in the memory timeline's fourth column.
       MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}
@@ -258,7 +259,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
            --trainer.warmup_steps_excluded $(( STEPS7 > 2 ? 2 : STEPS7 - 1 )) --scheduler.warmup_steps $(( STEPS7 > 2 ? 2 : 1 ))
            --strategy.gradient_accumulation_steps "${ACCUM:-1}" ${PINNED:+--strategy.offload_pin_memory "$PINNED"}
            ${STATES:+--precision.master_weights "$STATES" --precision.optimizer_states "$STATES"}
-           ${NVME:+--strategy.nvme_path "$NVME"})
+           ${NVME:+--strategy.nvme_path "$NVME"} ${RATIO:+--strategy.offload_optimizer_ratio "$RATIO"})
       ( while sleep 5; do echo "$SECONDS $(free -g | awk '/Mem:/{print $3}') $(nvidia-smi --query-gpu=memory.used \
           --format=csv,noheader,nounits | head -n 1) $(du -sm "${NVME:-/nonexistent}" 2>/dev/null | cut -f1)"
         done > "$OUT/offload_7b_host125/memory_timeline.txt" ) &
@@ -266,7 +267,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       z benchmark causal-lm --strategies "$([ -n "${NVME:-}" ] && echo zero3_nvme || echo zero3_offload_optimizer)" \
         --predict false --out "$OUT/offload_7b_host125/zerotrain" "${L7H[@]}" > "$OUT/offload_7b_host125/zerotrain.log" 2>&1
       echo "zerotrain rc=$?"
-      if [ -z "${STATES:-}${NVME:-}" ]; then
+      if [ -z "${STATES:-}${NVME:-}${RATIO:-}" ]; then
         python3 benchmarks/hf_trainer.py --recipe causal-lm --out "$OUT/offload_7b_host125/hf_trainer.json" --warmup 1 \
           --trainer_args '{"gradient_checkpointing": true}' -- "${L7H[@]}" --trainer.max_steps 4 \
           --strategy.deepspeed_config "${PEER_JSON:-benchmarks/ds_zero3_offload_auto.json}" \

@@ -95,6 +95,11 @@ CASES = [
     Case("offload-param-stage-2", "flag", "fit toy $FIT --strategy.offload_param cpu --strategy.zero_stage 2"),
     Case("offload-optimizer-stage-0", "flag", "fit toy $FIT --strategy.offload_optimizer cpu"),
     Case("nvme-without-path", "flag", "fit toy $FIT --strategy.zero_stage 3 --strategy.offload_optimizer nvme"),
+    Case("offload-ratio-above-1", "flag", "fit toy $FIT --strategy.offload_optimizer_ratio 1.5"),
+    Case("offload-ratio-stage-2", "flag",
+         "fit toy $FIT --strategy.zero_stage 2 --strategy.offload_optimizer cpu --strategy.offload_optimizer_ratio 0.5"),
+    Case("offload-ratio-with-adam", "flag", "fit toy $FIT --strategy.zero_stage 3 --strategy.offload_optimizer cpu "
+         "--strategy.offload_optimizer_ratio 0.5 --optimizer.name adam"),
     Case("bf16-states-without-bf16-master", "flag", "fit toy $FIT --strategy.zero_stage 2 --precision.dtype bf16 "
          "--precision.optimizer_states bf16"),
     Case("bf16-master-at-stage-0", "flag", "fit toy $FIT --precision.dtype bf16 --precision.master_weights bf16 "
@@ -211,6 +216,7 @@ CASES = [
     Case("json-refused-while-building", "ds-json",  # after the model's build line: DeepSpeed checks it with the model
          "fit toy $FIT --strategy.deepspeed_config {tmp}/zenflow_interval.json", shows="zerotrain fit: error: "),
     Case("json-super-offload", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/super_offload.json"),
+    Case("json-ratio-on-nvme", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/ratio_nvme.json"),
     Case("json-bf16-master-on-nvme", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/bf16_master_nvme.json"),
     Case("json-yaml-body", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/yaml_body.json"),
     Case("json-flag-conflict-lr", "ds-json", "fit toy $FIT --optimizer.lr 0.5 --strategy.deepspeed_config {tmp}/lr.json"),
@@ -432,6 +438,8 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
         "zenflow_top.json": {"zenflow": {"topk_ratio": 0.1}},
         "super_offload.json": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
                                                                                         "super_offload": True}}},
+        "ratio_nvme.json": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "ratio": 0.5,
+                                                                                    "nvme_path": "/tmp"}}},
         "bf16_master_nvme.json": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
                                   "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
                                                                                           "nvme_path": "/tmp"}}},

@@ -742,3 +742,28 @@ def test_a_users_nvme_weight_buffer_under_the_largest_parameter_is_refused_in_on
         f"--strategy.deepspeed_config {small} zero_optimization.offload_param.buffer_size is 100000000, under a "
         "rank's share of the model's largest parameter (131,072,000 elements), which DeepSpeed swaps through one "
         "buffer: set it to 131072000 or more, or remove it")
+
+
+def test_a_share_of_the_optimizer_on_the_gpu_is_deepspeeds_ratio_in_sub_groups_of_1e8():
+    from zerotrain.config.ds_config import GPU_SHARE_SUB_GROUP
+
+    cfg = make_cfg(zero_stage=3, offload_optimizer="cpu", offload_optimizer_ratio=0.6)
+    zero = build_ds_config(cfg, 1, "cuda", "bf16")["zero_optimization"]
+    assert zero["offload_optimizer"]["ratio"] == 0.6 and zero["sub_group_size"] == GPU_SHARE_SUB_GROUP == 10**8
+    whole = build_ds_config(make_cfg(zero_stage=3, offload_optimizer="cpu"), 1, "cuda", "bf16")["zero_optimization"]
+    assert "ratio" not in whole["offload_optimizer"] and "sub_group_size" not in whole
+
+
+def test_a_users_file_that_splits_the_optimizer_is_recorded_with_its_ratio(tmp_path):
+    from zerotrain.config.ds_config import reflect_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}))
+    cfg = make_cfg(deepspeed_config=str(path))
+    ds = make_ds_config(cfg, 1, "cuda", "bf16")
+    assert ds["zero_optimization"]["offload_optimizer"]["ratio"] == 0.3
+    reflect_ds_config(cfg, ds, "bf16")
+    assert (cfg.strategy.zero_stage, cfg.strategy.offload_optimizer, cfg.strategy.offload_optimizer_ratio) == (3, "cpu", 0.3)
+    flagged = make_cfg(deepspeed_config=str(path), offload_optimizer_ratio=0.5)
+    with pytest.raises(ConfigError, match="--strategy.offload_optimizer_ratio.*0.3"):
+        make_ds_config(flagged, 1, "cuda", "bf16")

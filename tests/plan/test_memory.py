@@ -521,3 +521,46 @@ def test_the_other_recipes_say_how_they_build_under_zero3():
     assert (MLMTask(own).builds_partitioned(), MLMTask(hf_mlm).builds_partitioned()) == (False, True)
     assert ClassifyTask(ClassifyConfig()).builds_partitioned() is True
     assert ToyTask(ToyConfig()).builds_partitioned() is False  # the default: counted whole, the safe side
+
+
+def test_zero3_keeps_the_first_sub_groups_of_a_shared_optimizer_on_the_gpu():
+    """``offload_optimizer.ratio`` 0.5 of three sub-groups keeps int(0.5 x 3) = 1 on the GPU: its fp32 master weights,
+    gradients and Adam's two moments (16 bytes a parameter) and the scratch of the GPU's AdamW step (one sub-group
+    in fp32) move there; the flat bf16 gradient partition stays whole on the host."""
+    from zerotrain.engines.states import Buckets as B
+
+    c = ParamCounts(total=3000, trainable=3000, largest_layer=100, total_bytes=6000, trainable_bytes=6000)
+    strategy = STRATEGIES["zero3_offload_optimizer"]
+    whole = model_state_memory(c, strategy, 1, "bf16", B(10, sub_group_size=1000))
+    shared = model_state_memory(c, strategy, 1, "bf16", B(10, sub_group_size=1000, optimizer_on_host=0.5))
+    assert whole.cpu_bytes - shared.cpu_bytes == 16 * 1000
+    assert shared.gpu_bytes - whole.gpu_bytes == 16 * 1000 + 4 * 1000
+    assert shared.cpu_bytes == (4 + 4 + 8) * 2000 + 2 * 3000
+    on_gpu = model_state_memory(c, strategy, 1, "bf16", B(10, sub_group_size=1000, optimizer_on_host=0.0))
+    assert on_gpu.cpu_bytes == 2 * 3000 and on_gpu.gpu_bytes - whole.gpu_bytes == 16 * 3000 + 4 * 1000
+    zero3 = {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.25}}
+    assert B.from_ds_config({"zero_optimization": zero3}).optimizer_on_host == 0.25
+    for other in ({**zero3, "stage": 2}, {**zero3, "offload_optimizer": {"device": "nvme", "ratio": 0.25}}):
+        assert B.from_ds_config({"zero_optimization": other}).optimizer_on_host == 1.0  # DeepSpeed splits neither
+
+
+def test_estimate_proposes_part_of_the_optimizer_on_the_gpu_where_nothing_else_fits():
+    """A 1.1B toy on a 16 GiB GPU and a 16 GiB host: ZeRO-3 keeps too much on the GPU, its optimizer offload too much
+    on the host (24.8 GiB), pinned or not. With part of the optimizer on the GPU it fits: the report lists the shares
+    and gives the flags of the lowest, whose states fit both sides; a share the user set is not searched again."""
+    from zerotrain.config.flags import parse_config
+    from zerotrain.plan.estimate import estimate, format_report
+
+    cfg = parse_config("toy", ["--model.width", str(2**26)])
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=16)
+    assert report.pick is None and report.unpinned is None
+    shares = [share for share, _, _ in report.shared]
+    assert shares == [0.4, 0.35]
+    share, _, row = report.shared[-1]
+    assert row.name == "zero3_offload_optimizer" and row.fits
+    assert row.memory.gpu_bytes < 16 * GIB and row.memory.cpu_bytes + 6 * GIB < 16 * GIB
+    assert "--strategy.offload_optimizer_ratio 0.35" in format_report(report).splitlines()[-1]
+    set_by_user = parse_config("toy", ["--model.width", str(2**26), "--strategy.zero_stage", "3",
+                                       "--strategy.offload_optimizer", "cpu", "--strategy.offload_optimizer_ratio", "0.9"])
+    again = estimate("toy", set_by_user, gpu_memory_gib=16, host_memory_gib=16)
+    assert again.shared == [] and "Nothing fits:" in format_report(again)

@@ -655,3 +655,29 @@ def test_the_speed_model_ranks_the_engines_as_bert_base_measured_on_one_h100():
     split = {s: step_time(STRATEGIES[s], 8, 4, False, counts, probe, 1, 1, autocast=False).total
              for s in ("zero3", "fsdp2", "fsdp2_no_reshard")}
     assert split["fsdp2_no_reshard"] < split["fsdp2"] < split["zero3"]
+
+
+def test_the_planner_tries_part_of_the_optimizer_on_the_gpu_and_ranks_the_lower_host_share_faster():
+    """Where nothing fits with the optimizer all on the host, ZeRO-3's optimizer offload comes back at each share of
+    it on the host, pinned and unpinned; a candidate's flags and config carry its share, and a lower share is
+    predicted to step faster (less of the optimizer on the host's Adam). A share the config sets, or an optimizer
+    other than AdamW, adds none."""
+    from zerotrain.plan.planner import shared
+    from zerotrain.plan.strategies import HOST_SHARES
+
+    cfg = parse_config("toy", ["--model.width", str(2**26), "--trainer.micro_batch_size", "2", "--trainer.max_steps", "1"])
+    probe = fake_probe(gpu_total=16 * GIB)
+    cands = candidates(cfg, "cuda")
+    again = shared(cands, cfg)
+    base = [c for c in cands if c.strategy == "zero3_offload_optimizer"]
+    assert len(again) == 2 * len(base) * len(HOST_SHARES) and {c.strategy for c in again} == {"zero3_offload_optimizer"}
+    one = next(c for c in again if c.host_share == 0.5 and not c.unpinned)
+    assert one.flags()[-2:] == ["--strategy.offload_optimizer_ratio", "0.5"] and "host share 0.5" in one.label
+    assert one.apply(cfg).strategy.offload_optimizer_ratio == 0.5
+    rows = {(r.candidate.host_share, r.candidate.micro_batch_size, r.candidate.checkpointing): r
+            for r in assess("toy", cfg, probe, [c for c in again if not c.unpinned], 16 * GIB)}
+    assert rows[(0.3, 2, False)].time.optimizer < rows[(0.8, 2, False)].time.optimizer
+    assert rows[(0.3, 2, False)].memory.gpu_bytes > rows[(0.8, 2, False)].memory.gpu_bytes
+    assert rows[(0.3, 2, False)].to_dict(2)["offload_optimizer_ratio"] == 0.3
+    assert shared(cands, parse_config("toy", ["--optimizer.name", "adam"])) == []
+    assert shared(cands, one.apply(cfg)) == []

@@ -102,6 +102,8 @@ class StrategyConfig:
     """ZeRO stage: 0 (off), 1 (optimizer states), 2 (+gradients), 3 (+parameters) partitioned across data-parallel ranks."""
     offload_optimizer: OffloadDevice = "none"
     """Keep optimizer states (and run the optimizer step) on cpu or nvme. Needs zero_stage >= 1 (nvme: stage 3)."""
+    offload_optimizer_ratio: float = 1.0
+    """With offload_optimizer cpu at zero_stage 3: the share of the optimizer kept on the host (its fp32 master weights, their gradients and its states, and their update); the rest stays on the GPU and steps there. Below 1 it trains models whose optimizer outgrows the host, in the GPU memory the weights and activations leave (DeepSpeed's offload_optimizer.ratio, counted in sub-groups of the optimizer; `zerotrain estimate` proposes a value where nothing else fits). Needs --optimizer.name adamw."""
     offload_param: OffloadDevice = "none"
     """Keep parameters on cpu or nvme between uses. Needs zero_stage 3."""
     nvme_path: Optional[str] = None
@@ -179,6 +181,14 @@ class StrategyConfig:
                 "--strategy.offload_optimizer",
                 "optimizer offload needs ZeRO stage 1, 2 or 3. Set --strategy.zero_stage",
             )
+        if not 0.0 <= self.offload_optimizer_ratio <= 1.0:
+            raise ConfigError("--strategy.offload_optimizer_ratio",
+                              f"must be in [0, 1] (the optimizer's share on the host), got {self.offload_optimizer_ratio}")
+        if self.offload_optimizer_ratio < 1.0 and (self.zero_stage != 3 or self.offload_optimizer != "cpu"):
+            raise ConfigError("--strategy.offload_optimizer_ratio",
+                              f"{self.offload_optimizer_ratio} splits the optimizer between the host and the GPU, which "
+                              "DeepSpeed does at ZeRO-3 with the optimizer on the cpu only: pass --strategy.zero_stage 3 "
+                              "--strategy.offload_optimizer cpu, or leave the ratio at 1")
         if "nvme" in (self.offload_optimizer, self.offload_param):
             if not self.nvme_path:
                 raise ConfigError("--strategy.nvme_path", "is required when an offload device is nvme")
@@ -546,6 +556,11 @@ def check_across_sections(cfg: "RunConfig") -> None:
     if cfg.precision.dtype == "fp16" and st.backend == "deepspeed" and cfg.precision.initial_scale_power < 0:
         raise ConfigError("--precision.initial_scale_power", "must be >= 0")
     check_state_precision(cfg)
+    if st.offload_optimizer_ratio < 1.0 and cfg.optimizer.name != "adamw":
+        # DeepSpeed steps the GPU's share with torch's AdamW whatever the host's optimizer is
+        raise ConfigError("--strategy.offload_optimizer_ratio", f"{st.offload_optimizer_ratio} keeps part of the "
+                          "optimizer on the GPU, which DeepSpeed steps with AdamW there, and --optimizer.name is "
+                          f"{cfg.optimizer.name}: pass --optimizer.name adamw, or leave the ratio at 1")
     if ck.resume == "auto" and not tr.run_name:
         raise ConfigError("--checkpoint.resume", "auto continues the run named by --trainer.run_name, and none is "
                           "given: pass --trainer.run_name NAME (the folder name under --trainer.output_dir)")

@@ -25,6 +25,7 @@ from zerotrain.engines.ds_private.engine import (
     replay_cpu_adam_steps,
     zero3_gathered_state_dict,
 )
+from zerotrain.engines.ds_private.gpu_share import follow_schedule, gpu_masters, lent_for_save, take_loaded_states
 from zerotrain.engines.ds_private.patches import Applied, apply_patches
 from zerotrain.engines.ds_private.safe_load import ds_safe_globals
 from zerotrain.engines.ds_private.universal import loading_universal
@@ -111,6 +112,9 @@ class DeepSpeedEngine(Engine):
                 _compile(self.ds.module, cfg, device)
         self._clip = clip
         self._params = params
+        # Part of ZeRO-3's optimizer on the GPU (offload_optimizer.ratio): DeepSpeed's second optimizer there
+        # follows the schedule, and its moments are checkpointed, only through zerotrain (ds_private.gpu_share)
+        self._gpu_share = bool(gpu_masters(self.ds.optimizer))
         if clip is not None and self.world_size == 1:
             # One rank has nothing to average, yet stage 0 still flattens every gradient, all-reduces
             # it with itself and copies it back. DeepSpeed sets this same switch without a process group.
@@ -163,6 +167,8 @@ class DeepSpeedEngine(Engine):
         if self._clip is not None:
             # The global norm stays a device tensor until a log step reads it.
             self._norm = torch.nn.utils.clip_grad_norm_(self._params, self._clip or float("inf"))
+        if self._gpu_share:
+            follow_schedule(self.ds.optimizer)
         self.ds.step()
 
     def lr(self) -> float:
@@ -182,7 +188,8 @@ class DeepSpeedEngine(Engine):
 
     def save(self, folder: Path) -> None:
         # save_latest=False: zerotrain marks complete checkpoints itself (see checkpoint.py).
-        self.ds.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
+        with lent_for_save(self.ds.optimizer) if self._gpu_share else contextlib.nullcontext():
+            self.ds.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
 
     def load(self, folder: Path) -> None:
         # DeepSpeed's checkpoint engine calls torch.load(weights_only=False): a crafted file in the
@@ -204,6 +211,13 @@ class DeepSpeedEngine(Engine):
             del ckpt_engine.load  # the class's own method again
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {folder}")
+        self._loaded()
+
+    def _loaded(self) -> None:
+        """What DeepSpeed's ``load_checkpoint`` leaves to do: the GPU share's moments to its optimizer, the host
+        Adam's step counter to the loaded step."""
+        if self._gpu_share:
+            take_loaded_states(self.ds.optimizer)
         replay_cpu_adam_steps(self.ds.basic_optimizer)
 
     def load_resharded(self, folder: Path, saved_world_size: int, verify: bool = True) -> None:
@@ -272,7 +286,7 @@ class DeepSpeedEngine(Engine):
                                               load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise UserError(f"--checkpoint.resume: DeepSpeed found no checkpoint in {universal}")
-        replay_cpu_adam_steps(self.ds.basic_optimizer)
+        self._loaded()
 
     def consolidated_state_dict(self) -> Optional[Mapping[str, torch.Tensor]]:
         if self.ds.zero_optimization_partition_weights():

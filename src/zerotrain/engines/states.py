@@ -106,11 +106,14 @@ class Strategy:
 
     def apply(self, cfg: "RunConfig") -> "RunConfig":
         """A copy of ``cfg`` running this strategy, offloads included (a user's --strategy.offload_param
-        does not carry over to ZeRO-1)."""
+        does not carry over to ZeRO-1, nor an --strategy.offload_optimizer_ratio to a layout that cannot split
+        the optimizer)."""
         cfg = copy.deepcopy(cfg)
         s = cfg.strategy
         s.backend, s.zero_stage = self.backend, self.zero_stage
         s.offload_optimizer, s.offload_param = self.offload_optimizer, self.offload_param
+        if not (self.backend == "deepspeed" and self.zero_stage == 3 and self.offload_optimizer == "cpu"):
+            s.offload_optimizer_ratio = 1.0
         if self.backend == "fsdp2":
             s.reshard_after_forward = self.reshard_after_forward
         return cfg
@@ -193,6 +196,9 @@ class Buckets:
     grad_accum_element: Optional[int] = None
     """Bytes of an element of ZeRO-3's flat gradient partition: ``data_types.grad_accum_dtype`` where a JSON sets
     it, else (None) the weights' dtype, DeepSpeed's default."""
+    optimizer_on_host: float = 1.0
+    """ZeRO-3 with the optimizer on the cpu: ``offload_optimizer.ratio``, the share of its sub-groups kept on the
+    host; the first ``int((1 - ratio) x sub-groups)`` stay on the GPU (DeepSpeed 0.19's ``subgroup_to_device``)."""
 
     @classmethod
     def for_fsdp2(cls, cfg: "RunConfig", device: str) -> "Buckets":
@@ -215,12 +221,14 @@ class Buckets:
         data_types = ds.get("data_types")
         accum = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
         accum_element = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2}.get(str(accum).lower())
+        shared = zero.get("stage", 0) == 3 and offload.get("device") == "cpu"
         return cls(int(zero.get("reduce_bucket_size", cls.reduce_bucket_size)), bool(zero.get("overlap_comm", False)),
                    bool(zero.get("contiguous_gradients", True)) or offloaded, bool(offload.get("pin_memory", False)),
                    int(zero.get("sub_group_size", cls.sub_group_size)),
                    int(offload.get("buffer_count", cls.optimizer_swap_buffers)),
                    int(params.get("buffer_count", cls.param_swap_buffers)),
-                   int(params.get("buffer_size", cls.param_swap_buffer_size)), master, state, accum_element)
+                   int(params.get("buffer_size", cls.param_swap_buffer_size)), master, state, accum_element,
+                   float(offload.get("ratio", 1.0)) if shared else 1.0)
 
 
 def pinned(nbytes: float) -> float:
@@ -313,7 +321,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     if stage == 3:
         weights /= n
         gathered = 2 * element * counts.largest_layer
-    cpu = nvme = 0.0
+    cpu = nvme = gpu_share = 0.0
     if strategy.offload_optimizer == "nvme":
         # ZeRO-3 swaps the fp32 master weights, gradients and the optimizer's states (Adam: 16 bytes a parameter,
         # an upper bound) to disk, one sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's
@@ -330,8 +338,10 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
             cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states,
                                         master, buckets.state_element)
         else:
-            cpu += _offloaded_sub_groups(counts.trainable / n, buckets.grad_accum_element or element, master,
-                                         buckets, optimizer_states)
+            host, on_gpu = _offloaded_sub_groups(counts.trainable / n, buckets.grad_accum_element or element, master,
+                                                 buckets, optimizer_states)
+            cpu += host
+            gpu_share = on_gpu
             grads = 0  # the gradient partition lives on the host with the optimizer (DeepSpeed's self.device)
         optim = 0
         if stage in (1, 2) and grad_accum > 1:
@@ -362,7 +372,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     # At start-up ZeRO-1/2 copy the trainable weights (in their dtype) into one flat buffer while the parameters
     # still hold them.
     flat = element * counts.trainable if stage in (1, 2) and not autocast else 0
-    return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket + staging), cpu_bytes=int(cpu),
+    return StateMemory(gpu_bytes=int(weights + grads + optim + gathered + bucket + staging + gpu_share),
+                       cpu_bytes=int(cpu),
                        grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket),
                        init_bytes=int(weights + flat) if flat else 0,
                        cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none", nvme_bytes=int(nvme))
@@ -382,8 +393,9 @@ def _offloaded_partition(partition: float, element: int, pin: bool, states: int 
 
 
 def _offloaded_sub_groups(partition: float, flat_element: int, master: int, buckets: Buckets,
-                          states: int = ADAM_STATES) -> float:
-    """Host bytes of one ZeRO-3 optimizer-offload partition of ``partition`` parameters (DeepSpeed 0.19's ``stage3.py``):
+                          states: int = ADAM_STATES) -> tuple[float, float]:
+    """(host, GPU) bytes of one ZeRO-3 optimizer-offload partition of ``partition`` parameters (DeepSpeed 0.19's
+    ``stage3.py``). On the host:
     - the master weights (``fp32_partitioned_groups_flat``, ``master`` bytes an element), not pinned;
     - their gradients, one block per sub-group of ``sub_group_size`` elements, each pinned when the offload pins;
     - the flat gradient partition that the reduced gradients land in (``grad_partitions_flat_buffer``,
@@ -393,11 +405,20 @@ def _offloaded_sub_groups(partition: float, flat_element: int, master: int, buck
     Pinned blocks round up to a power of two, and sub-groups round each on their own. Measured on one H100 host with
     6.74B parameters: pinned with fp32 states, 74 GiB in use on the machine before the first step (this model: 69.1
     of states), and the first step's moments took the host past its 125 GiB (119.3); with bf16 master weights and
-    states, an RSS peak of 69.9 GiB (67.6 of states)."""
+    states, an RSS peak of 69.9 GiB (67.6 of states).
+
+    With ``buckets.optimizer_on_host`` below 1, the first sub-groups' master weights, gradients and states are on the
+    GPU instead (the sub-groups taken as equal), and its AdamW step there (torch's, ``foreach``) allocates one
+    square-root buffer of a sub-group's size; the flat gradient partition stays whole on the host."""
     held = pinned if buckets.pin_memory else float
     groups = max(1, math.ceil(partition / buckets.sub_group_size))
-    grads = groups * held(master * partition / groups)
-    return master * partition + grads + held(flat_element * partition) + buckets.state_element * states * partition
+    on_gpu = int((1 - buckets.optimizer_on_host) * groups)
+    gpu_part = partition * on_gpu / groups
+    host_part, host_groups = partition - gpu_part, groups - on_gpu
+    grads = host_groups * held(master * host_part / host_groups) if host_groups else 0.0
+    host = master * host_part + grads + held(flat_element * partition) + buckets.state_element * states * host_part
+    scratch = master * partition / groups if on_gpu else 0.0
+    return host, (2 * master + buckets.state_element * states) * gpu_part + scratch
 
 
 def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, precision: str,

@@ -44,7 +44,7 @@ from zerotrain.plan.memory import (
     step_peak,
 )
 from zerotrain.plan.activations import Activations, activation_bytes
-from zerotrain.plan.strategies import STRATEGIES, Strategy, available
+from zerotrain.plan.strategies import HOST_SHARES, STRATEGIES, Strategy, available
 from zerotrain.tasks import registry as recipes
 
 if TYPE_CHECKING:
@@ -72,6 +72,10 @@ class EstimateReport:
     """Rows beyond :data:`~zerotrain.plan.strategies.STRATEGIES`: the configured NVMe offload, by row name."""
     unpinned: Optional[PlanRow] = None
     """When nothing fits with the offloads pinned (the default on GPUs): the first that fits unpinned."""
+    shared: list[tuple[float, bool, PlanRow]] = field(default_factory=list)
+    """When nothing fits pinned or unpinned: each share of ZeRO-3's offloaded optimizer on the host
+    (``--strategy.offload_optimizer_ratio``, :data:`~zerotrain.plan.strategies.HOST_SHARES`) at which it fits, with
+    whether unpinned, and its row."""
     modelled: Optional[Activations] = None
     """Without a probe, for a recipe that reports its transformer's shape: the activations its config implies."""
     modelled_gpu_bytes: Optional[dict[str, float]] = None
@@ -206,12 +210,24 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         cfg.strategy.offload_pin_memory = False
         unpinned = estimate(recipe, cfg, gpu / GIB, host / GIB, reserve_gib, probe)
         alternative = next((row for row in unpinned.rows if row.fits), None)
+    shared = []
+    if (gpu is not None and device == "cuda" and alternative is None and not any(r.fits for r in rows)
+            and s.offload_optimizer_ratio == 1.0 and not s.deepspeed_config and cfg.optimizer.name == "adamw"
+            and "zero3_offload_optimizer" in candidates):
+        split = STRATEGIES["zero3_offload_optimizer"].apply(cfg)
+        for share in HOST_SHARES:
+            split.strategy.offload_optimizer_ratio = share
+            report = estimate(recipe, split, gpu / GIB, host / GIB, reserve_gib, probe)
+            row = next(row for row in report.rows if row.name == "zero3_offload_optimizer")
+            loose = report.unpinned if report.unpinned and report.unpinned.name == row.name else None
+            if row.fits or loose:
+                shared.append((share, not row.fits, row if row.fits else loose))
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
                           activation_checkpointing=cfg.activation_checkpointing.enabled,
                           configured={k: v for k, v in strategies.items() if k not in STRATEGIES},
-                          unpinned=alternative, modelled=modelled, modelled_gpu_bytes=modelled_gpu,
+                          unpinned=alternative, shared=shared, modelled=modelled, modelled_gpu_bytes=modelled_gpu,
                           nvme_path=s.nvme_path, disk_free_bytes=disk)
 
 
@@ -280,6 +296,18 @@ def format_report(report: EstimateReport) -> str:
         lines.append(f"Nothing fits pinned. Unpinned, {alt.name} fits ({alt.memory.cpu_bytes / GIB:.2f} GiB on the host, "
                      f"per process, slower host-GPU copies)   ->   zerotrain fit {report.recipe} ... "
                      f"{' '.join({**STRATEGIES, **report.configured}[alt.name].flags())} --strategy.offload_pin_memory false")
+    elif pick is None and report.shared:
+        # The least on the host steps fastest (the GPU's Adam); the most leaves the GPU the most room
+        share, loose, row = report.shared[-1]
+        shares = [f"{s:g}" for s, _, _ in report.shared]
+        unpin = " --strategy.offload_pin_memory false" if loose else ""
+        lines.append(f"Nothing fits with the optimizer all on the host. With part of it on the GPU, zero3_offload_optimizer "
+                     f"fits at --strategy.offload_optimizer_ratio {', '.join(shares)} (its share on the host; the "
+                     f"lowest steps fastest, the highest leaves the GPU the most room). At {share:g}: "
+                     f"{row.memory.gpu_bytes / GIB:.2f} GiB of states per GPU, {row.memory.cpu_bytes / GIB:.2f} GiB on "
+                     f"the host per process   ->   zerotrain fit {report.recipe} ... "
+                     f"{' '.join(STRATEGIES['zero3_offload_optimizer'].flags())} --strategy.offload_optimizer_ratio "
+                     f"{share:g}{unpin}")
     elif pick is None:
         disk = ("" if report.nvme_path else "put the weights and optimizer states on a fast local disk "
                 "(--strategy.nvme_path DIR adds the zero3_nvme row), ")

@@ -53,7 +53,7 @@ from zerotrain.plan.benchmark import run_one
 from zerotrain.plan.memory import GIB, MemoryPrediction, fits, predict
 from zerotrain.plan.probe import Probe, run_probe
 from zerotrain.plan.speed import StepTime, step_time
-from zerotrain.plan.strategies import STRATEGIES, available
+from zerotrain.plan.strategies import HOST_SHARES, STRATEGIES, available
 from zerotrain.runtime.rundir import commit, environment, write_json
 from zerotrain.tasks import registry as recipes
 
@@ -80,17 +80,22 @@ class Candidate:
     unpinned: bool = False
     """An offload whose host states are not pinned (``--strategy.offload_pin_memory false``): tried only when
     no pinned candidate fits, as pinned copies are faster but pinned blocks round up to powers of two."""
+    host_share: float = 1.0
+    """ZeRO-3's optimizer offload with only this share on the host, the rest on the GPU
+    (``--strategy.offload_optimizer_ratio``): tried only when nothing fits with all of it on the host."""
 
     def flags(self) -> list[str]:
         return [*STRATEGIES[self.strategy].flags(), "--trainer.micro_batch_size", str(self.micro_batch_size),
                 "--strategy.gradient_accumulation_steps", str(self.grad_accum),
                 "--activation_checkpointing.enabled", str(self.checkpointing).lower(),
-                *(["--strategy.offload_pin_memory", "false"] if self.unpinned else [])]
+                *(["--strategy.offload_pin_memory", "false"] if self.unpinned else []),
+                *(["--strategy.offload_optimizer_ratio", f"{self.host_share:g}"] if self.host_share < 1 else [])]
 
     @property
     def label(self) -> str:
         return (f"{self.strategy} micro {self.micro_batch_size} x {self.grad_accum}"
-                + (" +ckpt" if self.checkpointing else "") + (" unpinned" if self.unpinned else ""))
+                + (" +ckpt" if self.checkpointing else "") + (" unpinned" if self.unpinned else "")
+                + (f" host share {self.host_share:g}" if self.host_share < 1 else ""))
 
     def apply(self, cfg: RunConfig) -> RunConfig:
         """A copy of ``cfg`` set to this candidate."""
@@ -100,6 +105,8 @@ class Candidate:
         s.auto = False
         if self.unpinned:
             s.offload_pin_memory = False
+        if self.host_share < 1:
+            s.offload_optimizer_ratio = self.host_share
         cfg.trainer.micro_batch_size = self.micro_batch_size
         return cfg
 
@@ -119,7 +126,8 @@ class Row:
                 "family": STRATEGIES[self.candidate.strategy].family,
                 "micro_batch_size": self.candidate.micro_batch_size, "grad_accum": self.candidate.grad_accum,
                 "activation_checkpointing": self.candidate.checkpointing,
-                "offload_pin_memory": False if self.candidate.unpinned else None, **self.memory.as_row(),
+                "offload_pin_memory": False if self.candidate.unpinned else None,
+                "offload_optimizer_ratio": self.candidate.host_share, **self.memory.as_row(),
                 "predicted_step_s": self.time.total, "predicted_samples_per_s": global_batch / self.time.total,
                 "predicted_step_parts_s": {"compute": self.time.compute, "optimizer": self.time.optimizer,
                                            "communication": self.time.communication,
@@ -166,6 +174,17 @@ def unpinned(cands: list[Candidate], cfg: RunConfig) -> list[Candidate]:
     return [dataclasses.replace(c, unpinned=True) for c in cands if STRATEGIES[c.strategy].offload_optimizer == "cpu"]
 
 
+def shared(cands: list[Candidate], cfg: RunConfig) -> list[Candidate]:
+    """ZeRO-3's optimizer-offload candidates again at each :data:`HOST_SHARES` of the optimizer on the host (the rest
+    on the GPU), pinned and unpinned as :func:`unpinned` allows, unless the config sets the share itself or trains
+    with an optimizer other than AdamW (which DeepSpeed's GPU share runs)."""
+    if cfg.strategy.offload_optimizer_ratio < 1 or cfg.optimizer.name != "adamw":
+        return []
+    base = [c for c in cands if c.strategy == "zero3_offload_optimizer"]
+    base += unpinned(base, cfg)
+    return [dataclasses.replace(c, host_share=share) for c in base for share in HOST_SHARES]
+
+
 def _meta_counts(recipe: str, cfg: RunConfig):
     with torch.device("meta"):
         model = recipes.get(recipe)(cfg).build_model(pretrained=False)
@@ -207,7 +226,7 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
         run_mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
                           buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export, optimizer_states=states)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
-                         cfg.launch.nnodes, autocast, pinned=not cand.unpinned)
+                         cfg.launch.nnodes, autocast, pinned=not cand.unpinned, host_share=buckets.optimizer_on_host)
         dropped = fits(run_mem, probe, host_bytes, cfg.launch.nproc_per_node)
         if dropped is None and cand.checkpointing and not saves:
             dropped = "activation checkpointing saves no memory for this model (probe)"
@@ -311,6 +330,9 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     rows = assess(recipe, checked, probe, cands, host)
     retry = unpinned(cands, cfg) if all(r.dropped for r in rows) and probe.device == "cuda" else []
     if retry:  # unpinned, an offload's host states take their bytes, not power-of-two blocks
+        rows += assess(recipe, checked, probe, retry, host)
+    retry = shared(cands, cfg) if all(r.dropped for r in rows) and probe.device == "cuda" else []
+    if retry:  # part of the optimizer in the GPU memory the weights and activations leave
         rows += assess(recipe, checked, probe, retry, host)
     if all(r.dropped for r in rows):
         raise _nothing_fits(rows, cfg)

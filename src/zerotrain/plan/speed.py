@@ -107,9 +107,11 @@ class StepTime:
 
 
 def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkpointing: bool, counts: ParamCounts,
-              probe: Probe, world_size: int, nnodes: int, autocast: bool, pinned: bool = True) -> StepTime:
+              probe: Probe, world_size: int, nnodes: int, autocast: bool, pinned: bool = True,
+              host_share: float = 1.0) -> StepTime:
     """Predicted seconds of one optimizer step (module docstring); ``pinned`` False: the offloaded states sit in
-    pageable memory (``--strategy.offload_pin_memory false``)."""
+    pageable memory (``--strategy.offload_pin_memory false``); ``host_share``: the offloaded optimizer's share on the
+    host (``--strategy.offload_optimizer_ratio``), the rest stepping on the GPU at the probe's optimizer speed."""
     if strategy.backend == "fsdp2":
         return _fsdp2_step_time(strategy, micro_batch_size, grad_accum, checkpointing, counts, probe, world_size,
                                 nnodes, pinned)
@@ -124,6 +126,7 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
     if strategy.offload_optimizer != "none":
         moved = (4 + (2 if half else 4)) * counts.trainable * share  # fp32 gradients down, the model's weights up
         optimizer = counts.trainable * share * (n / nnodes) / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
+        optimizer = host_share * optimizer + (1 - host_share) * probe.optimizer_step_s * share
     else:
         optimizer = probe.optimizer_step_s * share
     if strategy.offload_param != "none":

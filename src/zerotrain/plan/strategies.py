@@ -49,6 +49,11 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
+HOST_SHARES = tuple(round(1 - 0.05 * i, 2) for i in range(1, 20))
+"""The shares of ZeRO-3's offloaded optimizer on the host (``--strategy.offload_optimizer_ratio``) that ``zerotrain
+estimate`` and ``zerotrain plan`` try where nothing fits with all of it there, most on the host first."""
+
+
 def offloads(strategy: Strategy) -> bool:
     """Whether ``strategy`` moves anything off the GPU (which needs a GPU to move it from)."""
     return strategy.offload_optimizer != "none" or strategy.offload_param != "none"

@@ -1,0 +1,79 @@
+"""ZeRO-3 with part of the optimizer on the GPU (``offload_optimizer.ratio`` below 1): that part follows the
+learning-rate schedule as the host's part does, and a resumed run takes the uninterrupted run's steps bitwise.
+
+DeepSpeed 0.19.8 steps that part with a second optimizer whose first parameter group it copied when the engine was
+built, and its checkpoint holds only the host optimizer's moments; zerotrain's engine supplies both
+(``zerotrain.engines.ds_private.gpu_share``). Each test below also runs without that piece, to show that its check
+can fail."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+from helpers import LLAMA, WORDS, train_log
+
+from zerotrain.tasks.causal_lm import CausalLMConfig, CausalLMTask
+from zerotrain.train.loop import fit
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+SUB_GROUP = 4_000
+"""Elements of a sub-group: the tiny model's ~25,000 parameters make several, so that a ratio splits them."""
+
+
+def _config(tmp_path: Path, tok: Path, run: str, steps: int, ratio: float) -> CausalLMConfig:
+    (tmp_path / "llama.json").write_text(json.dumps(dict(LLAMA, vocab_size=64)))
+    (tmp_path / "train.txt").write_text(
+        "\n".join(" ".join(WORDS[(i * 7 + j * 3) % 12] for j in range(4 + i % 5)) for i in range(48)) + "\n")
+    ds = tmp_path / f"zero3_ratio_{ratio}.json"
+    ds.write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}, "sub_group_size": SUB_GROUP,
+        "stage3_param_persistence_threshold": 0}}))
+    cfg = CausalLMConfig()
+    cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / "llama.json"), str(tok)
+    cfg.data.train_path, cfg.data.seq_len, cfg.data.cache_dir = str(tmp_path / "train.txt"), 32, str(tmp_path / "c")
+    cfg.trainer.micro_batch_size, cfg.trainer.max_steps, cfg.trainer.log_every_steps = 2, steps, 1
+    cfg.trainer.num_workers, cfg.trainer.output_dir, cfg.trainer.run_name = 0, str(tmp_path), run
+    cfg.logging.progress_bar, cfg.logging.tensorboard, cfg.trainer.export = False, False, False
+    cfg.precision.dtype = "bf16"
+    cfg.optimizer.lr, cfg.checkpoint.every_steps, cfg.scheduler.warmup_steps = 1e-2, 3, 4
+    cfg.strategy.deepspeed_config = str(ds)
+    return cfg
+
+
+def _losses(run_dir: Path) -> list[tuple[float, float]]:
+    log = train_log(run_dir)
+    assert sorted(log) == list(range(1, len(log) + 1))
+    return [(log[s]["train_loss"], log[s]["grad_norm"]) for s in sorted(log)]
+
+
+def test_the_gpu_share_follows_the_warm_up_as_the_host_share_does(tmp_path, tiny_tokenizer_dir, cpu_adam_built,
+                                                                  monkeypatch):
+    """Half the sub-groups on the GPU train as all of them on the host do, through four warm-up steps (the GPU's
+    AdamW and the host's Adam round differently: 1e-4); stepped at the rate the engine was built with, they do
+    not."""
+    on_host = _losses(fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, "host", 6, 1.0))).run_dir)
+    shared = _losses(fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, "shared", 6, 0.5))).run_dir)
+    assert shared == pytest.approx(on_host, rel=1e-4)
+    monkeypatch.setattr("zerotrain.engines.deepspeed.follow_schedule", lambda zero: None)
+    stale = _losses(fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, "stale", 6, 0.5))).run_dir)
+    assert stale[2:] != pytest.approx(on_host[2:], rel=1e-3)
+
+
+def test_a_run_with_the_gpu_share_resumed_at_step_3_takes_the_uninterrupted_steps(tmp_path, tiny_tokenizer_dir,
+                                                                                  cpu_adam_built, monkeypatch):
+    straight = _losses(fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, "straight", 6, 0.5))).run_dir)
+
+    def resumed(run: str) -> list[tuple[float, float]]:
+        fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, run, 3, 0.5)))
+        again = _config(tmp_path, tiny_tokenizer_dir, run, 6, 0.5)
+        again.checkpoint.resume = "auto"
+        return _losses(fit(CausalLMTask(again)).run_dir)
+
+    assert resumed("split") == straight
+    # Without the GPU share's moments in the checkpoint, the resumed run restarts them at zero
+    monkeypatch.setattr("zerotrain.engines.deepspeed.lent_for_save", contextlib.nullcontext)
+    assert resumed("lost")[3:] != straight[3:]
