@@ -545,22 +545,39 @@ def test_zero3_keeps_the_first_sub_groups_of_a_shared_optimizer_on_the_gpu():
 
 
 def test_estimate_proposes_part_of_the_optimizer_on_the_gpu_where_nothing_else_fits():
-    """A 1.1B toy on a 16 GiB GPU and a 16 GiB host: ZeRO-3 keeps too much on the GPU, its optimizer offload too much
-    on the host (24.8 GiB), pinned or not. With part of the optimizer on the GPU it fits: the report lists the shares
-    and gives the flags of the lowest, whose states fit both sides; a share the user set is not searched again."""
+    """A 1.1B toy on a 16 GiB GPU: ZeRO-3 keeps too much on the GPU, its optimizer offload too much on the host (24.8
+    GiB), pinned or not. Its tensors make three sub-groups (537M, 604M and 8 elements: a group closes once it holds
+    1e8 or more), so every share from 0.95 to 0.35 keeps the first group on the GPU: one layout, named by its highest
+    share. It fits a 20 GiB host unpinned only, and the flags say so; on a 22 GiB host, pinned. A share the user set
+    is not searched again."""
     from zerotrain.config.flags import parse_config
     from zerotrain.plan.estimate import estimate, format_report
 
     cfg = parse_config("toy", ["--model.width", str(2**26)])
-    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=16)
+    assert estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=16).shared == []
+    report = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=20)
     assert report.pick is None and report.unpinned is None
-    shares = [share for share, _, _ in report.shared]
-    assert shares == [0.4, 0.35]
-    share, _, row = report.shared[-1]
+    assert [(share, loose) for share, loose, _ in report.shared] == [(0.65, True)]
+    _, _, row = report.shared[-1]
     assert row.name == "zero3_offload_optimizer" and row.fits
-    assert row.memory.gpu_bytes < 16 * GIB and row.memory.cpu_bytes + 6 * GIB < 16 * GIB
-    assert "--strategy.offload_optimizer_ratio 0.35" in format_report(report).splitlines()[-1]
+    assert row.memory.gpu_bytes < 16 * GIB and row.memory.cpu_bytes + 6 * GIB < 20 * GIB
+    line = format_report(report).splitlines()[-1]
+    assert line.endswith("--strategy.offload_optimizer_ratio 0.65 --strategy.offload_pin_memory false")
+    roomier = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=22)
+    assert [(share, loose) for share, loose, _ in roomier.shared] == [(0.65, False)]
+    assert format_report(roomier).splitlines()[-1].endswith("--strategy.offload_optimizer_ratio 0.65")
     set_by_user = parse_config("toy", ["--model.width", str(2**26), "--strategy.zero_stage", "3",
                                        "--strategy.offload_optimizer", "cpu", "--strategy.offload_optimizer_ratio", "0.9"])
     again = estimate("toy", set_by_user, gpu_memory_gib=16, host_memory_gib=16)
     assert again.shared == [] and "Nothing fits:" in format_report(again)
+
+
+def test_zero3_cuts_sub_groups_as_deepspeed_does_closing_each_at_its_size_or_more():
+    """DeepSpeed 0.19's _create_fp16_sub_groups adds each rank's share of the tensors in order and closes a group once
+    it holds sub_group_size elements or more: groups overshoot by up to a tensor, and the rest forms a last one."""
+    from zerotrain.engines.states import sub_groups
+
+    assert sub_groups(0, (60, 60, 60, 50, 10), 1, 100) == [120, 110, 10]
+    assert sub_groups(0, (60, 60, 61), 2, 50) == [60, 31]  # ceil(61 / 2): each rank's share
+    assert sub_groups(0, (30, 30), 1, 100) == [60]
+    assert sub_groups(300, (), 1, 100) == [100, 100, 100]  # without sizes: equal groups

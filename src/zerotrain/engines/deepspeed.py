@@ -114,7 +114,13 @@ class DeepSpeedEngine(Engine):
         self._params = params
         # Part of ZeRO-3's optimizer on the GPU (offload_optimizer.ratio): DeepSpeed's second optimizer there
         # follows the schedule, and its moments are checkpointed, only through zerotrain (ds_private.gpu_share)
-        self._gpu_share = bool(gpu_masters(self.ds.optimizer))
+        on_gpu = gpu_masters(self.ds.optimizer)
+        self._gpu_share = bool(on_gpu)
+        if on_gpu:
+            groups = self.ds.optimizer.fp32_partitioned_groups_flat
+            logger.info("optimizer: %d of %d sub-groups (%s of %s parameters) on the GPU, the rest on the host",
+                        len(on_gpu), len(groups), f"{sum(t.numel() for t in on_gpu):,}",
+                        f"{sum(t.numel() for t in groups):,}")
         if clip is not None and self.world_size == 1:
             # One rank has nothing to average, yet stage 0 still flattens every gradient, all-reduces
             # it with itself and copies it back. DeepSpeed sets this same switch without a process group.

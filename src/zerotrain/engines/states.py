@@ -145,6 +145,9 @@ class ParamCounts:
     transformer layer with everything in it): what FSDP2 gathers at once."""
     in_blocks: int = 0
     """Parameters inside the repeated blocks; the rest (embeddings, head, final norm) is FSDP2's root group."""
+    sizes: tuple[int, ...] = ()
+    """Elements of each trainable tensor, in the order the engines hand them to the optimizer (``model.parameters()``):
+    what ZeRO-3's sub-groups are cut from (:func:`sub_groups`). Empty where unknown."""
 
 
 def full_numel(p: torch.Tensor) -> int:
@@ -167,6 +170,7 @@ def count_params(model: nn.Module) -> ParamCounts:
         trainable_bytes=sum(full_numel(p) * p.element_size() for p in trainable),
         largest_block=max((sum(full_numel(p) for p in b.values()) for b in blocks), default=0),
         in_blocks=sum(full_numel(p) for p in {k: v for b in blocks for k, v in b.items()}.values()),
+        sizes=tuple(full_numel(p) for p in trainable),
     )
 
 
@@ -338,8 +342,9 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
             cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states,
                                         master, buckets.state_element)
         else:
-            host, on_gpu = _offloaded_sub_groups(counts.trainable / n, buckets.grad_accum_element or element, master,
-                                                 buckets, optimizer_states)
+            groups = sub_groups(counts.trainable / n, counts.sizes, n, buckets.sub_group_size)
+            host, on_gpu = _offloaded_sub_groups(groups, buckets.grad_accum_element or element, master, buckets,
+                                                 optimizer_states)
             cpu += host
             gpu_share = on_gpu
             grads = 0  # the gradient partition lives on the host with the optimizer (DeepSpeed's self.device)
@@ -392,10 +397,27 @@ def _offloaded_partition(partition: float, element: int, pin: bool, states: int 
     return held(master * partition) + held(master * partition) + held(element * partition) + state * states * partition
 
 
-def _offloaded_sub_groups(partition: float, flat_element: int, master: int, buckets: Buckets,
+def sub_groups(partition: float, sizes: tuple[int, ...], world_size: int, sub_group_size: int) -> list[float]:
+    """Elements of each sub-group of one rank's ZeRO-3 partition of ``partition`` parameters, as DeepSpeed 0.19 cuts
+    them (``_create_fp16_sub_groups``): the rank's share of each tensor of ``sizes`` in turn, a group closed once it
+    holds ``sub_group_size`` elements or more, so a group overshoots by up to one tensor (a 7B's 1e8-element groups
+    hold up to 1.76e8). Without the sizes, equal groups."""
+    if not sizes:
+        count = max(1, math.ceil(partition / sub_group_size))
+        return [partition / count] * count
+    groups, current = [], 0
+    for size in sizes:
+        current += math.ceil(size / world_size)
+        if current >= sub_group_size:
+            groups.append(float(current))
+            current = 0
+    return groups + [float(current)] if current else groups
+
+
+def _offloaded_sub_groups(groups: list[float], flat_element: int, master: int, buckets: Buckets,
                           states: int = ADAM_STATES) -> tuple[float, float]:
-    """(host, GPU) bytes of one ZeRO-3 optimizer-offload partition of ``partition`` parameters (DeepSpeed 0.19's
-    ``stage3.py``). On the host:
+    """(host, GPU) bytes of one ZeRO-3 optimizer-offload partition cut into sub-groups of ``groups`` elements
+    (:func:`sub_groups`; DeepSpeed 0.19's ``stage3.py``). On the host:
     - the master weights (``fp32_partitioned_groups_flat``, ``master`` bytes an element), not pinned;
     - their gradients, one block per sub-group of ``sub_group_size`` elements, each pinned when the offload pins;
     - the flat gradient partition that the reduced gradients land in (``grad_partitions_flat_buffer``,
@@ -407,17 +429,16 @@ def _offloaded_sub_groups(partition: float, flat_element: int, master: int, buck
     of states), and the first step's moments took the host past its 125 GiB (119.3); with bf16 master weights and
     states, an RSS peak of 69.9 GiB (67.6 of states).
 
-    With ``buckets.optimizer_on_host`` below 1, the first sub-groups' master weights, gradients and states are on the
-    GPU instead (the sub-groups taken as equal), and its AdamW step there (torch's, ``foreach``) allocates one
-    square-root buffer of a sub-group's size; the flat gradient partition stays whole on the host."""
+    With ``buckets.optimizer_on_host`` below 1, the first ``int((1 - ratio) x groups)`` sub-groups' master weights,
+    gradients and states are on the GPU instead, and its AdamW step there (torch's, ``foreach``) allocates a
+    square-root buffer of the sub-group it steps; the flat gradient partition stays whole on the host."""
     held = pinned if buckets.pin_memory else float
-    groups = max(1, math.ceil(partition / buckets.sub_group_size))
-    on_gpu = int((1 - buckets.optimizer_on_host) * groups)
-    gpu_part = partition * on_gpu / groups
-    host_part, host_groups = partition - gpu_part, groups - on_gpu
-    grads = host_groups * held(master * host_part / host_groups) if host_groups else 0.0
+    on_gpu = int((1 - buckets.optimizer_on_host) * len(groups))
+    gpu_groups, host_groups = groups[:on_gpu], groups[on_gpu:]
+    host_part, gpu_part, partition = sum(host_groups), sum(gpu_groups), sum(groups)
+    grads = sum(held(master * g) for g in host_groups)
     host = master * host_part + grads + held(flat_element * partition) + buckets.state_element * states * host_part
-    scratch = master * partition / groups if on_gpu else 0.0
+    scratch = master * max(gpu_groups, default=0.0)
     return host, (2 * master + buckets.state_element * states) * gpu_part + scratch
 
 

@@ -103,8 +103,11 @@ def _check_gib(flag: str, value: Optional[float], minimum_exclusive: bool) -> No
 
 def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None,
              host_memory_gib: Optional[float] = None, reserve_gib: float = 0.0,
-             probe: Optional["Probe"] = None) -> EstimateReport:
+             probe: Optional["Probe"] = None, *, search_shares: bool = True) -> EstimateReport:
     """Size ``recipe``'s model states under every strategy for the run ``cfg`` describes.
+
+    Where nothing fits, the report also says what fits unpinned, and with ``search_shares`` (off in the re-estimates
+    made for either) at which shares of ZeRO-3's offloaded optimizer on the host (``EstimateReport.shared``).
 
     ``gpu_memory_gib`` defaults to GPU 0's memory (None without a GPU: nothing is judged to fit or
     not), ``host_memory_gib`` to this host's. ``cfg`` is not changed. Raises
@@ -204,24 +207,28 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             judged.append(PlanRow(row.name, row.memory, row.fits and peak <= limit))
         rows = judged
     alternative = None
+    split = STRATEGIES["zero3_offload_optimizer"].apply(cfg)  # as configured, pinning included
     # Pinned blocks round up to powers of two: unpinned may fit. (A user's DeepSpeed file decides its own pinning.)
     if (gpu is not None and device == "cuda" and s.offload_pin_memory is None and not s.deepspeed_config
             and not any(r.fits for r in rows)):
         cfg.strategy.offload_pin_memory = False
-        unpinned = estimate(recipe, cfg, gpu / GIB, host / GIB, reserve_gib, probe)
+        unpinned = estimate(recipe, cfg, gpu / GIB, host / GIB, reserve_gib, probe, search_shares=False)
         alternative = next((row for row in unpinned.rows if row.fits), None)
-    shared = []
-    if (gpu is not None and device == "cuda" and alternative is None and not any(r.fits for r in rows)
-            and s.offload_optimizer_ratio == 1.0 and not s.deepspeed_config and cfg.optimizer.name == "adamw"
-            and "zero3_offload_optimizer" in candidates):
-        split = STRATEGIES["zero3_offload_optimizer"].apply(cfg)
+    shared: list[tuple[float, bool, PlanRow]] = []
+    if (search_shares and gpu is not None and device == "cuda" and alternative is None
+            and not any(r.fits for r in rows) and s.offload_optimizer_ratio == 1.0 and not s.deepspeed_config
+            and cfg.optimizer.name == "adamw" and "zero3_offload_optimizer" in candidates):
+        seen = set()
         for share in HOST_SHARES:
             split.strategy.offload_optimizer_ratio = share
-            report = estimate(recipe, split, gpu / GIB, host / GIB, reserve_gib, probe)
+            report = estimate(recipe, split, gpu / GIB, host / GIB, reserve_gib, probe, search_shares=False)
             row = next(row for row in report.rows if row.name == "zero3_offload_optimizer")
             loose = report.unpinned if report.unpinned and report.unpinned.name == row.name else None
-            if row.fits or loose:
-                shared.append((share, not row.fits, row if row.fits else loose))
+            fitting = row if row.fits else loose
+            # Shares that keep the same sub-groups on the GPU are one layout: the highest names it
+            if fitting is not None and (fitting.memory.gpu_bytes, fitting.memory.cpu_bytes) not in seen:
+                seen.add((fitting.memory.gpu_bytes, fitting.memory.cpu_bytes))
+                shared.append((share, not row.fits, fitting))
     return EstimateReport(recipe=recipe, counts=counts, precision=precision, world_size=world, gpu_bytes=gpu,
                           host_bytes=host, reserve_bytes=reserve_gib * GIB, rows=rows, predictions=predictions,
                           micro_batch_size=cfg.trainer.micro_batch_size,
