@@ -246,7 +246,7 @@ two nodes against one, and a resume from two nodes on one" -- causal-lm "${LLAMA
       # optimizer step shared by k times the tokens); STEPS (default 6) steps, the first min(2, STEPS - 1) not timed, the
       # learning rate warmed up over 2 (1 when STEPS <= 2); LAYERS=n: the same model with n layers instead of 32; PINNED=false:
       # the host states in pageable memory (no power-of-two blocks). The peer's JSON sets its own pinning. RATIO=r: only the
-      # share r of the optimizer on the host, the rest on the GPU (--strategy.offload_optimizer_ratio).
+      # share r of the optimizer on the host, the rest on the GPU (--strategy.offload_optimizer_ratio; not with NVME).
       # NVME=DIR: ZeRO-Infinity instead, the fp32 master weights, AdamW states and the 16-bit weights swapped to DIR
       # (zerotrain's zero3_nvme row; no peer), the megabytes under DIR in the memory timeline's fourth column.
       MODEL7=configs/llama_7b_config.json; STEPS7=${STEPS:-6}

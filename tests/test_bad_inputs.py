@@ -216,7 +216,7 @@ CASES = [
     Case("json-refused-while-building", "ds-json",  # after the model's build line: DeepSpeed checks it with the model
          "fit toy $FIT --strategy.deepspeed_config {tmp}/zenflow_interval.json", shows="zerotrain fit: error: "),
     Case("json-super-offload", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/super_offload.json"),
-    Case("json-ratio-on-nvme", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/ratio_nvme.json"),
+    Case("json-ratio-stage-2", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/ratio_stage2.json"),
     Case("json-bf16-master-on-nvme", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/bf16_master_nvme.json"),
     Case("json-yaml-body", "ds-json", "fit toy $FIT --strategy.deepspeed_config {tmp}/yaml_body.json"),
     Case("json-flag-conflict-lr", "ds-json", "fit toy $FIT --optimizer.lr 0.5 --strategy.deepspeed_config {tmp}/lr.json"),
@@ -438,8 +438,7 @@ def make_inputs(tmp: Path) -> tuple[Path, Path]:
         "zenflow_top.json": {"zenflow": {"topk_ratio": 0.1}},
         "super_offload.json": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu",
                                                                                         "super_offload": True}}},
-        "ratio_nvme.json": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "ratio": 0.5,
-                                                                                    "nvme_path": "/tmp"}}},
+        "ratio_stage2.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
         "bf16_master_nvme.json": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
                                   "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
                                                                                           "nvme_path": "/tmp"}}},

@@ -767,3 +767,33 @@ def test_a_users_file_that_splits_the_optimizer_is_recorded_with_its_ratio(tmp_p
     flagged = make_cfg(deepspeed_config=str(path), offload_optimizer_ratio=0.5)
     with pytest.raises(ConfigError, match="--strategy.offload_optimizer_ratio.*0.3"):
         make_ds_config(flagged, 1, "cuda", "bf16")
+
+
+def test_a_split_optimizer_is_refused_where_deepspeed_would_not_run_it_as_asked(tmp_path):
+    """Each in one line naming the flag or the file: a split under FSDP2, beside weights on NVMe, beside bf16 master
+    weights (the GPU's share would keep bf16 moments), with a file that keeps the whole optimizer on the host or
+    whose host optimizer is not AdamW (DeepSpeed steps the GPU's share with AdamW)."""
+    from zerotrain.config import PrecisionConfig
+
+    def refused(cfg: ToyConfig, match: str) -> None:
+        with pytest.raises((ConfigError, UserError), match=match):
+            cfg.validate()
+            make_ds_config(cfg, 1, "cuda", "bf16")
+
+    refused(make_cfg(backend="fsdp2", offload_optimizer_ratio=0.5), "--strategy.offload_optimizer_ratio.*fsdp2")
+    refused(make_cfg(zero_stage=3, offload_optimizer="cpu", offload_param="nvme", nvme_path="/tmp",
+                     offload_optimizer_ratio=0.5), "--strategy.offload_optimizer_ratio.*offload_param nvme")
+    bf16_master = make_cfg(zero_stage=3, offload_optimizer="cpu", offload_optimizer_ratio=0.5)
+    bf16_master.precision = PrecisionConfig(dtype="bf16", master_weights="bf16")
+    refused(bf16_master, "--strategy.offload_optimizer_ratio.*master_weights bf16")
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
+    refused(make_cfg(deepspeed_config=str(whole), offload_optimizer_ratio=0.5), "--strategy.offload_optimizer_ratio has no effect")
+    l2 = tmp_path / "l2.json"
+    l2.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
+    refused(make_cfg(deepspeed_config=str(l2)), "l2.json: zero_optimization.offload_optimizer.ratio is 0.5.*AdamW")
+    decoupled = tmp_path / "adamw.json"
+    decoupled.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {}}, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
+    assert make_ds_config(make_cfg(deepspeed_config=str(decoupled)), 1, "cuda", "bf16")["optimizer"]["type"] == "Adam"

@@ -147,6 +147,13 @@ class StrategyConfig:
     def validate(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("--strategy.zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if not 0.0 <= self.offload_optimizer_ratio <= 1.0:
+            raise ConfigError("--strategy.offload_optimizer_ratio",
+                              f"must be in [0, 1] (the optimizer's share on the host), got {self.offload_optimizer_ratio}")
+        if self.offload_optimizer_ratio < 1.0 and self.backend != "deepspeed":
+            raise ConfigError("--strategy.offload_optimizer_ratio", f"is DeepSpeed's (ZeRO-3 with the optimizer on the "
+                              f"cpu); --strategy.backend {self.backend} has no such split: leave it at 1, or use "
+                              "--strategy.backend deepspeed")
         if self.backend == "ddp":
             if self.zero_stage or self.offload_optimizer != "none" or self.offload_param != "none":
                 raise ConfigError(
@@ -181,14 +188,16 @@ class StrategyConfig:
                 "--strategy.offload_optimizer",
                 "optimizer offload needs ZeRO stage 1, 2 or 3. Set --strategy.zero_stage",
             )
-        if not 0.0 <= self.offload_optimizer_ratio <= 1.0:
-            raise ConfigError("--strategy.offload_optimizer_ratio",
-                              f"must be in [0, 1] (the optimizer's share on the host), got {self.offload_optimizer_ratio}")
-        if self.offload_optimizer_ratio < 1.0 and (self.zero_stage != 3 or self.offload_optimizer != "cpu"):
+        if self.offload_optimizer_ratio < 1.0 and not self.deepspeed_config and (
+                self.zero_stage != 3 or self.offload_optimizer != "cpu"):  # a file decides, checked once resolved
             raise ConfigError("--strategy.offload_optimizer_ratio",
                               f"{self.offload_optimizer_ratio} splits the optimizer between the host and the GPU, which "
                               "DeepSpeed does at ZeRO-3 with the optimizer on the cpu only: pass --strategy.zero_stage 3 "
                               "--strategy.offload_optimizer cpu, or leave the ratio at 1")
+        if self.offload_optimizer_ratio < 1.0 and self.offload_param == "nvme":
+            raise ConfigError("--strategy.offload_optimizer_ratio", "below 1 beside --strategy.offload_param nvme, "
+                              "which DeepSpeed 0.19 does not build (it keeps the master weights of swapped weights on "
+                              "the host): pass --strategy.offload_param cpu or none, or leave the ratio at 1")
         if "nvme" in (self.offload_optimizer, self.offload_param):
             if not self.nvme_path:
                 raise ConfigError("--strategy.nvme_path", "is required when an offload device is nvme")
@@ -556,7 +565,11 @@ def check_across_sections(cfg: "RunConfig") -> None:
     if cfg.precision.dtype == "fp16" and st.backend == "deepspeed" and cfg.precision.initial_scale_power < 0:
         raise ConfigError("--precision.initial_scale_power", "must be >= 0")
     check_state_precision(cfg)
-    if st.offload_optimizer_ratio < 1.0 and cfg.optimizer.name != "adamw":
+    if st.offload_optimizer_ratio < 1.0 and cfg.precision.master_weights == "bf16" and not st.deepspeed_config:
+        raise ConfigError("--strategy.offload_optimizer_ratio", "below 1 beside --precision.master_weights bf16: the "
+                          "GPU's share would keep bf16 moments whatever --precision.optimizer_states says. Pass "
+                          "--precision.master_weights fp32, or leave the ratio at 1")
+    if st.offload_optimizer_ratio < 1.0 and cfg.optimizer.name != "adamw" and not st.deepspeed_config:
         # DeepSpeed steps the GPU's share with torch's AdamW whatever the host's optimizer is
         raise ConfigError("--strategy.offload_optimizer_ratio", f"{st.offload_optimizer_ratio} keeps part of the "
                           "optimizer on the GPU, which DeepSpeed steps with AdamW there, and --optimizer.name is "

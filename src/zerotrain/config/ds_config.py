@@ -382,12 +382,6 @@ def check_user_features(user: dict[str, Any], path: str | Path) -> None:
                         "zero_optimization.offload_optimizer.device nvme, which DeepSpeed 0.19 stops at on the first "
                         "step (its swap buffers take bf16, the master weights it swaps stay fp32): drop "
                         "bf16_master_weights_and_grads (and bf16_optimizer_states), or offload the optimizer to cpu")
-    ratio = offload.get("ratio", 1.0) if isinstance(offload, dict) else 1.0
-    if (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1.0
-            and offload.get("device") != "cpu"):
-        raise UserError(f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.ratio is {ratio} "
-                        f"beside device {json.dumps(offload.get('device'))}: DeepSpeed keeps part of the optimizer on "
-                        "the GPU only where the rest is on the cpu. Set the device to cpu, or drop the ratio")
     if isinstance(offload, dict) and offload.get("super_offload") is True:
         raise UserError(f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.super_offload is "
                         "true, which zerotrain refuses: SuperOffload keeps Adam's moments in a worker process that "
@@ -760,6 +754,7 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
+        _check_gpu_share(ds, cfg.strategy.offload_optimizer_ratio, cfg.strategy.deepspeed_config)
         _check_state_precision_agrees(ds, cfg.precision.master_weights, cfg.precision.optimizer_states,
                                       cfg.strategy.deepspeed_config)
         if "optimizer" in user and "optimizer" not in generated:
@@ -806,6 +801,42 @@ def _check_state_precision_agrees(ds: dict[str, Any], master: str, states: str, 
         if asked == "bf16" and got != "bf16":
             raise ConfigError(flag, f"is bf16, but {path} (--strategy.deepspeed_config) decides and does not set "
                               f"bf16.{key}: set it to true there (with bf16.enabled), or leave {flag} unset")
+
+
+def _check_gpu_share(ds: dict[str, Any], ratio_flag: float, path: str) -> None:
+    """Refuse, in one line naming the file, a user's ``offload_optimizer.ratio`` below 1 where DeepSpeed 0.19 would not
+    split the optimizer as asked, or a --strategy.offload_optimizer_ratio that the file leaves out (the file decides).
+
+    DeepSpeed splits it only at ZeRO-3 with the optimizer on the cpu (it ignores the ratio elsewhere); it does not
+    build the split beside weights on NVMe (their swapped masters live on the host); and it steps the GPU's share with
+    torch's AdamW in the master weights' dtype, so the host's optimizer must be AdamW (Adam with ``adam_w_mode``) and
+    the master weights fp32 for the states to be what the file says."""
+    zero = ds.get("zero_optimization") or {}
+    offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+    ratio = offload.get("ratio", 1.0)
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio >= 1.0:
+        if ratio_flag < 1.0:
+            raise ConfigError("--strategy.offload_optimizer_ratio", f"has no effect: {path} (--strategy.deepspeed_config) "
+                              "keeps the whole optimizer where its offload block says. Set zero_optimization."
+                              "offload_optimizer.ratio there, or leave the flag unset")
+        return
+    said = f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.ratio is {ratio}"
+    if zero.get("stage") != 3 or offload.get("device") != "cpu":
+        raise UserError(f"{said}, but DeepSpeed splits the optimizer between the host and the GPU only at stage 3 with "
+                        "the optimizer's device cpu. Set those, or drop the ratio")
+    if _offload_device(zero.get("offload_param")) == "nvme":
+        raise UserError(f"{said} beside zero_optimization.offload_param on nvme, which DeepSpeed 0.19 does not build: "
+                        "put the weights on the cpu or the GPU, or drop the ratio")
+    if _enabled(ds.get("bf16")) and ds["bf16"].get("bf16_master_weights_and_grads") is True:
+        raise UserError(f"{said} beside bf16.bf16_master_weights_and_grads: the GPU's share would keep bf16 moments "
+                        "whatever bf16_optimizer_states says. Drop one of them")
+    block = ds.get("optimizer") if isinstance(ds.get("optimizer"), dict) else {}
+    kind = str(block.get("type", "")).lower()
+    decoupled = kind == "adamw" or (kind == "adam" and (block.get("params") or {}).get("adam_w_mode", True) is not False)
+    if not decoupled:
+        raise UserError(f"{said}, and DeepSpeed steps the GPU's share with AdamW: the file's optimizer "
+                        f"{json.dumps(block.get('type'))} would step the host's share otherwise. Use \"type\": "
+                        "\"AdamW\", or drop the ratio")
 
 
 def _check_pinning_agrees(ds: dict[str, Any], pin: bool | None, path: str) -> None:

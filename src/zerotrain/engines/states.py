@@ -414,6 +414,16 @@ def sub_groups(partition: float, sizes: tuple[int, ...], world_size: int, sub_gr
     return groups + [float(current)] if current else groups
 
 
+def optimizer_on_host(counts: ParamCounts, world_size: int, buckets: Buckets) -> float:
+    """The fraction of a rank's optimizer that ZeRO-3's cpu offload keeps on the host under ``buckets``'
+    ``optimizer_on_host`` ratio: whole sub-groups, the first ``int((1 - ratio) x groups)`` of them on the GPU."""
+    if buckets.optimizer_on_host >= 1:
+        return 1.0
+    groups = sub_groups(counts.trainable / world_size, counts.sizes, world_size, buckets.sub_group_size)
+    on_gpu = int((1 - buckets.optimizer_on_host) * len(groups))
+    return sum(groups[on_gpu:]) / sum(groups) if sum(groups) else 1.0
+
+
 def _offloaded_sub_groups(groups: list[float], flat_element: int, master: int, buckets: Buckets,
                           states: int = ADAM_STATES) -> tuple[float, float]:
     """(host, GPU) bytes of one ZeRO-3 optimizer-offload partition cut into sub-groups of ``groups`` elements

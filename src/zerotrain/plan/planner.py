@@ -46,7 +46,7 @@ from zerotrain.config.ds_config import (
     make_ds_config,
     portable_ds_config,
 )
-from zerotrain.engines.states import Buckets, count_params, optimizer_states
+from zerotrain.engines.states import Buckets, count_params, optimizer_on_host, optimizer_states
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.metrics.tracking import log
 from zerotrain.plan.benchmark import run_one
@@ -226,7 +226,8 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
         run_mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
                           buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export, optimizer_states=states)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
-                         cfg.launch.nnodes, autocast, pinned=not cand.unpinned, host_share=buckets.optimizer_on_host)
+                         cfg.launch.nnodes, autocast, pinned=not cand.unpinned,
+                         host_share=optimizer_on_host(counts, world, buckets))
         dropped = fits(run_mem, probe, host_bytes, cfg.launch.nproc_per_node)
         if dropped is None and cand.checkpointing and not saves:
             dropped = "activation checkpointing saves no memory for this model (probe)"

@@ -110,8 +110,9 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
               probe: Probe, world_size: int, nnodes: int, autocast: bool, pinned: bool = True,
               host_share: float = 1.0) -> StepTime:
     """Predicted seconds of one optimizer step (module docstring); ``pinned`` False: the offloaded states sit in
-    pageable memory (``--strategy.offload_pin_memory false``); ``host_share``: the offloaded optimizer's share on the
-    host (``--strategy.offload_optimizer_ratio``), the rest stepping on the GPU at the probe's optimizer speed."""
+    pageable memory (``--strategy.offload_pin_memory false``); ``host_share``: the fraction of the offloaded optimizer
+    on the host (:func:`~zerotrain.engines.states.optimizer_on_host`), the rest stepping on the GPU at the probe's
+    optimizer speed, its 16-bit gradients still through the host's flat partition and back."""
     if strategy.backend == "fsdp2":
         return _fsdp2_step_time(strategy, micro_batch_size, grad_accum, checkpointing, counts, probe, world_size,
                                 nnodes, pinned)
@@ -125,8 +126,10 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
     link_to_host = (probe.h2d_bytes_per_s if pinned else probe.h2d_pageable_bytes_per_s or probe.h2d_bytes_per_s) or 10e9
     if strategy.offload_optimizer != "none":
         moved = (4 + (2 if half else 4)) * counts.trainable * share  # fp32 gradients down, the model's weights up
-        optimizer = counts.trainable * share * (n / nnodes) / CPU_ADAM_PARAMS_PER_S + moved / link_to_host
-        optimizer = host_share * optimizer + (1 - host_share) * probe.optimizer_step_s * share
+        adam = counts.trainable * share * (n / nnodes) / CPU_ADAM_PARAMS_PER_S
+        back_up = (1 - host_share) * (2 if half else 4) * counts.trainable * share  # the GPU share's gradients
+        optimizer = (host_share * adam + (1 - host_share) * probe.optimizer_step_s * share
+                     + (moved + back_up) / link_to_host)
     else:
         optimizer = probe.optimizer_step_s * share
     if strategy.offload_param != "none":

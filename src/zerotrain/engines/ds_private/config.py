@@ -83,6 +83,8 @@ def _check_model(model: Any, block: dict[str, Any], prefix: str) -> Optional[tup
         expected = str(error["msg"]).removeprefix("Input should be ").removeprefix("Value error, ")
         if expected.startswith(("greater", "less")):
             expected = f"a value {expected}"
+        if not error["loc"]:  # a check of the whole block: its input is DeepSpeed's model; show the file's block
+            return where, block, expected.removeprefix("Assertion failed, ")
         return where, error.get("input"), expected
     except (TypeError, ValueError) as exc:  # a validator of DeepSpeed's that raised outside pydantic's errors
         return prefix, block, " ".join(str(exc).split())[:200]

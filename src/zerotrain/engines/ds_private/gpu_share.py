@@ -6,8 +6,8 @@ the host through DeepSpeedCPUAdam. Two things a run relies on leave that second 
 supplies them through the ZeRO-3 optimizer's attributes as 0.19.8 has them:
 
 - its first parameter group is a copy of the host optimizer's, made when the engine was built, so the
-  learning-rate schedule never reaches it (the other groups are the host's own dicts): :func:`follow_schedule`
-  copies the hyper-parameters over before each step;
+  learning-rate schedule never reaches it (the other groups start as the host's own dicts, which a load may
+  replace): :func:`follow_schedule` copies the hyper-parameters of every group over before each step;
 - its moments are not in the checkpoint, which holds the host optimizer's state: :func:`lent_for_save` lends them
   to the host optimizer while the checkpoint is written (so a same-size resume and the universal checkpoint find
   them where they find the others), and :func:`take_loaded_states` moves them back after a load.
@@ -16,7 +16,8 @@ supplies them through the ZeRO-3 optimizer's attributes as 0.19.8 has them:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -60,12 +61,10 @@ def lent_for_save(zero: Any) -> Iterator[None]:
 
 def take_loaded_states(zero: Any) -> None:
     """After a checkpoint was loaded into ``zero``: the GPU share's moments, which the load put into the host
-    optimizer's state, move to the GPU's optimizer, with the step count as a tensor as torch's AdamW keeps it."""
+    optimizer's state (on the GPU, beside their master weights), move to the GPU's optimizer, with the step count as
+    a tensor as torch's AdamW keeps it."""
     for master in gpu_masters(zero):
         state = zero.optimizer.state.pop(master, None)
-        if not state:
-            continue
-        zero.backup_optimizer.state[master] = {
-            key: torch.tensor(float(value), dtype=torch.float32) if key == "step"
-            else value.to(master.device) if torch.is_tensor(value) else value
-            for key, value in state.items()}
+        if state:
+            zero.backup_optimizer.state[master] = {
+                **state, "step": torch.tensor(float(state["step"]), dtype=torch.float32)}
