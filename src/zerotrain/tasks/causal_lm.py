@@ -270,9 +270,13 @@ class CausalLMTask(Task[CausalLMConfig]):
         apart, on a GPU, for a model that supports it. transformers' default (sdpa) then gets a dense mask of
         each row and runs a slower kernel than its causal one; flex_attention skips the blocks the documents
         do not share (Llama-shaped 1.1B, seq 2048, one H200: 55,868 -> 70,810 tokens/s;
-        docs/benchmarks/causal_lm_1b_h200_202611.md)."""
+        docs/benchmarks/causal_lm_1b_h200_202611.md). Its compiled kernel needs heads of 16 dimensions or more
+        (PyTorch 2.11 refuses 8 when it compiles the first step): smaller heads keep sdpa."""
+        config = getattr(model, "config", None)
+        heads = getattr(config, "num_attention_heads", 0) or 0
+        head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
         return (getattr(self.cfg.model, "attn_implementation", "auto") == "auto" and self.packed()
-                and self.document_mask() and torch.cuda.is_available()
+                and self.document_mask() and torch.cuda.is_available() and head_dim >= 16
                 and getattr(model, "_supports_flex_attn", False) and hasattr(model, "set_attn_implementation")
                 and hf.attention_implementation(model) == "sdpa")
 
