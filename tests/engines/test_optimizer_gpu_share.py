@@ -52,15 +52,15 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_the_gpu_share_follows_the_warm_up_as_the_host_share_does(tmp_path, tiny_tokenizer_dir, cpu_adam_built,
                                                                   monkeypatch):
-    """Half the sub-groups on the GPU train as all of them on the host do (the GPU's
-    AdamW and the host's Adam round differently: 1e-4), its two warm-up steps included; stepped at the rate the engine was built with, they do
-    not."""
+    """Half the sub-groups on the GPU train as all of them on the host do, the two warm-up steps included: within 1%
+    (the GPU's AdamW and the host's Adam round differently, and the bf16 weights carry it on: 0.16% at most on an
+    H100). Stepped at the rate the engine was built with, they do not (step 2's gradient norm was 16% off there)."""
     on_host = _losses(fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, "host", 6, 1.0))).run_dir)
     shared = _losses(fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, "shared", 6, 0.5))).run_dir)
-    assert shared == pytest.approx(on_host, rel=1e-4)
     monkeypatch.setattr("zerotrain.engines.deepspeed.follow_schedule", lambda zero: None)
     stale = _losses(fit(CausalLMTask(_config(tmp_path, tiny_tokenizer_dir, "stale", 6, 0.5))).run_dir)
-    assert stale[2:] != pytest.approx(on_host[2:], rel=1e-3)  # from step 2, the first after an update
+    assert shared == pytest.approx(on_host, rel=1e-2)
+    assert stale != pytest.approx(on_host, rel=1e-2)
 
 
 def test_a_run_with_the_gpu_share_resumed_at_step_3_takes_the_uninterrupted_steps(tmp_path, tiny_tokenizer_dir,
