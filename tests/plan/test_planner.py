@@ -681,3 +681,21 @@ def test_the_planner_tries_part_of_the_optimizer_on_the_gpu_and_ranks_the_lower_
     assert rows[(0.3, 2, False)].to_dict(2)["offload_optimizer_ratio"] == 0.3
     assert shared(cands, parse_config("toy", ["--optimizer.name", "adam"])) == []
     assert shared(cands, one.apply(cfg)) == []
+
+
+def test_an_offloaded_zero3_export_takes_its_shard_from_the_memory_of_the_released_moments():
+    """The engine frees the optimizer's states before the export: with Adam's moments on the host (8 bytes a
+    parameter of the 10B here, 80 GB), the export's 5 GB shard fits in what they held and adds nothing to the host's
+    peak; with them on the GPU, or without moments, the shard comes on top as before."""
+    counts = ParamCounts(total=10 * 10**9, trainable=10 * 10**9, largest_layer=10**7, total_bytes=2 * 10**10,
+                         trainable_bytes=2 * 10**10)
+    probe = dataclasses.replace(fake_probe(), host_base_bytes=3 * GIB, host_before_model_bytes=1 * GIB,
+                                exports_streamed=True, builds_partitioned=True)  # no host holds the model whole
+    offloaded = STRATEGIES["zero3_offload_optimizer"]
+    trained = predict(counts, offloaded, 1, False, 1, "bf16", probe)
+    exported = predict(counts, offloaded, 1, False, 1, "bf16", probe, export=True)
+    assert exported.rank0_extra_bytes == 0 and exported.host_bytes == pytest.approx(trained.host_bytes)
+    on_gpu = predict(counts, STRATEGIES["zero3"], 1, False, 1, "bf16", probe, export=True)
+    assert on_gpu.rank0_extra_bytes == pytest.approx(5e9)
+    sgd = predict(counts, offloaded, 1, False, 1, "bf16", probe, export=True, optimizer_states=0)
+    assert sgd.rank0_extra_bytes == pytest.approx(5e9)

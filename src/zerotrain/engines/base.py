@@ -172,6 +172,26 @@ class Engine(ABC):
         return 0
 
     # ---- state ---------------------------------------------------------------------------------
+    optimizer_released: bool = False
+    """Set by :meth:`release_optimizer`: the optimizer's states are gone, and no checkpoint may be written."""
+
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose ``state`` holds the optimizer's states (the engine's own by default)."""
+        opt = getattr(self, "optimizer", None)
+        return [opt] if isinstance(opt, torch.optim.Optimizer) else []
+
+    def release_optimizer(self) -> None:
+        """Free the optimizer's states once training is over and its last checkpoint written: the export that follows
+        gathers the weights a shard at a time into the memory they held, where a run at the host's limit would
+        otherwise go past it. A checkpoint afterwards is refused (:meth:`check_not_released`)."""
+        for opt in self.torch_optimizers():
+            opt.state.clear()
+        self.optimizer_released = True
+
+    def check_not_released(self) -> None:
+        if self.optimizer_released:
+            raise RuntimeError("the optimizer's states were released after training: no checkpoint can be written")
+
     @abstractmethod
     def save(self, folder: Path) -> None:
         """Write the sharded training state into ``folder`` (called on every rank)."""

@@ -192,7 +192,15 @@ class DeepSpeedEngine(Engine):
     def skipped_steps(self) -> int:
         return int(getattr(self.ds, "skipped_steps", 0))
 
+    def torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer DeepSpeed steps (inside its ZeRO wrapper where there is one) and, with part of ZeRO-3's
+        offloaded optimizer on the GPU, the one that steps that part."""
+        outer = self.ds.optimizer
+        found = [getattr(outer, "optimizer", outer), getattr(outer, "backup_optimizer", None)]
+        return [opt for opt in found if isinstance(opt, torch.optim.Optimizer)]
+
     def save(self, folder: Path) -> None:
+        self.check_not_released()
         # save_latest=False: zerotrain marks complete checkpoints itself (see checkpoint.py).
         with lent_for_save(self.ds.optimizer) if self._gpu_share else contextlib.nullcontext():
             self.ds.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)

@@ -149,6 +149,7 @@ class FSDP2Engine(Engine):
         return {dcp.MODEL: model, dcp.OPTIMIZER: optim}
 
     def save(self, folder: Path) -> None:
+        self.check_not_released()
         folder.mkdir(parents=True, exist_ok=True)
         dcp.save(self._sharded_state(), folder)
         if self.rank == 0:

@@ -106,6 +106,7 @@ class TorchEngine(Engine):
         return self._skipped
 
     def save(self, folder: Path) -> None:
+        self.check_not_released()
         if self.rank == 0:
             folder.mkdir(parents=True, exist_ok=True)
             state = {

@@ -265,6 +265,9 @@ class StateMemory:
     """``cpu_bytes`` are allocated only after the model built on the CPU has moved to the GPU (ZeRO-1/2
     optimizer offload): the host holds one or the other at its peak, not both."""
     nvme_bytes: int = 0
+    moments_cpu_bytes: int = 0
+    """The optimizer's states among ``cpu_bytes`` (Adam's moments on the host): what the engine frees before the
+    export (:meth:`~zerotrain.engines.base.Engine.release_optimizer`)."""
     """Per process, on the ``--strategy.nvme_path`` disk: states offloaded to NVMe (ZeRO-Infinity)."""
     gathered_bytes: int = 0
     """The share of ``gpu_bytes`` held from the forward pass into the backward pass and released there block by
@@ -325,7 +328,7 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
     if stage == 3:
         weights /= n
         gathered = 2 * element * counts.largest_layer
-    cpu = nvme = gpu_share = 0.0
+    cpu = nvme = gpu_share = moments = 0.0
     if strategy.offload_optimizer == "nvme":
         # ZeRO-3 swaps the fp32 master weights, gradients and the optimizer's states (Adam: 16 bytes a parameter,
         # an upper bound) to disk, one sub-group at a time through pinned buffers of one sub-group each (DeepSpeed 0.19's
@@ -339,12 +342,15 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
         optim = grads = 0
     elif strategy.offload_optimizer != "none":
         if stage in (1, 2):
+            moments += buckets.state_element * optimizer_states * counts.trainable / n
             cpu += _offloaded_partition(counts.trainable / n, element, buckets.pin_memory, optimizer_states,
                                         master, buckets.state_element)
         else:
             groups = sub_groups(counts.trainable / n, counts.sizes, n, buckets.sub_group_size)
             host, on_gpu = _offloaded_sub_groups(groups, buckets.grad_accum_element or element, master, buckets,
                                                  optimizer_states)
+            moments += buckets.state_element * optimizer_states * counts.trainable / n * optimizer_on_host(
+                counts, n, buckets)
             cpu += host
             gpu_share = on_gpu
             grads = 0  # the gradient partition lives on the host with the optimizer (DeepSpeed's self.device)
@@ -381,7 +387,8 @@ def model_state_memory(counts: ParamCounts, strategy: Strategy, world_size: int,
                        cpu_bytes=int(cpu),
                        grad_bytes=int(grads), transient_bytes=int(transient), bucket_bytes=int(late_bucket),
                        init_bytes=int(weights + flat) if flat else 0,
-                       cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none", nvme_bytes=int(nvme))
+                       cpu_after_model=stage in (1, 2) and strategy.offload_optimizer != "none", nvme_bytes=int(nvme),
+                       moments_cpu_bytes=int(moments))
 
 
 def _offloaded_partition(partition: float, element: int, pin: bool, states: int = ADAM_STATES, master: int = 4,
@@ -503,13 +510,13 @@ def fsdp2_memory(counts: ParamCounts, strategy: Strategy, world_size: int, preci
     if device == "cpu" and n > 1:  # Gloo's reduce-scatter first copies its whole input; NCCL's does not
         bucket += e * min(counts.trainable, block)
     accumulated = e * counts.trainable if grad_accum > 1 else 0.0
-    cpu = 0.0
+    cpu = moments = 0.0
     if offload:
         pin = 2.0 if buckets.pin_memory else 1.0
-        cpu = pin * (weights + grads) + optim
+        cpu, moments = pin * (weights + grads) + optim, optim
         weights = grads = optim = 0.0
     gpu = weights + optim + held + accumulated + extra + grads + bucket
-    return StateMemory(gpu_bytes=int(gpu), cpu_bytes=int(cpu), grad_bytes=int(grads),
+    return StateMemory(gpu_bytes=int(gpu), cpu_bytes=int(cpu), grad_bytes=int(grads), moments_cpu_bytes=int(moments),
                        transient_bytes=int(grads + bucket), bucket_bytes=int(bucket),
                        init_bytes=0 if offload else int(counts.total_bytes + as_built * block / n),
                        gathered_bytes=int(extra), bucket_beside_grads=True)

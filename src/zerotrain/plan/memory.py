@@ -158,8 +158,12 @@ def predict(counts: ParamCounts, strategy: Strategy, micro_batch_size: int, chec
         if probe.exports_streamed:
             gathered = min(gathered, EXPORT_SHARD_BYTES)
         # ZeRO-3's engine has freed the model it was built from (DeepSpeed's partitioning); FSDP2's build is counted
-        # on top, as measured
-        rank0_extra = gathered if not zero3 else max(0.0, probe.host_base_bytes + states.cpu_bytes + gathered - host)
+        # on top, as measured. The optimizer's states on the host are freed first (Engine.release_optimizer).
+        if zero3:
+            during = probe.host_base_bytes + states.cpu_bytes - states.moments_cpu_bytes + gathered
+            rank0_extra = max(0.0, during - host)
+        else:
+            rank0_extra = max(0.0, gathered - states.moments_cpu_bytes)
         host += rank0_extra
     # The three moments of a step (module docstring). Gradients the engine frees after each step build
     # up through the backward pass (in DeepSpeed's bucket, where there is one) while the activations

@@ -63,6 +63,7 @@ from zerotrain.metrics.meters import (
     StepProfiler,
     ThroughputMeter,
     compile_counters,
+    host_rss_gib,
     memory_snapshot,
 )
 from zerotrain.metrics.tracking import StepLogger, Tracker, log, progress_bar
@@ -435,6 +436,9 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
         results.update(test)
         log.info("test: %s", fmt(test))
     if run.cfg.trainer.export:
+        held = host_rss_gib()
+        run.engine.release_optimizer()  # its memory holds the export's shard: training and its checkpoints are done
+        results["export_optimizer_freed_gib"] = held - host_rss_gib()
         weights = run.engine.consolidated_state_dict()  # every rank calls it (collective)
 
         def export() -> None:
@@ -446,8 +450,9 @@ def _finish(run: Run, state: TrainState, checkpointer: Checkpointer, evaluator: 
                 rundir.write_model_config(run.task, staging)
             results.update(export_s=time.perf_counter() - t0, export_host_rss_before_gib=host.before_gib,
                            export_host_rss_peak_gib=host.peak_gib)
-            log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before)",
-                     run.run_dir / "model", results["export_s"], host.peak_gib, host.before_gib)
+            log.info("export: %s in %.1f s, host memory %.2f GiB at most (%.2f GiB before, the optimizer's %.2f GiB "
+                     "freed first)", run.run_dir / "model", results["export_s"], host.peak_gib, host.before_gib,
+                     results["export_optimizer_freed_gib"])
 
         # A full disk on rank 0 stops every rank with its one line; under ZeRO-3 and FSDP2 the others gather with it
         run_on_main(export, serve=weights.serve if isinstance(weights, GatheredStateDict) else None)
