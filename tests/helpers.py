@@ -289,3 +289,21 @@ def file_size_limit(limit: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
+
+
+def tiny_llama_lm(tmp_path: Path, tok: Path, run: str, steps: int):
+    """A ``CausalLMConfig`` of the tiny ``LLAMA`` (``tmp_path/llama.json``, sized to ``tok``) trained on 48 short lines of
+    ``WORDS`` (``tmp_path/train.txt``): micro-batch 2 of 32 tokens, ``steps`` steps logged each, lr 1e-2, into
+    ``tmp_path/run``; the caller sets the strategy and the checkpoints."""
+    from zerotrain.tasks.causal_lm import CausalLMConfig
+
+    (tmp_path / "llama.json").write_text(json.dumps(dict(LLAMA, vocab_size=64)))
+    (tmp_path / "train.txt").write_text(
+        "\n".join(" ".join(WORDS[(i * 7 + j * 3) % 12] for j in range(4 + i % 5)) for i in range(48)) + "\n")
+    cfg = CausalLMConfig()
+    cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / "llama.json"), str(tok)
+    cfg.data.train_path, cfg.data.seq_len, cfg.data.cache_dir = str(tmp_path / "train.txt"), 32, str(tmp_path / "c")
+    cfg.trainer.micro_batch_size, cfg.trainer.max_steps, cfg.trainer.log_every_steps = 2, steps, 1
+    cfg.trainer.num_workers, cfg.trainer.output_dir, cfg.trainer.run_name = 0, str(tmp_path), run
+    cfg.logging.progress_bar, cfg.logging.tensorboard, cfg.optimizer.lr = False, False, 1e-2
+    return cfg

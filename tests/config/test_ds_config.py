@@ -793,7 +793,24 @@ def test_a_split_optimizer_is_refused_where_deepspeed_would_not_run_it_as_asked(
     l2.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
     refused(make_cfg(deepspeed_config=str(l2)), "l2.json: zero_optimization.offload_optimizer.ratio is 0.5.*AdamW")
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
+    adam = make_cfg(deepspeed_config=str(split))
+    adam.optimizer = OptimizerConfig(name="adam")
+    refused(adam, "--optimizer.name Adam steps the host's share.*pass --optimizer.name adamw")
     decoupled = tmp_path / "adamw.json"
     decoupled.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {}}, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))
     assert make_ds_config(make_cfg(deepspeed_config=str(decoupled)), 1, "cuda", "bf16")["optimizer"]["type"] == "Adam"
+
+
+def test_a_resume_keeps_the_share_of_the_optimizer_on_the_host():
+    """Another share changes DeepSpeed's sub-groups (1e8 elements below 1, 1e9 at 1) and which optimizer steps each
+    one: a resume with it is refused by the recorded config's check, as any setting outside resume_safe."""
+    import dataclasses
+
+    from zerotrain.config import resume_changes
+
+    saved = json.loads(json.dumps(dataclasses.asdict(make_cfg(zero_stage=3, offload_optimizer="cpu"))))
+    _, unsafe = resume_changes(saved, make_cfg(zero_stage=3, offload_optimizer="cpu", offload_optimizer_ratio=0.7))
+    assert unsafe == [("--strategy.offload_optimizer_ratio", 1.0, 0.7)]

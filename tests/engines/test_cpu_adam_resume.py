@@ -4,11 +4,10 @@ checkpoint holds, and a resumed optimizer would compute them afresh where the un
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from helpers import LLAMA, WORDS, train_log
+from helpers import tiny_llama_lm, train_log
 
 from zerotrain.tasks.causal_lm import CausalLMConfig, CausalLMTask
 from zerotrain.train.loop import fit
@@ -17,16 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 def _config(tmp_path: Path, tok: Path, run: str, steps: int, stage: int) -> CausalLMConfig:
-    (tmp_path / "llama.json").write_text(json.dumps(dict(LLAMA, vocab_size=64)))
-    (tmp_path / "train.txt").write_text(
-        "\n".join(" ".join(WORDS[(i * 7 + j * 3) % 12] for j in range(4 + i % 5)) for i in range(48)) + "\n")
-    cfg = CausalLMConfig()
-    cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / "llama.json"), str(tok)
-    cfg.data.train_path, cfg.data.seq_len, cfg.data.cache_dir = str(tmp_path / "train.txt"), 32, str(tmp_path / "c")
-    cfg.trainer.micro_batch_size, cfg.trainer.max_steps, cfg.trainer.log_every_steps = 2, steps, 1
-    cfg.trainer.num_workers, cfg.trainer.output_dir, cfg.trainer.run_name = 0, str(tmp_path), run
-    cfg.logging.progress_bar, cfg.logging.tensorboard = False, False
-    cfg.optimizer.lr, cfg.checkpoint.every_steps = 1e-2, 2
+    cfg = tiny_llama_lm(tmp_path, tok, run, steps)
+    cfg.checkpoint.every_steps = 2
     cfg.strategy.zero_stage, cfg.strategy.offload_optimizer = stage, "cpu"
     return cfg
 

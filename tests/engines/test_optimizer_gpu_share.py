@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import LLAMA, WORDS, train_log
+from helpers import tiny_llama_lm, train_log
 
 from zerotrain.tasks.causal_lm import CausalLMConfig, CausalLMTask
 from zerotrain.train.loop import fit
@@ -25,20 +25,12 @@ SUB_GROUP = 4_000
 
 
 def _config(tmp_path: Path, tok: Path, run: str, steps: int, ratio: float) -> CausalLMConfig:
-    (tmp_path / "llama.json").write_text(json.dumps(dict(LLAMA, vocab_size=64)))
-    (tmp_path / "train.txt").write_text(
-        "\n".join(" ".join(WORDS[(i * 7 + j * 3) % 12] for j in range(4 + i % 5)) for i in range(48)) + "\n")
     ds = tmp_path / f"zero3_ratio_{ratio}.json"
     ds.write_text(json.dumps({"bf16": {"enabled": True}, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": ratio}, "sub_group_size": SUB_GROUP,
         "stage3_param_persistence_threshold": 0}}))
-    cfg = CausalLMConfig()
-    cfg.model.init, cfg.model.config, cfg.model.tokenizer = "random", str(tmp_path / "llama.json"), str(tok)
-    cfg.data.train_path, cfg.data.seq_len, cfg.data.cache_dir = str(tmp_path / "train.txt"), 32, str(tmp_path / "c")
-    cfg.trainer.micro_batch_size, cfg.trainer.max_steps, cfg.trainer.log_every_steps = 2, steps, 1
-    cfg.trainer.num_workers, cfg.trainer.output_dir, cfg.trainer.run_name = 0, str(tmp_path), run
-    cfg.logging.progress_bar, cfg.logging.tensorboard, cfg.trainer.export = False, False, False
-    cfg.optimizer.lr, cfg.checkpoint.every_steps, cfg.scheduler.warmup_steps = 1e-2, 3, 2
+    cfg = tiny_llama_lm(tmp_path, tok, run, steps)
+    cfg.trainer.export, cfg.checkpoint.every_steps, cfg.scheduler.warmup_steps = False, 3, 2
     cfg.strategy.deepspeed_config = str(ds)
     return cfg
 

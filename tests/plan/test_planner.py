@@ -680,6 +680,8 @@ def test_the_planner_tries_part_of_the_optimizer_on_the_gpu_and_ranks_the_lower_
     assert rows[(0.3, 2, False)].memory.gpu_bytes > rows[(0.8, 2, False)].memory.gpu_bytes
     assert rows[(0.3, 2, False)].to_dict(2)["offload_optimizer_ratio"] == 0.3
     assert shared(cands, parse_config("toy", ["--optimizer.name", "adam"])) == []
+    assert shared(cands, parse_config("toy", ["--precision.dtype", "bf16", "--precision.master_weights", "bf16",
+                                             "--strategy.zero_stage", "2"])) == []
     assert shared(cands, one.apply(cfg)) == []
 
 

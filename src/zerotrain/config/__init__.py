@@ -103,7 +103,7 @@ class StrategyConfig:
     offload_optimizer: OffloadDevice = "none"
     """Keep optimizer states (and run the optimizer step) on cpu or nvme. Needs zero_stage >= 1 (nvme: stage 3)."""
     offload_optimizer_ratio: float = 1.0
-    """With offload_optimizer cpu at zero_stage 3: the share of the optimizer kept on the host (its fp32 master weights, their gradients and its states, and their update); the rest stays on the GPU and steps there. Below 1 it trains models whose optimizer outgrows the host, in the GPU memory the weights and activations leave (DeepSpeed's offload_optimizer.ratio, counted in sub-groups of the optimizer; `zerotrain estimate` proposes a value where nothing else fits). Needs --optimizer.name adamw."""
+    """With offload_optimizer cpu at zero_stage 3: the share of the optimizer kept on the host (its fp32 master weights, their gradients and its states, and their update); the rest stays on the GPU and steps there. Below 1 it trains models whose optimizer outgrows the host, in the GPU memory the weights and activations leave (DeepSpeed's offload_optimizer.ratio, counted in sub-groups of the optimizer; `zerotrain estimate` proposes a value where nothing else fits). Needs --optimizer.name adamw, fp32 master weights, and the weights on the GPU or the cpu. A resume keeps the run's value."""
     offload_param: OffloadDevice = "none"
     """Keep parameters on cpu or nvme between uses. Needs zero_stage 3."""
     nvme_path: Optional[str] = None

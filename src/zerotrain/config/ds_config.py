@@ -754,7 +754,7 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         # An "auto" precision flag follows the resolved precision of the typed config.
         ds = resolve_auto(user, generated, extra)
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
-        _check_gpu_share(ds, cfg.strategy.offload_optimizer_ratio, cfg.strategy.deepspeed_config)
+        _check_gpu_share(ds, cfg.strategy.offload_optimizer_ratio, cfg.strategy.deepspeed_config, "optimizer" in user)
         _check_state_precision_agrees(ds, cfg.precision.master_weights, cfg.precision.optimizer_states,
                                       cfg.strategy.deepspeed_config)
         if "optimizer" in user and "optimizer" not in generated:
@@ -803,14 +803,15 @@ def _check_state_precision_agrees(ds: dict[str, Any], master: str, states: str, 
                               f"bf16.{key}: set it to true there (with bf16.enabled), or leave {flag} unset")
 
 
-def _check_gpu_share(ds: dict[str, Any], ratio_flag: float, path: str) -> None:
+def _check_gpu_share(ds: dict[str, Any], ratio_flag: float, path: str, users_optimizer: bool = True) -> None:
     """Refuse, in one line naming the file, a user's ``offload_optimizer.ratio`` below 1 where DeepSpeed 0.19 would not
     split the optimizer as asked, or a --strategy.offload_optimizer_ratio that the file leaves out (the file decides).
 
     DeepSpeed splits it only at ZeRO-3 with the optimizer on the cpu (it ignores the ratio elsewhere); it does not
     build the split beside weights on NVMe (their swapped masters live on the host); and it steps the GPU's share with
     torch's AdamW in the master weights' dtype, so the host's optimizer must be AdamW (Adam with ``adam_w_mode``) and
-    the master weights fp32 for the states to be what the file says."""
+    the master weights fp32 for the states to be what the file says. ``users_optimizer``: the file has an
+    ``optimizer`` block (else --optimizer.name made it, and the line names the flag)."""
     zero = ds.get("zero_optimization") or {}
     offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
     ratio = offload.get("ratio", 1.0)
@@ -833,6 +834,10 @@ def _check_gpu_share(ds: dict[str, Any], ratio_flag: float, path: str) -> None:
     block = ds.get("optimizer") if isinstance(ds.get("optimizer"), dict) else {}
     kind = str(block.get("type", "")).lower()
     decoupled = kind == "adamw" or (kind == "adam" and (block.get("params") or {}).get("adam_w_mode", True) is not False)
+    if not decoupled and not users_optimizer:
+        raise ConfigError("--optimizer.name", f"{block.get('type')} steps the host's share of the optimizer, and {path} "
+                          f"(--strategy.deepspeed_config) sets zero_optimization.offload_optimizer.ratio {ratio}, whose "
+                          "GPU share DeepSpeed steps with AdamW: pass --optimizer.name adamw, or drop the ratio")
     if not decoupled:
         raise UserError(f"{said}, and DeepSpeed steps the GPU's share with AdamW: the file's optimizer "
                         f"{json.dumps(block.get('type'))} would step the host's share otherwise. Use \"type\": "

@@ -44,7 +44,7 @@ from zerotrain.plan.memory import (
     step_peak,
 )
 from zerotrain.plan.activations import Activations, activation_bytes
-from zerotrain.plan.strategies import HOST_SHARES, STRATEGIES, Strategy, available
+from zerotrain.plan.strategies import HOST_SHARES, STRATEGIES, Strategy, available, may_share_optimizer
 from zerotrain.tasks import registry as recipes
 
 if TYPE_CHECKING:
@@ -216,8 +216,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         alternative = next((row for row in unpinned.rows if row.fits), None)
     shared: list[tuple[float, bool, PlanRow]] = []
     if (search_shares and gpu is not None and device == "cuda" and alternative is None
-            and not any(r.fits for r in rows) and s.offload_optimizer_ratio == 1.0 and not s.deepspeed_config
-            and cfg.optimizer.name == "adamw" and "zero3_offload_optimizer" in candidates):
+            and not any(r.fits for r in rows) and may_share_optimizer(cfg) and "zero3_offload_optimizer" in candidates):
         seen = set()
         for share in HOST_SHARES:
             split.strategy.offload_optimizer_ratio = share
@@ -304,13 +303,13 @@ def format_report(report: EstimateReport) -> str:
                      f"per process, slower host-GPU copies)   ->   zerotrain fit {report.recipe} ... "
                      f"{' '.join({**STRATEGIES, **report.configured}[alt.name].flags())} --strategy.offload_pin_memory false")
     elif pick is None and report.shared:
-        # The least on the host steps fastest (the GPU's Adam); the most leaves the GPU the most room
-        share, loose, row = report.shared[-1]
+        # The most on the host leaves the GPU the most room (the allocator's slack, a longer batch); less steps faster
+        share, loose, row = report.shared[0]
         shares = [f"{s:g}" for s, _, _ in report.shared]
         unpin = " --strategy.offload_pin_memory false" if loose else ""
         lines.append(f"Nothing fits with the optimizer all on the host. With part of it on the GPU, zero3_offload_optimizer "
                      f"fits at --strategy.offload_optimizer_ratio {', '.join(shares)} (its share on the host; the "
-                     f"lowest steps fastest, the highest leaves the GPU the most room). At {share:g}: "
+                     f"highest leaves the GPU the most room, a lower one steps faster). At {share:g}: "
                      f"{row.memory.gpu_bytes / GIB:.2f} GiB of states per GPU, {row.memory.cpu_bytes / GIB:.2f} GiB on "
                      f"the host per process   ->   zerotrain fit {report.recipe} ... "
                      f"{' '.join(STRATEGIES['zero3_offload_optimizer'].flags())} --strategy.offload_optimizer_ratio "

@@ -53,7 +53,7 @@ from zerotrain.plan.benchmark import run_one
 from zerotrain.plan.memory import GIB, MemoryPrediction, fits, predict
 from zerotrain.plan.probe import Probe, run_probe
 from zerotrain.plan.speed import StepTime, step_time
-from zerotrain.plan.strategies import HOST_SHARES, STRATEGIES, available
+from zerotrain.plan.strategies import HOST_SHARES, STRATEGIES, available, may_share_optimizer
 from zerotrain.runtime.rundir import commit, environment, write_json
 from zerotrain.tasks import registry as recipes
 
@@ -176,9 +176,8 @@ def unpinned(cands: list[Candidate], cfg: RunConfig) -> list[Candidate]:
 
 def shared(cands: list[Candidate], cfg: RunConfig) -> list[Candidate]:
     """ZeRO-3's optimizer-offload candidates again at each :data:`HOST_SHARES` of the optimizer on the host (the rest
-    on the GPU), pinned and unpinned as :func:`unpinned` allows, unless the config sets the share itself or trains
-    with an optimizer other than AdamW (which DeepSpeed's GPU share runs)."""
-    if cfg.strategy.offload_optimizer_ratio < 1 or cfg.optimizer.name != "adamw":
+    on the GPU), pinned and unpinned as :func:`unpinned` allows, where :func:`may_share_optimizer`."""
+    if not may_share_optimizer(cfg):
         return []
     base = [c for c in cands if c.strategy == "zero3_offload_optimizer"]
     base += unpinned(base, cfg)

@@ -127,9 +127,10 @@ def step_time(strategy: Strategy, micro_batch_size: int, grad_accum: int, checkp
     if strategy.offload_optimizer != "none":
         moved = (4 + (2 if half else 4)) * counts.trainable * share  # fp32 gradients down, the model's weights up
         adam = counts.trainable * share * (n / nnodes) / CPU_ADAM_PARAMS_PER_S
-        back_up = (1 - host_share) * (2 if half else 4) * counts.trainable * share  # the GPU share's gradients
-        optimizer = (host_share * adam + (1 - host_share) * probe.optimizer_step_s * share
-                     + (moved + back_up) / link_to_host)
+        # The GPU share's 16-bit gradients still go down to the host's flat partition and back up
+        trip = 2 * (2 if half else 4) * counts.trainable * share
+        optimizer = (host_share * (adam + moved / link_to_host)
+                     + (1 - host_share) * (probe.optimizer_step_s * share + trip / link_to_host))
     else:
         optimizer = probe.optimizer_step_s * share
     if strategy.offload_param != "none":

@@ -54,6 +54,14 @@ HOST_SHARES = tuple(round(1 - 0.05 * i, 2) for i in range(1, 20))
 estimate`` and ``zerotrain plan`` try where nothing fits with all of it there, most on the host first."""
 
 
+def may_share_optimizer(cfg: "RunConfig") -> bool:
+    """Whether ``zerotrain estimate`` and ``zerotrain plan`` may try :data:`HOST_SHARES` for ``cfg``: it sets no share
+    itself and no DeepSpeed file, and runs AdamW with fp32 master weights (what the split needs, see
+    ``--strategy.offload_optimizer_ratio``)."""
+    return (cfg.strategy.offload_optimizer_ratio == 1.0 and not cfg.strategy.deepspeed_config
+            and cfg.optimizer.name == "adamw" and cfg.precision.master_weights == "fp32")
+
+
 def offloads(strategy: Strategy) -> bool:
     """Whether ``strategy`` moves anything off the GPU (which needs a GPU to move it from)."""
     return strategy.offload_optimizer != "none" or strategy.offload_param != "none"
