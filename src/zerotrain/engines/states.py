@@ -265,10 +265,10 @@ class StateMemory:
     """``cpu_bytes`` are allocated only after the model built on the CPU has moved to the GPU (ZeRO-1/2
     optimizer offload): the host holds one or the other at its peak, not both."""
     nvme_bytes: int = 0
+    """Per process, on the ``--strategy.nvme_path`` disk: states offloaded to NVMe (ZeRO-Infinity)."""
     moments_cpu_bytes: int = 0
     """The optimizer's states among ``cpu_bytes`` (Adam's moments on the host): what the engine frees before the
     export (:meth:`~zerotrain.engines.base.Engine.release_optimizer`)."""
-    """Per process, on the ``--strategy.nvme_path`` disk: states offloaded to NVMe (ZeRO-Infinity)."""
     gathered_bytes: int = 0
     """The share of ``gpu_bytes`` held from the forward pass into the backward pass and released there block by
     block while the gradients build up, so the backward pass holds the larger of the two, not both: FSDP2's
