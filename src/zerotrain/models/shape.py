@@ -84,6 +84,14 @@ def _forward_source(model: nn.Module) -> str:
         return ""
 
 
+def head_dim(config: Any) -> int:
+    """Dimensions of an attention head of a Hugging Face ``config``: its ``head_dim``, else the width over the heads;
+    0 where it has neither."""
+    hidden = _first_attr(config, ("hidden_size", "n_embd", "dim", "d_model"))
+    heads = _first_attr(config, ("num_attention_heads", "n_head", "n_heads"))
+    return _first_attr(config, ("head_dim",)) or (hidden // heads if hidden and heads else 0)
+
+
 def transformer_shape(model: nn.Module, seq_len: int, vocab_positions: int, dense_mask: bool) -> Optional[TransformerShape]:
     """The shape of a Hugging Face transformer ``model`` (LoRA-wrapped or not), or None when its config lacks the
     dimensions (a model that is not a standard transformer: its activations are then only measured)."""
@@ -97,7 +105,6 @@ def transformer_shape(model: nn.Module, seq_len: int, vocab_positions: int, dens
     if not (layers and hidden and heads and vocab):
         return None
     kv_heads = _first_attr(config, ("num_key_value_heads",)) or heads
-    head_dim = _first_attr(config, ("head_dim",)) or hidden // heads
     intermediate = _first_attr(config, ("intermediate_size", "n_inner", "hidden_dim", "ffn_dim")) or 4 * hidden
     names = [name for name, _ in model.named_modules()]
     gated = any(name.endswith(("gate_proj", "gate_up_proj", "w1")) for name in names)
@@ -110,7 +117,7 @@ def transformer_shape(model: nn.Module, seq_len: int, vocab_positions: int, dens
     attention = attention_implementation(model)
     source = _model_source(model)
     return TransformerShape(
-        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate,
+        layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim(config), intermediate=intermediate,
         vocab=vocab, seq_len=seq_len, mlp_tensors=mlp_tensors, rms_norm=rms, attention=attention,
         dense_mask=dense_mask and not attention.startswith("flash"),
         hidden_dropout=_config_float(config, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout")),

@@ -207,7 +207,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
             judged.append(PlanRow(row.name, row.memory, row.fits and peak <= limit))
         rows = judged
     alternative = None
-    split = STRATEGIES["zero3_offload_optimizer"].apply(cfg)  # as configured, pinning included
+    pin = s.offload_pin_memory  # as configured: the unpinned re-estimate below changes it
     # Pinned blocks round up to powers of two: unpinned may fit. (A user's DeepSpeed file decides its own pinning.)
     if (gpu is not None and device == "cuda" and s.offload_pin_memory is None and not s.deepspeed_config
             and not any(r.fits for r in rows)):
@@ -217,7 +217,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     shared: list[tuple[float, bool, PlanRow]] = []
     if (search_shares and gpu is not None and device == "cuda" and alternative is None
             and not any(r.fits for r in rows) and may_share_optimizer(cfg) and "zero3_offload_optimizer" in candidates):
-        seen = set()
+        split, seen = STRATEGIES["zero3_offload_optimizer"].apply(cfg), set()
+        split.strategy.offload_pin_memory = pin
         for share in HOST_SHARES:
             split.strategy.offload_optimizer_ratio = share
             report = estimate(recipe, split, gpu / GIB, host / GIB, reserve_gib, probe, search_shares=False)

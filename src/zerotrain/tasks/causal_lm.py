@@ -43,7 +43,7 @@ from zerotrain.data.streaming import StreamedRows, first_columns, share_where, s
 from zerotrain.data.tokenizer import load_tokenizer, with_pad_token
 from zerotrain.errors import ConfigError, DataError, UserError
 from zerotrain.models import hf
-from zerotrain.models.shape import TransformerShape, transformer_shape
+from zerotrain.models.shape import TransformerShape, head_dim, transformer_shape
 from zerotrain.tasks.base import Batch, Splits, StepOutput, Task
 
 logger = logging.getLogger(__name__)
@@ -272,11 +272,9 @@ class CausalLMTask(Task[CausalLMConfig]):
         do not share (Llama-shaped 1.1B, seq 2048, one H200: 55,868 -> 70,810 tokens/s;
         docs/benchmarks/causal_lm_1b_h200_202611.md). Its compiled kernel needs heads of 16 dimensions or more
         (PyTorch 2.11 refuses 8 when it compiles the first step): smaller heads keep sdpa."""
-        config = getattr(model, "config", None)
-        heads = getattr(config, "num_attention_heads", 0) or 0
-        head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
         return (getattr(self.cfg.model, "attn_implementation", "auto") == "auto" and self.packed()
-                and self.document_mask() and torch.cuda.is_available() and head_dim >= 16
+                and self.document_mask() and torch.cuda.is_available()
+                and head_dim(getattr(model, "config", None)) >= 16
                 and getattr(model, "_supports_flex_attn", False) and hasattr(model, "set_attn_implementation")
                 and hf.attention_implementation(model) == "sdpa")
 
