@@ -160,6 +160,16 @@ def test_environment_holds_launcher_variables_and_no_others(monkeypatch):
         assert name not in text
 
 
+def test_environment_records_the_allocator_and_nccl_settings(monkeypatch):
+    """A memory peak depends on the CUDA allocator's settings and a multi-GPU speed on NCCL's: env.json keeps them."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("NCCLX_OTHER", "not nccl's")
+    env = rundir.environment()
+    assert env["tuning_env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["tuning_env"]["NCCL_NVLS_ENABLE"] == "0" and "NCCLX_OTHER" not in env["tuning_env"]
+
+
 def test_commit_outside_git_comes_from_zerotrain_commit(monkeypatch):
     """A GPU machine receives the tree without .git: the commit travels in ZEROTRAIN_COMMIT."""
     from zerotrain.runtime import rundir

@@ -451,6 +451,9 @@ def environment() -> dict[str, Any]:
         # the CPUs this process may run on (taskset, cpuset): OpenMP sizes its default thread count by them
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        # settings that change a run's memory or speed figures: the CUDA allocator's, NCCL's
+        "tuning_env": {k: v for k, v in sorted(os.environ.items())
+                       if k == "PYTORCH_CUDA_ALLOC_CONF" or k == "PYTORCH_ALLOC_CONF" or k.startswith("NCCL_")},
         "launcher_env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                                     "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES")
                          if k in os.environ},
