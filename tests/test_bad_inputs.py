@@ -223,6 +223,8 @@ CASES = [
     Case("json-flag-conflict-micro", "ds-json",
          "fit toy $FIT --trainer.micro_batch_size 4 --strategy.deepspeed_config {tmp}/micro2.json"),
     Case("json-flag-conflict-stage", "ds-json", "fit toy $FIT --strategy.zero_stage 2 --strategy.deepspeed_config {tmp}/ok.json"),
+    Case("json-flag-left-to-default", "ds-json",
+         "fit toy $FIT --strategy.gradient_clipping 0.5 --strategy.deepspeed_config {tmp}/ok.json"),
     # ---- data ----
     Case("mlm-missing-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/nope.txt --data.tokenizer {tok}"),
     Case("mlm-empty-file", "data", "fit mlm $FIT $MLM --data.train_path {tmp}/empty.txt --data.tokenizer {tok}"),

@@ -33,6 +33,11 @@ PRESETS = sorted((Path(zerotrain.__file__).parent / "presets").glob("*.json"))
 
 
 def make_cfg(micro: int = 4, gas: int = 2, **strategy: Any) -> ToyConfig:
+    """A config whose flags all differ from their defaults; beside a user's DeepSpeed file (``deepspeed_config``), only
+    the batch and the flags named, as a flag the file leaves to DeepSpeed's default is refused."""
+    if "deepspeed_config" in strategy:
+        return ToyConfig(strategy=StrategyConfig(gradient_accumulation_steps=gas, **strategy),
+                         trainer=TrainerConfig(micro_batch_size=micro, max_steps=10))
     return ToyConfig(
         optimizer=OptimizerConfig(lr=3e-4, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05),
         strategy=StrategyConfig(gradient_accumulation_steps=gas, gradient_clipping=0.5, **strategy),
@@ -769,6 +774,34 @@ def test_a_users_file_that_splits_the_optimizer_is_recorded_with_its_ratio(tmp_p
         make_ds_config(flagged, 1, "cuda", "bf16")
 
 
+def test_a_users_auto_ratio_is_the_flags_whatever_stage_and_device_the_flags_name(tmp_path):
+    """The file decides the stage and the offload device; its ``"ratio": "auto"`` takes --strategy.offload_optimizer_ratio
+    (1, no split, when the flag is left out), not a value from a config generated at the flags' own stage."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": "auto"}}}))
+    ds = make_ds_config(make_cfg(deepspeed_config=str(path), offload_optimizer_ratio=0.4), 1, "cuda", "bf16")
+    assert ds["zero_optimization"]["offload_optimizer"]["ratio"] == 0.4
+    assert make_ds_config(make_cfg(deepspeed_config=str(path)), 1, "cuda", "bf16")[
+        "zero_optimization"]["offload_optimizer"]["ratio"] == 1.0
+
+
+def test_a_flag_that_a_users_file_leaves_to_deepspeeds_default_is_refused(tmp_path):
+    """A flag given beside a file that does not set its key would lose to DeepSpeed's default without a word; the
+    batch keys and a missing optimizer block are filled from the flags instead, so those flags stay."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto"}))
+    with pytest.raises(ConfigError, match="--strategy.zero_stage is 2, but .*does not set zero_optimization.stage"):
+        make_ds_config(make_cfg(deepspeed_config=str(path), zero_stage=2), 1, "cuda", "bf16")
+    ds = make_ds_config(make_cfg(gas=3, deepspeed_config=str(path)), 1, "cuda", "bf16")
+    assert ds["gradient_accumulation_steps"] == 3
+    tuned = make_cfg(deepspeed_config=str(path))
+    tuned.optimizer = OptimizerConfig(lr=0.02)
+    assert make_ds_config(tuned, 1, "cuda", "bf16")["optimizer"]["params"]["lr"] == 0.02
+    path.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}}))
+    with pytest.raises(ConfigError, match="--optimizer.lr is 0.02, but .*does not set optimizer.params.lr"):
+        make_ds_config(tuned, 1, "cuda", "bf16")
+
+
 def test_a_split_optimizer_is_refused_where_deepspeed_would_not_run_it_as_asked(tmp_path):
     """Each in one line naming the flag or the file: a split under FSDP2, beside weights on NVMe, beside bf16 master
     weights (the GPU's share would keep bf16 moments), with a file that keeps the whole optimizer on the host or
@@ -788,7 +821,9 @@ def test_a_split_optimizer_is_refused_where_deepspeed_would_not_run_it_as_asked(
     refused(bf16_master, "--strategy.offload_optimizer_ratio.*master_weights bf16")
     whole = tmp_path / "whole.json"
     whole.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}))
-    refused(make_cfg(deepspeed_config=str(whole), offload_optimizer_ratio=0.5), "--strategy.offload_optimizer_ratio has no effect")
+    refused(make_cfg(deepspeed_config=str(whole), offload_optimizer_ratio=0.5),
+            "--strategy.offload_optimizer_ratio is 0.5, but .*whole.json.*does not set zero_optimization.offload_optimizer"
+            ".ratio, so DeepSpeed's default would apply: write 0.5")
     l2 = tmp_path / "l2.json"
     l2.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}))

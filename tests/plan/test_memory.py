@@ -548,8 +548,9 @@ def test_estimate_proposes_part_of_the_optimizer_on_the_gpu_where_nothing_else_f
     """A 1.1B toy on a 16 GiB GPU: ZeRO-3 keeps too much on the GPU, its optimizer offload too much on the host (24.8
     GiB), pinned or not. Its tensors make three sub-groups (537M, 604M and 8 elements: a group closes once it holds
     1e8 or more): the shares 0.95 to 0.7 keep none on the GPU, 0.65 to 0.35 the first, one layout named by its
-    highest share. It fits a 20 GiB host unpinned only, and the flags say so; on a 22 GiB host, pinned. A share the
-    user set, or bf16 master weights (which the split does not take), are not searched."""
+    highest share. It fits a 20 GiB host unpinned only, and the flags say so; on a 22 GiB host, pinned; on a 26 GiB
+    host it is named beside ZeRO-1's whole optimizer unpinned. A share the user set, or bf16 master weights (which the
+    split does not take), are not searched."""
     from zerotrain.config.flags import parse_config
     from zerotrain.plan.estimate import estimate, format_report
 
@@ -566,6 +567,12 @@ def test_estimate_proposes_part_of_the_optimizer_on_the_gpu_where_nothing_else_f
     roomier = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=22)
     assert [(share, loose) for share, loose, _ in roomier.shared] == [(0.65, False)]
     assert format_report(roomier).splitlines()[-1].endswith("--strategy.offload_optimizer_ratio 0.65")
+    # Where the whole optimizer fits the host unpinned only, the pinned share is named beside it: plan measures which
+    both = estimate("toy", cfg, gpu_memory_gib=16, host_memory_gib=26)
+    assert both.unpinned.name == "zero1_offload" and [(s, loose) for s, loose, _ in both.shared] == [(0.65, False)]
+    unpinned_line, share_line = format_report(both).splitlines()[-2:]
+    assert unpinned_line.endswith("--strategy.offload_pin_memory false") and share_line.startswith("Or, with part")
+    assert share_line.endswith("--strategy.offload_optimizer_ratio 0.65")
     set_by_user = parse_config("toy", ["--model.width", str(2**26), "--strategy.zero_stage", "3",
                                        "--strategy.offload_optimizer", "cpu", "--strategy.offload_optimizer_ratio", "0.9"])
     again = estimate("toy", set_by_user, gpu_memory_gib=16, host_memory_gib=16)

@@ -604,13 +604,20 @@ def test_when_no_pinned_offload_fits_the_plan_tries_the_offloads_unpinned(tmp_pa
     monkeypatch.setattr(planner, "run_probe", lambda *a, **k: probe)
     monkeypatch.setattr(planner, "_trial", trial)
     result = planner.plan("toy", cfg, args, tmp_path / "plan", trials=2, host_memory_gib=24)
-    assert trialled and all(c.unpinned and STRATEGIES[c.strategy].offload_optimizer == "cpu" for c in trialled)
+    assert trialled and all(c.unpinned and STRATEGIES[c.strategy].offload_optimizer == "cpu" and c.host_share == 1
+                            for c in trialled)
     choice = result.choice.candidate
     assert choice.flags()[-2:] == ["--strategy.offload_pin_memory", "false"] and "unpinned" in choice.label
     saved = yaml.safe_load((tmp_path / "plan" / "plan.yaml").read_text())
     assert saved["strategy"]["offload_pin_memory"] is False
-    cached = json.loads((tmp_path / "plan" / "plan.json").read_text())["choice"]
+    saved_plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    cached = saved_plan["choice"]
     assert cached["offload_pin_memory"] is False
+    # Beside them, part of the optimizer on the GPU, pinned or not: assessed in the same round, ranked by the model
+    shares = [r for r in saved_plan["rows"] if r["offload_optimizer_ratio"] < 1]
+    assert {r["offload_pin_memory"] for r in shares} == {None, False}
+    assert {r["strategy"] for r in shares} == {"zero3_offload_optimizer"}
+    assert any(r["optimizer_on_host"] < 1 for r in shares)
 
     # A config that pins (or unpins) the offloads itself is planned as it says.
     pinned = parse_config("toy", [*args, "--strategy.offload_pin_memory", "true"])
@@ -658,10 +665,12 @@ def test_the_speed_model_ranks_the_engines_as_bert_base_measured_on_one_h100():
 
 
 def test_the_planner_tries_part_of_the_optimizer_on_the_gpu_and_ranks_the_lower_host_share_faster():
-    """Where nothing fits with the optimizer all on the host, ZeRO-3's optimizer offload comes back at each share of
-    it on the host, pinned and unpinned; a candidate's flags and config carry its share, and a lower share is
-    predicted to step faster (less of the optimizer on the host's Adam). A share the config sets, or an optimizer
-    other than AdamW, adds none."""
+    """Where nothing fits pinned with the optimizer all on the host, ZeRO-3's optimizer offload comes back at each
+    share of it on the host, pinned and unpinned; a candidate's flags and config carry its share, and a lower share is
+    predicted to step faster (less of the optimizer on the host's Adam). The toy's three sub-groups (537M, 604M and 8
+    elements) make three layouts: none on the GPU (shares 0.95 to 0.7, in the split's smaller sub-groups), the first
+    group (0.65 to 0.35) or the first two (0.3 to 0.05); each is assessed once, at its highest share. A share the
+    config sets, or an optimizer other than AdamW, adds none."""
     from zerotrain.plan.planner import shared
     from zerotrain.plan.strategies import HOST_SHARES
 
@@ -674,11 +683,15 @@ def test_the_planner_tries_part_of_the_optimizer_on_the_gpu_and_ranks_the_lower_
     one = next(c for c in again if c.host_share == 0.5 and not c.unpinned)
     assert one.flags()[-2:] == ["--strategy.offload_optimizer_ratio", "0.5"] and "host share 0.5" in one.label
     assert one.apply(cfg).strategy.offload_optimizer_ratio == 0.5
-    rows = {(r.candidate.host_share, r.candidate.micro_batch_size, r.candidate.checkpointing): r
-            for r in assess("toy", cfg, probe, [c for c in again if not c.unpinned], 16 * GIB)}
-    assert rows[(0.3, 2, False)].time.optimizer < rows[(0.8, 2, False)].time.optimizer
-    assert rows[(0.3, 2, False)].memory.gpu_bytes > rows[(0.8, 2, False)].memory.gpu_bytes
-    assert rows[(0.3, 2, False)].to_dict(2)["offload_optimizer_ratio"] == 0.3
+    assessed = assess("toy", cfg, probe, [c for c in again if not c.unpinned], 16 * GIB)
+    rows = {(r.candidate.host_share, r.candidate.micro_batch_size, r.candidate.checkpointing): r for r in assessed}
+    assert len(rows) == len(assessed) == 3 * len(base)
+    assert {share for share, _, _ in rows} == {0.95, 0.65, 0.3}
+    assert rows[(0.95, 2, False)].to_dict(2)["optimizer_on_host"] == 1.0
+    assert rows[(0.3, 2, False)].time.optimizer < rows[(0.65, 2, False)].time.optimizer
+    assert rows[(0.3, 2, False)].memory.gpu_bytes > rows[(0.65, 2, False)].memory.gpu_bytes
+    row = rows[(0.65, 2, False)].to_dict(2)
+    assert row["offload_optimizer_ratio"] == 0.65 and row["optimizer_on_host"] == pytest.approx(604 / 1141, rel=1e-3)
     assert shared(cands, parse_config("toy", ["--optimizer.name", "adam"])) == []
     assert shared(cands, parse_config("toy", ["--precision.dtype", "bf16", "--precision.master_weights", "bf16",
                                              "--strategy.zero_stage", "2"])) == []

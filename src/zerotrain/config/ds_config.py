@@ -348,6 +348,10 @@ def check_user_types(user: dict[str, Any], path: str | Path) -> None:
             raise refuse(key, value, "one of " + ", ".join(f'"{t}"' for t in _COMM_TYPES) + " or null")
         if key in ("zero_optimization", "fp16", "bf16"):
             found = block_type_error(key, value)
+            if found is not None and found[0] == key:  # DeepSpeed's check of the whole block, in its own words
+                raise UserError(f"--strategy.deepspeed_config: {path}: DeepSpeed refuses its {key} block "
+                                f"{json.dumps(found[1], default=str)}: \"{found[2].rstrip('.')}\". Edit that block of "
+                                "the file as DeepSpeed's sentence says")
             if found is not None:
                 raise refuse(*found)
     for block, known in (("optimizer", None), ("scheduler", builtin_scheduler_names())):
@@ -469,6 +473,8 @@ def _auto_aliases(generated: dict[str, Any], extra: dict[str, Any]) -> dict[str,
     for key in ("warmup_num_steps", "total_num_steps"):
         if key in extra:
             aliases[f"scheduler.params.{key}"] = extra[key]
+    if "offload_optimizer_ratio" in extra:  # the flag, whichever stage and device the flags name (the file decides)
+        aliases["zero_optimization.offload_optimizer.ratio"] = extra["offload_optimizer_ratio"]
     return aliases
 
 
@@ -485,7 +491,7 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
     """Fill every ``"auto"`` in ``user`` from ``generated`` (same key) or a known alias; keep explicit values.
 
     ``extra`` carries facts DeepSpeed JSON does not hold: ``total_num_steps``, ``warmup_num_steps``,
-    ``min_lr_ratio``, ``hidden_size``. Top-level keys the loop needs (batch sizes, accumulation) are
+    ``min_lr_ratio``, ``hidden_size``, ``offload_optimizer_ratio``. Top-level keys the loop needs (batch sizes, accumulation) are
     taken from ``generated`` when the user's file lacks them. An ``"auto"`` nobody can fill is an
     error naming its key.
     """
@@ -553,20 +559,33 @@ FLAG_KEYS = (("optimizer", "lr", "optimizer.params.lr"), ("optimizer", "betas", 
 """(section, field, DeepSpeed key): the flags a user's DeepSpeed file can also set."""
 
 
+FILLED_WHEN_ABSENT = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+"""Keys of :data:`FLAG_KEYS` that :func:`resolve_auto` takes from the flags when a user's file leaves them out (the
+``optimizer`` block too, when the file has none)."""
+
+
 def check_flags_agree(cfg: RunConfig, user: dict[str, Any], path: str) -> None:
-    """Refuse, in one line naming both, a flag that a user's DeepSpeed file sets to another value: the file would
-    win without a word (the Hugging Face Trainer refuses such a mismatch too). A flag at its default counts as not
-    given, so the file decides; a file's ``"auto"`` is filled from the flag. Offload and precision are checked by
-    their own rules (:func:`_check_pinning_agrees`, the file's blocks decide)."""
+    """Refuse, in one line naming both, a flag that a user's DeepSpeed file sets to another value, or leaves to
+    DeepSpeed's default: the file would win without a word (the Hugging Face Trainer refuses such a mismatch too). A
+    flag at its default counts as not given, so the file decides; a file's ``"auto"`` is filled from the flag, and so
+    are the keys the file may leave out (:data:`FILLED_WHEN_ABSENT`). Offload and precision are checked by their own
+    rules (:func:`_check_pinning_agrees`, the file's blocks decide)."""
     for section_name, name, key in FLAG_KEYS:
         section = getattr(cfg, section_name)
         value = getattr(section, name)
         if value == getattr(type(section)(), name):
             continue
-        theirs = _lookup_or(user, key)
+        mine = list(value) if isinstance(value, tuple) else value
+        try:
+            theirs = _lookup(user, key)
+        except KeyError:
+            if key in FILLED_WHEN_ABSENT or (key.startswith("optimizer.") and "optimizer" not in user):
+                continue
+            raise ConfigError(f"--{section_name}.{name}", f"is {json.dumps(mine)}, but {path} "
+                              f"(--strategy.deepspeed_config) decides and does not set {key}, so DeepSpeed's default "
+                              f"would apply: write {json.dumps(mine)} (or \"auto\") there, or drop the flag") from None
         if theirs is None or theirs == "auto":
             continue
-        mine = list(value) if isinstance(value, tuple) else value
         if theirs != mine:
             raise ConfigError(f"--{section_name}.{name}", f"is {json.dumps(mine)}, but {path} "
                               f"(--strategy.deepspeed_config) sets {key} to {json.dumps(theirs)}, and the file would "
@@ -752,9 +771,10 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         user = load_user_config(cfg.strategy.deepspeed_config)
         check_flags_agree(cfg, user, cfg.strategy.deepspeed_config)
         # An "auto" precision flag follows the resolved precision of the typed config.
-        ds = resolve_auto(user, generated, extra)
+        ds = resolve_auto(user, generated, {**(extra or {}),
+                                            "offload_optimizer_ratio": cfg.strategy.offload_optimizer_ratio})
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
-        _check_gpu_share(ds, cfg.strategy.offload_optimizer_ratio, cfg.strategy.deepspeed_config, "optimizer" in user)
+        _check_gpu_share(ds, cfg.strategy.deepspeed_config, "optimizer" in user)
         _check_state_precision_agrees(ds, cfg.precision.master_weights, cfg.precision.optimizer_states,
                                       cfg.strategy.deepspeed_config)
         if "optimizer" in user and "optimizer" not in generated:
@@ -803,9 +823,9 @@ def _check_state_precision_agrees(ds: dict[str, Any], master: str, states: str, 
                               f"bf16.{key}: set it to true there (with bf16.enabled), or leave {flag} unset")
 
 
-def _check_gpu_share(ds: dict[str, Any], ratio_flag: float, path: str, users_optimizer: bool = True) -> None:
+def _check_gpu_share(ds: dict[str, Any], path: str, users_optimizer: bool = True) -> None:
     """Refuse, in one line naming the file, a user's ``offload_optimizer.ratio`` below 1 where DeepSpeed 0.19 would not
-    split the optimizer as asked, or a --strategy.offload_optimizer_ratio that the file leaves out (the file decides).
+    split the optimizer as asked.
 
     DeepSpeed splits it only at ZeRO-3 with the optimizer on the cpu (it ignores the ratio elsewhere); it does not
     build the split beside weights on NVMe (their swapped masters live on the host); and it steps the GPU's share with
@@ -816,11 +836,7 @@ def _check_gpu_share(ds: dict[str, Any], ratio_flag: float, path: str, users_opt
     offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
     ratio = offload.get("ratio", 1.0)
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio >= 1.0:
-        if ratio_flag < 1.0:
-            raise ConfigError("--strategy.offload_optimizer_ratio", f"has no effect: {path} (--strategy.deepspeed_config) "
-                              "keeps the whole optimizer where its offload block says. Set zero_optimization."
-                              "offload_optimizer.ratio there, or leave the flag unset")
-        return
+        return  # a --strategy.offload_optimizer_ratio the file leaves out or contradicts: check_flags_agree
     said = f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.ratio is {ratio}"
     if zero.get("stage") != 3 or offload.get("device") != "cpu":
         raise UserError(f"{said}, but DeepSpeed splits the optimizer between the host and the GPU only at stage 3 with "

@@ -73,7 +73,7 @@ class EstimateReport:
     unpinned: Optional[PlanRow] = None
     """When nothing fits with the offloads pinned (the default on GPUs): the first that fits unpinned."""
     shared: list[tuple[float, bool, PlanRow]] = field(default_factory=list)
-    """When nothing fits pinned or unpinned: each share of ZeRO-3's offloaded optimizer on the host
+    """When nothing fits pinned: each share of ZeRO-3's offloaded optimizer on the host
     (``--strategy.offload_optimizer_ratio``, :data:`~zerotrain.plan.strategies.HOST_SHARES`) at which it fits, with
     whether unpinned, and its row."""
     modelled: Optional[Activations] = None
@@ -107,7 +107,8 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
     """Size ``recipe``'s model states under every strategy for the run ``cfg`` describes.
 
     Where nothing fits, the report also says what fits unpinned, and with ``search_shares`` (off in the re-estimates
-    made for either) at which shares of ZeRO-3's offloaded optimizer on the host (``EstimateReport.shared``).
+    made for either) at which shares of ZeRO-3's offloaded optimizer on the host (``EstimateReport.shared``): pinned
+    copies and a smaller host Adam may beat pageable copies of the whole optimizer, so both are reported.
 
     ``gpu_memory_gib`` defaults to GPU 0's memory (None without a GPU: nothing is judged to fit or
     not), ``host_memory_gib`` to this host's. ``cfg`` is not changed. Raises
@@ -215,7 +216,7 @@ def estimate(recipe: str, cfg: RunConfig, gpu_memory_gib: Optional[float] = None
         unpinned = estimate(recipe, cfg, gpu / GIB, host / GIB, reserve_gib, probe, search_shares=False)
         alternative = next((row for row in unpinned.rows if row.fits), None)
     shared: list[tuple[float, bool, PlanRow]] = []
-    if (search_shares and gpu is not None and device == "cuda" and alternative is None
+    if (search_shares and gpu is not None and device == "cuda"
             and not any(r.fits for r in rows) and may_share_optimizer(cfg) and "zero3_offload_optimizer" in candidates):
         split, seen = STRATEGIES["zero3_offload_optimizer"].apply(cfg), set()
         split.strategy.offload_pin_memory = pin
@@ -303,24 +304,27 @@ def format_report(report: EstimateReport) -> str:
         lines.append(f"Nothing fits pinned. Unpinned, {alt.name} fits ({alt.memory.cpu_bytes / GIB:.2f} GiB on the host, "
                      f"per process, slower host-GPU copies)   ->   zerotrain fit {report.recipe} ... "
                      f"{' '.join({**STRATEGIES, **report.configured}[alt.name].flags())} --strategy.offload_pin_memory false")
-    elif pick is None and report.shared:
+    if pick is None and report.shared:
         # The most on the host leaves the GPU the most room (the allocator's slack, a longer batch); less steps faster
         share, loose, row = report.shared[0]
         shares = [f"{s:g}" for s, _, _ in report.shared]
         unpin = " --strategy.offload_pin_memory false" if loose else ""
-        lines.append(f"Nothing fits with the optimizer all on the host. With part of it on the GPU, zero3_offload_optimizer "
-                     f"fits at --strategy.offload_optimizer_ratio {', '.join(shares)} (its share on the host; the "
+        opening = ("Or, with part of the optimizer on the GPU (zerotrain plan measures which is faster), "
+                   if report.unpinned is not None else
+                   "Nothing fits with the optimizer all on the host. With part of it on the GPU, ")
+        lines.append(f"{opening}zero3_offload_optimizer"
+                     f" fits at --strategy.offload_optimizer_ratio {', '.join(shares)} (its share on the host; the "
                      f"highest leaves the GPU the most room, a lower one steps faster). At {share:g}: "
                      f"{row.memory.gpu_bytes / GIB:.2f} GiB of states per GPU, {row.memory.cpu_bytes / GIB:.2f} GiB on "
                      f"the host per process   ->   zerotrain fit {report.recipe} ... "
                      f"{' '.join(STRATEGIES['zero3_offload_optimizer'].flags())} --strategy.offload_optimizer_ratio "
                      f"{share:g}{unpin}")
-    elif pick is None:
+    if pick is None and report.unpinned is None and not report.shared:
         disk = ("" if report.nvme_path else "put the weights and optimizer states on a fast local disk "
                 "(--strategy.nvme_path DIR adds the zero3_nvme row), ")
         lines.append(f"Nothing fits: {disk}add GPUs (--launch.nproc_per_node, --launch.nnodes), train fewer parameters "
                      "(the lora recipe), or lower --reserve_gib.")
-    else:
+    if pick is not None:
         lines.append(f"Pick: {pick}   ->   zerotrain fit {report.recipe} ... {' '.join({**STRATEGIES, **report.configured}[pick].flags())}")
         lines.append(f"The first that fits, not the fastest: zerotrain plan {report.recipe} ... measures and tries them")
     return "\n".join(lines)

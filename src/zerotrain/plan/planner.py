@@ -8,7 +8,8 @@
    micro-batch (powers of two dividing the per-rank batch; accumulation keeps the global batch) x
    activation checkpointing, for the GPUs the launch flags name. Precision, global batch, optimizer
    and everything else stay as configured. When nothing fits, the offloads again with their host states
-   unpinned (``--strategy.offload_pin_memory false``), which can halve their host memory.
+   unpinned (``--strategy.offload_pin_memory false``), which can halve their host memory, and ZeRO-3's
+   optimizer offload with part of the optimizer on the GPU (``--strategy.offload_optimizer_ratio``).
 3. **Memory model** (:func:`zerotrain.plan.memory.predict`) drops what does not fit; the **speed model**
    (:mod:`zerotrain.plan.speed`) ranks the rest.
 4. **Trials**: the best few (``trials``, at most two per strategy) run as short ``zerotrain fit``
@@ -82,7 +83,7 @@ class Candidate:
     no pinned candidate fits, as pinned copies are faster but pinned blocks round up to powers of two."""
     host_share: float = 1.0
     """ZeRO-3's optimizer offload with only this share on the host, the rest on the GPU
-    (``--strategy.offload_optimizer_ratio``): tried only when nothing fits with all of it on the host."""
+    (``--strategy.offload_optimizer_ratio``): tried only when nothing fits pinned with all of it on the host."""
 
     def flags(self) -> list[str]:
         return [*STRATEGIES[self.strategy].flags(), "--trainer.micro_batch_size", str(self.micro_batch_size),
@@ -118,6 +119,11 @@ class Row:
     time: StepTime
     dropped: Optional[str] = None
     """Why the candidate is out (memory, or a trial that failed); None while it is in."""
+    offload_optimizer_ratio: float = 1.0
+    """``--strategy.offload_optimizer_ratio`` as the candidate runs it: its own share, else the config's."""
+    optimizer_on_host: float = 1.0
+    """The fraction of the offloaded optimizer that stays on the host: whole sub-groups go to the GPU, so it differs
+    from the ratio."""
     measured: dict[str, Any] = field(default_factory=dict)
     """The trial's figures: status, tokens_per_s, samples_per_s, peak_gpu_mem_gib, peak_host_mem_gib."""
 
@@ -127,7 +133,8 @@ class Row:
                 "micro_batch_size": self.candidate.micro_batch_size, "grad_accum": self.candidate.grad_accum,
                 "activation_checkpointing": self.candidate.checkpointing,
                 "offload_pin_memory": False if self.candidate.unpinned else None,
-                "offload_optimizer_ratio": self.candidate.host_share, **self.memory.as_row(),
+                "offload_optimizer_ratio": self.offload_optimizer_ratio, "optimizer_on_host": self.optimizer_on_host,
+                **self.memory.as_row(),
                 "predicted_step_s": self.time.total, "predicted_samples_per_s": global_batch / self.time.total,
                 "predicted_step_parts_s": {"compute": self.time.compute, "optimizer": self.time.optimizer,
                                            "communication": self.time.communication,
@@ -201,7 +208,7 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
     largest = max(c.micro_batch_size for c in cands)
     on, off = probe.key(True, False), probe.key(False, False)
     saves = on != off and probe.activations[on].at(largest) < 0.9 * probe.activations[off].at(largest)
-    rows = []
+    rows, layouts = [], set()
     for cand in cands:
         run_cfg = cand.apply(cfg)
         try:
@@ -216,6 +223,14 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
             buckets, autocast = Buckets.from_ds_config(ds), _enabled(ds.get("torch_autocast"))
         elif run_cfg.strategy.backend == "fsdp2":
             buckets = Buckets.for_fsdp2(run_cfg, device)
+        on_host = optimizer_on_host(counts, world, buckets)
+        if cand.host_share < 1:
+            # Shares that move the same sub-groups run the same layout: the first (highest) names it. (One that moves
+            # none still differs from no share: the split cuts the optimizer into smaller sub-groups.)
+            layout = (dataclasses.replace(cand, host_share=1.0), on_host)
+            if layout in layouts:
+                continue
+            layouts.add(layout)
         states = optimizer_states(run_cfg.optimizer, ds)
         strategy = STRATEGIES[cand.strategy]
         # The row carries the trial's figures (trials run without the export, TRIAL_FLAGS), next to what the trial
@@ -225,12 +240,12 @@ def assess(recipe: str, cfg: RunConfig, probe: Probe, cands: list[Candidate], ho
         run_mem = predict(counts, strategy, cand.micro_batch_size, cand.checkpointing, world, probe.precision, probe,
                           buckets, autocast, cand.grad_accum, export=run_cfg.trainer.export, optimizer_states=states)
         time = step_time(strategy, cand.micro_batch_size, cand.grad_accum, cand.checkpointing, counts, probe, world,
-                         cfg.launch.nnodes, autocast, pinned=not cand.unpinned,
-                         host_share=optimizer_on_host(counts, world, buckets))
+                         cfg.launch.nnodes, autocast, pinned=not cand.unpinned, host_share=on_host)
         dropped = fits(run_mem, probe, host_bytes, cfg.launch.nproc_per_node)
         if dropped is None and cand.checkpointing and not saves:
             dropped = "activation checkpointing saves no memory for this model (probe)"
-        rows.append(Row(cand, mem, time, dropped))
+        rows.append(Row(cand, mem, time, dropped, offload_optimizer_ratio=run_cfg.strategy.offload_optimizer_ratio,
+                        optimizer_on_host=on_host))
     return rows
 
 
@@ -328,11 +343,11 @@ def plan(recipe: str, cfg: RunConfig, fit_args: list[str], out_dir: Path, trials
     host = host_memory_gib * GIB if host_memory_gib else float(psutil.virtual_memory().total)
     cands = candidates(cfg, probe.device, strategies, precision=probe.precision)
     rows = assess(recipe, checked, probe, cands, host)
-    retry = unpinned(cands, cfg) if all(r.dropped for r in rows) and probe.device == "cuda" else []
-    if retry:  # unpinned, an offload's host states take their bytes, not power-of-two blocks
-        rows += assess(recipe, checked, probe, retry, host)
-    retry = shared(cands, cfg) if all(r.dropped for r in rows) and probe.device == "cuda" else []
-    if retry:  # part of the optimizer in the GPU memory the weights and activations leave
+    # Where nothing fits pinned: unpinned, an offload's host states take their bytes, not power-of-two blocks; or part
+    # of the optimizer goes into the GPU memory the weights and activations leave, pinned or not. The step-time model
+    # ranks the two (pinned copies and a smaller host Adam against pageable copies) and the trials confirm.
+    retry = unpinned(cands, cfg) + shared(cands, cfg) if all(r.dropped for r in rows) and probe.device == "cuda" else []
+    if retry:
         rows += assess(recipe, checked, probe, retry, host)
     if all(r.dropped for r in rows):
         raise _nothing_fits(rows, cfg)
