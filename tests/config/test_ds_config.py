@@ -495,6 +495,46 @@ def test_make_ds_config_from_shipped_preset():
     assert find_auto(ds) == []
 
 
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_every_shipped_preset_takes_the_flags_it_leaves_to_auto(preset):
+    """A preset beside non-default optimizer, clipping and batch flags and the stage it sets: nothing is refused, and
+    each ``"auto"`` comes out as the flag says."""
+    user = load_user_config(str(preset))
+    cfg = ToyConfig(optimizer=OptimizerConfig(lr=3e-4, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.05),
+                    strategy=StrategyConfig(gradient_accumulation_steps=3, gradient_clipping=0.5,
+                                            zero_stage=user["zero_optimization"]["stage"], deepspeed_config=str(preset)),
+                    trainer=TrainerConfig(micro_batch_size=2, max_steps=10))
+    ds = make_ds_config(cfg, 2, "cuda", "bf16", {"total_num_steps": 10, "warmup_num_steps": 0})
+    assert ds["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-7, "weight_decay": 0.05}
+    assert (ds["gradient_clipping"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (0.5, 2, 3)
+    assert find_auto(ds) == []
+
+
+def test_an_auto_block_or_a_stage_dependent_default_is_no_flag_left_out(tmp_path):
+    """A block the file gives as ``"auto"`` is filled whole from the flags, so its flags are not refused; an ``"auto"``
+    key that the flags' own stage does not generate takes the flag; a key DeepSpeed's default already runs as the flag
+    says (``overlap_comm`` at stage 3) or does not read at the file's stage (``allgather_bucket_size`` at stage 3) is
+    no flag left out either."""
+    auto_params = write(tmp_path, json.dumps({"optimizer": {"type": "AdamW", "params": "auto"}}))
+    tuned = make_cfg(deepspeed_config=str(auto_params))
+    tuned.optimizer = OptimizerConfig(lr=0.02, betas=(0.8, 0.9))
+    assert make_ds_config(tuned, 1, "cuda", "bf16")["optimizer"]["params"]["betas"] == [0.8, 0.9]
+    stage2 = write(tmp_path, json.dumps({"zero_optimization": {"stage": 2, "allgather_bucket_size": "auto"}}), "s2.json")
+    ds = make_ds_config(make_cfg(deepspeed_config=str(stage2), allgather_bucket_size=2 * 10**8), 1, "cuda", "bf16")
+    assert ds["zero_optimization"]["allgather_bucket_size"] == 2 * 10**8
+    stage3 = write(tmp_path, json.dumps({"zero_optimization": {"stage": 3}}), "s3.json")
+    make_ds_config(make_cfg(deepspeed_config=str(stage3), overlap_comm=True, allgather_bucket_size=10**8), 1, "cuda", "bf16")
+    with pytest.raises(ConfigError, match="--strategy.overlap_comm is true, but .*does not set zero_optimization.overlap"):
+        make_ds_config(make_cfg(deepspeed_config=str(stage2), overlap_comm=True), 1, "cuda", "bf16")
+    with pytest.raises(ConfigError, match='does not offload the optimizer: give its zero_optimization block stage 3 and '
+                                          '"offload_optimizer": {"device": "cpu", "ratio": 0.5}'):
+        make_ds_config(make_cfg(deepspeed_config=str(stage3), offload_optimizer_ratio=0.5), 1, "cuda", "bf16")
+    auto_ratio = write(tmp_path, json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "ratio": "auto"}}}), "auto_ratio.json")
+    with pytest.raises(UserError, match=r'ratio is 0.5 \("auto", from --strategy.offload_optimizer_ratio\)'):
+        make_ds_config(make_cfg(deepspeed_config=str(auto_ratio), offload_optimizer_ratio=0.5), 1, "cuda", "bf16")
+
+
 def test_make_ds_config_without_file_is_the_generated_one():
     cfg = make_cfg(zero_stage=1)
     assert make_ds_config(cfg, 2, "cpu", "fp32") == build_ds_config(cfg, 2, "cpu", "fp32")

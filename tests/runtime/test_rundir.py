@@ -165,7 +165,9 @@ def test_environment_records_the_allocator_and_nccl_settings(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
     monkeypatch.setenv("NCCLX_OTHER", "not nccl's")
+    monkeypatch.setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
     env = rundir.environment()
+    assert env["tuning_env"]["TORCH_NCCL_AVOID_RECORD_STREAMS"] == "1"
     assert env["tuning_env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert env["tuning_env"]["NCCL_NVLS_ENABLE"] == "0" and "NCCLX_OTHER" not in env["tuning_env"]
 

@@ -31,6 +31,7 @@ from zerotrain.engines.ds_private.config import (
     block_type_error,
     builtin_optimizer_names,
     builtin_scheduler_names,
+    zero_default,
     zero_optimization_keys,
 )
 from zerotrain.errors import ConfigError, UserError
@@ -464,6 +465,8 @@ def _auto_aliases(generated: dict[str, Any], extra: dict[str, Any]) -> dict[str,
     }
     if "optimizer" in generated:
         aliases["scheduler.params.warmup_max_lr"] = generated["optimizer"]["params"]["lr"]
+    # The flags' own values, for keys the config generated at the flags' stage lacks (the file decides the stage)
+    aliases.update(extra.get("flags", {}))
     if "hidden_size" in extra:
         h = extra["hidden_size"]
         # Hugging Face's rule of thumb: buckets sized from the hidden size.
@@ -473,8 +476,6 @@ def _auto_aliases(generated: dict[str, Any], extra: dict[str, Any]) -> dict[str,
     for key in ("warmup_num_steps", "total_num_steps"):
         if key in extra:
             aliases[f"scheduler.params.{key}"] = extra[key]
-    if "offload_optimizer_ratio" in extra:  # the flag, whichever stage and device the flags name (the file decides)
-        aliases["zero_optimization.offload_optimizer.ratio"] = extra["offload_optimizer_ratio"]
     return aliases
 
 
@@ -491,7 +492,7 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
     """Fill every ``"auto"`` in ``user`` from ``generated`` (same key) or a known alias; keep explicit values.
 
     ``extra`` carries facts DeepSpeed JSON does not hold: ``total_num_steps``, ``warmup_num_steps``,
-    ``min_lr_ratio``, ``hidden_size``, ``offload_optimizer_ratio``. Top-level keys the loop needs (batch sizes, accumulation) are
+    ``min_lr_ratio``, ``hidden_size``, and ``flags`` (:func:`flag_settings`). Top-level keys the loop needs (batch sizes, accumulation) are
     taken from ``generated`` when the user's file lacks them. An ``"auto"`` nobody can fill is an
     error naming its key.
     """
@@ -559,6 +560,41 @@ FLAG_KEYS = (("optimizer", "lr", "optimizer.params.lr"), ("optimizer", "betas", 
 """(section, field, DeepSpeed key): the flags a user's DeepSpeed file can also set."""
 
 
+def flag_settings(cfg: RunConfig) -> dict[str, Any]:
+    """Each :data:`FLAG_KEYS` DeepSpeed key with its flag's value: what a user file's ``"auto"`` there stands for."""
+    values = {key: getattr(getattr(cfg, section), name) for section, name, key in FLAG_KEYS}
+    return {key: list(value) if isinstance(value, tuple) else value for key, value in values.items()}
+
+
+_ABSENT = object()
+
+
+def _setting(user: dict[str, Any], dotted: str) -> Any:
+    """The file's value at ``dotted``: ``"auto"`` where the key or a block above it is ``"auto"`` (zerotrain fills
+    the whole of such a block), :data:`_ABSENT` where the file does not set it."""
+    node: Any = user
+    for part in dotted.split("."):
+        if node == "auto":
+            return "auto"
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+def _deepspeed_default_agrees(user: dict[str, Any], key: str, value: Any) -> bool:
+    """Whether DeepSpeed, left to its default for ``key`` under the file's ``zero_optimization`` block, runs as the flag
+    ``value`` asks: its own default is that value (``overlap_comm`` is on at stage 3), or it does not read the key at the
+    file's stage (``allgather_bucket_size`` outside stages 1 and 2)."""
+    if not key.startswith("zero_optimization."):
+        return False
+    zero = user.get("zero_optimization") if isinstance(user.get("zero_optimization"), dict) else {}
+    field = key.removeprefix("zero_optimization.")
+    if field == "allgather_bucket_size" and zero.get("stage", 0) not in (1, 2):
+        return True
+    return zero_default(zero, field) == value
+
+
 FILLED_WHEN_ABSENT = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 """Keys of :data:`FLAG_KEYS` that :func:`resolve_auto` takes from the flags when a user's file leaves them out (the
 ``optimizer`` block too, when the file has none)."""
@@ -576,14 +612,20 @@ def check_flags_agree(cfg: RunConfig, user: dict[str, Any], path: str) -> None:
         if value == getattr(type(section)(), name):
             continue
         mine = list(value) if isinstance(value, tuple) else value
-        try:
-            theirs = _lookup(user, key)
-        except KeyError:
-            if key in FILLED_WHEN_ABSENT or (key.startswith("optimizer.") and "optimizer" not in user):
+        theirs = _setting(user, key)
+        if theirs is _ABSENT:
+            if (key in FILLED_WHEN_ABSENT or (key.startswith("optimizer.") and "optimizer" not in user)
+                    or _deepspeed_default_agrees(user, key, mine)):
                 continue
-            raise ConfigError(f"--{section_name}.{name}", f"is {json.dumps(mine)}, but {path} "
+            flag = f"--{section_name}.{name}"
+            if key == "zero_optimization.offload_optimizer.ratio" and not isinstance(
+                    (user.get("zero_optimization") or {}).get("offload_optimizer"), dict):
+                raise ConfigError(flag, f"is {json.dumps(mine)}, but {path} (--strategy.deepspeed_config) decides and "
+                                  "does not offload the optimizer: give its zero_optimization block stage 3 and "
+                                  f'"offload_optimizer": {{"device": "cpu", "ratio": {json.dumps(mine)}}}, or drop the flag')
+            raise ConfigError(flag, f"is {json.dumps(mine)}, but {path} "
                               f"(--strategy.deepspeed_config) decides and does not set {key}, so DeepSpeed's default "
-                              f"would apply: write {json.dumps(mine)} (or \"auto\") there, or drop the flag") from None
+                              f"would apply: write {json.dumps(mine)} (or \"auto\") there, or drop the flag")
         if theirs is None or theirs == "auto":
             continue
         if theirs != mine:
@@ -771,10 +813,10 @@ def make_ds_config(cfg: RunConfig, world_size: int, device: str, precision: Reso
         user = load_user_config(cfg.strategy.deepspeed_config)
         check_flags_agree(cfg, user, cfg.strategy.deepspeed_config)
         # An "auto" precision flag follows the resolved precision of the typed config.
-        ds = resolve_auto(user, generated, {**(extra or {}),
-                                            "offload_optimizer_ratio": cfg.strategy.offload_optimizer_ratio})
+        ds = resolve_auto(user, generated, {**(extra or {}), "flags": flag_settings(cfg)})
         _check_pinning_agrees(ds, cfg.strategy.offload_pin_memory, cfg.strategy.deepspeed_config)
-        _check_gpu_share(ds, cfg.strategy.deepspeed_config, "optimizer" in user)
+        _check_gpu_share(ds, cfg.strategy.deepspeed_config, "optimizer" in user,
+                         _setting(user, "zero_optimization.offload_optimizer.ratio") == "auto")
         _check_state_precision_agrees(ds, cfg.precision.master_weights, cfg.precision.optimizer_states,
                                       cfg.strategy.deepspeed_config)
         if "optimizer" in user and "optimizer" not in generated:
@@ -823,7 +865,7 @@ def _check_state_precision_agrees(ds: dict[str, Any], master: str, states: str, 
                               f"bf16.{key}: set it to true there (with bf16.enabled), or leave {flag} unset")
 
 
-def _check_gpu_share(ds: dict[str, Any], path: str, users_optimizer: bool = True) -> None:
+def _check_gpu_share(ds: dict[str, Any], path: str, users_optimizer: bool = True, ratio_from_flag: bool = False) -> None:
     """Refuse, in one line naming the file, a user's ``offload_optimizer.ratio`` below 1 where DeepSpeed 0.19 would not
     split the optimizer as asked.
 
@@ -831,13 +873,15 @@ def _check_gpu_share(ds: dict[str, Any], path: str, users_optimizer: bool = True
     build the split beside weights on NVMe (their swapped masters live on the host); and it steps the GPU's share with
     torch's AdamW in the master weights' dtype, so the host's optimizer must be AdamW (Adam with ``adam_w_mode``) and
     the master weights fp32 for the states to be what the file says. ``users_optimizer``: the file has an
-    ``optimizer`` block (else --optimizer.name made it, and the line names the flag)."""
+    ``optimizer`` block (else --optimizer.name made it, and the line names the flag); ``ratio_from_flag``: the file's
+    ratio is ``"auto"``, filled from --strategy.offload_optimizer_ratio (the line names both)."""
     zero = ds.get("zero_optimization") or {}
     offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
     ratio = offload.get("ratio", 1.0)
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or ratio >= 1.0:
         return  # a --strategy.offload_optimizer_ratio the file leaves out or contradicts: check_flags_agree
-    said = f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.ratio is {ratio}"
+    said = f"--strategy.deepspeed_config: {path}: zero_optimization.offload_optimizer.ratio is {ratio}" + (
+        ' ("auto", from --strategy.offload_optimizer_ratio)' if ratio_from_flag else "")
     if zero.get("stage") != 3 or offload.get("device") != "cpu":
         raise UserError(f"{said}, but DeepSpeed splits the optimizer between the host and the GPU only at stage 3 with "
                         "the optimizer's device cpu. Set those, or drop the ratio")

@@ -2,8 +2,8 @@
 
 ``<recipe>.<YYYY>.<MM>.<DD>.<HH>.<MM>.<SS>.<id>/`` holds ``hparams.json`` (the resolved config),
 ``ds_config.json`` (what DeepSpeed got), ``githash.log`` and ``gitdiff.log`` (the code),
-``env.json`` (versions, hardware, the command line), ``tokenizer/`` (a copy of the run's tokenizer),
-``metrics.jsonl``, ``tb_dir/``, ``checkpoints/`` and, once trained, ``model/`` (the weights and their
+``env.json`` (versions, hardware, the command line, the allocator's and NCCL's settings), ``tokenizer/`` (a copy of the
+run's tokenizer), ``metrics.jsonl``, ``tb_dir/``, ``checkpoints/`` and, once trained, ``model/`` (the weights and their
 ``config.json``). The layout follows DeepSpeedExamples' HelloDeepSpeed.
 
 A run folder travels: nothing in it is read through a path relative to where the run started, so it loads
@@ -451,9 +451,10 @@ def environment() -> dict[str, Any]:
         # the CPUs this process may run on (taskset, cpuset): OpenMP sizes its default thread count by them
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        # settings that change a run's memory or speed figures: the CUDA allocator's, NCCL's
+        # settings that change a run's memory or speed figures: the CUDA allocator's, NCCL's and PyTorch's for NCCL
         "tuning_env": {k: v for k, v in sorted(os.environ.items())
-                       if k == "PYTORCH_CUDA_ALLOC_CONF" or k == "PYTORCH_ALLOC_CONF" or k.startswith("NCCL_")},
+                       if k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS")
+                       or k.startswith(("NCCL_", "TORCH_NCCL_"))},
         "launcher_env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                                     "MASTER_PORT", "SLURM_JOB_ID", "SLURM_NNODES")
                          if k in os.environ},

@@ -17,6 +17,19 @@ def zero_optimization_keys() -> Optional[frozenset[str]]:
         return None
 
 
+def zero_default(block: dict[str, Any], field: str) -> Any:
+    """What DeepSpeed's zero_optimization model makes of ``field`` (a field name, e.g. ``overlap_comm``) when a file's
+    ``block`` leaves it out: its default, which may follow the block's stage (``overlap_comm`` is on at stage 3); None
+    where the block does not validate, the field is unknown, or this DeepSpeed's layout differs."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        given = {k: v for k, v in block.items() if v != "auto" and not str(k).startswith("_")}
+        return getattr(DeepSpeedZeroConfig(**given), field, None)
+    except Exception:
+        return None
+
+
 def builtin_optimizer_names() -> Optional[frozenset[str]]:
     """The optimizer types DeepSpeed builds itself (lower case); None where this DeepSpeed's layout differs."""
     try:
