@@ -25,6 +25,7 @@ from zerotrain.config.ds_config import (
     validate_ds_config,
 )
 from helpers import REPO
+from zerotrain.engines.ds_private.config import zero_default
 from zerotrain.errors import ConfigError, UserError
 from zerotrain.runtime.doctor import LIBAIO_INSTALL
 from zerotrain.tasks.toy import ToyConfig
@@ -529,6 +530,18 @@ def test_an_auto_block_or_a_stage_dependent_default_is_no_flag_left_out(tmp_path
     with pytest.raises(ConfigError, match='does not offload the optimizer: give its zero_optimization block stage 3 and '
                                           '"offload_optimizer": {"device": "cpu", "ratio": 0.5}'):
         make_ds_config(make_cfg(deepspeed_config=str(stage3), offload_optimizer_ratio=0.5), 1, "cuda", "bf16")
+    # A stage the file leaves to "auto" is the flag's; a null is DeepSpeed's default, as a key left out
+    auto_stage = write(tmp_path, json.dumps({"zero_optimization": {"stage": "auto"}}), "auto_stage.json")
+    with pytest.raises(ConfigError, match="--strategy.allgather_bucket_size is 200000000, but .*does not set"):
+        make_ds_config(make_cfg(deepspeed_config=str(auto_stage), zero_stage=2, allgather_bucket_size=2 * 10**8),
+                       1, "cuda", "bf16")
+    make_ds_config(make_cfg(deepspeed_config=str(auto_stage), zero_stage=3, overlap_comm=True), 1, "cuda", "bf16")
+    null = write(tmp_path, json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": None}}), "null.json")
+    with pytest.raises(ConfigError, match="--strategy.overlap_comm is true, but .*does not set"):
+        make_ds_config(make_cfg(deepspeed_config=str(null), overlap_comm=True), 1, "cuda", "bf16")
+    # DeepSpeed's own default is read from its model, not a rule of ours: a non-default persistence of 1e5 is its default
+    assert zero_default({"stage": 3}, "param_persistence_threshold") == 100_000
+    assert zero_default({"stage": 3}, "overlap_comm") is True and zero_default({"stage": 1}, "overlap_comm") is False
     auto_ratio = write(tmp_path, json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {
         "device": "cpu", "ratio": "auto"}}}), "auto_ratio.json")
     with pytest.raises(UserError, match=r'ratio is 0.5 \("auto", from --strategy.offload_optimizer_ratio\)'):
@@ -823,6 +836,17 @@ def test_a_users_auto_ratio_is_the_flags_whatever_stage_and_device_the_flags_nam
     assert ds["zero_optimization"]["offload_optimizer"]["ratio"] == 0.4
     assert make_ds_config(make_cfg(deepspeed_config=str(path)), 1, "cuda", "bf16")[
         "zero_optimization"]["offload_optimizer"]["ratio"] == 1.0
+
+
+def test_an_optimizer_flag_the_users_file_contradicts_is_refused(tmp_path):
+    """--optimizer.name sgd beside a file whose optimizer is AdamW would train AdamW without a word."""
+    path = write(tmp_path, json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}))
+    sgd = make_cfg(deepspeed_config=str(path))
+    sgd.optimizer = OptimizerConfig(name="sgd")
+    with pytest.raises(ConfigError, match='--optimizer.name is sgd, but .*sets optimizer.type to "AdamW".*"type": "SGD"'):
+        make_ds_config(sgd, 1, "cuda", "bf16")
+    path.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.0}}}))
+    assert make_ds_config(sgd, 1, "cuda", "bf16")["optimizer"]["type"] == "SGD"
 
 
 def test_a_flag_that_a_users_file_leaves_to_deepspeeds_default_is_refused(tmp_path):

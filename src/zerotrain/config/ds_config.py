@@ -582,13 +582,17 @@ def _setting(user: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def _deepspeed_default_agrees(user: dict[str, Any], key: str, value: Any) -> bool:
+def _deepspeed_default_agrees(user: dict[str, Any], key: str, value: Any, flag_stage: int) -> bool:
     """Whether DeepSpeed, left to its default for ``key`` under the file's ``zero_optimization`` block, runs as the flag
     ``value`` asks: its own default is that value (``overlap_comm`` is on at stage 3), or it does not read the key at the
-    file's stage (``allgather_bucket_size`` outside stages 1 and 2)."""
+    file's stage (``allgather_bucket_size`` outside stages 1 and 2). A stage the file leaves to ``"auto"`` is
+    ``flag_stage``, --strategy.zero_stage, which fills it."""
     if not key.startswith("zero_optimization."):
         return False
     zero = user.get("zero_optimization") if isinstance(user.get("zero_optimization"), dict) else {}
+    zero = {k: v for k, v in zero.items() if v is not None}
+    if zero.get("stage") == "auto":
+        zero["stage"] = flag_stage
     field = key.removeprefix("zero_optimization.")
     if field == "allgather_bucket_size" and zero.get("stage", 0) not in (1, 2):
         return True
@@ -606,6 +610,12 @@ def check_flags_agree(cfg: RunConfig, user: dict[str, Any], path: str) -> None:
     flag at its default counts as not given, so the file decides; a file's ``"auto"`` is filled from the flag, and so
     are the keys the file may leave out (:data:`FILLED_WHEN_ABSENT`). Offload and precision are checked by their own
     rules (:func:`_check_pinning_agrees`, the file's blocks decide)."""
+    asked, theirs = cfg.optimizer.name, _setting(user, "optimizer.type")
+    row = optimizers.kind(asked) if asked != type(cfg.optimizer)().name else None
+    if row is not None and isinstance(theirs, str) and theirs != "auto" and theirs.lower() != row.ds_type.lower():
+        raise ConfigError("--optimizer.name", f"is {asked}, but {path} (--strategy.deepspeed_config) sets optimizer.type "
+                          f"to {json.dumps(theirs)}, and the file would win: drop the flag, or write "
+                          f'"type": "{row.ds_type}" there')
     for section_name, name, key in FLAG_KEYS:
         section = getattr(cfg, section_name)
         value = getattr(section, name)
@@ -613,9 +623,9 @@ def check_flags_agree(cfg: RunConfig, user: dict[str, Any], path: str) -> None:
             continue
         mine = list(value) if isinstance(value, tuple) else value
         theirs = _setting(user, key)
-        if theirs is _ABSENT:
+        if theirs is _ABSENT or theirs is None:  # DeepSpeed reads null as its default too
             if (key in FILLED_WHEN_ABSENT or (key.startswith("optimizer.") and "optimizer" not in user)
-                    or _deepspeed_default_agrees(user, key, mine)):
+                    or _deepspeed_default_agrees(user, key, mine, cfg.strategy.zero_stage)):
                 continue
             flag = f"--{section_name}.{name}"
             if key == "zero_optimization.offload_optimizer.ratio" and not isinstance(
@@ -626,7 +636,7 @@ def check_flags_agree(cfg: RunConfig, user: dict[str, Any], path: str) -> None:
             raise ConfigError(flag, f"is {json.dumps(mine)}, but {path} "
                               f"(--strategy.deepspeed_config) decides and does not set {key}, so DeepSpeed's default "
                               f"would apply: write {json.dumps(mine)} (or \"auto\") there, or drop the flag")
-        if theirs is None or theirs == "auto":
+        if theirs == "auto":
             continue
         if theirs != mine:
             raise ConfigError(f"--{section_name}.{name}", f"is {json.dumps(mine)}, but {path} "

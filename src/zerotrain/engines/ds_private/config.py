@@ -21,13 +21,22 @@ def zero_default(block: dict[str, Any], field: str) -> Any:
     """What DeepSpeed's zero_optimization model makes of ``field`` (a field name, e.g. ``overlap_comm``) when a file's
     ``block`` leaves it out: its default, which may follow the block's stage (``overlap_comm`` is on at stage 3); None
     where the block does not validate, the field is unknown, or this DeepSpeed's layout differs."""
+    import logging
+
     try:
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-
-        given = {k: v for k, v in block.items() if v != "auto" and not str(k).startswith("_")}
+        from deepspeed.utils import logger
+    except Exception:
+        return None
+    given = {k: v for k, v in block.items() if v != "auto" and not str(k).startswith("_")}
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its deprecation notes belong to the run, said once there
+    try:
         return getattr(DeepSpeedZeroConfig(**given), field, None)
     except Exception:
         return None
+    finally:
+        logger.setLevel(level)
 
 
 def builtin_optimizer_names() -> Optional[frozenset[str]]:
