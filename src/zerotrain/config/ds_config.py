@@ -492,8 +492,8 @@ def resolve_auto(user: dict[str, Any], generated: dict[str, Any], extra: dict[st
     """Fill every ``"auto"`` in ``user`` from ``generated`` (same key) or a known alias; keep explicit values.
 
     ``extra`` carries facts DeepSpeed JSON does not hold: ``total_num_steps``, ``warmup_num_steps``,
-    ``min_lr_ratio``, ``hidden_size``, and ``flags`` (:func:`flag_settings`). Top-level keys the loop needs (batch sizes, accumulation) are
-    taken from ``generated`` when the user's file lacks them. An ``"auto"`` nobody can fill is an
+    ``min_lr_ratio``, ``hidden_size``, and ``flags`` (:func:`flag_settings`). Top-level keys the loop needs (batch
+    sizes, accumulation) are taken from ``generated`` when the user's file lacks them. An ``"auto"`` nobody can fill is an
     error naming its key.
     """
     aliases = _auto_aliases(generated, extra or {})
