@@ -309,6 +309,14 @@ def test_trials_are_the_fastest_that_fit_two_per_strategy_at_most():
         rows.append(Row(cand, predict(counts, STRATEGIES[name], 1, False, 1, "bf16", probe), _time(i), dropped))
     chosen = pick_trials(rows, 3)
     assert [r.candidate.strategy for r in chosen] == ["ddp", "ddp", "zero1"]
+    # Part of the optimizer on the GPU counts apart: the whole optimizer unpinned cannot take both slots from it
+    offload = STRATEGIES["zero3_offload_optimizer"]
+    split = [Row(Candidate("zero3_offload_optimizer", 2**i, 1, False, unpinned=True), predict(
+        counts, offload, 1, False, 1, "bf16", probe), _time(i)) for i in range(3)]
+    split.append(Row(Candidate("zero3_offload_optimizer", 1, 1, False, host_share=0.5),
+                     predict(counts, offload, 1, False, 1, "bf16", probe), _time(5)))
+    assert [(r.candidate.unpinned, r.candidate.host_share) for r in pick_trials(split, 3)] == [
+        (True, 1.0), (True, 1.0), (False, 0.5)]
 
 
 def _time(seconds: float) -> StepTime:

@@ -277,15 +277,22 @@ def _disk_problem(recipe: str, cfg: RunConfig, precision: str) -> Optional[str]:
     return None
 
 
+def _layout_family(cand: Candidate) -> tuple[str, bool]:
+    """A strategy, and whether part of its optimizer is on the GPU: the split's step time comes from its own constants
+    (the GPU's Adam, the host's on a part), so it is ranked as a family of its own."""
+    return cand.strategy, cand.host_share < 1
+
+
 def pick_trials(rows: list[Row], trials: int, per_strategy: int = 2) -> list[Row]:
-    """The fastest predicted candidates that fit, at most ``per_strategy`` of each strategy, so one
-    wrong speed constant cannot fill every trial with one strategy."""
+    """The fastest predicted candidates that fit, at most ``per_strategy`` of each strategy (a share of the optimizer
+    on the GPU counting apart from the whole optimizer on the host), so one wrong speed constant cannot fill every
+    trial with one strategy."""
     ranked = sorted((r for r in rows if r.dropped is None), key=lambda r: r.time.total)
     chosen: list[Row] = []
     for row in ranked:
         if len(chosen) == trials:
             break
-        if sum(r.candidate.strategy == row.candidate.strategy for r in chosen) < per_strategy:
+        if sum(_layout_family(r.candidate) == _layout_family(row.candidate) for r in chosen) < per_strategy:
             chosen.append(row)
     return chosen
 
